@@ -1,0 +1,226 @@
+"""Pieces both simulator dialects share: server settings, faults, the control routes, text, SSE, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from backends.sim.engine import EngineSettings, SimEngine
+
+T = TypeVar("T")
+Dialect = Literal["vllm", "sglang"]
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"})
+
+
+@dataclass(frozen=True, slots=True)
+class SimServerSettings:
+    """Everything one simulated replica is started with."""
+
+    dialect: Dialect = "vllm"
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    dev_mode: bool = True
+    enable_scale_out: bool = False
+    enable_prompt_tokens_details: bool = False
+    incremental_streaming_output: bool = False
+    tokenizer_path: str | None = None
+    startup_delay_s: float = 0.0
+    error_rate: float = 0.0
+    fault_seed: int = 0
+    allow_crash: bool = False
+
+
+class FaultState:
+    """Faults switched at start or at run time through `POST /sim/faults`."""
+
+    def __init__(self, settings: SimServerSettings, engine: SimEngine) -> None:
+        self.engine = engine
+        self.error_rate = settings.error_rate
+        self.allow_crash = settings.allow_crash
+        self.ready_at = time.monotonic() + settings.startup_delay_s
+        self.rng = random.Random(settings.fault_seed)
+        self.hang = False
+        self._unhung = asyncio.Event()
+        self._unhung.set()
+
+    @property
+    def ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def set_hang(self, hang: bool) -> None:
+        self.hang = hang
+        if hang:
+            self._unhung.clear()
+        else:
+            self._unhung.set()
+        self.engine.set_stalled(hang)
+
+    async def wait_unhung(self) -> None:
+        await self._unhung.wait()
+
+    def should_fail(self) -> bool:
+        return self.error_rate > 0 and self.rng.random() < self.error_rate
+
+
+class FaultMiddleware:
+    """Applies slow start, hang and error-rate faults before the dialect sees a request (ASGI middleware)."""
+
+    def __init__(self, app: ASGIApp, faults: FaultState, error_body: Callable[[str, int], bytes]) -> None:
+        self.app = app
+        self.faults = faults
+        self.error_body = error_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path.startswith("/sim/"):
+            await self.app(scope, receive, send)
+            return
+        if not self.faults.ready:
+            await _send_json(send, 503, self.error_body("server is starting", 503))
+            return
+        if self.faults.hang:
+            await self.faults.wait_unhung()  # accept, never answer (until the fault is cleared)
+        if path in GENERATION_PATHS and self.faults.should_fail():
+            await _send_json(send, 500, self.error_body("injected fault: internal server error", 500))
+            return
+        await self.app(scope, receive, send)
+
+
+async def _send_json(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class FaultsUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    crash: bool = False
+    hang: bool | None = None
+    error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    abort_all: bool = False
+    ready: bool | None = None
+
+
+def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
+    """`/sim/*`: the simulator's own control surface (not part of any real engine's API)."""
+    router = APIRouter(prefix="/sim")
+
+    @router.get("/state")
+    async def state() -> dict[str, Any]:
+        return {
+            "weights": engine.weights,
+            "version": engine.version,
+            "paused": engine.paused,
+            "pause_mode": engine.pause_mode,
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "held": engine.held,
+            "hang": faults.hang,
+            "error_rate": faults.error_rate,
+            "ready": faults.ready,
+            "counters": dict(engine.counters),
+        }
+
+    @router.post("/faults")
+    async def set_faults(update: FaultsUpdate) -> Response:
+        if update.crash and not faults.allow_crash:
+            return json_response({"error": "crash needs a replica running in its own process"}, 409)
+        if update.hang is not None:
+            faults.set_hang(update.hang)
+        if update.error_rate is not None:
+            faults.error_rate = update.error_rate
+        if update.ready is not None:
+            faults.ready_at = 0.0 if update.ready else float("inf")
+        aborted = engine.abort_all("injected fault: abort everything") if update.abort_all else 0
+        if update.crash:
+            # Answer first, then die like a crashed engine: the process exits and its connections reset.
+            return json_response({"status": "crashing"}, 200, background=BackgroundTask(os._exit, 1))
+        return json_response({"status": "ok", "aborted": aborted})
+
+    @router.post("/reset")
+    async def reset() -> dict[str, str]:
+        faults.set_hang(False)
+        faults.error_rate = 0.0
+        faults.ready_at = 0.0
+        engine.reset()
+        return {"status": "ok"}
+
+    return router
+
+
+class TextDecoder:
+    """Token text for the dialects' `text` fields; empty strings when no tokenizer is configured."""
+
+    def __init__(self, tokenizer_path: str | None) -> None:
+        self._tokenizer: Any = None
+        if tokenizer_path:
+            from tokenizers import Tokenizer
+
+            path = Path(tokenizer_path)
+            self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None or not ids:
+            return ""
+        return str(self._tokenizer.decode(ids, skip_special_tokens=False))
+
+    def encode(self, text: str) -> list[int] | None:
+        if self._tokenizer is None:
+            return None
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def json_response(content: Any, status_code: int = 200, background: BackgroundTask | None = None) -> Response:
+    return Response(
+        orjson.dumps(content), status_code=status_code, media_type="application/json", background=background
+    )
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def watch_disconnect(request: Request, on_disconnect: Callable[[], object]) -> None:
+    """Call `on_disconnect` when the client goes away (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T], on_disconnect: Callable[[], object]) -> T:
+    """Await `awaitable`; if the client disconnects first, call `on_disconnect` and cancel it."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(watch_disconnect(request, on_disconnect))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+        return await work
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def attach_common(app: FastAPI, engine: SimEngine, faults: FaultState) -> None:
+    app.include_router(control_router(engine, faults))

@@ -1,0 +1,469 @@
+"""The simulator's engine core: continuous batching, pause modes, aborts, weights, prefix cache.
+
+One step loop produces one token for every running request per step (like a real engine's decode batch),
+then sleeps `token_delay_s` (or just yields when it is zero). HTTP dialects (`vllm_app`, `sglang_app`) drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from backends.routed_experts import ExpertArray
+from backends.sim.model import (
+    PREFIX_HASH_START,
+    ModelShape,
+    TokenModel,
+    extend_prefix_hash,
+    mix64,
+    weights_key,
+)
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep", "retract", "in_place"]
+FinishReason = Literal["stop", "length", "abort"]
+NewRequestsWhilePaused = Literal["block", "reject"]
+
+
+class SimRequestError(ValueError):
+    """A request the engine refuses (bad ids, too long, ...); dialects answer 400."""
+
+
+class EnginePaused(RuntimeError):
+    """A new request arrived while paused and the engine rejects rather than blocks; dialects answer 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Behaviour and speed of one simulated replica."""
+
+    model_name: str = "tiny"
+    weights: str = "init"
+    version: str = "default"
+    shape: ModelShape = field(default_factory=ModelShape)
+    token_delay_s: float = 0.0
+    prefill_delay_s_per_token: float = 0.0
+    block_size: int = 16
+    cache_blocks: int = 65536
+    max_model_len: int = 4096
+    new_requests_while_paused: NewRequestsWhilePaused = "block"
+    routed_experts_output: bool = False
+    routed_experts_input: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """What the engine needs of a request's sampling parameters."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    num_logprobs: int | None = None
+
+    @property
+    def effective_seed(self) -> int:
+        # Greedy ignores the seed; an absent seed means 0, so the simulator stays deterministic and a
+        # continuation can be checked against an uninterrupted run.
+        return 0 if self.temperature == 0 else (self.seed or 0)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One generation. Lists grow as tokens are produced; readers wait on `updated`."""
+
+    engine_id: str
+    prompt: list[int]
+    params: SamplingSpec
+    hashes: list[int]
+    forward_wkeys: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    abort_message: str = ""
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    stale_key: int = 0
+    experts_input: ExpertArray | None = None
+    created: float = field(default_factory=time.monotonic)
+    updated: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def weight_version_spans(self) -> list[dict[str, object]]:
+        """Runs of equal version over output-token indexes: [{version, start, end}]."""
+        spans: list[dict[str, object]] = []
+        for i, version in enumerate(self.versions):
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": version, "start": i, "end": i + 1})
+        return spans
+
+
+class SimEngine:
+    """A deterministic engine replica. Create inside a running event loop; call `start()` and `stop()`."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.model = TokenModel(settings.shape)
+        self.weights = settings.weights
+        self.version = settings.version
+        self.wkey = weights_key(self.weights, self.version)
+        self.requests: dict[str, SimRequest] = {}
+        self.running: dict[str, SimRequest] = {}
+        self.paused = False
+        self.pause_mode: PauseMode | None = None
+        self.frozen = False
+        self.stalled = False  # the "hang" fault: nothing decodes until it is cleared
+        self.held = 0
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._admission_gates = 0
+        self._gate_open = asyncio.Event()
+        self._gate_open.set()
+        self._work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cache: OrderedDict[int, int] = OrderedDict()
+        self._retracted: set[str] = set()
+        self.counters: Counter[str] = Counter()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            # Hard reference: a task only referenced by the loop may be garbage-collected mid-flight.
+            self._loop_task = asyncio.create_task(self._step_loop(), name="sim-step-loop")
+
+    async def stop(self) -> None:
+        self.abort_all("engine shutting down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def validate(self, prompt: Sequence[int], params: SamplingSpec) -> None:
+        """Raise SimRequestError for a request a real engine would refuse."""
+        shape = self.settings.shape
+        if not prompt:
+            raise SimRequestError("prompt must contain at least one token")
+        bad = next((t for t in prompt if not 0 <= t < shape.vocab_size), None)
+        if bad is not None:
+            raise SimRequestError(f"token id {bad} is out of vocabulary (vocab_size={shape.vocab_size})")
+        if params.max_tokens < 1:
+            raise SimRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        limit = self.settings.max_model_len
+        if len(prompt) + params.max_tokens > limit:
+            raise SimRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, "
+                f"{params.max_tokens} in the completion)."
+            )
+
+    async def submit(
+        self,
+        engine_id: str,
+        prompt: Sequence[int],
+        params: SamplingSpec,
+        experts_input: ExpertArray | None = None,
+    ) -> SimRequest:
+        """Admit a request: wait out (or reject during) a pause, prefill, then join the decode batch."""
+        self.validate(prompt, params)
+        if engine_id in self.requests:
+            raise SimRequestError(f"request id {engine_id!r} is already in flight")
+        await self._admit()
+        request = SimRequest(
+            engine_id=engine_id,
+            prompt=list(prompt),
+            params=params,
+            hashes=self._prompt_hashes(prompt),
+            experts_input=experts_input,
+        )
+        self.requests[engine_id] = request
+        self._idle.clear()
+        self.counters["prompt_tokens"] += len(prompt)
+        cached = self._lookup_cache(request)
+        delay = (len(prompt) - cached) * self.settings.prefill_delay_s_per_token
+        if delay > 0:
+            try:
+                await asyncio.sleep(delay)
+            except asyncio.CancelledError:  # the client went away while we prefilled
+                self.abort(engine_id, "client disconnected")
+                self._retire(request)
+                raise
+        if request.finished:  # aborted during prefill
+            self._retire(request)
+            return request
+        request.forward_wkeys = self._prefill_wkeys(request, cached)
+        self.running[engine_id] = request
+        self._wake()
+        return request
+
+    async def _admit(self) -> None:
+        while self.paused or self._admission_gates:
+            if (
+                self.paused
+                and self.settings.new_requests_while_paused == "reject"
+                and self.pause_mode
+                in (
+                    "abort",
+                    "wait",
+                )
+            ):
+                raise EnginePaused("engine_paused: the engine is paused; retry after it resumes")
+            self.held += 1
+            try:
+                await self._unpaused.wait()
+                await self._gate_open.wait()
+            finally:
+                self.held -= 1
+
+    def _prompt_hashes(self, prompt: Sequence[int]) -> list[int]:
+        hashes: list[int] = []
+        state = PREFIX_HASH_START
+        for token in prompt:
+            state = extend_prefix_hash(state, token)
+            hashes.append(state)
+        return hashes
+
+    def _lookup_cache(self, request: SimRequest) -> int:
+        """Leading full blocks found in the prefix cache; a real engine always recomputes the last token."""
+        size = self.settings.block_size
+        usable_blocks = (len(request.prompt) - 1) // size
+        stale = 0
+        hits = 0
+        for block in range(usable_blocks):
+            stored = self._cache.get(request.hashes[(block + 1) * size - 1])
+            if stored is None:
+                break
+            self._cache.move_to_end(request.hashes[(block + 1) * size - 1])
+            if stored != self.wkey:
+                # KV computed under other weights and never flushed: outputs differ from a clean run.
+                stale = mix64(stale ^ stored)
+            hits += 1
+        request.cached_tokens = hits * size
+        request.stale_key = stale
+        self.counters["prefix_cache_queries"] += len(request.prompt)
+        self.counters["prefix_cache_hits"] += request.cached_tokens
+        return request.cached_tokens
+
+    def _prefill_wkeys(self, request: SimRequest, cached: int) -> list[int]:
+        size = self.settings.block_size
+        wkeys = [self._cache.get(request.hashes[(p // size + 1) * size - 1], self.wkey) for p in range(cached)]
+        wkeys.extend([self.wkey] * (len(request.prompt) - cached))
+        return wkeys
+
+    def _store_cache(self, request: SimRequest) -> None:
+        size = self.settings.block_size
+        forwarded = len(request.forward_wkeys)
+        for end in range(size, forwarded + 1, size):
+            key = request.hashes[end - 1]
+            if key in self._cache:
+                self._cache.move_to_end(key)
+            else:
+                self._cache[key] = request.forward_wkeys[end - 1]
+        while len(self._cache) > self.settings.cache_blocks:
+            self._cache.popitem(last=False)
+
+    # -- decoding --------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self.running and not self.frozen and not self.stalled:
+            self._work.set()
+
+    def set_stalled(self, stalled: bool) -> None:
+        self.stalled = stalled
+        self._wake()
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            if self.frozen or self.stalled or not self.running:
+                self._work.clear()
+                continue
+            self._step()
+            delay = self.settings.token_delay_s
+            await asyncio.sleep(delay if delay > 0 else 0)
+
+    def _step(self) -> None:
+        wkey = self.wkey
+        version = self.version
+        for request in list(self.running.values()):
+            if request.engine_id in self._retracted:
+                continue
+            self._decode_one(request, wkey, version)
+            if request.finished:
+                self._retire(request)
+        self.counters["steps"] += 1
+
+    def _decode_one(self, request: SimRequest, wkey: int, version: str) -> None:
+        params = request.params
+        produced = len(request.output_ids)
+        if produced:
+            request.forward_wkeys.append(wkey)  # this step runs the previous token through the model
+        key = self.model.sample_key(wkey ^ request.stale_key, params.effective_seed)
+        allow_eos = not params.ignore_eos and produced >= params.min_tokens
+        draw = self.model.draw(request.hashes[-1], key, allow_eos=allow_eos, num_top=params.num_logprobs or 0)
+        token = draw.token
+        request.output_ids.append(token)
+        request.logprobs.append(draw.logprob)
+        if params.num_logprobs:
+            request.top_logprobs.append(draw.top)
+        request.versions.append(version)
+        request.hashes.append(extend_prefix_hash(request.hashes[-1], token))
+        self.counters["generation_tokens"] += 1
+        if allow_eos and token == self.settings.shape.eos_token_id:
+            request.finish_reason = "stop"
+        elif token in params.stop_token_ids and produced + 1 >= params.min_tokens:
+            request.finish_reason, request.stop_reason = "stop", token
+        elif produced + 1 >= params.max_tokens or len(request.hashes) >= self.settings.max_model_len:
+            request.finish_reason = "length"
+        request.updated.set()
+
+    def _retire(self, request: SimRequest) -> None:
+        self.running.pop(request.engine_id, None)
+        self.requests.pop(request.engine_id, None)
+        self._retracted.discard(request.engine_id)
+        self._store_cache(request)
+        self.counters[f"finished_{request.finish_reason}"] += 1
+        request.updated.set()
+        if not self.requests:
+            self._idle.set()
+
+    def routed_experts(self, request: SimRequest, start: int = 0) -> ExpertArray:
+        """Experts for positions [start, prompt+output-1): every token that went through the model.
+
+        Positions covered by a replayed input keep the given routing (routing replay)."""
+        hashes = request.hashes[: len(request.forward_wkeys)]
+        experts = self.model.routed_experts(hashes, request.forward_wkeys)
+        given = request.experts_input
+        if given is not None and len(given):
+            n = min(len(given), len(experts))
+            experts[:n] = given[:n].astype(experts.dtype)
+        return np.ascontiguousarray(experts[start:])
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def abort(self, engine_id: str, message: str = "Aborted") -> bool:
+        request = self.requests.get(engine_id)
+        if request is None or request.finished:
+            return False
+        request.finish_reason = "abort"
+        request.abort_message = message
+        self.counters["aborted"] += 1
+        if engine_id in self.running:
+            self._retire(request)
+        else:
+            request.updated.set()  # still prefilling: `submit` retires it
+        return True
+
+    def abort_all(self, message: str = "Aborted") -> int:
+        return sum(self.abort(engine_id, message) for engine_id in list(self.requests))
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop serving. abort: end in-flight requests with their partial output; wait: let them finish;
+        keep/in_place: freeze them; retract: freeze and count a retraction (their KV is recomputed)."""
+        self.paused = True
+        self.pause_mode = mode
+        self._unpaused.clear()
+        if mode == "abort":
+            self.abort_all("Abort in waiting queue")
+        elif mode == "wait":
+            await self._idle.wait()
+        else:
+            self.frozen = True
+            if mode == "retract":
+                for request in self.running.values():
+                    request.num_retractions += 1
+                    self._retracted.add(request.engine_id)
+                self.counters["retractions"] += len(self.running)
+
+    def resume(self) -> None:
+        retracted = [self.running[i] for i in self._retracted if i in self.running]
+        self._retracted.clear()
+        for request in retracted:
+            # Retracted requests lost their KV: recompute it under the weights now loaded.
+            request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
+        self.paused = False
+        self.pause_mode = None
+        self.frozen = False
+        self._unpaused.set()
+        self._wake()
+
+    async def drain(self) -> None:
+        """Close admission and wait until nothing is in flight (an update that takes the writer lock)."""
+        self._admission_gates += 1
+        self._gate_open.clear()
+        try:
+            await self._idle.wait()
+        except BaseException:
+            self._release_gate()
+            raise
+
+    def release(self) -> None:
+        """Reopen admission after `drain`."""
+        self._release_gate()
+
+    def _release_gate(self) -> None:
+        self._admission_gates -= 1
+        if not self._admission_gates:
+            self._gate_open.set()
+
+    def load_weights(self, weights: str) -> None:
+        self.weights = weights
+        self.wkey = weights_key(self.weights, self.version)
+        self.counters["weight_loads"] += 1
+
+    def set_version(self, version: str) -> None:
+        self.version = version
+        self.wkey = weights_key(self.weights, self.version)
+
+    def active_blocking_flush(self) -> int:
+        """Requests whose KV a cache flush would destroy (running, not retracted)."""
+        return sum(1 for i in self.running if i not in self._retracted)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests hold KV, like the real engines."""
+        if self.active_blocking_flush():
+            return False
+        self._cache.clear()
+        return True
+
+    def reset(self) -> None:
+        """Back to the initial weights, unpaused, empty cache (test isolation; not in real engines)."""
+        self.abort_all("reset")
+        self.resume()
+        self.weights = self.settings.weights
+        self.set_version(self.settings.version)
+        self._cache.clear()
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the decode batch (frozen ones too: they keep their KV)."""
+        return len(self.running) - len(self._retracted)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests prefilling or retracted back to the queue (not those held at admission by a pause)."""
+        return len(self.requests) - self.num_running

@@ -1,0 +1,393 @@
+"""The gateway's configuration: typed, frozen settings validated once at startup.
+
+Sources, highest precedence first:
+
+1. keyword overrides passed to `load_config(...)` (or `Settings(...)`),
+2. `RG_*` environment variables: `RG_<SECTION>__<KEY>` (`RG_SERVER__PORT=9000`); lists and
+   objects as JSON (`RG_REPLICAS='[{"url": "http://h:8001", "backend": "vllm"}]'`),
+3. the YAML file given to `load_config` (`config.yaml` documents every key),
+4. the defaults below, which equal the repository's `config.yaml`.
+
+Every model is frozen (sequences are tuples) and rejects unknown keys, so a typo is an error that
+names the key rather than a silently ignored setting. `load_config` turns any failure into one
+`ConfigError` that lists every bad key as a dotted path and says where it can be set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from gateway.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "RG_"
+ENV_NESTED_DELIMITER = "__"
+
+#: The tiny tokenizer shipped inside the package (offline tests and the demo).
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny_tokenizer"
+
+Backend = Literal["vllm", "sglang", "sim"]
+Dialect = Literal["vllm", "sglang"]
+ToolParser = Literal["hermes"]
+RoutingPolicy = Literal["sticky", "least_loaded", "round_robin"]
+RoutedExpertsPolicy = Literal["splice", "replace"]
+PauseMode = Literal["abort", "keep", "wait"]
+
+
+def _check_http_url(url: str) -> str:
+    """Accept `http(s)://host[:port][/path]` and drop a trailing slash so paths join cleanly."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8001")
+    _ = parts.port  # raises ValueError for an out-of-range or non-numeric port
+    return url.rstrip("/")
+
+
+def _check_redis_url(url: str) -> str:
+    if url and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError('must be "" (embedded redis-server) or a redis://, rediss:// or unix:// URL')
+    return url
+
+
+HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+RedisUrlStr = Annotated[str, AfterValidator(_check_redis_url)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerConfig(_Section):
+    """The gateway's own HTTP listener and its credentials."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port (tests).")
+    api_keys: tuple[str, ...] = Field(
+        (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
+    )
+    admin_token: SecretStr = Field(SecretStr("change-me"), description="Bearer token for /admin routes.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
+
+
+class RedisConfig(_Section):
+    """Where sessions, samples and the trajectory stream live."""
+
+    url: RedisUrlStr = Field("", repr=False, description='"" starts an embedded redis-server on a free port.')
+    data_dir: Path | None = Field(None, description="Data/AOF folder of the embedded server; None = a temp dir.")
+    socket_timeout_s: Seconds = Field(5.0, description="Connect and per-command timeout, seconds.")
+    retry_budget_s: Seconds = Field(30.0, description="How long writes are retried before StoreError, seconds.")
+
+
+class ModelConfig(_Section):
+    """The served model as the gateway sees it: tokenizer, chat template, tool-call format."""
+
+    name: str = Field("tiny", min_length=1, description="Model name sent to the engines and shown to agents.")
+    tokenizer: Path = Field(DEFAULT_TOKENIZER, description="Local tokenizer folder (read offline).")
+    tool_parser: ToolParser = Field("hermes", description="Tool-call format parsed from completions.")
+    max_model_len: int = Field(4096, ge=1, description="Context length: prompt + completion tokens.")
+
+
+def _id_from_url(data: dict[str, Any]) -> str:
+    url: str = data["url"]
+    parts = urlsplit(url)
+    return parts.netloc + parts.path.rstrip("/")
+
+
+def _dialect_from_backend(data: dict[str, Any]) -> Dialect:
+    return "sglang" if data["backend"] == "sglang" else "vllm"
+
+
+class ReplicaConfig(_Section):
+    """One engine replica. `dialect` is the wire protocol it speaks: its backend's, or the simulator's choice."""
+
+    url: HttpUrlStr = Field(description="Base URL of the engine's HTTP server.")
+    backend: Backend = Field(description="Engine kind: vllm | sglang | sim (the bundled simulator).")
+    id: str = Field(default_factory=_id_from_url, min_length=1, description="Unique name; default host:port.")
+    dialect: Dialect = Field(
+        default_factory=_dialect_from_backend, description="Protocol; settable only for backend sim."
+    )
+    routed_experts_shape: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="(layers, top_k) to decode SGLang's raw int32 routed experts."
+    )
+
+    @model_validator(mode="after")
+    def _dialect_matches_backend(self) -> ReplicaConfig:
+        if self.backend != "sim" and self.dialect != self.backend:
+            raise ValueError(f"dialect {self.dialect!r} contradicts backend {self.backend!r} (only sim takes one)")
+        return self
+
+
+def _unique_ids(replicas: tuple[ReplicaConfig, ...]) -> tuple[ReplicaConfig, ...]:
+    seen: dict[str, int] = {}
+    for index, replica in enumerate(replicas):
+        if replica.id in seen:
+            raise ValueError(f"duplicate replica id {replica.id!r} (replicas[{seen[replica.id]}] and [{index}])")
+        seen[replica.id] = index
+    return replicas
+
+
+DEFAULT_REPLICAS = (
+    ReplicaConfig(url="http://127.0.0.1:8001", backend="sim", dialect="vllm"),
+    ReplicaConfig(url="http://127.0.0.1:8002", backend="sim", dialect="sglang"),
+)
+
+
+class RoutingConfig(_Section):
+    """Placement of sessions on replicas, and replica health (DESIGN §6)."""
+
+    policy: RoutingPolicy = Field("sticky", description="sticky (HRW + bounded load) | least_loaded | round_robin.")
+    balance_factor: float = Field(0.25, ge=0, description="ε: skip replicas above (1+ε)×mean in-flight.")
+    health_interval_s: Seconds = Field(2.0, description="Period of GET /health probes, seconds.")
+    health_timeout_s: Seconds = Field(2.0, description="Timeout of one health probe, seconds.")
+    failure_threshold: int = Field(3, ge=1, description="Consecutive failures that open the circuit.")
+    circuit_open_s: Seconds = Field(10.0, description="How long an open circuit keeps a replica out, seconds.")
+
+
+class GenerationConfig(_Section):
+    """The generate-with-resume loop and its upstream HTTP client (DESIGN §4)."""
+
+    max_resumes: int = Field(32, ge=0, description="Re-issues of one request after aborts/failures.")
+    request_timeout_s: Seconds = Field(600.0, description="Overall deadline of one request, seconds.")
+    max_wait_s: float = Field(60.0, ge=0, description="Wait for a serving replica before 503, seconds.")
+    routed_experts: RoutedExpertsPolicy = Field("splice", description="Merge of experts across resumes.")
+    connect_timeout_s: Seconds = Field(5.0, description="TCP connect timeout to a replica, seconds.")
+    read_timeout_s: Seconds = Field(600.0, description="Max gap between bytes from a replica, seconds.")
+    write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
+    pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
+    max_connections_per_replica: int = Field(1024, ge=1, description="Size of each replica's connection pool.")
+
+
+class WeightsConfig(_Section):
+    """Weight updates and versions (DESIGN §5)."""
+
+    pause_mode: PauseMode = Field("abort", description="abort | keep | wait; overridable per update.")
+    max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
+    update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
+
+
+class StoreConfig(_Section):
+    """Redis layout and trajectory lifecycle (DESIGN §8)."""
+
+    prefix: str = Field("rg:", min_length=1, description="Prefix of every Redis key.")
+    max_pending: int = Field(10000, ge=1, description="Unconsumed trajectories before new sessions get 429.")
+    ttl_s: int = Field(86400, gt=0, description="Expiry of finished session data, seconds.")
+    session_idle_ttl_s: int = Field(1800, gt=0, description="Idle time before a session is abandoned, seconds.")
+    claim_idle_s: Seconds = Field(60.0, description="Pending time before a dead consumer's entry is reclaimed.")
+
+
+# The YAML file of the `load_config` call in progress. pydantic-settings builds its sources in a
+# classmethod that cannot see per-call arguments (pydantic-settings#259); a ContextVar scopes the
+# path to one call, thread- and task-safely, and leaves `Settings` itself the returned class.
+_yaml_file: ContextVar[Path | None] = ContextVar("gateway_config_yaml_file", default=None)
+
+# Relative paths in a YAML file mean "next to that file" (as docker-compose does), so a config file
+# works from any working directory. Paths from the environment stay relative to the cwd.
+_FILE_RELATIVE_PATHS = (("model", "tokenizer"), ("redis", "data_dir"))
+
+
+def _anchor_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    for section, key in _FILE_RELATIVE_PATHS:
+        values = data.get(section)
+        if isinstance(values, dict) and isinstance(values.get(key), str) and values[key]:
+            path = Path(values[key]).expanduser()
+            values[key] = str(path if path.is_absolute() else base / path)
+    return data
+
+
+class _YamlFileSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, with file-relative paths and errors that name the file."""
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        try:
+            data = super()._read_file(file_path)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file_path}: not valid YAML: {exc}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file_path}: cannot read: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file_path}: the top level must map section names to settings")
+        return _anchor_relative_paths(data, file_path.parent) if isinstance(file_path, Path) else data
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it with `load_config`; pass it (or a section) explicitly."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        env_parse_none_str="null",
+        case_sensitive=False,
+        frozen=True,
+        extra="forbid",
+    )
+
+    server: ServerConfig = ServerConfig()
+    redis: RedisConfig = RedisConfig()
+    model: ModelConfig = ModelConfig()
+    replicas: Annotated[tuple[ReplicaConfig, ...], AfterValidator(_unique_ids)] = Field(
+        DEFAULT_REPLICAS, description="Engine replicas at startup (more via POST /admin/replicas)."
+    )
+    routing: RoutingConfig = RoutingConfig()
+    generation: GenerationConfig = GenerationConfig()
+    weights: WeightsConfig = WeightsConfig()
+    store: StoreConfig = StoreConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first; defaults come last on their own. No .env file and no secrets dir.
+        return init_settings, env_settings, _YamlFileSource(settings_cls, yaml_file=_yaml_file.get())
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read `path` (if given), apply `RG_*` variables and `overrides`, validate once.
+
+    Raises `ConfigError` for a missing or unreadable file, malformed YAML or environment JSON, and
+    for every invalid or unknown key (all of them, each as a dotted path with where to set it).
+    """
+    file = _existing_file(path) if path is not None else None
+    _warn_unknown_env_vars(os.environ)
+    token = _yaml_file.set(file)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, file)) from exc
+    except SettingsError as exc:  # e.g. RG_REPLICAS is not valid JSON
+        raise ConfigError(_env_parse_error(exc, os.environ)) from exc
+    finally:
+        _yaml_file.reset(token)
+
+
+def _existing_file(path: str | Path) -> Path:
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ConfigError(f"config file not found: {path} (resolved to {file})")
+    return file
+
+
+def _warn_unknown_env_vars(environ: Mapping[str, str]) -> None:
+    # pydantic-settings only looks up variables it expects, so RG_SEVER__PORT would be ignored in
+    # silence; a misspelled key inside a known section is already an error (extra="forbid").
+    sections = Settings.model_fields.keys()
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX):
+            section = upper.removeprefix(ENV_PREFIX).split(ENV_NESTED_DELIMITER)[0].lower()
+            if section not in sections:
+                logger.warning("ignoring %s: no configuration section %r", name, section)
+
+
+def _env_parse_error(exc: SettingsError, environ: Mapping[str, str]) -> str:
+    """Name the RG_* variables of the section pydantic-settings could not decode, and why."""
+    match = re.search(r'field "(\w+)"', str(exc))
+    prefix = env_var_name((match[1],)) if match else ENV_PREFIX
+    names = sorted(name for name in environ if name.upper().startswith(prefix))
+    reason = f": {exc.__cause__}" if exc.__cause__ else ""
+    return (
+        f"invalid configuration in {' or '.join(names) or 'the RG_* environment'}{reason} "
+        "(lists and objects in RG_* variables must be JSON)"
+    )
+
+
+# Values under these keys are never echoed back in an error message.
+_SECRET_KEYS = {("server", "admin_token"), ("server", "api_keys"), ("redis", "url")}
+
+
+def format_validation_error(exc: ValidationError, file: Path | None = None) -> str:
+    """One line per bad key: `dotted.key: what is wrong (got value) [where to set it]`."""
+    # default_factory_not_called only echoes another error (the field a default is derived from).
+    errors = [err for err in exc.errors() if err["type"] != "default_factory_not_called"]
+    sources = f"keyword overrides > RG_* environment > {file or 'no file'} > defaults"
+    lines = [f"invalid configuration, {len(errors)} error{'s' * (len(errors) != 1)} (sources: {sources}):"]
+    lines += [f"  {_format_error_line(err['loc'], err['type'], err['msg'], err['input'], file)}" for err in errors]
+    return "\n".join(lines)
+
+
+def _format_error_line(loc: Sequence[str | int], kind: str, msg: str, value: Any, file: Path | None) -> str:
+    message = "unknown key" if kind == "extra_forbidden" else msg.removeprefix("Value error, ")
+    return f"{dotted_key(loc)}: {message}{_shown_value(loc, kind, value)} [{_where(loc, file)}]"
+
+
+def dotted_key(loc: Sequence[str | int]) -> str:
+    """`("replicas", 0, "backend")` → `replicas[0].backend`."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}" if key else part
+    return key or "(top level)"
+
+
+def _shown_value(loc: Sequence[str | int], kind: str, value: Any) -> str:
+    if kind == "missing" or isinstance(value, dict | list | tuple):
+        return ""
+    if tuple(loc[:2]) in _SECRET_KEYS:
+        return " (got a hidden value)"
+    shown = repr(value)
+    return f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+
+
+def env_var_name(loc: Sequence[str | int]) -> str:
+    """The variable that sets `loc`; inside a list, the variable of the whole list (as JSON)."""
+    names: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            break
+        names.append(part)
+    return ENV_PREFIX + ENV_NESTED_DELIMITER.join(names).upper()
+
+
+def _where(loc: Sequence[str | int], file: Path | None) -> str:
+    env = f"env {env_var_name(loc)}"
+    return f"set in {file} or {env}" if file else f"set in a config file or {env}"
+
+
+__all__ = [
+    "DEFAULT_REPLICAS",
+    "DEFAULT_TOKENIZER",
+    "ENV_NESTED_DELIMITER",
+    "ENV_PREFIX",
+    "Backend",
+    "Dialect",
+    "GenerationConfig",
+    "ModelConfig",
+    "PauseMode",
+    "RedisConfig",
+    "ReplicaConfig",
+    "RoutedExpertsPolicy",
+    "RoutingConfig",
+    "RoutingPolicy",
+    "ServerConfig",
+    "Settings",
+    "StoreConfig",
+    "ToolParser",
+    "WeightsConfig",
+    "dotted_key",
+    "env_var_name",
+    "format_validation_error",
+    "load_config",
+]

