@@ -129,11 +129,26 @@ class ReplicaConfig(_Section):
     routed_experts_shape: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] | None = Field(
         None, description="(layers, top_k) to decode SGLang's raw int32 routed experts."
     )
+    routed_experts: bool = Field(
+        False, description="The engine captures routed experts (started with --enable-return-routed-experts)."
+    )
+    routed_experts_input: bool = Field(
+        False, description="The engine accepts routing replay input (the simulator's opt-in extension)."
+    )
+    scale_out: bool = Field(False, description="vLLM: /inference/v1/generate is enabled (--enable-scale-out).")
+    keep_mode: Literal["retract", "in_place"] = Field(
+        "retract", description="SGLang: the pause mode that implements the gateway's keep."
+    )
+    new_requests_while_paused: Literal["block", "reject", "unknown"] = Field(
+        "unknown", description="How the engine treats new requests during an abort/wait pause."
+    )
 
     @model_validator(mode="after")
     def _dialect_matches_backend(self) -> ReplicaConfig:
         if self.backend != "sim" and self.dialect != self.backend:
             raise ValueError(f"dialect {self.dialect!r} contradicts backend {self.backend!r} (only sim takes one)")
+        if self.routed_experts and self.dialect == "sglang" and self.routed_experts_shape is None:
+            raise ValueError("routed_experts on an SGLang replica needs routed_experts_shape: [layers, top_k]")
         return self
 
 

@@ -6,34 +6,33 @@ GatewayError                      base of every error the gateway raises on purp
 ├── InvalidRequest                400: malformed or out-of-range input; names the field
 ├── Unauthorized                  401: missing credentials
 ├── Forbidden                     403: wrong credentials
-├── SessionNotFound               404: unknown session id
+├── NotFound                      404: unknown resource (replica, ...)
+│   └── SessionNotFound           404: unknown session id
 ├── Conflict                      409: e.g. a weight version older than or equal to the current one
 ├── Overloaded                    429: backpressure; carries `retry_after_s`
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
 │   ├── BackendTimeout            504: connect/read/pool timeout
-│   └── BackendProtocolError      502: the replica answered something the contract does not allow
+│   ├── BackendProtocolError      502: the replica answered something the contract does not allow
+│   └── BackendRejected           400: the replica refused the request itself (not retryable)
 └── StoreError                    503: Redis unreachable past the retry budget
 ```
 
-Foreign errors (httpx, redis) are translated into this tree inside `backends/` and `gateway/store.py`
-only; nothing above those layers catches `httpx.*` or `redis.*`.
+`GatewayError` and the `Backend*` branch are defined in `backends/errors.py` so that engine adapters depend
+on nothing in `gateway/`; they are re-exported here. Foreign errors (httpx, redis) are translated into this
+tree inside `backends/` and `gateway/store.py` only; nothing above those layers catches `httpx.*` or `redis.*`.
 """
 
 from __future__ import annotations
 
-
-class GatewayError(Exception):
-    """Base class. `status_code` and `error_type` drive the OpenAI-style error response."""
-
-    status_code: int = 500
-    error_type: str = "internal_error"
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+from backends.errors import (
+    BackendError,
+    BackendProtocolError,
+    BackendRejected,
+    BackendTimeout,
+    BackendUnavailable,
+    GatewayError,
+)
 
 
 class ConfigError(GatewayError):
@@ -57,9 +56,13 @@ class Forbidden(GatewayError):
     error_type = "permission_error"
 
 
-class SessionNotFound(GatewayError):
+class NotFound(GatewayError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class SessionNotFound(NotFound):
+    pass
 
 
 class Conflict(GatewayError):
@@ -76,31 +79,6 @@ class Overloaded(GatewayError):
         self.retry_after_s = retry_after_s
 
 
-class BackendError(GatewayError):
-    """An engine replica failed. `replica` names it when known."""
-
-    status_code = 502
-    error_type = "backend_error"
-
-    def __init__(self, message: str, *, replica: str | None = None, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.replica = replica
-
-
-class BackendUnavailable(BackendError):
-    status_code = 503
-    error_type = "service_unavailable"
-
-
-class BackendTimeout(BackendError):
-    status_code = 504
-    error_type = "timeout_error"
-
-
-class BackendProtocolError(BackendError):
-    status_code = 502
-
-
 class StoreError(GatewayError):
     status_code = 503
     error_type = "store_unavailable"
@@ -109,6 +87,7 @@ class StoreError(GatewayError):
 __all__ = [
     "BackendError",
     "BackendProtocolError",
+    "BackendRejected",
     "BackendTimeout",
     "BackendUnavailable",
     "ConfigError",
@@ -116,6 +95,7 @@ __all__ = [
     "Forbidden",
     "GatewayError",
     "InvalidRequest",
+    "NotFound",
     "Overloaded",
     "SessionNotFound",
     "StoreError",

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
+import uvloop
 
 from backends.sim.common import SimServerSettings
 from backends.sim.engine import EngineSettings
@@ -135,12 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rollout-gateway sim: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        runner = asyncio.run
     with contextlib.suppress(KeyboardInterrupt):
-        runner(serve(settings, args.host, args.port, args.log_level))
+        uvloop.run(serve(settings, args.host, args.port, args.log_level))
     return 0

@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import orjson
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from backends.asgi import ClientDisconnected, disconnected_response, unless_disconnected, watch_disconnect
 from backends.sim.engine import EngineSettings, SimEngine
 
-T = TypeVar("T")
 Dialect = Literal["vllm", "sglang"]
+
+__all__ = ["unless_disconnected", "watch_disconnect"]  # re-exported for the dialects
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"})
 
@@ -198,29 +199,6 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def watch_disconnect(request: Request, on_disconnect: Callable[[], object]) -> None:
-    """Call `on_disconnect` when the client goes away (the body has already been read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            on_disconnect()
-            return
-
-
-async def unless_disconnected(request: Request, awaitable: Awaitable[T], on_disconnect: Callable[[], object]) -> T:
-    """Await `awaitable`; if the client disconnects first, call `on_disconnect` and cancel it."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.create_task(watch_disconnect(request, on_disconnect))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-        return await work
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-
-
 def attach_common(app: FastAPI, engine: SimEngine, faults: FaultState) -> None:
     app.include_router(control_router(engine, faults))
+    app.add_exception_handler(ClientDisconnected, disconnected_response)

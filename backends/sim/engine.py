@@ -17,15 +17,9 @@ from typing import Literal
 
 import numpy as np
 
+from backends.hashing import mix64
 from backends.routed_experts import ExpertArray
-from backends.sim.model import (
-    PREFIX_HASH_START,
-    ModelShape,
-    TokenModel,
-    extend_prefix_hash,
-    mix64,
-    weights_key,
-)
+from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 
 logger = logging.getLogger(__name__)
 

@@ -16,20 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-MASK64 = 0xFFFFFFFFFFFFFFFF
-_GOLDEN = 0x9E3779B97F4A7C15
-_MUL1 = 0xBF58476D1CE4E5B9
-_MUL2 = 0x94D049BB133111EB
+from backends.hashing import GOLDEN, MASK64, MUL1, MUL2, mix64, string_key
+
 _TOKEN_SALT = 0xD6E8FEB86659FD93
 PREFIX_HASH_START = 0x243F6A8885A308D3
-
-
-def mix64(x: int) -> int:
-    """splitmix64 finaliser: a fast, well-distributed 64-bit mix."""
-    z = (x + _GOLDEN) & MASK64
-    z = ((z ^ (z >> 30)) * _MUL1) & MASK64
-    z = ((z ^ (z >> 27)) * _MUL2) & MASK64
-    return z ^ (z >> 31)
 
 
 def extend_prefix_hash(state: int, token: int) -> int:
@@ -44,14 +34,6 @@ def prefix_hashes(tokens: Iterable[int], state: int = PREFIX_HASH_START) -> list
         state = extend_prefix_hash(state, token)
         out.append(state)
     return out
-
-
-def string_key(text: str) -> int:
-    """A stable 64-bit key for a string (FNV-1a then mixed); Python's hash() is salted per process."""
-    h = 0xCBF29CE484222325
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x100000001B3) & MASK64
-    return mix64(h)
 
 
 def weights_key(weights: str, version: str) -> int:
@@ -144,7 +126,7 @@ class TokenModel:
             return np.zeros((0, s.num_layers, s.top_k), dtype=s.expert_dtype)
         base = np.array([(h ^ w) & MASK64 for h, w in zip(position_hashes, wkeys, strict=True)], dtype=np.uint64)
         layer_salt = (np.arange(1, s.num_layers + 1, dtype=np.uint64) * np.uint64(_TOKEN_SALT)) & np.uint64(MASK64)
-        expert_salt = np.arange(1, s.num_experts + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+        expert_salt = np.arange(1, s.num_experts + 1, dtype=np.uint64) * np.uint64(GOLDEN)
         scores = base[:, None, None] ^ layer_salt[None, :, None] ^ expert_salt[None, None, :]
         scores = _mix64_array(scores)
         top = np.argsort(scores, axis=2, kind="stable")[:, :, : s.top_k]
@@ -153,7 +135,7 @@ class TokenModel:
 
 def _mix64_array(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     with np.errstate(over="ignore"):
-        z = x + np.uint64(_GOLDEN)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MUL1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MUL2)
+        z = x + np.uint64(GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(MUL1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(MUL2)
         return z ^ (z >> np.uint64(31))

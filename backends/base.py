@@ -1,0 +1,218 @@
+"""The engine-replica protocol every backend implements, and the boundary where foreign errors are translated.
+
+A backend turns one engine's HTTP dialect into a stream of `Chunk`s of *new* tokens (deltas), whatever the
+engine's own stream shape (vLLM deltas, SGLang cumulative). It never retries: resuming is the gateway's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import httpx
+
+from backends.errors import (
+    BackendError,
+    BackendProtocolError,
+    BackendRejected,
+    BackendTimeout,
+    BackendUnavailable,
+)
+from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "keep", "wait"]
+NewRequestsWhilePaused = Literal["block", "reject", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling for one engine request. Logprobs of sampled tokens are always requested (RL needs them)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpan:
+    """Output-token indexes [start, end) sampled under `version` (the engines' `weight_versions`)."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New output of one engine request since the previous chunk.
+
+    `routed_experts`, when present, covers positions [experts_start, prompt + output - 1) of this request
+    (engines never report the last sampled token, which was not run through the model yet). `version_spans`
+    index this request's output tokens; both usually arrive on the final chunk only.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    routed_experts: ExpertArray | None = None
+    version_spans: list[VersionSpan] | None = None
+    weight_version: str | None = None
+    cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a replica's engine can do; the gateway adapts its orchestration to it."""
+
+    pause_modes: frozenset[PauseMode]
+    routed_experts_out: bool = False
+    routed_experts_in: bool = False
+    streams_routed_experts: bool = False
+    version_spans: bool = True
+    token_endpoint: str = "/v1/completions"
+    new_requests_while_paused: NewRequestsWhilePaused = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """In-flight work the engine reports (None where it does not say)."""
+
+    running: int | None = None
+    waiting: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Explicit timeouts for every outbound call, seconds."""
+
+    connect: float = 5.0
+    read: float = 600.0
+    write: float = 30.0
+    pool: float = 30.0
+    control: float = 30.0  # pause/resume/health: short calls that must not hang a weight update forever
+
+    def httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """One engine replica."""
+
+    id: str
+    url: str
+    capabilities: Capabilities
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None = None,
+        experts_start: int = 0,
+    ) -> AsyncGenerator[Chunk, None]:
+        """Stream the new tokens of one request. Ends with a chunk whose `finish_reason` is set; an engine-side
+        abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one in-flight request (its stream then ends with `abort`)."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generating: abort in-flight requests, keep them frozen, or wait for them to finish."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, version: str, source: str | None) -> bool:
+        """Load new weights from `source` (a path the engine can read) and label them `version`; with no
+        source the weights were synced out of band (NCCL, checkpoint engine) and only the label changes.
+        Returns whether the prefix cache is clean: False when the engine switched weights but could not
+        flush (requests still hold KV), so the caller must `flush_cache` before new work reuses stale KV."""
+        ...
+
+    async def weight_version(self) -> str: ...
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache (stale after a weight update); False if the engine refused."""
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def load(self) -> Load: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """How to reach and drive one replica (built from the gateway's config).
+
+    `routed_experts`: the engine was started with routed-experts capture and the gateway wants them (R3);
+    `routed_experts_shape` = (layers, top_k) is needed to decode SGLang's shapeless int32 payload.
+    `scale_out` (vLLM): `/inference/v1/generate` is enabled, so routed experts can be streamed.
+    `keep_mode` (SGLang): which pause mode implements the gateway's `keep` (retract recomputes KV; in_place
+    keeps it but then the cache cannot be flushed until those requests finish).
+    """
+
+    id: str
+    url: str
+    model: str = "tiny"
+    routed_experts: bool = False
+    routed_experts_shape: tuple[int, int] | None = None
+    routed_experts_input: bool = False
+    scale_out: bool = False
+    keep_mode: Literal["retract", "in_place"] = "retract"
+    new_requests_while_paused: NewRequestsWhilePaused = "unknown"
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    max_connections: int = 1024
+
+
+@contextlib.contextmanager
+def translate_errors(replica: str) -> Iterator[None]:
+    """Map httpx and decoding errors to the gateway's error tree (the only place that knows httpx errors)."""
+    try:
+        yield
+    except BackendError:
+        raise
+    except httpx.TimeoutException as exc:
+        raise BackendTimeout(f"replica {replica}: {type(exc).__name__}: {exc}", replica=replica) from exc
+    except (httpx.TransportError, httpx.StreamError) as exc:
+        raise BackendUnavailable(f"replica {replica}: {type(exc).__name__}: {exc}", replica=replica) from exc
+    except (ValueError, KeyError, TypeError, IndexError, RoutedExpertsFormatError) as exc:
+        # orjson.JSONDecodeError is a ValueError; a missing or mistyped field is a contract breach.
+        raise BackendProtocolError(f"replica {replica}: unexpected response: {exc!r}", replica=replica) from exc
+
+
+def raise_for_status(replica: str, status: int, body: bytes) -> None:
+    """Raise the right BackendError for a non-2xx answer (4xx: rejected, 503: unavailable, else 5xx)."""
+    if status < 300:
+        return
+    text = body[:500].decode("utf-8", "replace")
+    message = f"replica {replica} answered {status}: {text}"
+    if status == 503:
+        raise BackendUnavailable(message, replica=replica, code=str(status))
+    if 400 <= status < 500 and status not in (408, 429):
+        raise BackendRejected(message, replica=replica, code=str(status))
+    raise BackendError(message, replica=replica, code=str(status))
+
+
+def spans_to_versions(spans: Sequence[VersionSpan], count: int, fallback: str) -> list[str]:
+    """Per-token version labels for `count` tokens from engine spans; tokens no span covers get `fallback`."""
+    versions = [fallback] * count
+    for span in spans:
+        for i in range(max(0, span.start), min(count, span.end)):
+            versions[i] = span.version
+    return versions

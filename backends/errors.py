@@ -1,0 +1,70 @@
+"""Errors raised by engine adapters: the backend branch of the gateway's exception tree.
+
+They live here (not in `gateway/`) so that `backends/` depends on nothing in `gateway/`; `gateway/errors.py`
+re-exports them and documents the whole tree. `GatewayError` is defined here for the same reason.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Root of every error the gateway raises on purpose. `status_code` and `error_type` shape the HTTP answer."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class BackendError(GatewayError):
+    """An engine replica failed. `replica` names it; `retryable` says whether resuming elsewhere can help."""
+
+    status_code = 502
+    error_type = "backend_error"
+    retryable = True
+
+    def __init__(self, message: str, *, replica: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.replica = replica
+
+
+class BackendUnavailable(BackendError):
+    """Connection refused/reset, replica down, or paused and rejecting new requests (503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class BackendTimeout(BackendError):
+    """Connect, read or pool timeout."""
+
+    status_code = 504
+    error_type = "timeout_error"
+
+
+class BackendProtocolError(BackendError):
+    """The replica answered something its contract does not allow (bad JSON, missing field, wrong shape)."""
+
+    status_code = 502
+
+
+class BackendRejected(BackendError):
+    """The replica refused the request itself (4xx): resending it elsewhere will not help."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    retryable = False
+
+
+__all__ = [
+    "BackendError",
+    "BackendProtocolError",
+    "BackendRejected",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "GatewayError",
+]

@@ -1,0 +1,1 @@
+"""HTTP routers only: parse, validate, call a service object, shape the response."""

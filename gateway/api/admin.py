@@ -1,0 +1,103 @@
+"""Admin routes: weight updates, out-of-band pause/resume, status, replicas. Bearer admin token required."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.base import PauseMode
+from gateway.api.deps import ServicesDep, require_admin
+from gateway.config import ReplicaConfig
+from gateway.errors import NotFound
+from gateway.routing import Replica
+from gateway.weights import UpdateReport
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
+
+
+class WeightsUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, description="The new weight version (the trainer's step); must increase.")
+    path: str | None = Field(None, min_length=1, description="Checkpoint path every engine can read.")
+    mode: PauseMode | None = Field(None, description="abort | keep | wait; default weights.pause_mode.")
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: PauseMode | None = None
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, description="The version the out-of-band sync loaded; must increase.")
+
+
+def _report(report: UpdateReport) -> dict[str, Any]:
+    return {
+        "version": report.version,
+        "mode": report.mode,
+        "updated": report.updated,
+        "stale": report.stale,
+        "flush_pending": report.flush_pending,
+        "duration_s": round(report.duration_s, 4),
+    }
+
+
+def replica_status(replica: Replica) -> dict[str, Any]:
+    return {
+        "id": replica.id,
+        "url": replica.backend.url,
+        "healthy": replica.healthy,
+        "stale": replica.stale,
+        "draining": replica.draining,
+        "in_flight": replica.in_flight,
+        "version": replica.version,
+        "consecutive_failures": replica.consecutive_failures,
+    }
+
+
+@router.post("/weights")
+async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> dict[str, Any]:
+    return _report(await svc.weights.update(body.version, body.path, body.mode))
+
+
+@router.post("/pause")
+async def pause(body: PauseRequest, svc: ServicesDep) -> dict[str, Any]:
+    await svc.weights.pause(body.mode)
+    return {"status": "paused", "version": svc.weights.version}
+
+
+@router.post("/resume")
+async def resume(body: ResumeRequest, svc: ServicesDep) -> dict[str, Any]:
+    return _report(await svc.weights.resume(body.version))
+
+
+@router.get("/status")
+async def status(svc: ServicesDep) -> dict[str, Any]:
+    return {
+        "version": svc.weights.version,
+        "state": svc.weights.state,
+        "updates": svc.weights.updates,
+        "replicas": [replica_status(r) for r in svc.pool.all()],
+        "affinity_ratio": svc.pool.affinity.ratio,
+        "resumes_total": svc.generator.resumes_total,
+        "preemptions_total": svc.generator.preemptions_total,
+    }
+
+
+@router.post("/replicas", status_code=201)
+async def add_replica(body: ReplicaConfig, svc: ServicesDep) -> dict[str, Any]:
+    return replica_status(await svc.add_replica(body))
+
+
+@router.delete("/replicas/{replica_id}", status_code=204)
+async def remove_replica(replica_id: str, svc: ServicesDep) -> Response:
+    if svc.pool.get(replica_id) is None:
+        raise NotFound(f"no replica {replica_id!r}", param="replica_id")
+    await svc.remove_replica(replica_id)
+    return Response(status_code=204)

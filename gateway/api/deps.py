@@ -1,0 +1,26 @@
+"""Dependencies shared by routers: the services object and the auth checks."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.auth import check_admin, check_agent
+from gateway.services import Services
+
+
+def services(request: Request) -> Services:
+    found: Services = request.app.state.services
+    return found
+
+
+def require_admin(request: Request) -> None:
+    check_admin(request, services(request).settings.server.admin_token.get_secret_value())
+
+
+def require_agent(request: Request) -> None:
+    check_agent(request, services(request).settings.server.api_keys)
+
+
+ServicesDep = Annotated[Services, Depends(services)]

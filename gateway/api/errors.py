@@ -1,0 +1,90 @@
+"""Exceptions become OpenAI-style error responses here, and nowhere else.
+
+Body: `{"error": {"message", "type", "param", "code"}}`. Status comes from the exception class (see
+`gateway/errors.py`); request-validation errors are 400 and name the offending field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backends.asgi import ClientDisconnected, disconnected_response
+from gateway.errors import GatewayError, Overloaded
+
+logger = logging.getLogger(__name__)
+
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+async def on_validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+    param = _field(tuple(first.get("loc", ())))
+    details = "; ".join(f"{_field(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
+    return error_response(400, details, "invalid_request_error", param=param)
+
+
+async def on_gateway_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    if exc.status_code >= 500:
+        logger.warning("%s: %s", type(exc).__name__, exc.message)
+    headers = None
+    if isinstance(exc, Overloaded):
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
+
+
+async def on_http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    error_type = _HTTP_TYPES.get(exc.status_code, "api_error")
+    return error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
+
+
+async def on_unexpected_error(_: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error")
+    return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ClientDisconnected, disconnected_response)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(GatewayError, on_gateway_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected_error)

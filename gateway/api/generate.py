@@ -1,0 +1,137 @@
+"""`POST /generate`: token-in/token-out over the resume loop (DESIGN §12), for trainer-side agent loops."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.asgi import relay_until_disconnected, unless_disconnected
+from backends.base import SamplingParams
+from backends.errors import GatewayError
+from backends.routed_experts import encode_npy_b64
+from gateway.api.deps import ServicesDep, require_agent
+from gateway.errors import InvalidRequest
+from gateway.generation import GenerationRequest, GenerationState
+
+router = APIRouter(tags=["generate"], dependencies=[Depends(require_agent)])
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class GenerateSampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(ge=1, description="Budget of the whole completion, across resumes.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    top_logprobs: int = Field(0, ge=0, le=20)
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = Field(None, min_length=1, max_length=256)
+    input_ids: list[TokenId] = Field(min_length=1)
+    sampling_params: GenerateSampling
+    stream: bool = False
+    return_routed_experts: bool = False
+
+
+def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
+    bad = next((i for i, t in enumerate(body.input_ids) if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"input_ids[{bad}] = {body.input_ids[bad]} is outside the vocabulary (size {vocab_size})",
+            param="input_ids",
+        )
+    bad = next((t for t in body.sampling_params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"stop token id {bad} is outside the vocabulary", param="sampling_params.stop_token_ids")
+    total = len(body.input_ids) + body.sampling_params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequest(
+            f"{len(body.input_ids)} input tokens + max_tokens {body.sampling_params.max_tokens} = {total} "
+            f"exceeds the context length {max_model_len}",
+            param="sampling_params.max_tokens",
+        )
+
+
+def _request(body: GenerateBody) -> GenerationRequest:
+    s = body.sampling_params
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        top_logprobs=s.top_logprobs,
+    )
+    return GenerationRequest(
+        request_id=f"gen-{uuid.uuid4().hex}",
+        prompt_ids=list(body.input_ids),
+        sampling=sampling,
+        session_id=body.session_id,
+        want_routed_experts=body.return_routed_experts,
+    )
+
+
+def _final(state: GenerationState, body: GenerateBody) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "session_id": body.session_id,
+        "request_id": state.request.request_id,
+        "finish_reason": state.finish_reason,
+        "versions": state.versions,
+        "num_resumes": state.num_resumes,
+        "replicas": state.replica_ids,
+    }
+    if body.return_routed_experts:
+        experts = state.routed_experts if state.routed_experts_complete else None
+        out["routed_experts"] = encode_npy_b64(experts) if experts is not None else None
+    return out
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
+    _validate(body, svc.vocab.vocab_size, svc.settings.model.max_model_len)
+    request = _request(body)
+    if body.stream:
+        return StreamingResponse(_stream(raw, svc.generator.stream, request, body), media_type="text/event-stream")
+    state = GenerationState(request)
+
+    async def run() -> None:
+        async for _ in svc.generator.stream(request, state):
+            pass
+
+    await unless_disconnected(raw, run(), lambda: None)
+    result = _final(state, body)
+    result["output_ids"] = state.output_ids
+    result["logprobs"] = state.logprobs
+    return Response(orjson.dumps(result), media_type="application/json")
+
+
+async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: GenerateBody) -> AsyncIterator[bytes]:
+    state = GenerationState(request)
+    try:
+        async for delta in relay_until_disconnected(raw, stream(request, state)):
+            yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
+    except GatewayError as exc:
+        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
+        yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+        return
+    if state.finish_reason is not None:
+        yield b"data: " + orjson.dumps(_final(state, body)) + b"\n\n"
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,30 @@
+"""`create_app()`: the FastAPI application with its lifespan, routers and error handlers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway.api import admin, generate, health
+from gateway.api.errors import install_error_handlers
+from gateway.config import Settings
+from gateway.services import BackendFactory, default_backend_factory, open_services
+
+
+def create_app(settings: Settings, backend_factory: BackendFactory = default_backend_factory) -> FastAPI:
+    """The gateway app; its services start with the app's lifespan and close with it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with open_services(settings, backend_factory) as services:
+            app.state.services = services
+            yield
+
+    app = FastAPI(title="rollout-gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(generate.router)
+    app.include_router(admin.router)
+    return app

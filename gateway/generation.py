@@ -1,0 +1,337 @@
+"""Generation with transparent resume: the one loop every API route uses (DESIGN §4).
+
+A request is served as one or more *segments*, each one engine request under one placement. When a segment
+ends in `abort` (a weight update paused the engines) or its replica fails, every token is kept, the partial
+state is persisted, the loop waits for the weight coordinator to serve again, and the prompt plus all tokens
+so far are re-issued with the remaining budget. The caller sees one completion.
+
+Invariants (each has a test): no token is lost or duplicated and the output is the concatenation of the
+segments; every token carries the version that sampled it and versions never decrease; routed experts of
+positions already generated are kept (splice); stop strings and max_tokens apply to the whole completion;
+a cancelled caller aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from backends.base import Chunk, SamplingParams, VersionSpan, spans_to_versions
+from backends.errors import BackendError, BackendUnavailable
+from backends.routed_experts import ExpertArray
+from gateway.routing import Replica, ReplicaPool
+from gateway.weights import WeightCoordinator, parse_version, version_label
+
+logger = logging.getLogger(__name__)
+
+RoutedExpertsPolicy = Literal["splice", "replace"]
+StopChecker = Callable[[list[int]], int | None]
+"""Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None = None
+    want_routed_experts: bool = False
+    stop: StopChecker | None = None
+
+
+@dataclass(slots=True)
+class Segment:
+    """Tokens [start, end) of the output, produced by one engine request on one replica."""
+
+    replica: str
+    start: int
+    end: int
+    finish: str | None
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens for the caller."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class GenerationState:
+    """Everything known about a completion; final once `finish_reason` is set."""
+
+    request: GenerationRequest
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: ExpertArray | None = None
+    routed_experts_complete: bool = True
+    segments: list[Segment] = field(default_factory=list)
+    num_resumes: int = 0
+    num_failures: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cancelled: bool = False
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [s.replica for s in self.segments]
+
+
+class PartialStore(Protocol):
+    """Where partial state goes at every segment boundary (the Redis store implements it)."""
+
+    async def save_partial(self, state: GenerationState) -> None: ...
+
+
+class NoPartialStore:
+    """Keeps nothing: for a gateway run without a trajectory store."""
+
+    async def save_partial(self, state: GenerationState) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    max_resumes: int = 32
+    request_timeout_s: float = 600.0
+    max_wait_s: float = 60.0
+    routed_experts: RoutedExpertsPolicy = "splice"
+    failure_backoff_s: float = 0.05
+    failure_backoff_max_s: float = 2.0
+
+
+class _SegmentRun:
+    """Mutable bookkeeping of the segment in flight."""
+
+    def __init__(self, replica: Replica, start: int, dispatch_version: int) -> None:
+        self.replica = replica
+        self.start = start
+        self.dispatch_version = dispatch_version
+        self.finish: str | None = None
+        self.stop_reason: int | str | None = None
+        self.spans: list[VersionSpan] | None = None
+        self.experts: ExpertArray | None = None
+        self.weight_version: str | None = None
+
+
+class Generator:
+    """Runs completions over the pool, resuming across weight updates and replica failures."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        weights: WeightCoordinator,
+        store: PartialStore | None = None,
+        settings: GenerationSettings | None = None,
+    ) -> None:
+        self.pool = pool
+        self.weights = weights
+        self.store = store or NoPartialStore()
+        self.settings = settings or GenerationSettings()
+        self.resumes_total = 0
+        self.preemptions_total = 0
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    async def run(self, request: GenerationRequest) -> GenerationState:
+        """Produce the whole completion."""
+        state = GenerationState(request)
+        async for _ in self.stream(request, state):
+            pass
+        return state
+
+    async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
+        """Yield new tokens as they arrive; `state` holds the rest (versions, experts, finish) at the end.
+        If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
+        try:
+            async for delta in self._stream(request, state):
+                yield delta
+        except (GeneratorExit, asyncio.CancelledError):
+            state.cancelled = True
+            raise
+
+    async def _stream(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        avoid: tuple[str, ...] = ()
+        while state.finish_reason is None:
+            remaining = request.sampling.max_tokens - len(state.output_ids)
+            if remaining <= 0:
+                state.finish_reason = "length"
+                break
+            await self._until_serving(deadline)
+            wait_until = min(deadline, time.monotonic() + self.settings.max_wait_s)
+            replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
+            run = _SegmentRun(replica, len(state.output_ids), replica.version or self.weights.version)
+            failed = False
+            try:
+                async for delta in self._segment(request, state, run, remaining, deadline):
+                    yield delta
+            except BackendError as exc:
+                if not exc.retryable:
+                    raise
+                failed = True
+                self._on_failure(replica, exc, state)
+            self._close_segment(state, run)
+            avoid = (replica.id,) if failed else ()
+            if state.finish_reason is None:
+                await self._prepare_resume(state, failed)
+
+    async def _until_serving(self, deadline: float) -> None:
+        try:
+            await self.weights.until_serving(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise BackendUnavailable("request deadline passed while waiting for a weight update") from None
+
+    async def _segment(
+        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, remaining: int, deadline: float
+    ) -> AsyncIterator[Delta]:
+        backend = run.replica.backend
+        prompt = request.prompt_ids + state.output_ids
+        sampling = dataclasses.replace(
+            request.sampling,
+            max_tokens=remaining,
+            min_tokens=max(0, request.sampling.min_tokens - len(state.output_ids)),
+        )
+        continuing = bool(state.output_ids)
+        splice = self.settings.routed_experts == "splice"
+        experts_start = len(prompt) - 1 if continuing and splice else 0
+        replay = state.routed_experts if continuing and backend.capabilities.routed_experts_in else None
+        engine_request_id = f"{request.request_id}-{len(state.segments)}"
+        engine_done = False
+        async with self.pool.lease(run.replica):
+            try:
+                chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start)
+                async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        delta = self._absorb(state, run, chunk, request)
+                        engine_done = chunk.finish_reason is not None
+                        if delta is not None:
+                            yield delta
+                        if run.finish is not None:
+                            break
+            except TimeoutError:
+                raise BackendUnavailable(f"request deadline of {self.settings.request_timeout_s}s passed") from None
+            finally:
+                if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
+                    self._abort_in_background(run.replica, engine_request_id)
+        self.pool.report_success(run.replica)
+
+    def _loop_deadline(self, deadline: float) -> float:
+        return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
+
+    def _absorb(
+        self, state: GenerationState, run: _SegmentRun, chunk: Chunk, request: GenerationRequest
+    ) -> Delta | None:
+        if chunk.weight_version is not None:
+            run.weight_version = chunk.weight_version
+        if chunk.version_spans is not None:
+            run.spans = list(chunk.version_spans)
+        if chunk.routed_experts is not None:
+            run.experts = chunk.routed_experts
+        ids, logprobs, tops = chunk.token_ids, chunk.logprobs, chunk.top_logprobs
+        if ids and request.stop is not None:
+            keep = request.stop(state.output_ids + ids)
+            if keep is not None:
+                cut = max(0, keep - len(state.output_ids))
+                ids, logprobs, tops = ids[:cut], logprobs[:cut], tops[:cut] if tops else tops
+                run.finish, run.stop_reason = "stop", "stop_string"
+        if chunk.finish_reason is not None and run.finish is None:
+            run.finish, run.stop_reason = chunk.finish_reason, chunk.stop_reason
+        if not ids:
+            return None
+        state.output_ids.extend(ids)
+        state.logprobs.extend(logprobs)
+        if tops:
+            state.top_logprobs.extend(tops)
+        return Delta(list(ids), list(logprobs), tops)
+
+    def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
+        count = len(state.output_ids) - run.start
+        fallback = run.weight_version or version_label(run.dispatch_version)
+        labels = spans_to_versions(run.spans or [], count, fallback)
+        versions = [parse_version(label) for label in labels]
+        floor = state.versions[-1] if state.versions else 0
+        state.versions.extend(max(v, floor) for v in versions)  # a version never goes backwards in a sample
+        state.segments.append(Segment(run.replica.id, run.start, len(state.output_ids), run.finish))
+        self._merge_experts(state, run, count)
+        if run.finish in ("stop", "length"):
+            state.finish_reason = run.finish
+            state.stop_reason = run.stop_reason
+
+    def _merge_experts(self, state: GenerationState, run: _SegmentRun, count: int) -> None:
+        if not state.request.want_routed_experts:
+            return
+        new = run.experts
+        if self.settings.routed_experts == "replace" or not state.segments[:-1]:
+            if new is not None:
+                state.routed_experts = new
+            elif count:
+                state.routed_experts_complete = False
+            return
+        if count == 0:
+            return  # an empty tail: the continuation produced nothing, the accumulated experts stand
+        if new is None or state.routed_experts is None:
+            state.routed_experts_complete = False
+            return
+        # The continuation reports positions [len(prompt+earlier output) - 1, ...): exactly the new ones.
+        state.routed_experts = np.concatenate([state.routed_experts, new.astype(state.routed_experts.dtype)])
+
+    async def _prepare_resume(self, state: GenerationState, failed: bool) -> None:
+        state.num_resumes += 1
+        self.resumes_total += 1
+        if not failed:
+            self.preemptions_total += 1
+        if state.num_resumes > self.settings.max_resumes:
+            raise BackendUnavailable(
+                f"gave up after {self.settings.max_resumes} resumes "
+                f"({state.num_failures} replica failures); {len(state.output_ids)} tokens were generated"
+            )
+        await self.store.save_partial(state)
+        if failed:
+            backoff = min(self.settings.failure_backoff_max_s, self.settings.failure_backoff_s * 2**state.num_failures)
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))  # jittered backoff before the next try
+
+    def _on_failure(self, replica: Replica, exc: BackendError, state: GenerationState) -> None:
+        state.num_failures += 1
+        logger.warning(
+            "request %s: replica %s failed after %d tokens: %s",
+            state.request.request_id,
+            replica.id,
+            len(state.output_ids),
+            exc,
+        )
+        if isinstance(exc, BackendUnavailable):
+            self.pool.mark_unreachable(replica)
+        else:
+            self.pool.report_failure(replica)
+
+    def _abort_in_background(self, replica: Replica, engine_request_id: str) -> None:
+        """The caller left (or the segment broke): make sure the engine stops generating for nobody."""
+
+        async def abort() -> None:
+            try:
+                await replica.backend.abort(engine_request_id)
+            except BackendError as exc:
+                logger.debug("abort of %s on %s failed: %s", engine_request_id, replica.id, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._aborts.add(task)  # hard reference until it ran
+        task.add_done_callback(self._aborts.discard)
+
+    async def aclose(self) -> None:
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=5)

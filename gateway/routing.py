@@ -1,0 +1,294 @@
+"""The replica pool: membership, health, circuit breaking, load, and placement policies.
+
+Placement policy `sticky` is rendezvous (highest-random-weight) hashing of the session id over the replicas
+that can serve, with a bounded-load rule for NEW sessions: a replica whose in-flight count is above
+`(1 + balance_factor) × mean` is skipped. Because HRW needs no shared state, every gateway process agrees on
+placement; a session's later turns follow its recorded replica and move only when that replica leaves or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from backends.base import EngineBackend
+from backends.errors import BackendUnavailable
+from backends.hashing import mix64, string_key
+
+logger = logging.getLogger(__name__)
+
+RoutingPolicyName = Literal["sticky", "least_loaded", "round_robin"]
+
+
+@dataclass(eq=False)
+class Replica:
+    """One engine replica as the gateway sees it."""
+
+    backend: EngineBackend
+    healthy: bool = True
+    stale: bool = False  # failed a weight update: serves nothing until a later update succeeds
+    draining: bool = False  # finishing in-flight work before a cache flush; takes no new requests
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    circuit_open_until: float = 0.0
+    version: int | None = None
+    key: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = string_key(self.backend.id)
+
+    @property
+    def id(self) -> str:
+        return self.backend.id
+
+    def serving(self, now: float) -> bool:
+        return self.healthy and not self.stale and not self.draining and now >= self.circuit_open_until
+
+
+class Policy(Protocol):
+    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica: ...
+
+
+class StickyPolicy:
+    """HRW over candidates; new sessions skip replicas above (1 + ε) × mean in-flight."""
+
+    def __init__(self, balance_factor: float) -> None:
+        self.balance_factor = balance_factor
+
+    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
+        ranked = sorted(candidates, key=lambda r: mix64(session_key ^ r.key), reverse=True)
+        if not is_new or len(ranked) == 1:
+            return ranked[0]
+        limit = (1 + self.balance_factor) * (sum(r.in_flight for r in ranked) / len(ranked))
+        return next((r for r in ranked if r.in_flight <= limit), ranked[0])
+
+
+class LeastLoadedPolicy:
+    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
+        return min(candidates, key=lambda r: (r.in_flight, mix64(session_key ^ r.key)))
+
+
+class RoundRobinPolicy:
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
+        ordered = sorted(candidates, key=lambda r: r.id)
+        return ordered[next(self._counter) % len(ordered)]
+
+
+def make_policy(name: RoutingPolicyName, balance_factor: float) -> Policy:
+    if name == "sticky":
+        return StickyPolicy(balance_factor)
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    return RoundRobinPolicy()
+
+
+@dataclass
+class AffinityStats:
+    """Turns that reached the same replica as the session's previous turn."""
+
+    same: int = 0
+    moved: int = 0
+
+    @property
+    def ratio(self) -> float:
+        total = self.same + self.moved
+        return self.same / total if total else 1.0
+
+
+class ReplicaPool:
+    """Replicas, their health and load, and where each session lives.
+
+    `placements` remembers the replica of recent sessions in this process (bounded LRU); the session store
+    records it durably so other gateway processes follow it too.
+    """
+
+    def __init__(
+        self,
+        policy: RoutingPolicyName = "sticky",
+        *,
+        balance_factor: float = 0.25,
+        failure_threshold: int = 3,
+        circuit_open_s: float = 10.0,
+        health_interval_s: float = 2.0,
+        max_placements: int = 100_000,
+    ) -> None:
+        self.policy = make_policy(policy, balance_factor)
+        self.failure_threshold = failure_threshold
+        self.circuit_open_s = circuit_open_s
+        self.health_interval_s = health_interval_s
+        self.replicas: dict[str, Replica] = {}
+        self.placements: OrderedDict[str, str] = OrderedDict()
+        self.max_placements = max_placements
+        self.affinity = AffinityStats()
+        self._changed = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, backend: EngineBackend, *, version: int | None = None, stale: bool = False) -> Replica:
+        if backend.id in self.replicas:
+            raise ValueError(f"replica {backend.id!r} is already in the pool")
+        replica = Replica(backend, version=version, stale=stale)
+        self.replicas[backend.id] = replica
+        self.notify()
+        return replica
+
+    async def remove(self, replica_id: str) -> Replica:
+        replica = self.replicas.pop(replica_id)
+        self.notify()
+        await replica.backend.aclose()
+        return replica
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self.replicas.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        return list(self.replicas.values())
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def candidates(self) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self.replicas.values() if r.serving(now)]
+
+    def pick(self, session_id: str | None, exclude: Iterable[str] = ()) -> Replica | None:
+        """The replica for this session now, or None if none can serve. Records the placement."""
+        excluded = set(exclude)
+        candidates = [r for r in self.candidates() if r.id not in excluded]
+        if not candidates:
+            return None
+        previous = self.placements.get(session_id) if session_id else None
+        if previous is not None:
+            current = self.replicas.get(previous)
+            if current is not None and current in candidates:
+                self._place(session_id, current, moved=False)
+                return current
+        key = string_key(session_id) if session_id else mix64(time.monotonic_ns())
+        chosen = self.policy.choose(key, candidates, is_new=previous is None)
+        if session_id:
+            self._place(session_id, chosen, moved=previous is not None)
+        return chosen
+
+    def _place(self, session_id: str | None, replica: Replica, *, moved: bool) -> None:
+        if session_id is None:
+            return
+        if session_id in self.placements:
+            if moved or self.placements[session_id] != replica.id:
+                self.affinity.moved += 1
+            else:
+                self.affinity.same += 1
+        self.placements[session_id] = replica.id
+        self.placements.move_to_end(session_id)
+        while len(self.placements) > self.max_placements:
+            self.placements.popitem(last=False)
+
+    def remember(self, session_id: str, replica_id: str) -> None:
+        """Adopt a placement recorded elsewhere (e.g. another gateway process, via the session store)."""
+        self.placements.setdefault(session_id, replica_id)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Wait until membership, health or load changes (or `timeout` passes)."""
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout)
+
+    async def acquire(self, session_id: str | None, deadline: float, exclude: Iterable[str] = ()) -> Replica:
+        """Pick a replica, waiting (until `deadline`, monotonic) while none can serve; 503 after that."""
+        excluded = tuple(exclude)
+        while True:
+            replica = self.pick(session_id, excluded)
+            if replica is None and excluded:
+                replica = self.pick(session_id)  # every other replica is out: retrying the same one beats failing
+            if replica is not None:
+                return replica
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BackendUnavailable("no replica can serve: all are down, stale or draining")
+            await self.wait_for_change(remaining)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, replica: Replica) -> AsyncIterator[Replica]:
+        """Count a request in flight on `replica` for the duration of the block."""
+        replica.in_flight += 1
+        try:
+            yield replica
+        finally:
+            replica.in_flight -= 1
+            if replica.in_flight == 0:
+                self.notify()
+
+    # -- health --------------------------------------------------------------------------------
+
+    def report_failure(self, replica: Replica) -> None:
+        """Passive failure: count it; open the circuit past the threshold (the request moves elsewhere)."""
+        replica.consecutive_failures += 1
+        if replica.consecutive_failures >= self.failure_threshold or not replica.healthy:
+            replica.circuit_open_until = time.monotonic() + self.circuit_open_s
+            logger.warning("replica %s: circuit open for %.1fs", replica.id, self.circuit_open_s)
+        self.notify()
+
+    def report_success(self, replica: Replica) -> None:
+        if replica.consecutive_failures or replica.circuit_open_until:
+            replica.consecutive_failures = 0
+            replica.circuit_open_until = 0.0
+            self.notify()
+
+    def mark_unreachable(self, replica: Replica) -> None:
+        """A connection-level failure: take it out at once; the health loop brings it back."""
+        replica.healthy = False
+        self.report_failure(replica)
+
+    async def check_health(self) -> None:
+        """Probe every replica once, concurrently."""
+        async with asyncio.TaskGroup() as group:
+            for replica in self.all():
+                group.create_task(self._probe(replica))
+
+    async def _probe(self, replica: Replica) -> None:
+        ok = await replica.backend.health()
+        if ok != replica.healthy:
+            logger.warning("replica %s is now %s", replica.id, "healthy" if ok else "unhealthy")
+            replica.healthy = ok
+            if ok:
+                replica.consecutive_failures = 0
+                replica.circuit_open_until = 0.0
+            self.notify()
+
+    def start_health_checks(self) -> None:
+        if self._health_task is None:
+            # Hard reference: the loop keeps only weak references to tasks.
+            self._health_task = asyncio.create_task(self._health_loop(), name="replica-health")
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health()
+            except Exception:  # a probe bug must not kill health checking for good
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        async with asyncio.TaskGroup() as group:
+            for replica in self.all():
+                group.create_task(replica.backend.aclose())
+
+    def notify(self) -> None:
+        """Wake waiters: membership, health, load or draining changed."""
+        # Wake everyone waiting on the current event and give later waiters a fresh one.
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()

@@ -1,0 +1,66 @@
+"""Serving the gateway: in this process on a free port (tests, the demo) or as the production server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.services import BackendFactory, Services, default_backend_factory
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+
+    @property
+    def services(self) -> Services:
+        services: Services = self.app.state.services
+        return services
+
+
+def uvicorn_config(app: FastAPI, *, log_level: str = "warning", in_process: bool = True) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        loop="none" if in_process else "uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=10,
+    )
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    settings: Settings, backend_factory: BackendFactory = default_backend_factory, host: str = "127.0.0.1"
+) -> AsyncIterator[RunningGateway]:
+    """Run the gateway on the current event loop on a free port until the block exits."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, settings.server.port))
+    app = create_app(settings, backend_factory)
+    server = uvicorn.Server(uvicorn_config(app))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # startup failed: raise its error
+                raise RuntimeError("gateway stopped during startup")
+            await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the task ending
+        yield RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close()

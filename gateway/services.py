@@ -1,0 +1,164 @@
+"""The gateway's long-lived parts, made and closed in one place (the app lifespan)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from backends.base import EngineBackend, ReplicaSpec, Timeouts
+from backends.errors import BackendError
+from backends.factory import create_backend
+from gateway.config import ReplicaConfig, Settings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.errors import Conflict
+from gateway.generation import GenerationSettings, Generator
+from gateway.routing import Replica, ReplicaPool
+from gateway.tokenization import VocabInfo
+from gateway.weights import WeightCoordinator, parse_version, version_label
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[ReplicaConfig, Settings], EngineBackend]
+
+
+def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
+    g = settings.generation
+    return ReplicaSpec(
+        id=replica.id,
+        url=replica.url,
+        model=settings.model.name,
+        routed_experts=replica.routed_experts,
+        routed_experts_shape=replica.routed_experts_shape,
+        routed_experts_input=replica.routed_experts_input,
+        scale_out=replica.scale_out,
+        keep_mode=replica.keep_mode,
+        new_requests_while_paused=replica.new_requests_while_paused,
+        timeouts=Timeouts(
+            connect=g.connect_timeout_s,
+            read=g.read_timeout_s,
+            write=g.write_timeout_s,
+            pool=g.pool_timeout_s,
+            control=settings.routing.health_timeout_s,
+        ),
+        max_connections=g.max_connections_per_replica,
+    )
+
+
+def default_backend_factory(replica: ReplicaConfig, settings: Settings) -> EngineBackend:
+    return create_backend(replica.backend, replica_spec(replica, settings), replica.dialect)
+
+
+@dataclass
+class Services:
+    """Everything a request handler may need."""
+
+    settings: Settings
+    pool: ReplicaPool
+    weights: WeightCoordinator
+    generator: Generator
+    vocab: VocabInfo
+    redis_url: str
+    backend_factory: BackendFactory = default_backend_factory
+    replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
+
+    async def add_replica(self, config: ReplicaConfig) -> Replica:
+        """Admit a replica at run time; it serves only once it runs the current weight version."""
+        if self.pool.get(config.id) is not None:
+            raise Conflict(f"replica {config.id!r} is already in the pool", param="id")
+        backend = self.backend_factory(config, self.settings)
+        version = await _reported_version(backend)
+        replica = self.pool.add(backend, version=version, stale=version != self.weights.version)
+        self.replica_configs[config.id] = config
+        if replica.stale and self.weights.last_source is not None:
+            await self._catch_up(replica)
+        return replica
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """Load the current weights onto a newcomer (only possible when they came from a path)."""
+        label = version_label(self.weights.version)
+        try:
+            await replica.backend.update_weights(label, self.weights.last_source)
+            if await replica.backend.weight_version() == label:
+                replica.version, replica.stale = self.weights.version, False
+                self.pool.notify()
+        except BackendError as exc:
+            logger.error("replica %s could not load version %s: %s", replica.id, label, exc)
+
+    async def remove_replica(self, replica_id: str) -> Replica:
+        self.replica_configs.pop(replica_id, None)
+        return await self.pool.remove(replica_id)
+
+
+async def _reported_version(backend: EngineBackend) -> int | None:
+    try:
+        return parse_version(await backend.weight_version())
+    except BackendError as exc:
+        logger.warning("replica %s: cannot read its weight version: %s", backend.id, exc)
+        return None
+
+
+@contextlib.asynccontextmanager
+async def open_services(
+    settings: Settings, backend_factory: BackendFactory = default_backend_factory
+) -> AsyncIterator[Services]:
+    """Start everything the gateway needs and close it all on exit, in reverse order."""
+    async with contextlib.AsyncExitStack() as stack:
+        redis_url = settings.redis.url
+        if not redis_url:
+            embedded = EmbeddedRedis(data_dir=settings.redis.data_dir)
+            await stack.enter_async_context(embedded)
+            redis_url = embedded.url
+        r = settings.routing
+        pool = ReplicaPool(
+            r.policy,
+            balance_factor=r.balance_factor,
+            failure_threshold=r.failure_threshold,
+            circuit_open_s=r.circuit_open_s,
+            health_interval_s=r.health_interval_s,
+        )
+        stack.push_async_callback(pool.aclose)
+        backends = [backend_factory(replica, settings) for replica in settings.replicas]
+        versions = await asyncio.gather(*(_reported_version(b) for b in backends))
+        known = [v for v in versions if v is not None]
+        current = max(known, default=0)
+        for backend, version in zip(backends, versions, strict=True):
+            replica = pool.add(backend, version=version, stale=version is not None and version != current)
+            if replica.stale:
+                logger.error("replica %s runs version %s, the pool runs %s: held out", backend.id, version, current)
+        await pool.check_health()
+        pool.start_health_checks()
+        weights = WeightCoordinator(
+            pool,
+            initial_version=current,
+            default_mode=settings.weights.pause_mode,
+            update_timeout_s=settings.weights.update_timeout_s,
+        )
+        stack.push_async_callback(weights.aclose)
+        g = settings.generation
+        generator = Generator(
+            pool,
+            weights,
+            settings=GenerationSettings(
+                max_resumes=g.max_resumes,
+                request_timeout_s=g.request_timeout_s,
+                max_wait_s=g.max_wait_s,
+                routed_experts=g.routed_experts,
+            ),
+        )
+        stack.push_async_callback(generator.aclose)
+        vocab = await asyncio.to_thread(VocabInfo.from_tokenizer_dir, settings.model.tokenizer)
+        services = Services(
+            settings=settings,
+            pool=pool,
+            weights=weights,
+            generator=generator,
+            vocab=vocab,
+            redis_url=redis_url,
+            backend_factory=backend_factory,
+            replica_configs={replica.id: replica for replica in settings.replicas},
+        )
+        logger.info("gateway ready: %d replicas, weight version %d", len(backends), current)
+        yield services

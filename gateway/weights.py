@@ -1,0 +1,262 @@
+"""Weight versions: one coordinator per gateway pauses the pool, updates every replica, verifies and resumes.
+
+Generation awaits `until_serving()`, which returns at once unless an update (or an out-of-band pause) is under
+way, so requests interrupted by an update wait on an event rather than polling. Updates are serialized; a
+version older than or equal to the current one is a 409. A replica that fails to update is drained and marked
+stale (it serves nothing until a later update succeeds on it), so no request ever mixes weights silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backends.base import PauseMode
+from backends.errors import BackendError
+from gateway.errors import Conflict, InvalidRequest
+from gateway.routing import Replica, ReplicaPool
+
+logger = logging.getLogger(__name__)
+
+CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming"]
+INITIAL_LABELS = frozenset({"default", ""})
+
+
+def version_label(version: int) -> str:
+    """The label engines carry for a gateway version."""
+    return str(version)
+
+
+def parse_version(label: str) -> int:
+    """A gateway version from an engine label; the engines' initial label ("default") is version 0."""
+    if label in INITIAL_LABELS:
+        return 0
+    try:
+        return int(label)
+    except ValueError:
+        raise InvalidRequest(f"engine weight version {label!r} is not an integer") from None
+
+
+@dataclass
+class UpdateReport:
+    """What one update did, for the admin API and metrics."""
+
+    version: int
+    mode: PauseMode
+    updated: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    flush_pending: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+
+class WeightCoordinator:
+    """Owns the current version and the pause → update → verify → resume sequence."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        *,
+        initial_version: int = 0,
+        default_mode: PauseMode = "abort",
+        update_timeout_s: float = 600.0,
+    ) -> None:
+        self.pool = pool
+        self.version = initial_version
+        self.default_mode = default_mode
+        self.update_timeout_s = update_timeout_s
+        self.state: CoordinatorState = "serving"
+        self.last_source: str | None = None
+        self.updates = 0
+        self._serving = asyncio.Event()
+        self._serving.set()
+        self._lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+        self._paused_report: UpdateReport | None = None
+        self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
+
+    @property
+    def serving(self) -> bool:
+        return self._serving.is_set()
+
+    async def until_serving(self, timeout: float | None = None) -> None:
+        """Return once no update or pause is under way (at once in the common case)."""
+        if self._serving.is_set():
+            return
+        await asyncio.wait_for(self._serving.wait(), timeout)
+
+    # -- full update ---------------------------------------------------------------------------
+
+    async def update(self, version: int, source: str | None = None, mode: PauseMode | None = None) -> UpdateReport:
+        """Pause every replica, load `version` (from `source`, or already synced out of band), verify, resume."""
+        mode = mode or self.default_mode
+        async with self._lock:
+            self._check_newer(version)
+            started = time.monotonic()
+            report = UpdateReport(version, mode)
+            self._serving.clear()
+            try:
+                async with asyncio.timeout(self.update_timeout_s):
+                    await self._pause_all(mode, report)
+                    self.state = "updating"
+                    await self._update_all(version, source, report)
+                    self.state = "resuming"
+                    await self._resume_all(report)
+            finally:
+                self.version = version if report.updated else self.version
+                self.last_source = source if report.updated else self.last_source
+                self.state = "serving"
+                self._serving.set()
+            report.duration_s = time.monotonic() - started
+            self.updates += 1
+            logger.info("weights: version %d (%s) on %s; stale: %s", version, mode, report.updated, report.stale)
+            await self._announce(report)
+            return report
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self.version:
+            raise Conflict(f"weight version {version} is not newer than {self.version}", param="version")
+
+    async def _pause_all(self, mode: PauseMode, report: UpdateReport) -> None:
+        self.state = "pausing"
+        async with asyncio.TaskGroup() as group:
+            for replica in self.pool.all():
+                group.create_task(self._pause_one(replica, mode, report))
+
+    async def _pause_one(self, replica: Replica, mode: PauseMode, report: UpdateReport) -> None:
+        try:
+            if mode == "wait" and "wait" not in replica.backend.capabilities.pause_modes:
+                await self._drain(replica)  # no native wait: our own in-flight finish, then nothing to abort
+                await replica.backend.pause("abort")
+            else:
+                await replica.backend.pause(mode)
+        except BackendError as exc:
+            self._mark_stale(replica, report, f"pause failed: {exc}")
+
+    async def _drain(self, replica: Replica) -> None:
+        while replica.in_flight:
+            await self.pool.wait_for_change(1.0)
+
+    async def _update_all(self, version: int, source: str | None, report: UpdateReport) -> None:
+        async with asyncio.TaskGroup() as group:
+            for replica in self.pool.all():
+                if replica.id not in report.stale:
+                    group.create_task(self._update_one(replica, version, source, report))
+
+    async def _update_one(self, replica: Replica, version: int, source: str | None, report: UpdateReport) -> None:
+        label = version_label(version)
+        try:
+            cache_clean = await replica.backend.update_weights(label, source)
+            reported = await replica.backend.weight_version()
+        except BackendError as exc:
+            self._mark_stale(replica, report, f"update failed: {exc}")
+            return
+        if reported != label:
+            self._mark_stale(replica, report, f"reports version {reported!r} after the update, not {label!r}")
+            return
+        replica.version = version
+        replica.stale = False
+        report.updated.append(replica.id)
+        if not cache_clean:
+            report.flush_pending.append(replica.id)
+            self._flush_when_idle(replica)
+
+    async def _resume_all(self, report: UpdateReport) -> None:
+        async with asyncio.TaskGroup() as group:
+            for replica in self.pool.all():
+                group.create_task(self._resume_one(replica, report))
+
+    async def _resume_one(self, replica: Replica, report: UpdateReport) -> None:
+        try:
+            if replica.id in report.stale:
+                # Never let a stale replica continue frozen requests under old weights: end them; the gateway
+                # resumes each one on a replica that has the new weights.
+                await replica.backend.pause("abort")
+            await replica.backend.resume()
+        except BackendError as exc:
+            self._mark_stale(replica, report, f"resume failed: {exc}")
+
+    def _mark_stale(self, replica: Replica, report: UpdateReport, why: str) -> None:
+        logger.error("replica %s marked stale: %s", replica.id, why)
+        replica.stale = True
+        if replica.id not in report.stale:
+            report.stale.append(replica.id)
+        if replica.id in report.updated:
+            report.updated.remove(replica.id)
+
+    def _flush_when_idle(self, replica: Replica) -> None:
+        """The engine switched weights but kept old KV for requests still running (SGLang in_place): take the
+        replica out of rotation until they finish, flush its prefix cache, then let new work in."""
+        replica.draining = True
+
+        async def flush() -> None:
+            try:
+                while True:
+                    await self._drain(replica)
+                    if await replica.backend.flush_cache():
+                        return
+                    await self.pool.wait_for_change(0.5)
+            except BackendError as exc:
+                logger.error("replica %s: cache flush failed: %s", replica.id, exc)
+                replica.stale = True
+            finally:
+                replica.draining = False
+                self.pool.notify()
+
+        task = asyncio.create_task(flush(), name=f"flush-{replica.id}")
+        self._background.add(task)  # hard reference until done
+        task.add_done_callback(self._background.discard)
+
+    # -- out-of-band sync (NCCL, checkpoint engine) ----------------------------------------------
+
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Pause for an out-of-band weight sync; `resume(version)` ends it."""
+        await self._lock.acquire()
+        try:
+            self._serving.clear()
+            report = UpdateReport(self.version, mode or self.default_mode)
+            await self._pause_all(mode or self.default_mode, report)
+            self.state = "paused"
+            self._paused_report = report
+        except BaseException:
+            self.state = "serving"
+            self._serving.set()
+            self._lock.release()
+            raise
+
+    async def resume(self, version: int) -> UpdateReport:
+        """Label the out-of-band weights `version` on every replica, verify, resume."""
+        report = self._paused_report
+        if self.state != "paused" or report is None:
+            raise Conflict("the gateway is not paused (POST /admin/pause first)")
+        self._check_newer(version)  # a 409 here leaves the gateway paused: resume again with a newer version
+        report.version = version
+        try:
+            self.state = "updating"
+            await self._update_all(version, None, report)
+            self.state = "resuming"
+            await self._resume_all(report)
+            self.version = version
+        finally:
+            self._paused_report = None
+            self.state = "serving"
+            self._serving.set()
+            self._lock.release()
+        self.updates += 1
+        await self._announce(report)
+        return report
+
+    async def _announce(self, report: UpdateReport) -> None:
+        for callback in self.on_update:
+            result = callback(report)
+            if result is not None:
+                await result
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background)
