@@ -13,7 +13,9 @@ from redis.asyncio import Redis
 from backends.sim.common import SimServerSettings
 from backends.sim.engine import EngineSettings
 from backends.sim.server import SimReplica, serve_in_process
+from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.server import RunningGateway, serve_gateway
 
 # --------------------------------------------------------------------------------------------------------------
 # Redis: one real redis-server for the whole session, flushed before every test that asks for a client.
@@ -62,3 +64,31 @@ async def make_sim() -> AsyncIterator[SimFactory]:
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(20.0)) as client:
         yield client
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The gateway, served in this process on a free port over simulator replicas; `make_gateway(sims, **sections)`.
+# --------------------------------------------------------------------------------------------------------------
+
+ADMIN_TOKEN = "test-admin-token"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+GatewayFactory = Callable[..., Awaitable[RunningGateway]]
+
+
+@pytest.fixture
+async def make_gateway(redis_server: EmbeddedRedis) -> AsyncIterator[GatewayFactory]:
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(replicas: list[Any], **sections: Any) -> RunningGateway:
+            configs = [
+                r if isinstance(r, ReplicaConfig) else ReplicaConfig(url=r.url, backend="sim", dialect=r.dialect)
+                for r in replicas
+            ]
+            server = {"port": 0, "admin_token": ADMIN_TOKEN} | sections.pop("server", {})
+            routing = {"health_interval_s": 0.2} | sections.pop("routing", {})
+            settings = Settings(
+                server=server, redis={"url": redis_server.url}, replicas=configs, routing=routing, **sections
+            )
+            return await stack.enter_async_context(serve_gateway(settings))
+
+        yield make

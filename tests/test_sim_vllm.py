@@ -55,7 +55,9 @@ async def test_completion_non_stream_fields(make_sim: SimFactory, http: httpx.As
     assert set(lp) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
     assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert all(v <= 0 for v in lp["token_logprobs"])
-    assert all(len(top) == 2 and f"token_id:{t}" in top for top, t in zip(lp["top_logprobs"], choice["token_ids"]))
+    assert all(
+        len(top) == 2 and f"token_id:{t}" in top for top, t in zip(lp["top_logprobs"], choice["token_ids"], strict=True)
+    )
     assert body["usage"] == {
         "prompt_tokens": 8,
         "total_tokens": 16,

@@ -187,6 +187,8 @@ class SimEngine:
         if engine_id in self.requests:
             raise SimRequestError(f"request id {engine_id!r} is already in flight")
         await self._admit()
+        if engine_id in self.requests:  # another request with this id was admitted while we waited
+            raise SimRequestError(f"request id {engine_id!r} is already in flight")
         request = SimRequest(
             engine_id=engine_id,
             prompt=list(prompt),
@@ -359,9 +361,10 @@ class SimEngine:
 
     # -- control ---------------------------------------------------------------------------------
 
-    def abort(self, engine_id: str, message: str = "Aborted") -> bool:
+    def abort(self, engine_id: str, message: str = "Aborted", only: SimRequest | None = None) -> bool:
+        """End a request with its partial output. With `only`, abort it only if the id still names that request."""
         request = self.requests.get(engine_id)
-        if request is None or request.finished:
+        if request is None or request.finished or (only is not None and request is not only):
             return False
         request.finish_reason = "abort"
         request.abort_message = message
@@ -388,10 +391,11 @@ class SimEngine:
         else:
             self.frozen = True
             if mode == "retract":
-                for request in self.running.values():
+                newly = [r for r in self.running.values() if r.engine_id not in self._retracted]
+                for request in newly:
                     request.num_retractions += 1
                     self._retracted.add(request.engine_id)
-                self.counters["retractions"] += len(self.running)
+                self.counters["retractions"] += len(newly)
 
     def resume(self) -> None:
         retracted = [self.running[i] for i in self._retracted if i in self.running]

@@ -53,6 +53,7 @@ class SimReplica:
     url: str
     app: FastAPI
     server: uvicorn.Server
+    dialect: str = "vllm"
 
     @property
     def engine(self) -> SimEngine:
@@ -88,7 +89,7 @@ async def serve_in_process(
                 task.result()
                 raise RuntimeError("simulator server stopped during startup")
             await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the task finishing
-        yield SimReplica(f"http://{host}:{sock.getsockname()[1]}", app, server)
+        yield SimReplica(f"http://{host}:{sock.getsockname()[1]}", app, server, settings.dialect)
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

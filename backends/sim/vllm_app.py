@@ -94,6 +94,7 @@ class CompletionRequest(BaseModel):
 class GenerateSamplingParams(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
@@ -236,12 +237,14 @@ class VllmDialect:
                 request.updated.clear()
                 await request.updated.wait()
 
-        await unless_disconnected(raw, wait(), lambda: self.engine.abort(request.engine_id, "client disconnected"))
+        await unless_disconnected(
+            raw, wait(), lambda: self.engine.abort(request.engine_id, "client disconnected", only=request)
+        )
 
     async def _deltas(self, raw: Request, request: SimRequest) -> AsyncIterator[tuple[int, int, bool]]:
         """Yield (start, end, finished) over the output as it grows; aborts the request if the client leaves."""
         watcher = asyncio.create_task(
-            watch_disconnect(raw, lambda: self.engine.abort(request.engine_id, "client disconnected"))
+            watch_disconnect(raw, lambda: self.engine.abort(request.engine_id, "client disconnected", only=request))
         )
         sent = 0
         try:
@@ -257,7 +260,7 @@ class VllmDialect:
                 if len(request.output_ids) == end and not request.finished:
                     await request.updated.wait()
         finally:
-            self.engine.abort(request.engine_id, "client disconnected")
+            self.engine.abort(request.engine_id, "client disconnected", only=request)
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
@@ -436,7 +439,7 @@ class VllmDialect:
                         "finish_reason": request.finish_reason,
                         "stop_reason": request.stop_reason,
                         "token_ids": list(request.output_ids),
-                        "routed_experts": self._experts_b64(request, 0),
+                        "routed_experts": self._experts_b64(request, sp.routed_experts_prompt_start),
                         "sampling_mask": None,
                         "weight_versions": request.weight_version_spans(),
                         "logprobs": self._generate_logprobs(request, 0, n) if sp.logprobs is not None else None,
@@ -447,12 +450,14 @@ class VllmDialect:
 
     async def _generate_stream(self, body: GenerateRequest, raw: Request, request: SimRequest) -> AsyncIterator[bytes]:
         logprobs = body.sampling_params.logprobs is not None
+        start_experts = body.sampling_params.routed_experts_prompt_start
         async for start, end, done in self._deltas(raw, request):
             choice = {
                 "index": 0,
                 "finish_reason": request.finish_reason if done else None,
+                "stop_reason": request.stop_reason if done else None,
                 "token_ids": request.output_ids[start:end],
-                "routed_experts": self._experts_b64(request, 0) if done else None,
+                "routed_experts": self._experts_b64(request, start_experts) if done else None,
                 "weight_versions": request.weight_version_spans() if done else None,
                 "logprobs": self._generate_logprobs(request, start, end) if logprobs else None,
             }

@@ -1,0 +1,672 @@
+"""The SGLang dialect of the simulator: `/generate` and the native control routes of an SGLang 0.5.23 server.
+
+Field names, encodings and status codes follow ../shared/contracts (SGLang 0.5.23 source, 0.5.23 observed on CPU):
+a strict `/generate` schema, cumulative stream chunks, `finish_reason` objects, partial output on abort with HTTP
+200, new requests that block while paused, weight updates that wait for in-flight requests (the writer lock) unless
+the server is paused, and routed experts as base64 raw int32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal, TypeVar
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backends.routed_experts import ExpertArray, RoutedExpertsFormatError, decode_int32_b64, encode_int32_b64
+from backends.sim.common import (
+    SSE_DONE,
+    FaultMiddleware,
+    FaultState,
+    SimServerSettings,
+    TextDecoder,
+    attach_common,
+    json_response,
+    sse,
+    unless_disconnected,
+    watch_disconnect,
+)
+from backends.sim.engine import SamplingSpec, SimEngine, SimRequest, SimRequestError
+
+T = TypeVar("T")
+
+SGLANG_VERSION = "0.5.23+sim"
+_FLUSH_MESSAGE = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+_FLUSH_REFUSED_AFTER_UPDATE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Call /flush_cache once they have finished."
+)
+
+
+class ContractError(SimRequestError):
+    """A body that SGLang's API contract gate rejects before anything runs (400)."""
+
+
+def error_body(message: str, status: int) -> bytes:
+    """SGLang's error shape (`_create_error_response`): `{"error": {"message": ...}}`; the status rides on HTTP."""
+    del status  # SGLang puts the status on the response only
+    return orjson.dumps({"error": {"message": message}})
+
+
+def error_response(message: str, status: int) -> Response:
+    return Response(error_body(message, status), status_code=status, media_type="application/json")
+
+
+# -- request bodies ----------------------------------------------------------------------------------------------
+
+
+class SamplingParams(BaseModel):
+    """`sampling/sampling_params.py` SamplingParams. Honoured: max_new_tokens, temperature, sampling_seed,
+    stop_token_ids, ignore_eos, min_new_tokens, n (must be 1); the rest is accepted and has no effect."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = Field(default=0, ge=0)
+    n: int = 1
+    beam_width: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None
+    watermark: Any = None
+
+
+class GenerateReqInput(BaseModel):
+    """The subset of `managers/io_struct.py` GenerateReqInput the simulator serves; unknown fields are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str | list[str] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0)
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    session_id: str | None = None
+    routing_key: str | None = None
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    custom_labels: dict[str, str] | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None  # deprecated alias of routed_dp_rank
+
+
+class GenerateReqInputWithReplay(GenerateReqInput):
+    """Simulator-only: `replay_routed_experts` (base64 raw int32 experts for prefix positions, routing replay).
+    Served only by replicas started with `routed_experts_input`; elsewhere it is an unknown field like any other."""
+
+    replay_routed_experts: str | None = None
+
+
+class AbortReq(BaseModel):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationReqInput(BaseModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(BaseModel):
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    """`load_format`, `is_async`, `torch_empty_cache`, `keep_pause`, `recapture_cuda_graph`, `token_step` and
+    `manifest` are accepted for compatibility; the simulator's load is instantaneous and synchronous."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: Any = None
+
+
+class UpdateWeightVersionReqInput(BaseModel):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+def _check_known_fields(payload: Mapping[str, Any], model: type[BaseModel], where: str = "") -> None:
+    """SGLang 0.5.23's contract gate: name the first unknown field and list the accepted ones (serde's wording)."""
+    for key in payload:
+        if key not in model.model_fields:
+            expected = ", ".join(f"`{name}`" for name in model.model_fields)
+            raise ContractError(f"unknown field `{key}`{where}, expected one of {expected}")
+
+
+def _validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
+    parts = []
+    for error in errors:
+        loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        parts.append(f"{loc}: {error.get('msg', 'invalid')}" if loc else str(error.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request"
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+
+class SglangMetrics:
+    """Prometheus collector reading the engine's counters at scrape time (no per-token metric calls)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> list[Metric]:
+        e = self.engine
+        names, values = ["model_name"], [e.settings.model_name]
+        queries = e.counters["prefix_cache_queries"]
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("sglang:num_running_reqs", "The number of running requests.", float(e.num_running)),
+            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", float(e.num_waiting)),
+            ("sglang:num_retracted_reqs", "The number of retracted requests.", float(len(e.running) - e.num_running)),
+            (
+                "sglang:cache_hit_rate",
+                "The prefix cache hit rate.",
+                e.counters["prefix_cache_hits"] / queries if queries else 0.0,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, value)
+            out.append(gauge)
+        for name, doc, key in (
+            ("sglang:num_aborted_requests", "Number of requests aborted.", "aborted"),
+            ("sglang:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            ("sglang:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+            ("sglang:cached_tokens", "Number of cached prompt tokens.", "prefix_cache_hits"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)  # exposed with the `_total` suffix
+            counter.add_metric(values, float(e.counters[key]))
+            out.append(counter)
+        finished = sum(e.counters[f"finished_{reason}"] for reason in ("stop", "length", "abort"))
+        requests = CounterMetricFamily("sglang:num_requests", "Number of requests processed.", labels=names)
+        requests.add_metric(values, float(finished))
+        out.append(requests)
+        return out
+
+
+# -- the dialect ------------------------------------------------------------------------------------------------
+
+
+class SglangDialect:
+    """Request handling for the SGLang dialect, bound to one engine."""
+
+    def __init__(self, settings: SimServerSettings, engine: SimEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.text = TextDecoder(settings.tokenizer_path)
+        self.load_format = "auto"
+        self.request_model: type[GenerateReqInput] = (
+            GenerateReqInputWithReplay if settings.engine.routed_experts_input else GenerateReqInput
+        )
+
+    # -- /generate: parsing ----------------------------------------------------------------------------------
+
+    async def _parse(self, raw: Request) -> GenerateReqInput:
+        try:
+            payload = orjson.loads(await raw.body())
+        except orjson.JSONDecodeError as exc:
+            raise ContractError(f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise ContractError("the request body must be a JSON object")
+        _check_known_fields(payload, self.request_model)
+        sampling = payload.get("sampling_params")
+        if isinstance(sampling, dict):
+            _check_known_fields(sampling, SamplingParams, " in `sampling_params`")
+        return self.request_model.model_validate(payload)
+
+    def _prompt(self, body: GenerateReqInput) -> list[int]:
+        text, ids = body.text, body.input_ids
+        if ids is not None and text is None:
+            if ids and isinstance(ids[0], list):
+                raise ContractError("the simulator serves one prompt per request (no batched input_ids)")
+            return [int(t) for t in ids]  # type: ignore[arg-type]  # the batch shape is rejected above
+        if text is not None and ids is None:
+            if not isinstance(text, str):
+                raise ContractError("the simulator serves one prompt per request (no batched text)")
+            encoded = self.text.encode(text)
+            if encoded is None:
+                raise ContractError("this replica has no tokenizer (skip_tokenizer_init): send input_ids")
+            return encoded
+        raise ContractError("Either text, input_ids or input_embeds should be provided.")
+
+    def _spec(self, body: GenerateReqInput, prompt: list[int]) -> SamplingSpec:
+        sp = body.sampling_params
+        if sp.n != 1:
+            raise ContractError("the simulator supports n=1 only")
+        if not 0 <= body.routed_experts_start_len <= len(prompt):
+            raise ContractError(
+                f"routed_experts_start_len must be in [0, {len(prompt)}] (the prompt length), "
+                f"got {body.routed_experts_start_len}"
+            )
+        max_new = self.engine.settings.max_model_len - len(prompt) if sp.max_new_tokens is None else sp.max_new_tokens
+        return SamplingSpec(
+            max_tokens=max_new,
+            temperature=sp.temperature,
+            seed=sp.sampling_seed,
+            ignore_eos=sp.ignore_eos,
+            stop_token_ids=frozenset(sp.stop_token_ids or ()),
+            min_tokens=sp.min_new_tokens,
+            num_logprobs=body.top_logprobs_num if body.return_logprob and body.top_logprobs_num > 0 else None,
+        )
+
+    def _replay(self, body: GenerateReqInput) -> ExpertArray | None:
+        if not isinstance(body, GenerateReqInputWithReplay) or body.replay_routed_experts is None:
+            return None
+        shape = self.engine.settings.shape
+        try:
+            return decode_int32_b64(body.replay_routed_experts, shape.num_layers, shape.top_k)
+        except RoutedExpertsFormatError as exc:
+            raise ContractError(f"replay_routed_experts: {exc}") from exc
+
+    def _engine_id(self, body: GenerateReqInput) -> str:
+        if isinstance(body.rid, list):
+            raise ContractError("the simulator serves one request per call (rid must be a string)")
+        return body.rid or uuid.uuid4().hex
+
+    # -- /generate: responses --------------------------------------------------------------------------------
+
+    def _finish_reason(self, request: SimRequest) -> dict[str, Any] | None:
+        if request.finish_reason == "length":
+            return {"type": "length", "length": len(request.output_ids)}
+        if request.finish_reason == "stop":
+            matched = request.stop_reason
+            return {"type": "stop", "matched": self.engine.settings.shape.eos_token_id if matched is None else matched}
+        if request.finish_reason == "abort":
+            return {"type": "abort", "message": request.abort_message, "status_code": None, "err_type": None}
+        return None
+
+    def _logprobs(self, body: GenerateReqInput, request: SimRequest, start: int, end: int) -> dict[str, Any]:
+        def entry(logprob: float, token: int) -> list[Any]:
+            return [logprob, token, self.text.decode([token]) if body.return_text_in_logprobs else None]
+
+        tokens = request.output_ids[start:end]
+        out: dict[str, Any] = {
+            "output_token_logprobs": [entry(lp, t) for lp, t in zip(request.logprobs[start:end], tokens, strict=True)],
+            "output_token_logprobs_length": end,
+        }
+        if body.top_logprobs_num > 0:
+            out["output_top_logprobs"] = [[entry(lp, t) for t, lp in top] for top in request.top_logprobs[start:end]]
+        return out
+
+    def _routed_experts(self, body: GenerateReqInput, request: SimRequest) -> str | None:
+        if not (body.return_routed_experts and self.settings.engine.routed_experts_output and request.forward_wkeys):
+            return None
+        return encode_int32_b64(self.engine.routed_experts(request, body.routed_experts_start_len))
+
+    def _output(
+        self, body: GenerateReqInput, request: SimRequest, started: float, span: tuple[int, int], final: bool
+    ) -> dict[str, Any]:
+        """One response (or stream chunk) over output tokens [start, end); `final` adds the end-of-request fields."""
+        start, end = span
+        meta: dict[str, Any] = {
+            "id": request.engine_id,
+            "finish_reason": self._finish_reason(request) if final else None,
+            "prompt_tokens": len(request.prompt),
+            "completion_tokens": end,
+            "cached_tokens": request.cached_tokens,
+            "reasoning_tokens": 0,
+            # The version that sampled the newest token (SGLang: "the last version"), not the one loaded now.
+            "weight_version": request.versions[end - 1] if end else self.engine.version,
+            "num_retractions": request.num_retractions,
+            "e2e_latency": time.monotonic() - started,
+        }
+        if body.return_logprob:
+            meta.update(self._logprobs(body, request, start, end))
+        if final:
+            meta["weight_versions"] = request.weight_version_spans()
+            experts = self._routed_experts(body, request)
+            if experts is not None:
+                meta["routed_experts"] = experts
+        output = request.output_ids[start:end]
+        out: dict[str, Any] = {"text": self.text.decode(output), "output_ids": output, "meta_info": meta}
+        if body.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(request.prompt)
+        return out
+
+    # -- /generate: lifecycle --------------------------------------------------------------------------------
+
+    def _abort_if_running(self, request: SimRequest, message: str) -> None:
+        # Guarded by identity: after this request ends, a continuation may reuse its rid.
+        if not request.finished and self.engine.requests.get(request.engine_id) is request:
+            self.engine.abort(request.engine_id, message)
+
+    async def generate(self, raw: Request) -> Response:
+        started = time.monotonic()
+        body = await self._parse(raw)
+        prompt = self._prompt(body)
+        spec = self._spec(body, prompt)
+        replay = self._replay(body)
+        engine_id = self._engine_id(body)
+        request = await unless_disconnected(
+            raw,
+            self.engine.submit(engine_id, prompt, spec, replay),
+            lambda: self.engine.abort(engine_id, "client disconnected"),
+        )
+        if body.stream:
+            return StreamingResponse(self._stream(body, raw, request, started), media_type="text/event-stream")
+        await unless_disconnected(
+            raw, self._wait_finished(request), lambda: self._abort_if_running(request, "client disconnected")
+        )
+        # Aborts come back as 200 with the partial output: SGLang only turns aborts with status_code >= 400
+        # into HTTP errors, and the simulator's aborts (pause, abort_request, faults) carry none.
+        return json_response(self._output(body, request, started, (0, len(request.output_ids)), True))
+
+    @staticmethod
+    async def _wait_finished(request: SimRequest) -> None:
+        while not request.finished:
+            request.updated.clear()
+            await request.updated.wait()
+
+    async def _progress(self, raw: Request, request: SimRequest) -> AsyncIterator[tuple[int, bool]]:
+        """Yield (tokens so far, finished) as the output grows; the request is aborted if the client leaves."""
+        watcher = asyncio.create_task(
+            watch_disconnect(raw, lambda: self._abort_if_running(request, "client disconnected"))
+        )
+        sent = 0
+        try:
+            while True:
+                done = request.finished
+                end = len(request.output_ids)
+                if end > sent or done:
+                    yield end, done
+                    sent = end
+                if done:
+                    return
+                request.updated.clear()
+                if len(request.output_ids) == end and not request.finished:
+                    await request.updated.wait()
+        finally:
+            self._abort_if_running(request, "client disconnected")
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _stream(
+        self, body: GenerateReqInput, raw: Request, request: SimRequest, started: float
+    ) -> AsyncIterator[bytes]:
+        incremental = self.settings.incremental_streaming_output
+        sent = 0
+        async for end, done in self._progress(raw, request):
+            yield sse(self._output(body, request, started, (sent if incremental else 0, end), done))
+            sent = end
+        yield SSE_DONE
+
+    # -- weights ---------------------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput) -> Response:
+        engine = self.engine
+        if body.abort_all_requests:
+            engine.abort_all()
+        if engine.paused:  # a paused server updates at once, without the writer lock
+            return self._load(body)
+        await engine.drain()  # the writer lock: wait for in-flight requests, hold new ones
+        try:
+            return self._load(body)
+        finally:
+            engine.release()
+
+    def _load(self, body: UpdateWeightFromDiskReqInput) -> Response:
+        engine = self.engine
+        engine.load_weights(body.model_path)
+        if body.weight_version is not None:
+            engine.set_version(body.weight_version)
+        self.load_format = body.load_format or "auto"
+        if body.flush_cache and not engine.flush_cache():
+            # Observed on 0.5.23 after pause(in_place): weights and version switched, the radix cache kept.
+            return json_response(
+                {"success": False, "message": _FLUSH_REFUSED_AFTER_UPDATE, "num_paused_requests": 0}, 400
+            )
+        message = "Succeeded to update model weights."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    # -- info ------------------------------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "model_path": engine.weights,
+            "tokenizer_path": self.settings.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "served_model_name": engine.settings.model_name,
+            "load_format": self.load_format,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            **self.model_info(),
+            "version": SGLANG_VERSION,
+            "context_length": engine.settings.max_model_len,
+            "page_size": engine.settings.block_size,
+            "skip_tokenizer_init": self.settings.tokenizer_path is None,
+            "enable_return_routed_experts": engine.settings.routed_experts_output,
+            "incremental_streaming_output": self.settings.incremental_streaming_output,
+            "internal_states": [{"num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_waiting}],
+            "simulator": True,
+        }
+
+    def loads(self) -> dict[str, Any]:
+        engine = self.engine
+        running, waiting = engine.num_running, engine.num_waiting
+        tokens = sum(len(r.prompt) + len(r.output_ids) for r in engine.requests.values())
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            "num_used_tokens": tokens,
+        }
+        return {
+            "num_reqs": running + waiting,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_tokens": tokens,
+            "dp_rank_count": 1,
+            "loads": [load],
+        }
+
+
+def _dialect(raw: Request) -> SglangDialect:
+    dialect: SglangDialect = raw.app.state.dialect
+    return dialect
+
+
+def _engine(raw: Request) -> SimEngine:
+    return _dialect(raw).engine
+
+
+router = APIRouter()
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(raw: Request) -> Response:
+    # The body is parsed by the dialect, not FastAPI: which fields exist depends on the replica's settings.
+    return await _dialect(raw).generate(raw)
+
+
+@router.post("/abort_request")
+async def abort_request(raw: Request, body: AbortReq) -> Response:
+    engine = _engine(raw)
+    if body.abort_all:
+        engine.abort_all()
+    elif body.rid:
+        engine.abort(body.rid)
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(raw: Request, body: PauseGenerationReqInput | None = None) -> dict[str, str]:
+    await _engine(raw).pause(body.mode if body else "abort")
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(raw: Request, body: ContinueGenerationReqInput | None = None) -> dict[str, str]:
+    del body  # torch_empty_cache has nothing to free here
+    _engine(raw).resume()
+    return {"status": "ok"}
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(raw: Request, body: UpdateWeightFromDiskReqInput) -> Response:
+    return await _dialect(raw).update_weights_from_disk(body)
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(raw: Request, body: UpdateWeightVersionReqInput) -> dict[str, Any]:
+    engine = _engine(raw)
+    if body.abort_all_requests:
+        engine.abort_all()
+    engine.set_version(body.new_version)
+    return {
+        "success": True,
+        "message": f"Weight version updated to {body.new_version}.",
+        "new_version": body.new_version,
+    }
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(raw: Request) -> Response:
+    flushed = _engine(raw).flush_cache()
+    return Response(_FLUSH_MESSAGE, status_code=200 if flushed else 400, media_type="text/plain")
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(raw: Request) -> dict[str, Any]:
+    return _dialect(raw).model_info()
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(raw: Request) -> dict[str, Any]:
+    return _dialect(raw).server_info()
+
+
+@router.get("/get_weight_version")
+@router.get("/weight_version")
+async def deprecated_weight_version() -> Response:
+    return error_response("This endpoint is deprecated, use /model_info instead (it reports weight_version).", 404)
+
+
+@router.get("/health")
+@router.get("/health_generate")
+async def health() -> Response:
+    # /health_generate runs a 1-token generation on a real server; the simulated engine cannot fail one, so the
+    # faults that matter (slow start, hang, error rate) are applied by FaultMiddleware before we get here.
+    return Response(status_code=200)
+
+
+@router.get("/ready")
+async def ready(raw: Request) -> Response:
+    return Response(status_code=503 if _engine(raw).paused else 200)
+
+
+@router.get("/v1/loads")
+async def loads(raw: Request) -> dict[str, Any]:
+    return _dialect(raw).loads()
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    return Response(generate_latest(raw.app.state.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _on_validation(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError | ValidationError)
+    return error_response(_validation_message(exc.errors()), 400)
+
+
+async def _on_bad_request(_: Request, exc: Exception) -> Response:
+    return error_response(str(exc), 400)
+
+
+async def _on_http(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(str(exc.detail), exc.status_code)
+
+
+def create_sglang_app(settings: SimServerSettings) -> FastAPI:
+    """A FastAPI app that behaves like an SGLang 0.5.23 server (`/generate` and native control routes)."""
+    # SGLang always holds new requests while paused (`is_pause_cond.wait_for`); it never rejects them.
+    engine = SimEngine(dataclasses.replace(settings.engine, new_requests_while_paused="block"))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(lifespan=lifespan, title="rollout-gateway simulator (SGLang dialect)")
+    faults = FaultState(settings, engine)
+    app.state.dialect = SglangDialect(settings, engine)
+    app.state.faults = faults
+    app.state.registry = CollectorRegistry(auto_describe=True)
+    app.state.registry.register(SglangMetrics(engine))
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(ValidationError, _on_validation)
+    app.add_exception_handler(SimRequestError, _on_bad_request)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.include_router(router)
+    attach_common(app, engine, faults)
+    app.add_middleware(FaultMiddleware, faults=faults, error_body=error_body)
+    return app

@@ -1,0 +1,418 @@
+"""The vLLM adapter: one replica of a vLLM OpenAI server started with `VLLM_SERVER_DEV_MODE=1`.
+
+Behaviour follows ../shared/contracts (vLLM 0.33 from source, 0.32 observed); where the two differ both are
+handled. Transport per request:
+
+- no R3: streaming `POST /v1/completions` with token-id prompts (`return_token_ids` gives delta token ids,
+  `return_tokens_as_token_ids` keeps top logprobs keyed by id, `return_weight_versions` the version spans);
+- R3 with `--enable-scale-out`: streaming `POST /inference/v1/generate`, whose final chunk carries
+  `routed_experts`;
+- R3 without scale-out: non-streaming `POST /v1/completions`, the only completions transport that carries
+  `routed_experts` (streaming completion chunks have no such field); the tokens then arrive in one chunk.
+
+Weight updates use the dev-mode routes: `/collective_rpc reload_weights` (from a path), `/update_weight_version`,
+and `/reset_prefix_cache`, because vLLM does not flush the prefix cache when weights change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import httpx
+
+from backends.base import (
+    Capabilities,
+    Chunk,
+    FinishReason,
+    Load,
+    PauseMode,
+    ReplicaSpec,
+    SamplingParams,
+    VersionSpan,
+    translate_errors,
+)
+from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
+from backends.http_client import build_client, control_timeout, parse_gauges, probe, request, request_json, sse_events
+from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
+
+__all__ = ["VllmBackend"]
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+GENERATE = "/inference/v1/generate"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+# vLLM's finish reasons (v1/engine/__init__.py). `repetition` ends a request like a stop condition; `error`
+# is a failed request and raises instead.
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop",
+    "length": "length",
+    "abort": "abort",
+    "repetition": "stop",
+    "content_filter": "stop",
+}
+
+
+def completion_engine_id(request_id: str) -> str:
+    """The engine's id of a `/v1/completions` request sent with body `request_id` (prompt index 0)."""
+    return f"cmpl-{request_id}-0"
+
+
+def generate_engine_id(request_id: str) -> str:
+    """The engine's id of an `/inference/v1/generate` request."""
+    return f"generate-tokens-{request_id}"
+
+
+class VllmBackend:
+    """One vLLM replica behind the `EngineBackend` protocol; owns one pooled HTTP client (closed by `aclose`).
+
+    `generate` is an async generator: a consumer that stops early must close it (`contextlib.aclosing`), which
+    closes the HTTP stream, and vLLM aborts a request whose client went away.
+    """
+
+    def __init__(self, spec: ReplicaSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.url = spec.url
+        self._generate_endpoint = spec.routed_experts and spec.scale_out
+        self.capabilities = Capabilities(
+            pause_modes=frozenset({"abort", "keep", "wait"}),
+            routed_experts_out=spec.routed_experts,
+            routed_experts_in=spec.routed_experts_input,
+            streams_routed_experts=spec.scale_out,
+            version_spans=True,
+            token_endpoint=GENERATE if self._generate_endpoint else COMPLETIONS,
+            new_requests_while_paused=spec.new_requests_while_paused,
+        )
+        self._client = build_client(spec, transport)
+        self._control = control_timeout(spec.timeouts)
+        self._long = spec.timeouts.httpx()
+
+    def __repr__(self) -> str:
+        return f"VllmBackend(id={self.id!r}, url={self.url!r})"
+
+    # -- generation ----------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None = None,
+        experts_start: int = 0,
+    ) -> AsyncGenerator[Chunk, None]:
+        """Stream the new tokens of one request (see the module docstring for the transport)."""
+        replay = (
+            encode_npy_b64(routed_experts) if routed_experts is not None and self.spec.routed_experts_input else None
+        )
+        if self._generate_endpoint:
+            body = self._generate_body(token_ids, sampling, request_id, experts_start, replay)
+            return self._stream(GENERATE, body, sampling, len(token_ids), experts_start)
+        body = self._completion_body(token_ids, sampling, request_id, experts_start, replay)
+        if self.spec.routed_experts:
+            return self._complete_once(body, sampling, len(token_ids), experts_start)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        return self._stream(COMPLETIONS, body, sampling, len(token_ids), experts_start)
+
+    def _sampling_fields(self, sampling: SamplingParams) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": sampling.ignore_eos,
+            "min_tokens": sampling.min_tokens,
+            # 0 still returns the sampled token's logprob, which RL always needs.
+            "logprobs": sampling.top_logprobs,
+        }
+        if sampling.top_k is not None:
+            fields["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            fields["seed"] = sampling.seed
+        return fields
+
+    def _completion_body(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        experts_start: int,
+        replay: str | None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.spec.model,
+            "prompt": list(token_ids),
+            **self._sampling_fields(sampling),
+            "return_token_ids": True,
+            # Top logprobs are otherwise keyed by decoded text, and tokens that decode alike collapse.
+            "return_tokens_as_token_ids": True,
+            "return_weight_versions": True,
+            "request_id": request_id,  # the engine id becomes cmpl-<id>-0, which /abort_requests can name
+        }
+        if self.spec.routed_experts:
+            body["routed_experts_prompt_start"] = experts_start
+        if replay is not None:
+            body["replay_routed_experts"] = replay  # a simulator extension; real vLLM ignores unknown fields
+        return body
+
+    def _generate_body(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        experts_start: int,
+        replay: str | None,
+    ) -> dict[str, Any]:
+        params = self._sampling_fields(sampling)
+        if experts_start:
+            # A SamplingParams field in 0.33; an engine that ignores it returns every position and
+            # `_experts` slices locally.
+            params["routed_experts_prompt_start"] = experts_start
+        body: dict[str, Any] = {
+            "model": self.spec.model,
+            "token_ids": list(token_ids),
+            "sampling_params": params,
+            "request_id": request_id,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if replay is not None:
+            body["replay_routed_experts"] = replay
+        return body
+
+    async def _stream(
+        self, path: str, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+    ) -> AsyncGenerator[Chunk, None]:
+        # The finishing chunk is held back until the stream ends: the usage event (cached tokens) follows it.
+        final: Chunk | None = None
+        cached: int | None = None
+        produced = 0
+        async with contextlib.aclosing(sse_events(self._client, self.id, path, body)) as events:
+            async for event in events:
+                with translate_errors(self.id):
+                    if not isinstance(event, dict):
+                        raise TypeError(f"stream event is not an object: {event!r}")
+                    cached = _cached_tokens(event.get("usage")) if event.get("usage") else cached
+                    for choice in event.get("choices") or ():  # the usage event has none
+                        chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
+                        produced += len(chunk.token_ids)
+                        if chunk.finish_reason is not None:
+                            final = chunk
+                        elif chunk.token_ids:
+                            yield chunk
+        if final is None:
+            raise BackendUnavailable(
+                f"replica {self.id}: the stream ended before the request finished", replica=self.id
+            )
+        final.cached_tokens = cached
+        yield final
+
+    async def _complete_once(
+        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+    ) -> AsyncGenerator[Chunk, None]:
+        # A long read timeout: the whole generation happens before the first byte of the answer.
+        answer = await request_json(self._client, self.id, "POST", COMPLETIONS, json=body, timeout=self._long)
+        with translate_errors(self.id):
+            chunk = self._chunk(answer["choices"][0], COMPLETIONS, sampling, prompt_len, experts_start)
+            chunk.cached_tokens = _cached_tokens(answer.get("usage"))
+        if chunk.finish_reason is None:
+            raise BackendProtocolError(
+                f"replica {self.id}: a finished completion without finish_reason", replica=self.id
+            )
+        yield chunk
+
+    def _chunk(
+        self, choice: dict[str, Any], path: str, sampling: SamplingParams, before: int, experts_start: int
+    ) -> Chunk:
+        """One choice of an event (or of a whole answer) as a `Chunk`; `before` = prompt + tokens already seen."""
+        if not isinstance(choice, dict):
+            raise TypeError(f"choice is not an object: {choice!r}")
+        token_ids = [int(t) for t in choice.get("token_ids") or ()]
+        if path == GENERATE:
+            logprobs, top = _generate_logprobs(choice.get("logprobs"), token_ids)
+        else:
+            logprobs, top = _completion_logprobs(choice.get("logprobs"))
+        if len(logprobs) != len(token_ids):
+            raise BackendProtocolError(
+                f"replica {self.id}: {len(token_ids)} token ids but {len(logprobs)} logprobs", replica=self.id
+            )
+        chunk = Chunk(token_ids=token_ids, logprobs=logprobs)
+        if sampling.top_logprobs > 0:
+            if len(top) != len(token_ids):
+                raise BackendProtocolError(
+                    f"replica {self.id}: {len(token_ids)} token ids but {len(top)} top logprobs", replica=self.id
+                )
+            chunk.top_logprobs = top
+        reason = choice.get("finish_reason")
+        if reason is None:
+            return chunk
+        chunk.finish_reason = self._finish_reason(str(reason), choice)
+        stop_reason = choice.get("stop_reason")
+        chunk.stop_reason = stop_reason if isinstance(stop_reason, int | str) else None
+        spans = [
+            VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or ()
+        ]
+        if spans:
+            chunk.version_spans = spans
+            chunk.weight_version = spans[-1].version
+        if self.spec.routed_experts and choice.get("routed_experts") is not None:
+            total = before + len(token_ids) - 1  # every position but the last sampled token went through the model
+            chunk.routed_experts = _experts(str(choice["routed_experts"]), total, experts_start)
+        return chunk
+
+    def _finish_reason(self, reason: str, choice: dict[str, Any]) -> FinishReason:
+        if reason == "error":
+            raise BackendError(
+                f"replica {self.id}: the request failed in the engine (stop_reason={choice.get('stop_reason')!r})",
+                replica=self.id,
+                code="finish_reason_error",
+            )
+        mapped = _FINISH_REASONS.get(reason)
+        if mapped is None:
+            logger.warning("replica %s: unknown finish_reason %r, treated as stop", self.id, reason)
+            return "stop"
+        return mapped
+
+    # -- control -------------------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> None:
+        """Abort one request. Both engine ids are named: vLLM ignores ids it does not know, and the caller
+        need not know which transport the request took."""
+        ids = [completion_engine_id(request_id), generate_engine_id(request_id)]
+        # The answer says nothing useful: vLLM reports len(request_ids) as aborted, matched or not.
+        await request(
+            self._client, self.id, "POST", "/abort_requests", json={"request_ids": ids}, timeout=self._control
+        )
+
+    async def pause(self, mode: PauseMode) -> None:
+        """`POST /pause?mode=`; returns once the engine is paused (for `wait`, after in-flight requests drained,
+        hence the long read timeout)."""
+        timeout = self._long if mode == "wait" else self._control
+        answer = await self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
+        self._expect_status(answer, "paused")
+
+    async def resume(self) -> None:
+        answer = await self._call("POST", "/resume")
+        self._expect_status(answer, "resumed")
+
+    async def update_weights(self, version: str, source: str | None) -> bool:
+        """Reload weights from `source` (if given), relabel them `version`, then flush the prefix cache (vLLM
+        keeps KV computed under the old weights otherwise). Returns whether the flush succeeded."""
+        if source is not None:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": source}}
+            await self._call("POST", "/collective_rpc", json=rpc, timeout=self._long)
+        answer = await self._call("POST", "/update_weight_version", json={"new_version": version})
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise BackendError(
+                f"replica {self.id}: update_weight_version to {version!r} failed: {answer}",
+                replica=self.id,
+                code="update_weight_version",
+            )
+        return await self.flush_cache()
+
+    async def weight_version(self) -> str:
+        answer = await self._call("GET", "/weight_info")
+        with translate_errors(self.id):
+            return str(answer["weight_version"])
+
+    async def flush_cache(self) -> bool:
+        """`POST /reset_prefix_cache`: False while running requests hold cache blocks. An empty 200 (older
+        servers) counts as success."""
+        answer = await self._call("POST", "/reset_prefix_cache")
+        if isinstance(answer, dict):
+            return answer.get("success") is not False
+        return True
+
+    async def health(self) -> bool:
+        """True when `GET /health` answers 200; never raises."""
+        return await probe(self._client, self.id, "/health", timeout=self._control)
+
+    async def load(self) -> Load:
+        """Running and waiting requests from `/metrics`, summed over label sets (engines, models)."""
+        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._control)
+        with translate_errors(self.id):
+            gauges = parse_gauges(response.text, (RUNNING, WAITING))
+        running, waiting = gauges.get(RUNNING), gauges.get(WAITING)
+        return Load(
+            running=None if running is None else int(running),
+            waiting=None if waiting is None else int(waiting),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> Any:
+        return await request_json(
+            self._client, self.id, method, path, json=json, params=params, timeout=timeout or self._control
+        )
+
+    def _expect_status(self, answer: Any, status: str) -> None:
+        if isinstance(answer, dict) and answer.get("status") not in (None, status):
+            raise BackendProtocolError(f"replica {self.id}: expected status {status!r}, got {answer}", replica=self.id)
+
+
+def _cached_tokens(usage: Any) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`; vLLM sends null details without --enable-prompt-tokens-details."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
+
+
+def _token_id(key: str) -> int:
+    """`"token_id:1331"` → 1331 (the request asks for `return_tokens_as_token_ids`)."""
+    prefix, _, number = key.partition(":")
+    if prefix != "token_id":
+        raise ValueError(f"top logprob key {key!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
+    return int(number)
+
+
+def _completion_logprobs(logprobs: Any) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`CompletionLogProbs {token_logprobs, top_logprobs: [{"token_id:N": lp}]}` → (logprobs, top, best first)."""
+    if logprobs is None:
+        return [], []
+    values = [float(v) for v in logprobs["token_logprobs"]]
+    top = [
+        sorted(((_token_id(k), float(v)) for k, v in dict(entry or {}).items()), key=lambda kv: -kv[1])
+        for entry in logprobs.get("top_logprobs") or ()
+    ]
+    return values, top
+
+
+def _generate_logprobs(logprobs: Any, token_ids: list[int]) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`{content: [{token_id, logprob, top_logprobs: [{token_id, logprob}]}]}` → (logprobs, top)."""
+    if logprobs is None:
+        return [], []
+    content = logprobs["content"]
+    if [int(entry["token_id"]) for entry in content] != token_ids:
+        raise ValueError("logprobs.content token ids differ from the chunk's token_ids")
+    values = [float(entry["logprob"]) for entry in content]
+    top = [
+        [(int(alt["token_id"]), float(alt["logprob"])) for alt in entry.get("top_logprobs") or ()] for entry in content
+    ]
+    return values, top
+
+
+def _experts(payload: str, total: int, start: int) -> ExpertArray:
+    """Decode the `.npy` payload into positions [start, total). An engine that ignored the start field (the
+    generate endpoint of some versions) returns positions from 0: those are sliced off here."""
+    experts = decode_npy_b64(payload)
+    if start and len(experts) == total and total > start:
+        experts = experts[start:]
+    return experts

@@ -1,0 +1,556 @@
+"""`VllmBackend` against in-process simulator replicas speaking vLLM's protocol (real HTTP, real sockets).
+
+The last section drives the adapter with `httpx.MockTransport` for answers the simulator never gives (contract
+breaches, cut streams, older-server shapes): those are the adapter's error paths, not the simulator's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
+from backends.errors import (
+    BackendError,
+    BackendProtocolError,
+    BackendRejected,
+    BackendTimeout,
+    BackendUnavailable,
+)
+from backends.http_client import parse_gauges
+from backends.sim.engine import EngineSettings
+from backends.sim.model import ModelShape
+from backends.sim.reference import reference_tokens
+from backends.sim.server import SimReplica
+from backends.vllm import VllmBackend
+from tests.conftest import SimFactory
+from tests.sim_helpers import wait_for
+
+SHAPE = ModelShape()
+PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]
+INIT = ("init", "default")
+
+BackendFactory = Callable[..., VllmBackend]
+
+
+def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+@pytest.fixture
+async def backend_for() -> AsyncIterator[BackendFactory]:
+    """`backend_for(sim_or_url, **spec_fields)`: a VllmBackend closed after the test."""
+    backends: list[VllmBackend] = []
+
+    def make(
+        target: SimReplica | str, *, transport: httpx.AsyncBaseTransport | None = None, **spec: Any
+    ) -> VllmBackend:
+        url = target if isinstance(target, str) else target.url
+        backend = VllmBackend(ReplicaSpec(id="r0", url=url, **spec), transport=transport)
+        backends.append(backend)
+        return backend
+
+    yield make
+    for backend in backends:
+        await backend.aclose()
+
+
+async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
+    return [chunk async for chunk in chunks]
+
+
+def tokens_of(chunks: Sequence[Chunk]) -> list[int]:
+    return [t for chunk in chunks for t in chunk.token_ids]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------------
+
+
+async def test_stream_equals_reference(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.001))
+    backend = backend_for(sim)
+    assert isinstance(backend, EngineBackend)
+    assert backend.capabilities.token_endpoint == "/v1/completions"
+    chunks = await collect(backend.generate(PROMPT, greedy(24), "s1"))
+    assert tokens_of(chunks) == reference_tokens(SHAPE, PROMPT, INIT, 24, ignore_eos=True)
+    assert len(chunks) > 1  # streamed, not one answer
+    assert all(len(c.token_ids) == len(c.logprobs) and c.token_ids for c in chunks)
+    assert all(lp <= 0 for c in chunks for lp in c.logprobs)
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    final = chunks[-1]
+    assert final.version_spans == [VersionSpan("default", 0, 24)] and final.weight_version == "default"
+    assert final.top_logprobs is None and final.routed_experts is None and final.cached_tokens is None
+    assert all(c.version_spans is None for c in chunks[:-1])
+
+
+async def test_logprobs_match_the_engine_and_top_logprobs_are_keyed_by_id(
+    make_sim: SimFactory, backend_for: BackendFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    backend = backend_for(sim)
+    chunks = await collect(backend.generate(PROMPT, greedy(10, top_logprobs=3), "t1"))
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    expected = (await http.post(f"{sim.url}/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+    assert [lp for c in chunks for lp in c.logprobs] == expected["token_logprobs"]
+    for chunk in chunks:
+        assert chunk.top_logprobs is not None and len(chunk.top_logprobs) == len(chunk.token_ids)
+        for token, logprob, top in zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, strict=True):
+            assert len(top) == 3 and top[0] == (token, logprob)  # greedy: the sampled token is the best
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+async def test_stop_token_eos_and_cached_tokens(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", enable_prompt_tokens_details=True)
+    backend = backend_for(sim)
+    full = reference_tokens(SHAPE, PROMPT, INIT, 20, ignore_eos=True)
+    stop = full[5]
+    chunks = await collect(backend.generate(PROMPT, greedy(20, stop_token_ids=(stop,)), "st"))
+    assert tokens_of(chunks) == full[: full.index(stop) + 1]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
+    assert chunks[-1].cached_tokens == 0
+    prompt = list(range(10, 50))  # two full 16-token blocks can be reused by the second request
+    await collect(backend.generate(prompt, greedy(2), "c1"))
+    assert (await collect(backend.generate(prompt, greedy(2), "c2")))[-1].cached_tokens == 32
+    eos_sim = await make_sim("vllm", engine=EngineSettings(shape=ModelShape(eos_prob=0.5)))
+    chunks = await collect(backend_for(eos_sim).generate(PROMPT, SamplingParams(max_tokens=64, temperature=0), "e"))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason is None
+    assert tokens_of(chunks)[-1] == SHAPE.eos_token_id
+
+
+async def test_consumer_closing_early_aborts_the_request(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
+    stream = backend_for(sim).generate(PROMPT, greedy(1000), "early")
+    async with contextlib.aclosing(stream):
+        async for _ in stream:
+            if sim.engine.counters["generation_tokens"] >= 5:
+                break
+    await wait_for(lambda: sim.engine.counters["finished_abort"] == 1, what="disconnect abort")
+    assert sim.engine.num_running == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Abort, pause, resume, weights
+# ----------------------------------------------------------------------------------------------------------
+
+
+async def generate_until(
+    backend: VllmBackend, sampling: SamplingParams, request_id: str, ready: asyncio.Event, after: int = 10
+) -> list[Chunk]:
+    """Consume a generation, setting `ready` once `after` tokens arrived."""
+    chunks: list[Chunk] = []
+    async for chunk in backend.generate(PROMPT, sampling, request_id):
+        chunks.append(chunk)
+        if len(tokens_of(chunks)) >= after:
+            ready.set()
+    ready.set()
+    return chunks
+
+
+@pytest.mark.parametrize("scale_out", [False, True])
+async def test_abort_mid_stream_returns_a_prefix(
+    make_sim: SimFactory, backend_for: BackendFactory, scale_out: bool
+) -> None:
+    engine = EngineSettings(token_delay_s=0.002, routed_experts_output=scale_out)
+    sim = await make_sim("vllm", engine=engine, enable_scale_out=scale_out)
+    backend = backend_for(sim, routed_experts=scale_out, scale_out=scale_out)
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(500), "ab", ready))
+    await ready.wait()
+    await backend.abort("ab")
+    chunks = await task
+    partial = tokens_of(chunks)
+    assert chunks[-1].finish_reason == "abort" and 10 <= len(partial) < 500
+    assert partial == reference_tokens(SHAPE, PROMPT, INIT, len(partial), ignore_eos=True)
+
+
+async def test_pause_abort_then_resume(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
+    backend = backend_for(sim)
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(150), "pa", ready))
+    await ready.wait()
+    await backend.pause("abort")
+    assert sim.engine.paused
+    chunks = await task
+    assert chunks[-1].finish_reason == "abort"
+    await backend.resume()
+    assert not sim.engine.paused
+    partial = tokens_of(chunks)
+    rest = tokens_of(await collect(backend.generate(PROMPT + partial, greedy(150 - len(partial)), "pa2")))
+    assert partial + rest == reference_tokens(SHAPE, PROMPT, INIT, 150, ignore_eos=True)
+
+
+async def test_pause_wait_drains_and_keep_freezes(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.001))
+    backend = backend_for(sim)
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(60), "w", ready, after=1))
+    await ready.wait()
+    await backend.pause("wait")  # returns only once the in-flight request has finished in the engine
+    assert sim.engine.counters["finished_length"] == 1 and not sim.engine.requests
+    assert (await task)[-1].finish_reason == "length"
+    await backend.resume()
+
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(200), "k", ready, after=5))
+    await ready.wait()
+    await backend.pause("keep")
+    frozen = sim.engine.counters["generation_tokens"]
+    assert sim.engine.frozen and not task.done() and sim.engine.num_running == 1
+    await backend.resume()
+    chunks = await task
+    assert sim.engine.counters["generation_tokens"] > frozen
+    assert chunks[-1].finish_reason == "length"
+    assert tokens_of(chunks) == reference_tokens(SHAPE, PROMPT, INIT, 200, ignore_eos=True)
+
+
+async def test_keep_mode_update_gives_version_spans(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.001))
+    backend = backend_for(sim)
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(120), "kv", ready))
+    await ready.wait()
+    await backend.pause("keep")
+    # The frozen request still holds KV, so the prefix cache cannot be flushed yet.
+    assert await backend.update_weights("v2", "ckpt2") is False
+    assert await backend.weight_version() == "v2"
+    await backend.resume()
+    final = (chunks := await task)[-1]
+    assert final.version_spans is not None and final.weight_version == "v2"
+    k = final.version_spans[0].end
+    assert final.version_spans == [VersionSpan("default", 0, k), VersionSpan("v2", k, 120)]
+    per_token = [INIT] * k + [("ckpt2", "v2")] * (120 - k)
+    assert tokens_of(chunks) == reference_tokens(SHAPE, PROMPT, per_token, 120, ignore_eos=True)
+    assert await backend.flush_cache() is True  # nothing holds KV any more
+
+
+async def test_update_weights_changes_outputs(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm")
+    backend = backend_for(sim)
+    assert await backend.weight_version() == "default"
+    before = tokens_of(await collect(backend.generate(PROMPT, greedy(12), "u0")))
+    assert await backend.update_weights("v3", "w3") is True
+    assert await backend.weight_version() == "v3" and sim.engine.weights == "w3"
+    after = tokens_of(await collect(backend.generate(PROMPT, greedy(12), "u1")))
+    assert after == reference_tokens(SHAPE, PROMPT, ("w3", "v3"), 12, ignore_eos=True) != before
+    assert await backend.update_weights("v4", None) is True  # synced out of band: only the label changes
+    assert sim.engine.weights == "w3" and await backend.weight_version() == "v4"
+    again = tokens_of(await collect(backend.generate(PROMPT, greedy(12), "u2")))
+    assert again == reference_tokens(SHAPE, PROMPT, ("w3", "v4"), 12, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routed experts (R3)
+# ----------------------------------------------------------------------------------------------------------
+
+
+async def test_routed_experts_non_stream_and_scale_out(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    engine = EngineSettings(routed_experts_output=True, token_delay_s=0.001)
+    sim = await make_sim("vllm", engine=engine, enable_scale_out=True)
+    plain = backend_for(sim, routed_experts=True)
+    assert plain.capabilities.token_endpoint == "/v1/completions" and plain.capabilities.routed_experts_out
+    chunks = await collect(plain.generate(PROMPT, greedy(6), "x1", experts_start=3))
+    assert len(chunks) == 1  # non-streaming: the only completions transport carrying experts
+    (chunk,) = chunks
+    assert chunk.routed_experts is not None and chunk.finish_reason == "length"
+    assert chunk.routed_experts.shape == (len(PROMPT) + 6 - 1 - 3, SHAPE.num_layers, SHAPE.top_k)
+    assert chunk.token_ids == reference_tokens(SHAPE, PROMPT, INIT, 6, ignore_eos=True)
+    assert chunk.version_spans == [VersionSpan("default", 0, 6)]
+    (whole,) = await collect(plain.generate(PROMPT, greedy(6), "x2"))
+    assert whole.routed_experts is not None and np.array_equal(whole.routed_experts[3:], chunk.routed_experts)
+
+    scaled = backend_for(sim, routed_experts=True, scale_out=True)
+    caps = scaled.capabilities
+    assert caps.token_endpoint == "/inference/v1/generate" and caps.streams_routed_experts
+    chunks = await collect(scaled.generate(PROMPT, greedy(6, top_logprobs=2), "x3", experts_start=3))
+    assert len(chunks) > 1 and all(c.routed_experts is None for c in chunks[:-1])
+    final = chunks[-1]
+    assert tokens_of(chunks) == chunk.token_ids
+    assert [lp for c in chunks for lp in c.logprobs] == chunk.logprobs
+    assert all(c.top_logprobs is not None and len(c.top_logprobs[0]) == 2 for c in chunks)
+    assert final.routed_experts is not None and np.array_equal(final.routed_experts, chunk.routed_experts)
+    assert final.version_spans == [VersionSpan("default", 0, 6)]
+
+
+async def test_routed_experts_off_or_null(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm")  # engine started without routed-experts capture: the field is null
+    (chunk,) = await collect(backend_for(sim, routed_experts=True).generate(PROMPT, greedy(4), "n1"))
+    assert chunk.routed_experts is None and len(chunk.token_ids) == 4
+
+
+@pytest.mark.parametrize("scale_out", [False, True])
+async def test_replay_input_sent_only_when_enabled(
+    make_sim: SimFactory, backend_for: BackendFactory, scale_out: bool
+) -> None:
+    engine = EngineSettings(routed_experts_output=True, routed_experts_input=True)
+    sim = await make_sim("vllm", engine=engine, enable_scale_out=scale_out)
+    given = np.full((len(PROMPT), SHAPE.num_layers, SHAPE.top_k), 7, dtype=np.uint8)
+    replaying = backend_for(sim, routed_experts=True, routed_experts_input=True, scale_out=scale_out)
+    assert replaying.capabilities.routed_experts_in
+    chunks = await collect(replaying.generate(PROMPT, greedy(4), "p1", routed_experts=given))
+    experts = chunks[-1].routed_experts
+    assert experts is not None and (experts[: len(PROMPT)] == 7).all() and not (experts[len(PROMPT) :] == 7).all()
+    silent = backend_for(sim, routed_experts=True, scale_out=scale_out)
+    assert not silent.capabilities.routed_experts_in
+    experts = (await collect(silent.generate(PROMPT, greedy(4), "p2", routed_experts=given)))[-1].routed_experts
+    assert experts is not None and not (experts[: len(PROMPT)] == 7).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Failures, health, load, lifecycle
+# ----------------------------------------------------------------------------------------------------------
+
+
+async def test_engine_errors_are_translated(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", error_rate=1.0)
+    with pytest.raises(BackendError) as failed:
+        await collect(backend_for(sim).generate(PROMPT, greedy(4), "e1"))
+    assert type(failed.value) is BackendError and failed.value.code == "500" and failed.value.retryable
+    assert await backend_for(sim).health() is True  # only generation fails
+
+    good = await make_sim("vllm")
+    with pytest.raises(BackendRejected) as rejected:
+        await collect(backend_for(good).generate([1, 99999], greedy(4), "e2"))
+    assert "out of vocabulary" in rejected.value.message and not rejected.value.retryable
+    with pytest.raises(BackendRejected):  # the non-streaming R3 transport too
+        await collect(backend_for(good, routed_experts=True).generate([1, 99999], greedy(4), "e3"))
+
+
+async def test_paused_replica_rejecting_new_requests(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(new_requests_while_paused="reject"))
+    backend = backend_for(sim, new_requests_while_paused="reject")
+    assert backend.capabilities.new_requests_while_paused == "reject"
+    await backend.pause("abort")
+    with pytest.raises(BackendUnavailable, match="503"):
+        await collect(backend.generate(PROMPT, greedy(4), "rj"))
+    await backend.resume()
+    assert len(tokens_of(await collect(backend.generate(PROMPT, greedy(4), "rj2")))) == 4
+
+
+async def test_unreachable_replica(backend_for: BackendFactory) -> None:
+    backend = backend_for(f"http://127.0.0.1:{free_port()}", timeouts=Timeouts(connect=1.0))
+    with pytest.raises(BackendUnavailable):
+        await collect(backend.generate(PROMPT, greedy(4), "down"))
+    with pytest.raises(BackendUnavailable):
+        await backend.pause("abort")
+    assert await backend.health() is False
+
+
+async def test_hung_replica_times_out(
+    make_sim: SimFactory, backend_for: BackendFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    backend = backend_for(sim, timeouts=Timeouts(read=0.2, control=0.2))
+    await http.post(f"{sim.url}/sim/faults", json={"hang": True})
+    try:
+        with pytest.raises(BackendTimeout):
+            await collect(backend.generate(PROMPT, greedy(4), "hang"))
+        with pytest.raises(BackendTimeout):
+            await backend.weight_version()
+        assert await backend.health() is False
+    finally:
+        await http.post(f"{sim.url}/sim/faults", json={"hang": False})
+    assert await backend.health() is True
+
+
+async def test_load_counts_running_requests(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
+    backend = backend_for(sim)
+    assert await backend.load() == Load(running=0, waiting=0)
+    ready = asyncio.Event()
+    task = asyncio.create_task(generate_until(backend, greedy(2000), "ld", ready, after=1))
+    await ready.wait()
+    assert await backend.load() == Load(running=1, waiting=0)
+    await backend.abort("ld")
+    assert (await task)[-1].finish_reason == "abort"
+
+
+async def test_aclose_closes_the_client(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    sim = await make_sim("vllm")
+    backend = backend_for(sim)
+    assert await backend.health() is True
+    await backend.aclose()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await collect(backend.generate(PROMPT, greedy(4), "closed"))
+    with pytest.raises(BackendUnavailable, match="closed"):
+        await backend.weight_version()
+    assert await backend.health() is False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Answers the simulator never gives: contract breaches, cut streams, other server versions (MockTransport)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sse_body(*events: Any, done: bool = True) -> bytes:
+    body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+    return body + (b"data: [DONE]\n\n" if done else b"")
+
+
+def choice(token_ids: list[int], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    logprobs = {"token_logprobs": [-0.5] * len(token_ids), "top_logprobs": [{f"token_id:{t}": -0.5} for t in token_ids]}
+    return {"choices": [{"index": 0, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish, **extra}]}
+
+
+def mock(handler: Callable[[httpx.Request], httpx.Response]) -> httpx.MockTransport:
+    return httpx.MockTransport(handler)
+
+
+def replying(body: bytes, status: int = 200) -> httpx.MockTransport:
+    return mock(lambda _: httpx.Response(status, content=body))
+
+
+async def test_request_body_follows_the_contract(backend_for: BackendFactory) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/pause":
+            return httpx.Response(200, json={"status": "paused"})
+        if request.url.path == "/abort_requests":
+            return httpx.Response(200, json={"status": "aborted", "aborted": 2})
+        return httpx.Response(200, content=sse_body(choice([9], "length")))
+
+    backend = backend_for("http://vllm", transport=mock(handler))
+    sampling = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, seed=3, stop_token_ids=(2,))
+    await collect(backend.generate([1, 2, 3], sampling, "rq"))
+    body = orjson.loads(seen[0].content)
+    assert seen[0].url.path == "/v1/completions"
+    assert body == {
+        "model": "tiny",
+        "prompt": [1, 2, 3],
+        "max_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 3,
+        "stop_token_ids": [2],
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "return_weight_versions": True,
+        "request_id": "rq",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    await backend.abort("rq")
+    assert orjson.loads(seen[1].content) == {"request_ids": ["cmpl-rq-0", "generate-tokens-rq"]}
+    await backend.pause("keep")
+    assert seen[2].url.path == "/pause" and seen[2].url.params["mode"] == "keep"
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (sse_body(choice([1, 2])), BackendUnavailable),  # [DONE] without a finish reason
+        (sse_body(choice([1, 2]), done=False), BackendUnavailable),  # connection closed mid-request
+        (sse_body({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]}), BackendProtocolError),
+        (sse_body({"choices": [{"token_ids": [1], "logprobs": None, "finish_reason": None}]}), BackendProtocolError),
+        (sse_body({"choices": "nope"}), BackendProtocolError),
+        (b"data: [1, 2]\n\n", BackendProtocolError),
+        (b"data: {not json\n\n", BackendProtocolError),
+        (
+            sse_body(choice([1]), {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}),
+            BackendError,
+        ),
+        (sse_body({"object": "error", "message": "bad", "code": 400}), BackendRejected),
+        (sse_body(choice([1], "error")), BackendError),
+    ],
+)
+async def test_stream_breaches(backend_for: BackendFactory, body: bytes, error: type[BackendError]) -> None:
+    backend = backend_for("http://vllm", transport=replying(body))
+    with pytest.raises(error) as raised:
+        await collect(backend.generate(PROMPT, greedy(4), "b"))
+    assert type(raised.value) is error
+
+
+async def test_top_logprob_keys_must_be_token_ids(backend_for: BackendFactory) -> None:
+    event = choice([1], "length")
+    event["choices"][0]["logprobs"]["top_logprobs"] = [{"hello": -0.5}]
+    backend = backend_for("http://vllm", transport=replying(sse_body(event)))
+    with pytest.raises(BackendProtocolError, match="token_id"):
+        await collect(backend.generate(PROMPT, greedy(4, top_logprobs=1), "k"))
+
+
+async def test_stream_cut_by_a_transport_error(backend_for: BackendFactory) -> None:
+    async def cut() -> AsyncIterator[bytes]:
+        yield sse_body(choice([1, 2]), done=False)
+        raise httpx.ReadError("connection reset by peer")
+
+    backend = backend_for("http://vllm", transport=mock(lambda _: httpx.Response(200, content=cut())))
+    received: list[Chunk] = []
+    with pytest.raises(BackendUnavailable, match="ReadError"):
+        async for chunk in backend.generate(PROMPT, greedy(4), "cut"):
+            received.append(chunk)
+    assert tokens_of(received) == [1, 2]  # what arrived before the cut was delivered
+
+
+async def test_other_finish_reasons_and_usage(backend_for: BackendFactory) -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 128}}}
+    body = sse_body(choice([4]), choice([5], "repetition", stop_reason=None), usage)
+    chunks = await collect(backend_for("http://vllm", transport=replying(body)).generate(PROMPT, greedy(4), "r"))
+    assert [c.token_ids for c in chunks] == [[4], [5]]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].cached_tokens == 128
+    body = sse_body(choice([4], "something_new"))
+    chunks = await collect(backend_for("http://vllm", transport=replying(body)).generate(PROMPT, greedy(4), "n"))
+    assert chunks[-1].finish_reason == "stop"
+
+
+async def test_older_server_answers(backend_for: BackendFactory) -> None:
+    """vLLM 0.32 shapes: empty 200 bodies, `{"success": ...}` version updates, refused cache resets."""
+    answers = {
+        "/collective_rpc": (200, b'{"results":[null]}'),
+        "/update_weight_version": (200, b'{"success":true,"new_version":"s7"}'),
+        "/reset_prefix_cache": (200, b""),
+        "/pause": (200, b'{"status":"paused"}'),
+        "/resume": (200, b""),
+    }
+    transport = mock(lambda r: httpx.Response(answers[r.url.path][0], content=answers[r.url.path][1]))
+    backend = backend_for("http://vllm", transport=transport)
+    assert await backend.update_weights("s7", "/ckpt") is True
+    await backend.resume()
+    answers["/reset_prefix_cache"] = (200, b'{"success":false}')
+    assert await backend.flush_cache() is False
+    answers["/update_weight_version"] = (200, b'{"success":false,"message":"no"}')
+    with pytest.raises(BackendError, match="update_weight_version"):
+        await backend.update_weights("s8", None)
+    answers["/pause"] = (400, b'{"error":"Invalid mode"}')
+    with pytest.raises(BackendRejected):
+        await backend.pause("keep")
+    answers["/pause"] = (200, b'{"status":"something else"}')
+    with pytest.raises(BackendProtocolError):
+        await backend.pause("keep")
+
+
+async def test_load_sums_label_sets(backend_for: BackendFactory) -> None:
+    metrics = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+vllm:num_requests_running_total_something{engine="0"} 100.0
+vllm:num_requests_waiting{engine="0",model_name="a b"} 4.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+"""
+    backend = backend_for("http://vllm", transport=replying(metrics))
+    assert await backend.load() == Load(running=5, waiting=4)
+    assert await backend_for("http://vllm", transport=replying(b"# nothing\n")).load() == Load()
+    assert parse_gauges("", ["x"]) == {}

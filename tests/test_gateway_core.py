@@ -1,0 +1,384 @@
+"""The gateway's core over real simulator replicas and real HTTP: resume invariants, versions, routing, admin."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from backends.routed_experts import decode_npy_b64
+from backends.sim.engine import EngineSettings
+from backends.sim.model import PREFIX_HASH_START, TokenModel, extend_prefix_hash, weights_key
+from gateway.config import ReplicaConfig
+from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway_helpers import (
+    SHAPE,
+    expected_tokens,
+    generate_body,
+    publish,
+    stream_generate,
+    weights_of,
+)
+from tests.sim_helpers import wait_for
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+def slow(dialect: str, delay: float = 0.002, **engine: Any) -> tuple[str, EngineSettings]:
+    return dialect, EngineSettings(token_delay_s=delay, block_size=16 if dialect == "vllm" else 1, **engine)
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+@pytest.mark.parametrize("updates", [1, 3, 5])
+async def test_abort_invisibility_across_k_updates(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str, updates: int
+) -> None:
+    d, engine = slow(dialect)
+    sim = await make_sim(d, engine=engine)
+    gw = await make_gateway([sim])
+    total = 300
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, total), progress))
+    for version in range(1, updates + 1):
+        await wait_for(lambda v=version: progress[0] >= v * total // (updates + 1), what=f"progress before v{version}")
+        assert (await publish(http, gw.url, version)).status_code == 200
+    result = await task
+    assert result.error is None
+    final = result.final
+    assert final["finish_reason"] == "length"
+    assert len(result.output_ids) == total == len(final["versions"]) == len(result.logprobs)
+    assert final["versions"] == sorted(final["versions"])  # never decrease
+    assert set(final["versions"]) == set(range(updates + 1))  # every update landed inside this request
+    assert result.output_ids == expected_tokens(PROMPT, final["versions"], total)
+    assert final["num_resumes"] == updates
+
+
+async def test_concurrent_streams_while_updates_fire(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim(*slow("vllm", 0.003)), await make_sim(*slow("sglang", 0.003))]
+    gw = await make_gateway(sims)
+    total, n = 120, 200
+    progress = [0]
+    # The streams get their own client: the shared one's pool (100 connections) must stay free for admin calls.
+    streams = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n))
+    tasks = [
+        asyncio.create_task(
+            stream_generate(streams, gw.url, generate_body([7, i % 100, 3], total, session_id=f"s{i}"), progress)
+        )
+        for i in range(n)
+    ]
+    version = 0
+    while not all(t.done() for t in tasks) and version < 4:
+        await wait_for(lambda v=version: progress[0] >= (v + 1) * n * total // 6 or all(t.done() for t in tasks))
+        version += 1
+        assert (await publish(http, gw.url, version)).status_code == 200
+    results = await asyncio.gather(*tasks)
+    await streams.aclose()
+    spanning = 0
+    for i, result in enumerate(results):
+        versions = result.final["versions"]
+        assert result.error is None and result.final["finish_reason"] == "length"
+        assert result.output_ids == expected_tokens([7, i % 100, 3], versions, total)
+        assert versions == sorted(versions)
+        spanning += len(set(versions)) > 1
+    assert spanning > n // 2
+
+
+async def test_replica_killed_mid_generation_completes_elsewhere(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    from backends.sim.server import SimProcess
+
+    procs = [SimProcess(["--token-delay", "0.003"]) for _ in range(2)]
+    for proc in procs:
+        await asyncio.to_thread(proc.start)
+    try:
+        gw = await make_gateway([ReplicaConfig(url=p.url, backend="sim", dialect="vllm") for p in procs])
+        progress = [0]
+        body = generate_body(PROMPT, 400, session_id="crash-me")
+        task = asyncio.create_task(stream_generate(http, gw.url, body, progress))
+        await wait_for(lambda: progress[0] >= 50, what="tokens before the kill")
+        victim = gw.services.pool.placements["crash-me"]
+        proc = next(p for p in procs if p.url.endswith(victim.split(":")[-1]))
+        await asyncio.to_thread(proc.kill)
+        result = await task
+        assert result.error is None and result.final["finish_reason"] == "length"
+        assert result.output_ids == expected_tokens(PROMPT, result.final["versions"], 400)
+        assert len(set(result.final["replicas"])) == 2  # finished on the other replica
+        assert result.final["num_resumes"] >= 1
+    finally:
+        for proc in procs:
+            await asyncio.to_thread(proc.stop)
+
+
+def _expected_experts(prompt: list[int], output: list[int], wkeys: list[int]) -> np.ndarray:
+    hashes, state = [], PREFIX_HASH_START
+    for token in prompt + output:
+        state = extend_prefix_hash(state, token)
+        hashes.append(state)
+    n = len(prompt) + len(output) - 1
+    return TokenModel(SHAPE).routed_experts(hashes[:n], wkeys[:n])
+
+
+@pytest.mark.parametrize("policy", ["splice", "replace"])
+async def test_routed_experts_splice_and_replace(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, policy: str
+) -> None:
+    sim = await make_sim(*slow("vllm", routed_experts_output=True))
+    config = ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", routed_experts=True)
+    gw = await make_gateway([config], generation={"routed_experts": policy})
+    total = 200
+    task = asyncio.create_task(
+        http.post(f"{gw.url}/generate", json=generate_body(PROMPT, total, return_routed_experts=True))
+    )
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 60, what="tokens")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    body = (await task).json()
+    versions, output = body["versions"], body["output_ids"]
+    assert body["num_resumes"] == 1 and output == expected_tokens(PROMPT, versions, total)
+    experts = decode_npy_b64(body["routed_experts"])
+    assert experts.shape == (len(PROMPT) + total - 1, SHAPE.num_layers, SHAPE.top_k)
+    cut = len(PROMPT) + versions.index(1) - 1  # the first position forwarded by the continuation
+    old, new = weights_key(*weights_of(0)), weights_key(*weights_of(1))
+    if policy == "splice":
+        wkeys = [old] * cut + [new] * (len(PROMPT) + total - 1 - cut)
+    else:
+        wkeys = [new] * (len(PROMPT) + total - 1)  # the engine's latest view: everything re-prefilled under v1
+    assert np.array_equal(experts, _expected_experts(PROMPT, output, wkeys))
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_keep_mode_versions_come_from_engine_spans(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str
+) -> None:
+    sim = await make_sim(*slow(dialect))
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 0  # the request stayed in the engine
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
+async def test_wait_mode_drains_before_updating(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(*slow("sglang"))  # no native wait: the gateway drains its own in-flight requests
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 150), progress))
+    await wait_for(lambda: progress[0] >= 20, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="wait")).status_code == 200
+    result = await task
+    assert set(result.final["versions"]) == {0} and result.final["num_resumes"] == 0
+    after = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 10))).json()
+    assert after["versions"] == [1] * 10
+
+
+@pytest.mark.parametrize("behaviour", ["block", "reject"])
+async def test_engine_paused_behind_the_gateways_back(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, behaviour: str
+) -> None:
+    sim = await make_sim("vllm", engine=EngineSettings(new_requests_while_paused=behaviour))  # type: ignore[arg-type]
+    gw = await make_gateway([sim], routing={"failure_threshold": 100})
+    await http.post(f"{sim.url}/pause", params={"mode": "abort"})  # an operator paused the engine directly
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 5)))
+    if behaviour == "block":
+        await wait_for(lambda: sim.engine.held == 1, what="held in the engine")
+    else:
+        await wait_for(lambda: gw.services.generator.resumes_total >= 1, what="a 503 and a retry")
+    await http.post(f"{sim.url}/resume")
+    body = (await task).json()
+    assert body["finish_reason"] == "length" and body["output_ids"] == expected_tokens(PROMPT, [0] * 5, 5)
+
+
+async def test_new_requests_wait_during_an_update(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    await http.post(f"{gw.url}/admin/pause", json={"mode": "abort"}, headers=ADMIN)
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 5)))
+    await asyncio.wait({task}, timeout=0.3)
+    assert not task.done() and sim.engine.counters["prompt_tokens"] == 0  # held by the gateway, not the engine
+    ready = await http.get(f"{gw.url}/ready")
+    assert ready.status_code == 503
+    resumed = await http.post(f"{gw.url}/admin/resume", json={"version": 1}, headers=ADMIN)
+    assert resumed.json()["updated"] == [gw.services.pool.all()[0].id]
+    assert (await task).json()["versions"] == [1] * 5
+
+
+async def test_admin_auth_and_conflicts(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    body = {"version": 1, "path": "ckpt-1"}
+    missing = await http.post(f"{gw.url}/admin/weights", json=body)
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    wrong = await http.post(f"{gw.url}/admin/weights", json=body, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 403
+    assert gw.services.weights.version == 0  # no state change
+    assert (await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)).status_code == 200
+    again = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
+    assert again.status_code == 409 and again.json()["error"]["param"] == "version"
+    older = await http.post(f"{gw.url}/admin/weights", json={"version": 0}, headers=ADMIN)
+    assert older.status_code == 409
+    bad = await http.post(f"{gw.url}/admin/weights", json={"version": "x"}, headers=ADMIN)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "version"
+    assert (await http.post(f"{gw.url}/admin/resume", json={"version": 5}, headers=ADMIN)).status_code == 409
+
+
+async def test_health_ejects_and_readmits(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    a, b = await make_sim("vllm"), await make_sim("vllm")
+    gw = await make_gateway([a, b])
+    pool = gw.services.pool
+    await http.post(f"{a.url}/sim/faults", json={"ready": False})  # /health answers 503
+    await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")
+    for i in range(10):
+        body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id=f"h{i}"))).json()
+        assert body["replicas"] == [b.url.removeprefix("http://")]
+    await http.post(f"{a.url}/sim/faults", json={"ready": True})
+    await wait_for(lambda: len(pool.candidates()) == 2, what="readmission")
+
+
+async def test_sessions_stick_and_new_sessions_spread(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim("vllm") for _ in range(3)]
+    gw = await make_gateway(sims)
+    homes = {}
+    for session in ("alpha", "beta", "gamma", "delta"):
+        seen = set()
+        for _ in range(5):
+            body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id=session))).json()
+            seen.update(body["replicas"])
+        assert len(seen) == 1
+        homes[session] = seen.pop()
+    assert gw.services.pool.affinity.ratio == 1.0
+    # Bounded load: while one replica is busy, new sessions avoid it even where HRW prefers it.
+    slow_sim = await make_sim(*slow("vllm", 0.01))
+    gw2 = await make_gateway([slow_sim, await make_sim("vllm")], routing={"balance_factor": 0.0})
+    busy = [
+        asyncio.create_task(http.post(f"{gw2.url}/generate", json=generate_body(PROMPT, 300, session_id=f"b{i}")))
+        for i in range(4)
+    ]
+    await wait_for(lambda: sum(r.in_flight for r in gw2.services.pool.all()) == 4, what="4 in flight")
+    loads = sorted(r.in_flight for r in gw2.services.pool.all())
+    assert loads[0] >= 1  # spread over both replicas rather than piled on one
+    for task in busy:
+        task.cancel()
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"input_ids": [], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1, 999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1, -3], "sampling_params": {"max_tokens": 4}}, "input_ids.1", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens", 400),
+        ({"input_ids": [1]}, "sampling_params", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 4}, "bogus": 1}, "bogus", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 4, "top_p": 0}}, "sampling_params.top_p", 400),
+    ],
+)
+async def test_generate_rejects_bad_input(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    body: dict[str, Any],
+    param: str,
+    status: int,
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    response = await http.post(f"{gw.url}/generate", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert sim.engine.counters["prompt_tokens"] == 0  # nothing reached the engine
+
+
+async def test_malformed_json_is_400(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    headers = {"content-type": "application/json"}
+    response = await http.post(f"{gw.url}/generate", content=b"{not json", headers=headers)
+    assert response.status_code == 400 and "error" in response.json()
+
+
+async def test_client_disconnect_aborts_engine_request(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(*slow("vllm"))
+    gw = await make_gateway([sim])
+    async with http.stream("POST", f"{gw.url}/generate", json=generate_body(PROMPT, 2000, stream=True)) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and sim.engine.counters["generation_tokens"] > 20:
+                break
+    await wait_for(lambda: sim.engine.counters["finished_abort"] == 1, what="engine abort after a stream disconnect")
+    impatient = httpx.AsyncClient(timeout=httpx.Timeout(5.0, read=0.3))
+    with pytest.raises(httpx.ReadTimeout):
+        await impatient.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2000))
+    await impatient.aclose()
+    await wait_for(lambda: sim.engine.counters["finished_abort"] == 2, what="engine abort after a disconnect")
+    await wait_for(lambda: gw.services.pool.all()[0].in_flight == 0, what="lease released")
+
+
+async def test_stale_replica_is_held_out_until_a_later_update(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    good, bad = await make_sim("vllm"), await make_sim("vllm", engine=EngineSettings(), dev_mode=False)
+    gw = await make_gateway([good, bad], routing={"health_interval_s": 30})
+    report = (await publish(http, gw.url, 1)).json()
+    bad_id = bad.url.removeprefix("http://")
+    assert report["stale"] == [bad_id] and report["updated"] == [good.url.removeprefix("http://")]
+    for i in range(6):
+        body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"x{i}"))).json()
+        assert body["replicas"] == [good.url.removeprefix("http://")] and body["versions"] == [1, 1, 1]
+    status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+    assert {r["id"]: r["stale"] for r in status["replicas"]}[bad_id] is True
+
+
+async def test_replicas_added_and_removed_at_run_time(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    first = await make_sim("vllm")
+    gw = await make_gateway([first])
+    await publish(http, gw.url, 1)
+    newcomer = await make_sim("sglang")
+    added = await http.post(
+        f"{gw.url}/admin/replicas", json={"url": newcomer.url, "backend": "sim", "dialect": "sglang"}, headers=ADMIN
+    )
+    assert added.status_code == 201
+    assert added.json()["version"] == 1 and added.json()["stale"] is False  # caught up from the last checkpoint
+    assert newcomer.engine.version == "1"
+    duplicate = await http.post(f"{gw.url}/admin/replicas", json={"url": newcomer.url, "backend": "sim"}, headers=ADMIN)
+    assert duplicate.status_code == 409
+    first_id = first.url.removeprefix("http://")
+    assert (await http.delete(f"{gw.url}/admin/replicas/{first_id}", headers=ADMIN)).status_code == 204
+    assert (await http.delete(f"{gw.url}/admin/replicas/{first_id}", headers=ADMIN)).status_code == 404
+    body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))).json()
+    assert body["replicas"] == [newcomer.url.removeprefix("http://")]
+
+
+async def test_all_replicas_down_is_503_after_max_wait(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim], generation={"max_wait_s": 0.3})
+    await http.post(f"{sim.url}/sim/faults", json={"ready": False})
+    await wait_for(lambda: not gw.services.pool.candidates(), what="ejection")
+    response = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))
+    assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
