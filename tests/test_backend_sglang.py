@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from starlette.types import Receive, Scope, Send
 
 from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
@@ -431,7 +432,7 @@ def scripted(*events: Any, done: bool = True) -> httpx.ASGITransport:
     body = b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in events)
     body += b"data: [DONE]\n\n" if done else b""
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
