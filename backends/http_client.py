@@ -30,7 +30,6 @@ __all__ = [
 
 # Idle keep-alive connections kept per replica: enough for a steady stream of short control calls and the
 # generation fan-out without holding max_connections sockets open forever.
-MAX_KEEPALIVE = 64
 
 
 def build_client(spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -39,15 +38,9 @@ def build_client(spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None =
     `transport` replaces the network transport (tests use `httpx.MockTransport`); the pool limits then belong
     to that transport.
     """
-    return httpx.AsyncClient(
-        base_url=spec.url,
-        timeout=spec.timeouts.httpx(),
-        limits=httpx.Limits(
-            max_connections=spec.max_connections,
-            max_keepalive_connections=min(MAX_KEEPALIVE, spec.max_connections),
-        ),
-        transport=transport,
-    )
+    limits = httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=spec.max_connections)
+    # Keep every connection alive: at RL concurrency, closing pooled connections means reconnect churn.
+    return httpx.AsyncClient(base_url=spec.url, timeout=spec.timeouts.httpx(), limits=limits, transport=transport)
 
 
 def control_timeout(timeouts: Timeouts) -> httpx.Timeout:

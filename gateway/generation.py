@@ -175,7 +175,8 @@ class Generator:
             await self._until_serving(deadline)
             wait_until = min(deadline, time.monotonic() + self.settings.max_wait_s)
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
-            run = _SegmentRun(replica, len(state.output_ids), replica.version or self.weights.version)
+            dispatch_version = replica.version if replica.version is not None else self.weights.version
+            run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
             failed = False
             try:
                 async for delta in self._segment(request, state, run, remaining, deadline):
@@ -264,8 +265,16 @@ class Generator:
         fallback = run.weight_version or version_label(run.dispatch_version)
         labels = spans_to_versions(run.spans or [], count, fallback)
         versions = [parse_version(label) for label in labels]
-        floor = state.versions[-1] if state.versions else 0
-        state.versions.extend(max(v, floor) for v in versions)  # a version never goes backwards in a sample
+        if versions and state.versions and versions[0] < state.versions[-1]:
+            # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
+            logger.error(
+                "request %s: version went back from %d to %d on replica %s",
+                state.request.request_id,
+                state.versions[-1],
+                versions[0],
+                run.replica.id,
+            )
+        state.versions.extend(versions)
         state.segments.append(Segment(run.replica.id, run.start, len(state.output_ids), run.finish))
         self._merge_experts(state, run, count)
         if run.finish in ("stop", "length"):

@@ -38,7 +38,9 @@ def create_app(settings: SimServerSettings) -> FastAPI:
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening socket; port 0 picks a free one. Reuse is on so a restarted replica can take its port back."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP;
+    # without it every JSON answer (headers, then body) waits ~40 ms for the peer's delayed ACK.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

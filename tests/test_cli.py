@@ -1,0 +1,93 @@
+"""The `rollout-gateway` command as a user runs it: real child processes, real ports, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backends.sim.server import SimProcess
+
+CLI = [sys.executable, "-c", "from gateway.cli import main; main()"]
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_help_lists_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("serve", "sim", "demo"):
+        assert command in result.stdout
+
+
+def test_sim_help_passes_through() -> None:
+    result = run_cli("sim", "--help")
+    assert result.returncode == 0
+    assert "--dialect" in result.stdout and "--token-delay" in result.stdout
+
+
+def test_serve_rejects_a_bad_config(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("server:\n  port: 70000\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "server.port" in result.stderr
+
+
+def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
+    with SimProcess() as sim:
+        port = free_port()
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            f'server:\n  port: {port}\n  admin_token: "t0k"\nredis:\n  url: ""\n'
+            f'replicas:\n  - url: "{sim.url}"\n    backend: sim\n    dialect: vllm\n'
+        )
+        process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    health = httpx.get(f"{url}/health", timeout=1)
+                    break
+                except httpx.TransportError:
+                    assert process.poll() is None, process.stderr.read() if process.stderr else ""
+                    assert time.monotonic() < deadline, "serve did not come up"
+                    time.sleep(0.1)
+            assert health.json()["replicas"] == {"serving": 1, "total": 1}
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
+            assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] in ("length", "stop")
+            process.send_signal(signal.SIGTERM)
+            # uvicorn shuts down gracefully, then re-raises the signal so process managers see why it stopped.
+            assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+            stderr = process.stderr.read() if process.stderr else ""
+            assert "Application shutdown complete" in stderr and "Traceback" not in stderr
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if process.stderr:
+                process.stderr.close()
+
+
+@pytest.mark.slow
+def test_demo_runs_and_checks_itself() -> None:
+    result = run_cli("demo", "--requests", "16", "--tokens", "80", "--updates", "2", "--token-delay", "0.002")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout and "16/16" in result.stdout
