@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from backends.base import EngineBackend, ReplicaSpec, Timeouts
 from backends.errors import BackendError
 from backends.factory import create_backend
+from gateway import store
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.generation import GenerationSettings, Generator
 from gateway.routing import Replica, ReplicaPool
+from gateway.store import Keys, WeightsBus
 from gateway.tokenization import VocabInfo
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
@@ -111,6 +114,9 @@ async def open_services(
             embedded = EmbeddedRedis(data_dir=settings.redis.data_dir)
             await stack.enter_async_context(embedded)
             redis_url = embedded.url
+        redis = store.connect(redis_url, settings.redis.socket_timeout_s)
+        stack.push_async_callback(redis.aclose)
+        bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)
         r = settings.routing
         pool = ReplicaPool(
             r.policy,
@@ -135,8 +141,10 @@ async def open_services(
             initial_version=current,
             default_mode=settings.weights.pause_mode,
             update_timeout_s=settings.weights.update_timeout_s,
+            bus=bus,
         )
         stack.push_async_callback(weights.aclose)
+        weights.start_following()
         g = settings.generation
         generator = Generator(
             pool,

@@ -9,20 +9,23 @@ stale (it serves nothing until a later update succeeds on it), so no request eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from backends.base import PauseMode
 from backends.errors import BackendError
-from gateway.errors import Conflict, InvalidRequest
+from gateway.errors import Conflict, InvalidRequest, StoreError
 from gateway.routing import Replica, ReplicaPool
+from gateway.store import WeightsBus
 
 logger = logging.getLogger(__name__)
 
-CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming"]
+CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming", "following"]
 INITIAL_LABELS = frozenset({"default", ""})
 
 
@@ -39,6 +42,10 @@ def parse_version(label: str) -> int:
         return int(label)
     except ValueError:
         raise InvalidRequest(f"engine weight version {label!r} is not an integer") from None
+
+
+def _ids(value: object) -> set[str]:
+    return {str(v) for v in value} if isinstance(value, list) else set()
 
 
 @dataclass
@@ -63,8 +70,11 @@ class WeightCoordinator:
         initial_version: int = 0,
         default_mode: PauseMode = "abort",
         update_timeout_s: float = 600.0,
+        bus: WeightsBus | None = None,
     ) -> None:
         self.pool = pool
+        self.bus = bus
+        self._follow_task: asyncio.Task[None] | None = None
         self.version = initial_version
         self.default_mode = default_mode
         self.update_timeout_s = update_timeout_s
@@ -76,6 +86,8 @@ class WeightCoordinator:
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._paused_report: UpdateReport | None = None
+        self._paused_token: str | None = None
+        self._paused_leadership: contextlib.AbstractAsyncContextManager[str | None] | None = None
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
     @property
@@ -93,8 +105,7 @@ class WeightCoordinator:
     async def update(self, version: int, source: str | None = None, mode: PauseMode | None = None) -> UpdateReport:
         """Pause every replica, load `version` (from `source`, or already synced out of band), verify, resume."""
         mode = mode or self.default_mode
-        async with self._lock:
-            self._check_newer(version)
+        async with self._lock, self._leadership(version) as token:
             started = time.monotonic()
             report = UpdateReport(version, mode)
             self._serving.clear()
@@ -108,6 +119,7 @@ class WeightCoordinator:
             finally:
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
+                await self._publish_result(token, report)
                 self.state = "serving"
                 self._serving.set()
             report.duration_s = time.monotonic() - started
@@ -215,7 +227,10 @@ class WeightCoordinator:
     async def pause(self, mode: PauseMode | None = None) -> None:
         """Pause for an out-of-band weight sync; `resume(version)` ends it."""
         await self._lock.acquire()
+        leadership = self._leadership(None)
         try:
+            self._paused_token = await leadership.__aenter__()
+            self._paused_leadership = leadership
             self._serving.clear()
             report = UpdateReport(self.version, mode or self.default_mode)
             await self._pause_all(mode or self.default_mode, report)
@@ -224,6 +239,9 @@ class WeightCoordinator:
         except BaseException:
             self.state = "serving"
             self._serving.set()
+            if self._paused_leadership is not None:
+                await self._paused_leadership.__aexit__(None, None, None)
+                self._paused_leadership = None
             self._lock.release()
             raise
 
@@ -242,12 +260,103 @@ class WeightCoordinator:
             self.version = version
         finally:
             self._paused_report = None
+            await self._publish_result(self._paused_token, report)
+            if self._paused_leadership is not None:
+                await self._paused_leadership.__aexit__(None, None, None)
+                self._paused_leadership = None
             self.state = "serving"
             self._serving.set()
             self._lock.release()
         self.updates += 1
         await self._announce(report)
         return report
+
+    # -- several gateway processes on one Redis ----------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _leadership(self, version: int | None) -> AsyncIterator[str | None]:
+        """Become the one process that updates the shared replicas: take the Redis lock, check that `version`
+        is still new cluster-wide, tell the others to stop dispatching. Yields the lock token (None alone)."""
+        if version is not None:
+            self._check_newer(version)
+        if self.bus is None:
+            yield None
+            return
+        token = uuid.uuid4().hex
+        if not await self.bus.acquire(token, self.update_timeout_s + 30):
+            raise Conflict("another gateway process is applying a weight update", param="version")
+        try:
+            record = await self.bus.read()
+            if version is not None and record is not None and record.version >= version:
+                raise Conflict(f"weight version {version} is not newer than {record.version}", param="version")
+            await self.bus.announce({"event": "pausing", "version": version})
+            yield token
+        finally:
+            with contextlib.suppress(StoreError):
+                await self.bus.release(token)
+
+    async def _publish_result(self, token: str | None, report: UpdateReport) -> None:
+        if self.bus is None or token is None:
+            return
+        event = {
+            "event": "serving",
+            "version": self.version,
+            "source": self.last_source,
+            "updated": report.updated,
+            "stale": report.stale,
+        }
+        try:
+            await self.bus.record(self.version, "serving", self.last_source)
+            await self.bus.announce(event)
+        except StoreError as exc:  # the engines are updated; the followers time out and re-read
+            logger.error("weights: could not announce version %d: %s", self.version, exc)
+
+    def start_following(self) -> None:
+        """Follow updates that other gateway processes coordinate."""
+        if self.bus is not None and self._follow_task is None:
+            # Hard reference: the loop keeps only weak references to tasks.
+            self._follow_task = asyncio.create_task(self._follow(), name="weights-follow")
+
+    async def _follow(self) -> None:
+        assert self.bus is not None
+        async for event in self.bus.events():
+            if event.get("event") == "pausing" and not self._lock.locked():
+                self._serving.clear()
+                self.state = "following"
+                self._watchdog(event.get("version"))
+            elif event.get("event") == "serving":
+                self._adopt(event)
+
+    def _watchdog(self, version: object) -> None:
+        """If the coordinating process dies mid-update, stop waiting for it after the update timeout."""
+
+        async def expire() -> None:
+            await asyncio.sleep(self.update_timeout_s)
+            if self.state == "following" and self.bus is not None:
+                logger.error("weights: no result for version %s from the coordinating process", version)
+                record = await self.bus.read()
+                self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
+
+        task = asyncio.create_task(expire(), name="weights-watchdog")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _adopt(self, event: dict[str, object]) -> None:
+        version = event.get("version")
+        if isinstance(version, int) and version >= self.version:
+            self.version = version
+            source = event.get("source")
+            self.last_source = source if isinstance(source, str) else self.last_source
+            updated, stale = _ids(event.get("updated")), _ids(event.get("stale"))
+            for replica in self.pool.all():
+                if replica.id in updated:
+                    replica.version, replica.stale = version, False
+                elif replica.id in stale:
+                    replica.stale = True
+            self.updates += 1
+            self.pool.notify()
+        self.state = "serving"
+        self._serving.set()
 
     async def _announce(self, report: UpdateReport) -> None:
         for callback in self.on_update:
@@ -256,6 +365,10 @@ class WeightCoordinator:
                 await result
 
     async def aclose(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow_task
         for task in list(self._background):
             task.cancel()
         if self._background:

@@ -76,7 +76,8 @@ GatewayFactory = Callable[..., Awaitable[RunningGateway]]
 
 
 @pytest.fixture
-async def make_gateway(redis_server: EmbeddedRedis) -> AsyncIterator[GatewayFactory]:
+async def make_gateway(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[GatewayFactory]:
+    """Gateways on the session's Redis (flushed for this test by the `redis` fixture)."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def make(replicas: list[Any], **sections: Any) -> RunningGateway:

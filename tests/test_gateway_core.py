@@ -382,3 +382,32 @@ async def test_all_replicas_down_is_503_after_max_wait(
     await wait_for(lambda: not gw.services.pool.candidates(), what="ejection")
     response = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))
     assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+
+
+async def test_retry_budget_gives_a_clear_error(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm", error_rate=1.0)  # every generation answers 500
+    gw = await make_gateway([sim], generation={"max_resumes": 2}, routing={"failure_threshold": 100})
+    response = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 5))
+    assert response.status_code == 503
+    assert "gave up after 2 resumes" in response.json()["error"]["message"]
+
+
+async def test_accumulated_experts_are_replayed_to_engines_that_accept_them(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(*slow("vllm", routed_experts_output=True, routed_experts_input=True))
+    config = ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", routed_experts=True, routed_experts_input=True)
+    gw = await make_gateway([config], generation={"routed_experts": "replace"})
+    body = generate_body(PROMPT, 200, return_routed_experts=True)
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=body))
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 60, what="tokens")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    result = (await task).json()
+    versions, output = result["versions"], result["output_ids"]
+    cut = len(PROMPT) + versions.index(1) - 1
+    old, new = weights_key(*weights_of(0)), weights_key(*weights_of(1))
+    # Even the engine's whole-sequence view (replace) keeps the old routing: the engine replayed what it was sent.
+    wkeys = [old] * cut + [new] * (len(PROMPT) + 200 - 1 - cut)
+    assert np.array_equal(decode_npy_b64(result["routed_experts"]), _expected_experts(PROMPT, output, wkeys))

@@ -1,0 +1,64 @@
+"""Several gateway processes on one Redis and one set of replicas: one coordinator per update, the rest follow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
+from tests.sim_helpers import wait_for
+from tests.test_gateway_core import PROMPT, slow
+
+
+async def test_follower_resumes_its_requests_under_the_new_version(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim(*slow("vllm")), await make_sim(*slow("sglang"))]
+    leader, follower = await make_gateway(sims), await make_gateway(sims)
+    progress = [0]
+    tasks = [
+        asyncio.create_task(
+            stream_generate(http, follower.url, generate_body(PROMPT, 200, session_id=f"f{i}"), progress)
+        )
+        for i in range(4)
+    ]
+    await wait_for(lambda: progress[0] >= 200, what="progress on the follower")
+    assert (await publish(http, leader.url, 1)).status_code == 200
+    results = await asyncio.gather(*tasks)
+    for result in results:
+        versions = result.final["versions"]
+        assert result.error is None and 0 in versions and 1 in versions
+        assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+    await wait_for(lambda: follower.services.weights.version == 1, what="the follower adopting v1")
+    status = (await http.get(f"{follower.url}/admin/status", headers=ADMIN)).json()
+    assert status["version"] == 1 and all(r["version"] == 1 for r in status["replicas"])
+
+
+async def test_one_coordinator_per_version(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim("vllm"), await make_sim("vllm")]
+    a, b = await make_gateway(sims), await make_gateway(sims)
+    first, second = await asyncio.gather(publish(http, a.url, 1), publish(http, b.url, 1))
+    assert sorted([first.status_code, second.status_code]) == [200, 409]
+    await wait_for(lambda: a.services.weights.version == b.services.weights.version == 1, what="both on v1")
+    stale = await publish(http, b.url, 1)
+    assert stale.status_code == 409
+
+
+async def test_followers_hold_new_requests_during_an_out_of_band_sync(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    leader, follower = await make_gateway([sim]), await make_gateway([sim])
+    assert (await http.post(f"{leader.url}/admin/pause", json={"mode": "abort"}, headers=ADMIN)).status_code == 200
+    await wait_for(lambda: not follower.services.weights.serving, what="the follower to stop dispatching")
+    task = asyncio.create_task(http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 4)))
+    await asyncio.wait({task}, timeout=0.3)
+    assert not task.done() and sim.engine.counters["prompt_tokens"] == 0
+    resumed = await http.post(f"{leader.url}/admin/resume", json={"version": 3}, headers=ADMIN)
+    assert resumed.status_code == 200
+    body = (await task).json()
+    assert body["versions"] == [3] * 4 and body["finish_reason"] == "length"
