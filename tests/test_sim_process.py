@@ -205,9 +205,7 @@ def test_sim_process_reports_a_failed_start(spawn: Spawn) -> None:
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-def test_crash_fault_breaks_streams_and_restart_serves_again(
-    dialect: str, spawn: Spawn, client: httpx.Client
-) -> None:
+def test_crash_fault_breaks_streams_and_restart_serves_again(dialect: str, spawn: Spawn, client: httpx.Client) -> None:
     needs_dialect(dialect)
     sim = spawn("--dialect", dialect, "--token-delay", "0.002")
     port = sim.port

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -127,24 +128,36 @@ class SimProcess:
         return self
 
     def _read_port(self) -> int:
+        """Read the child's JSON "listening" line, waiting at most `startup_timeout_s` (readline alone can't)."""
         assert self.process is not None and self.process.stdout is not None
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                raise RuntimeError(f"simulator process exited with {self.process.wait()} before listening")
-            with contextlib.suppress(ValueError):
-                event = json.loads(line)
-                if event.get("event") == "listening":
-                    return int(event["port"])
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not selector.select(remaining):
+                    continue
+                line = self.process.stdout.readline()
+                if not line:
+                    code = self.process.wait()
+                    self._close_pipe()
+                    raise RuntimeError(f"simulator process exited with {code} before listening")
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if event.get("event") == "listening":
+                        return int(event["port"])
         self.kill()
         raise TimeoutError(f"simulator process did not listen within {self.startup_timeout_s} s")
+
+    def _close_pipe(self) -> None:
+        if self.process is not None and self.process.stdout is not None:
+            self.process.stdout.close()
 
     def kill(self) -> None:
         """SIGKILL: connections reset, nothing is cleaned up (a crashed replica)."""
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
+        self._close_pipe()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process and self.process.poll() is None:
@@ -153,8 +166,7 @@ class SimProcess:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.process and self.process.stdout:
-            self.process.stdout.close()
+        self._close_pipe()
 
     def restart(self) -> SimProcess:
         """Start again on the same port (after a kill or a stop)."""
