@@ -14,10 +14,11 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.base import ReplicaSpec, Timeouts, raise_for_status, translate_errors
+from backends.base import Load, ReplicaSpec, Timeouts, raise_for_status, translate_errors
 from backends.errors import BackendError, BackendUnavailable
 
 __all__ = [
+    "HttpEngineBackend",
     "build_client",
     "control_timeout",
     "error_event_status",
@@ -190,3 +191,43 @@ def _sample_name(line: str) -> str:
         if index != -1:
             end = min(end, index)
     return line[:end]
+
+
+class HttpEngineBackend:
+    """What every HTTP engine adapter shares: the replica's pooled client, health, load and closing.
+
+    Subclasses name their engine's load gauges (`running_gauge`, `waiting_gauge`) and implement the rest of
+    `EngineBackend`.
+    """
+
+    running_gauge: str
+    waiting_gauge: str
+
+    def __init__(self, spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.spec = spec
+        self.id = spec.id
+        self.url = spec.url
+        self._client = build_client(spec, transport)
+        self._control = control_timeout(spec.timeouts)
+        self._long = spec.timeouts.httpx()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, url={self.url!r})"
+
+    async def health(self) -> bool:
+        """True when `GET /health` answers 200; never raises."""
+        return await probe(self._client, self.id, "/health", timeout=self._control)
+
+    async def load(self) -> Load:
+        """Running and waiting requests from `/metrics`, summed over label sets (engines, models)."""
+        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._control)
+        with translate_errors(self.id):
+            gauges = parse_gauges(response.text, (self.running_gauge, self.waiting_gauge))
+        running, waiting = gauges.get(self.running_gauge), gauges.get(self.waiting_gauge)
+        return Load(
+            running=None if running is None else int(running),
+            waiting=None if waiting is None else int(waiting),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -26,7 +26,6 @@ from backends.base import (
     Capabilities,
     Chunk,
     FinishReason,
-    Load,
     PauseMode,
     ReplicaSpec,
     SamplingParams,
@@ -35,7 +34,7 @@ from backends.base import (
     translate_errors,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable
-from backends.http_client import build_client, control_timeout, parse_gauges, probe, request, request_json, sse_events
+from backends.http_client import HttpEngineBackend, request, request_json, sse_events
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 
 __all__ = ["SglangBackend"]
@@ -44,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 GENERATE = "/generate"
 UPDATE_FROM_DISK = "/update_weights_from_disk"
-RUNNING = "sglang:num_running_reqs"
-WAITING = "sglang:num_queue_reqs"
 
 # The 400 that /update_weights_from_disk answers after pause(in_place): the weights and the version DID switch,
 # only the radix cache kept KV of the old weights (observed on 0.5.23).
@@ -53,12 +50,15 @@ _CACHE_NOT_FLUSHED = "cache was not flushed"
 _JSON = {"content-type": "application/json"}
 
 
-class SglangBackend:
+class SglangBackend(HttpEngineBackend):
     """One SGLang replica behind the `EngineBackend` protocol; owns one pooled HTTP client (closed by `aclose`).
 
     `generate` is an async generator: a consumer that stops early must close it (`contextlib.aclosing`), which
     closes the HTTP stream, and SGLang aborts a request whose client went away.
     """
+
+    running_gauge = "sglang:num_running_reqs"
+    waiting_gauge = "sglang:num_queue_reqs"
 
     def __init__(self, spec: ReplicaSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         if spec.routed_experts and spec.routed_experts_shape is None:
@@ -66,9 +66,7 @@ class SglangBackend:
                 f"replica {spec.id}: SGLang sends routed experts without a shape; set routed_experts_shape "
                 "= (num_hidden_layers, num_experts_per_tok)"
             )
-        self.spec = spec
-        self.id = spec.id
-        self.url = spec.url
+        super().__init__(spec, transport)
         self.capabilities = Capabilities(
             pause_modes=frozenset({"abort", "keep"}),
             routed_experts_out=spec.routed_experts,
@@ -80,12 +78,6 @@ class SglangBackend:
             new_requests_while_paused="block",
         )
         self._experts_shape = spec.routed_experts_shape if spec.routed_experts else None
-        self._client = build_client(spec, transport)
-        self._control = control_timeout(spec.timeouts)
-        self._long = spec.timeouts.httpx()
-
-    def __repr__(self) -> str:
-        return f"SglangBackend(id={self.id!r}, url={self.url!r})"
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -305,24 +297,6 @@ class SglangBackend:
                 return False
             raise
         return True
-
-    async def health(self) -> bool:
-        """True when `GET /health` answers 200; never raises."""
-        return await probe(self._client, self.id, "/health", timeout=self._control)
-
-    async def load(self) -> Load:
-        """Running and queued requests from `/metrics`, summed over label sets."""
-        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._control)
-        with translate_errors(self.id):
-            gauges = parse_gauges(response.text, (RUNNING, WAITING))
-        running, waiting = gauges.get(RUNNING), gauges.get(WAITING)
-        return Load(
-            running=None if running is None else int(running),
-            waiting=None if waiting is None else int(waiting),
-        )
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
     async def _call(self, method: str, path: str, *, json: Any = None) -> Any:
         return await request_json(self._client, self.id, method, path, json=json, timeout=self._control)

@@ -27,7 +27,6 @@ from backends.base import (
     Capabilities,
     Chunk,
     FinishReason,
-    Load,
     PauseMode,
     ReplicaSpec,
     SamplingParams,
@@ -35,7 +34,7 @@ from backends.base import (
     translate_errors,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
-from backends.http_client import build_client, control_timeout, parse_gauges, probe, request, request_json, sse_events
+from backends.http_client import HttpEngineBackend, request, request_json, sse_events
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
 
 __all__ = ["VllmBackend"]
@@ -44,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/completions"
 GENERATE = "/inference/v1/generate"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
 
 # vLLM's finish reasons (v1/engine/__init__.py). `repetition` ends a request like a stop condition; `error`
 # is a failed request and raises instead.
@@ -68,17 +65,18 @@ def generate_engine_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
-class VllmBackend:
+class VllmBackend(HttpEngineBackend):
     """One vLLM replica behind the `EngineBackend` protocol; owns one pooled HTTP client (closed by `aclose`).
 
     `generate` is an async generator: a consumer that stops early must close it (`contextlib.aclosing`), which
     closes the HTTP stream, and vLLM aborts a request whose client went away.
     """
 
+    running_gauge = "vllm:num_requests_running"
+    waiting_gauge = "vllm:num_requests_waiting"
+
     def __init__(self, spec: ReplicaSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.spec = spec
-        self.id = spec.id
-        self.url = spec.url
+        super().__init__(spec, transport)
         self._generate_endpoint = spec.routed_experts and spec.scale_out
         self.capabilities = Capabilities(
             pause_modes=frozenset({"abort", "keep", "wait"}),
@@ -89,12 +87,6 @@ class VllmBackend:
             token_endpoint=GENERATE if self._generate_endpoint else COMPLETIONS,
             new_requests_while_paused=spec.new_requests_while_paused,
         )
-        self._client = build_client(spec, transport)
-        self._control = control_timeout(spec.timeouts)
-        self._long = spec.timeouts.httpx()
-
-    def __repr__(self) -> str:
-        return f"VllmBackend(id={self.id!r}, url={self.url!r})"
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -328,24 +320,6 @@ class VllmBackend:
         if isinstance(answer, dict):
             return answer.get("success") is not False
         return True
-
-    async def health(self) -> bool:
-        """True when `GET /health` answers 200; never raises."""
-        return await probe(self._client, self.id, "/health", timeout=self._control)
-
-    async def load(self) -> Load:
-        """Running and waiting requests from `/metrics`, summed over label sets (engines, models)."""
-        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._control)
-        with translate_errors(self.id):
-            gauges = parse_gauges(response.text, (RUNNING, WAITING))
-        running, waiting = gauges.get(RUNNING), gauges.get(WAITING)
-        return Load(
-            running=None if running is None else int(running),
-            waiting=None if waiting is None else int(waiting),
-        )
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
 
     async def _call(
         self,

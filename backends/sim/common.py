@@ -6,7 +6,8 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +15,7 @@ from typing import Any, Literal
 import orjson
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -199,6 +201,36 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def attach_common(app: FastAPI, engine: SimEngine, faults: FaultState) -> None:
+def build_app(
+    title: str,
+    settings: SimServerSettings,
+    engine: SimEngine,
+    dialect: object,
+    metrics: object,
+    error_body: Callable[[str, int], bytes],
+    routers: list[APIRouter],
+) -> FastAPI:
+    """Assemble one simulated replica: engine lifespan, dialect state, metrics, routers, control routes, faults.
+
+    Dialects register their own exception handlers on the returned app."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(lifespan=lifespan, title=title)
+    faults = FaultState(settings, engine)
+    app.state.dialect = dialect
+    app.state.faults = faults
+    app.state.registry = CollectorRegistry(auto_describe=True)
+    app.state.registry.register(metrics)
+    for router in routers:
+        app.include_router(router)
     app.include_router(control_router(engine, faults))
     app.add_exception_handler(ClientDisconnected, disconnected_response)
+    app.add_middleware(FaultMiddleware, faults=faults, error_body=error_body)
+    return app

@@ -14,14 +14,13 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
 from typing import Any, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,11 +28,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError, decode_int32_b64, encode_int32_b64
 from backends.sim.common import (
     SSE_DONE,
-    FaultMiddleware,
-    FaultState,
     SimServerSettings,
     TextDecoder,
-    attach_common,
+    build_app,
     json_response,
     sse,
     unless_disconnected,
@@ -647,26 +644,17 @@ def create_sglang_app(settings: SimServerSettings) -> FastAPI:
     """A FastAPI app that behaves like an SGLang 0.5.23 server (`/generate` and native control routes)."""
     # SGLang always holds new requests while paused (`is_pause_cond.wait_for`); it never rejects them.
     engine = SimEngine(dataclasses.replace(settings.engine, new_requests_while_paused="block"))
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        try:
-            yield
-        finally:
-            await engine.stop()
-
-    app = FastAPI(lifespan=lifespan, title="rollout-gateway simulator (SGLang dialect)")
-    faults = FaultState(settings, engine)
-    app.state.dialect = SglangDialect(settings, engine)
-    app.state.faults = faults
-    app.state.registry = CollectorRegistry(auto_describe=True)
-    app.state.registry.register(SglangMetrics(engine))
+    app = build_app(
+        "rollout-gateway simulator (SGLang dialect)",
+        settings,
+        engine,
+        SglangDialect(settings, engine),
+        SglangMetrics(engine),
+        error_body,
+        [router],
+    )
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(ValidationError, _on_validation)
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.include_router(router)
-    attach_common(app, engine, faults)
-    app.add_middleware(FaultMiddleware, faults=faults, error_body=error_body)
     return app

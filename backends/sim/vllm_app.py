@@ -10,13 +10,12 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,11 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backends.routed_experts import decode_npy_b64, encode_npy_b64
 from backends.sim.common import (
     SSE_DONE,
-    FaultMiddleware,
-    FaultState,
     SimServerSettings,
     TextDecoder,
-    attach_common,
+    build_app,
     json_response,
     sse,
     unless_disconnected,
@@ -623,30 +620,22 @@ async def _on_http(_: Request, exc: Exception) -> Response:
 def create_vllm_app(settings: SimServerSettings) -> FastAPI:
     """A FastAPI app that behaves like a vLLM OpenAI server (dev mode optional) over a `SimEngine`."""
     engine = SimEngine(settings.engine)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        try:
-            yield
-        finally:
-            await engine.stop()
-
-    app = FastAPI(lifespan=lifespan, title="rollout-gateway simulator (vLLM dialect)")
-    faults = FaultState(settings, engine)
-    app.state.dialect = VllmDialect(settings, engine)
-    app.state.faults = faults
-    app.state.registry = CollectorRegistry(auto_describe=True)
-    app.state.registry.register(VllmMetrics(engine))
+    routers = [router]
+    if settings.dev_mode:
+        routers.append(dev_router)
+    if settings.enable_scale_out:
+        routers.append(scale_out_router)
+    app = build_app(
+        "rollout-gateway simulator (vLLM dialect)",
+        settings,
+        engine,
+        VllmDialect(settings, engine),
+        VllmMetrics(engine),
+        error_body,
+        routers,
+    )
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(EnginePaused, _on_paused)
     app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.include_router(router)
-    if settings.dev_mode:
-        app.include_router(dev_router)
-    if settings.enable_scale_out:
-        app.include_router(scale_out_router)
-    attach_common(app, engine, faults)
-    app.add_middleware(FaultMiddleware, faults=faults, error_body=error_body)
     return app
