@@ -1,0 +1,194 @@
+"""Sessions, samples and trajectories: the data the trainer trains on, and its compact binary encoding.
+
+A *sample* is one token sequence: `prompt_ids`, then the response as alternating spans — model spans (sampled
+tokens: `loss_mask` 1, with logprobs, the weight version that sampled each token, routed experts) and
+environment spans (tool results, user turns, template tokens: `loss_mask` 0, logprob 0, version -1). A
+multi-turn episode whose messages extend the previous turn is ONE sample; a rewritten history starts another.
+
+Arrays travel as little-endian numpy bytes, never JSON lists: ids and versions int32, mask uint8, logprobs
+float32, routed experts in the smallest unsigned dtype with their shape beside them. Routed experts cover
+every position that went through the model: `len(prompt_ids) + len(response_ids) - 1` rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from backends.routed_experts import ExpertArray, smallest_unsigned
+
+SessionStatus = Literal["active", "finished", "abandoned"]
+ENV_VERSION = -1  # the version of a token the model did not sample
+
+I32 = np.dtype("<i4")
+F32 = np.dtype("<f4")
+U8 = np.dtype("u1")
+
+
+class TrajectoryFormatError(ValueError):
+    """Stored bytes that do not decode to a consistent sample."""
+
+
+@dataclass
+class Sample:
+    """One trainable token sequence. Response arrays are aligned: one entry per response token."""
+
+    prompt_ids: npt.NDArray[np.int32]
+    response_ids: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, I32))
+    loss_mask: npt.NDArray[np.uint8] = field(default_factory=lambda: np.zeros(0, U8))
+    logprobs: npt.NDArray[np.float32] = field(default_factory=lambda: np.zeros(0, F32))
+    versions: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, I32))
+    routed_experts: ExpertArray | None = None
+    num_turns: int = 0
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise TrajectoryFormatError(
+                f"response arrays disagree: ids {n}, mask {len(self.loss_mask)}, "
+                f"logprobs {len(self.logprobs)}, versions {len(self.versions)}"
+            )
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.int32]:
+        ids: npt.NDArray[np.int32] = np.concatenate([self.prompt_ids, self.response_ids])
+        return ids
+
+    @property
+    def model_versions(self) -> npt.NDArray[np.int32]:
+        return self.versions[self.loss_mask.astype(bool)]
+
+    @property
+    def min_version(self) -> int | None:
+        v = self.model_versions
+        return int(v.min()) if v.size else None
+
+    @property
+    def max_version(self) -> int | None:
+        v = self.model_versions
+        return int(v.max()) if v.size else None
+
+    def to_redis(self) -> dict[str, bytes | int | str]:
+        """The fields of the sample's Redis hash."""
+        fields: dict[str, bytes | int | str] = {
+            "prompt_ids": self.prompt_ids.astype(I32).tobytes(),
+            "response_ids": self.response_ids.astype(I32).tobytes(),
+            "loss_mask": self.loss_mask.astype(U8).tobytes(),
+            "logprobs": self.logprobs.astype(F32).tobytes(),
+            "versions": self.versions.astype(I32).tobytes(),
+            "num_turns": self.num_turns,
+            "cancelled": int(self.cancelled),
+            "min_version": "" if self.min_version is None else self.min_version,
+            "max_version": "" if self.max_version is None else self.max_version,
+        }
+        if self.routed_experts is not None:
+            experts = smallest_unsigned(self.routed_experts)
+            fields["experts"] = experts.tobytes()
+            fields["experts_dtype"] = experts.dtype.str
+            fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
+        return fields
+
+    @classmethod
+    def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> Sample:
+        fields = {_text(k): v for k, v in raw.items()}
+        try:
+            experts = None
+            if "experts" in fields:
+                shape = tuple(int(d) for d in _text(fields["experts_shape"]).split(","))
+                experts = np.frombuffer(_bytes(fields["experts"]), dtype=np.dtype(_text(fields["experts_dtype"])))
+                experts = experts.reshape(shape)
+            return cls(
+                prompt_ids=np.frombuffer(_bytes(fields["prompt_ids"]), I32),
+                response_ids=np.frombuffer(_bytes(fields["response_ids"]), I32),
+                loss_mask=np.frombuffer(_bytes(fields["loss_mask"]), U8),
+                logprobs=np.frombuffer(_bytes(fields["logprobs"]), F32),
+                versions=np.frombuffer(_bytes(fields["versions"]), I32),
+                routed_experts=experts,
+                num_turns=int(fields.get("num_turns", 0)),
+                cancelled=_text(fields.get("cancelled", "0")) == "1",
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
+
+
+@dataclass
+class SessionMeta:
+    """What the gateway knows about a session besides its samples."""
+
+    id: str
+    status: SessionStatus = "active"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None
+    sample_count: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    finished_at: float | None = None
+    replica: str | None = None
+    stream_id: str | None = None
+
+    @property
+    def group_id(self) -> str | None:
+        group = self.metadata.get("group_id")
+        return None if group is None else str(group)
+
+    def to_redis(self) -> dict[str, bytes | int | float | str]:
+        return {
+            "status": self.status,
+            "metadata": orjson.dumps(self.metadata),
+            "reward": "" if self.reward is None else repr(self.reward),
+            "sample_count": self.sample_count,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "finished_at": "" if self.finished_at is None else self.finished_at,
+            "replica": self.replica or "",
+        }
+
+    @classmethod
+    def from_redis(cls, session_id: str, raw: Mapping[bytes | str, bytes | str]) -> SessionMeta:
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        try:
+            return cls(
+                id=session_id,
+                status=fields.get("status", "active"),  # type: ignore[arg-type]
+                metadata=orjson.loads(fields.get("metadata") or "{}"),
+                reward=float(fields["reward"]) if fields.get("reward") else None,
+                sample_count=int(fields.get("sample_count") or 0),
+                created_at=float(fields.get("created_at") or 0),
+                updated_at=float(fields.get("updated_at") or 0),
+                finished_at=float(fields["finished_at"]) if fields.get("finished_at") else None,
+                replica=fields.get("replica") or None,
+                stream_id=fields.get("stream_id") or None,
+            )
+        except (ValueError, orjson.JSONDecodeError) as exc:
+            raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc
+
+
+@dataclass
+class Trajectory:
+    """A finished session as the trainer receives it."""
+
+    meta: SessionMeta
+    samples: list[Sample]
+    entry_id: str = ""
+
+    @property
+    def session_id(self) -> str:
+        return self.meta.id
+
+    @property
+    def reward(self) -> float | None:
+        return self.meta.reward
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("latin-1")
