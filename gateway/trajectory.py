@@ -57,8 +57,7 @@ class Sample:
 
     @property
     def input_ids(self) -> npt.NDArray[np.int32]:
-        ids: npt.NDArray[np.int32] = np.concatenate([self.prompt_ids, self.response_ids])
-        return ids
+        return np.concatenate([self.prompt_ids, self.response_ids])  # type: ignore[no-any-return]
 
     @property
     def model_versions(self) -> npt.NDArray[np.int32]:
