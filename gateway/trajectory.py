@@ -57,11 +57,13 @@ class Sample:
 
     @property
     def input_ids(self) -> npt.NDArray[np.int32]:
-        return np.concatenate([self.prompt_ids, self.response_ids])  # type: ignore[no-any-return]
+        return np.concatenate([self.prompt_ids, self.response_ids])
 
     @property
     def model_versions(self) -> npt.NDArray[np.int32]:
-        return self.versions[self.loss_mask.astype(bool)]
+        """Versions of the sampled tokens only."""
+        chosen: npt.NDArray[np.int32] = self.versions[self.loss_mask.astype(bool)]
+        return chosen
 
     @property
     def min_version(self) -> int | None:
