@@ -1,13 +1,21 @@
 """Everything the gateway keeps in Redis. All keys are named here, and redis errors become `StoreError` here.
 
-Keys (prefix configurable, default `rg:`):
+Keys (prefix configurable, default `rg:`). Every key of one session shares the hash tag `{id}`, so a
+session's multi-key writes stay in one Redis Cluster slot; what crosses slots is idempotent (DESIGN §8):
 
+- `rg:{id}:meta` (hash): `SessionMeta.to_redis()` — status, metadata JSON, reward, sample_count, timestamps,
+  replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first.
+- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py).
+- `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
+  A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
+  one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
+- `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
+- `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
+- `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
-
-Session and trajectory keys (`rg:{id}:meta`, `rg:{id}:sample:{n}`, `rg:trajectories`) join this module with
-the trajectory store.
 """
 
 from __future__ import annotations
@@ -46,6 +54,32 @@ class Keys:
     """Every Redis key the gateway uses, from one prefix."""
 
     prefix: str = "rg:"
+
+    def meta(self, session_id: str) -> str:
+        return f"{self.prefix}{{{session_id}}}:meta"
+
+    def sample(self, session_id: str, index: int) -> str:
+        return f"{self.prefix}{{{session_id}}}:sample:{index}"
+
+    @property
+    def trajectories(self) -> str:
+        return f"{self.prefix}trajectories"
+
+    @property
+    def pending(self) -> str:
+        return f"{self.prefix}pending"
+
+    @property
+    def active_sessions(self) -> str:
+        return f"{self.prefix}sessions:active"
+
+    @property
+    def undelivered(self) -> str:
+        return f"{self.prefix}sessions:undelivered"
+
+    @property
+    def abandoned(self) -> str:
+        return f"{self.prefix}abandoned"
 
     @property
     def weights(self) -> str:
