@@ -19,9 +19,9 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 
@@ -38,9 +38,18 @@ StopChecker = Callable[[list[int]], int | None]
 """Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
 
 
+PartialHook = Callable[["GenerationState"], Awaitable[None]]
+"""Persists the partial state at a segment boundary (the sessions layer writes the sample to Redis)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion."""
+    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion.
+
+    `experts_start`: the first position whose routed experts the caller wants (a later turn of a session
+    already holds the experts of its earlier positions); `routed_experts` are those earlier positions' experts,
+    replayed to engines that accept routing input. `on_partial` runs at every segment boundary.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -48,6 +57,9 @@ class GenerationRequest:
     session_id: str | None = None
     want_routed_experts: bool = False
     stop: StopChecker | None = None
+    experts_start: int = 0
+    routed_experts: ExpertArray | None = None
+    on_partial: PartialHook | None = None
 
 
 @dataclass(slots=True)
@@ -92,19 +104,6 @@ class GenerationState:
         return [s.replica for s in self.segments]
 
 
-class PartialStore(Protocol):
-    """Where partial state goes at every segment boundary (the Redis store implements it)."""
-
-    async def save_partial(self, state: GenerationState) -> None: ...
-
-
-class NoPartialStore:
-    """Keeps nothing: for a gateway run without a trajectory store."""
-
-    async def save_partial(self, state: GenerationState) -> None:
-        return None
-
-
 @dataclass(frozen=True, slots=True)
 class GenerationSettings:
     max_resumes: int = 32
@@ -136,12 +135,10 @@ class Generator:
         self,
         pool: ReplicaPool,
         weights: WeightCoordinator,
-        store: PartialStore | None = None,
         settings: GenerationSettings | None = None,
     ) -> None:
         self.pool = pool
         self.weights = weights
-        self.store = store or NoPartialStore()
         self.settings = settings or GenerationSettings()
         self.resumes_total = 0
         self.preemptions_total = 0
@@ -209,8 +206,8 @@ class Generator:
         )
         continuing = bool(state.output_ids)
         splice = self.settings.routed_experts == "splice"
-        experts_start = len(prompt) - 1 if continuing and splice else 0
-        replay = state.routed_experts if continuing and backend.capabilities.routed_experts_in else None
+        experts_start = len(prompt) - 1 if continuing and splice else (request.experts_start if splice else 0)
+        replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         engine_request_id = f"{request.request_id}-{len(state.segments)}"
         engine_done = False
         async with self.pool.lease(run.replica):
@@ -230,6 +227,15 @@ class Generator:
                 if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
                     self._abort_in_background(run.replica, engine_request_id)
         self.pool.report_success(run.replica)
+
+    def _replay(self, request: GenerationRequest, state: GenerationState) -> ExpertArray | None:
+        """Experts of every position already run through the model: the earlier turns', then this request's."""
+        ours = state.routed_experts if state.output_ids else None
+        if ours is None or self.settings.routed_experts == "replace":
+            return ours if ours is not None else request.routed_experts  # replace: the engine's whole view
+        if request.routed_experts is None:
+            return ours
+        return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
 
     def _loop_deadline(self, deadline: float) -> float:
         return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
@@ -309,7 +315,8 @@ class Generator:
                 f"gave up after {self.settings.max_resumes} resumes "
                 f"({state.num_failures} replica failures); {len(state.output_ids)} tokens were generated"
             )
-        await self.store.save_partial(state)
+        if state.request.on_partial is not None:
+            await state.request.on_partial(state)
         if failed:
             backoff = min(self.settings.failure_backoff_max_s, self.settings.failure_backoff_s * 2**state.num_failures)
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))  # jittered backoff before the next try
