@@ -46,6 +46,10 @@ class Sample:
     routed_experts: ExpertArray | None = None
     num_turns: int = 0
     cancelled: bool = False
+    # The chat conversation (OpenAI messages, last assistant reply included) and tools these ids render:
+    # what the next turn of the session must extend to continue this sample.
+    conversation: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -88,6 +92,10 @@ class Sample:
             "min_version": "" if self.min_version is None else self.min_version,
             "max_version": "" if self.max_version is None else self.max_version,
         }
+        if self.conversation is not None:
+            fields["conversation"] = orjson.dumps(self.conversation)
+        if self.tools is not None:
+            fields["tools"] = orjson.dumps(self.tools)
         if self.routed_experts is not None:
             experts = smallest_unsigned(self.routed_experts)
             fields["experts"] = experts.tobytes()
@@ -113,6 +121,8 @@ class Sample:
                 routed_experts=experts,
                 num_turns=int(fields.get("num_turns", 0)),
                 cancelled=_text(fields.get("cancelled", "0")) == "1",
+                conversation=orjson.loads(fields["conversation"]) if "conversation" in fields else None,
+                tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
