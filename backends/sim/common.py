@@ -119,6 +119,15 @@ class FaultsUpdate(BaseModel):
     ready: bool | None = None
 
 
+class ScriptRequest(BaseModel):
+    """A scripted reply: prompts ending in `prompt_suffix` get `output`, then EOS."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_suffix: list[int] = Field(min_length=1)
+    output: list[int] = Field(min_length=1)
+
+
 def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
     """`/sim/*`: the simulator's own control surface (not part of any real engine's API)."""
     router = APIRouter(prefix="/sim")
@@ -154,6 +163,11 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             # Answer first, then die like a crashed engine: the process exits and its connections reset.
             return json_response({"status": "crashing"}, 200, background=BackgroundTask(os._exit, 1))
         return json_response({"status": "ok", "aborted": aborted})
+
+    @router.post("/script")
+    async def script(body: ScriptRequest) -> dict[str, str]:
+        engine.add_script(body.prompt_suffix, body.output)
+        return {"status": "ok"}
 
     @router.post("/reset")
     async def reset() -> dict[str, str]:

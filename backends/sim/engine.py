@@ -93,6 +93,7 @@ class SimRequest:
     num_retractions: int = 0
     stale_key: int = 0
     experts_input: ExpertArray | None = None
+    script: tuple[int, ...] | None = None
     created: float = field(default_factory=time.monotonic)
     updated: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -138,6 +139,7 @@ class SimEngine:
         self._cache: OrderedDict[int, int] = OrderedDict()
         self._retracted: set[str] = set()
         self.counters: Counter[str] = Counter()
+        self.scripts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -195,6 +197,7 @@ class SimEngine:
             params=params,
             hashes=self._prompt_hashes(prompt),
             experts_input=experts_input,
+            script=self._script_for(prompt),
         )
         self.requests[engine_id] = request
         self._idle.clear()
@@ -234,6 +237,22 @@ class SimEngine:
                 await self._gate_open.wait()
             finally:
                 self.held -= 1
+
+    def add_script(self, prompt_suffix: Sequence[int], output: Sequence[int]) -> None:
+        """Make prompts ending in `prompt_suffix` produce `output` then stop (a scripted reply, e.g. a tool call).
+
+        Still a function of the prefix: a continuation whose prompt ends in suffix + part of the output goes on
+        with the rest of the output."""
+        self.scripts.append((tuple(prompt_suffix), tuple(output)))
+
+    def _script_for(self, prompt: Sequence[int]) -> tuple[int, ...] | None:
+        tail = tuple(prompt)
+        for suffix, output in reversed(self.scripts):
+            for done in range(len(output) + 1):
+                expected = suffix + output[:done]
+                if len(tail) >= len(expected) and tail[len(tail) - len(expected) :] == expected:
+                    return output[done:]
+        return None
 
     def _prompt_hashes(self, prompt: Sequence[int]) -> list[int]:
         hashes: list[int] = []
@@ -322,6 +341,9 @@ class SimEngine:
         allow_eos = not params.ignore_eos and produced >= params.min_tokens
         draw = self.model.draw(request.hashes[-1], key, allow_eos=allow_eos, num_top=params.num_logprobs or 0)
         token = draw.token
+        if request.script is not None:
+            token = request.script[produced] if produced < len(request.script) else self.settings.shape.eos_token_id
+            allow_eos = True
         request.output_ids.append(token)
         request.logprobs.append(draw.logprob)
         if params.num_logprobs:
@@ -455,6 +477,7 @@ class SimEngine:
         self.weights = self.settings.weights
         self.set_version(self.settings.version)
         self._cache.clear()
+        self.scripts.clear()
 
     @property
     def num_running(self) -> int:
