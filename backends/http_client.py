@@ -39,8 +39,9 @@ def build_client(spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None =
     `transport` replaces the network transport (tests use `httpx.MockTransport`); the pool limits then belong
     to that transport.
     """
-    limits = httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=spec.max_connections)
-    # Keep every connection alive: at RL concurrency, closing pooled connections means reconnect churn.
+    # httpcore walks every pooled connection on each request, so a large idle pool costs more than reconnecting
+    # (measured in benchmarks/gateway_overhead.py); keep a modest number of idle connections.
+    limits = httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=min(64, spec.max_connections))
     return httpx.AsyncClient(base_url=spec.url, timeout=spec.timeouts.httpx(), limits=limits, transport=transport)
 
 
