@@ -7,8 +7,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.api import admin, generate, health
+from gateway.api import admin, generate, health, openai, sessions
 from gateway.api.errors import install_error_handlers
+from gateway.api.limits import BodySizeLimit
 from gateway.config import Settings
 from gateway.services import BackendFactory, default_backend_factory, open_services
 
@@ -26,5 +27,8 @@ def create_app(settings: Settings, backend_factory: BackendFactory = default_bac
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(generate.router)
+    app.include_router(openai.router)
+    app.include_router(sessions.router)
     app.include_router(admin.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
     return app

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,7 +151,7 @@ class Generator:
             pass
         return state
 
-    async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
+    async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncGenerator[Delta, None]:
         """Yield new tokens as they arrive; `state` holds the rest (versions, experts, finish) at the end.
         If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
         try:

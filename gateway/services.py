@@ -18,8 +18,10 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.generation import GenerationSettings, Generator
 from gateway.routing import Replica, ReplicaPool
-from gateway.store import Keys, WeightsBus
-from gateway.tokenization import VocabInfo
+from gateway.sessions import SessionManager
+from gateway.store import Keys, TrajectoryStore, WeightsBus
+from gateway.tokenization import ChatTokenizer, VocabInfo, get_tool_parser
+from gateway.turns import TurnRunner
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class Services:
     generator: Generator
     vocab: VocabInfo
     redis_url: str
+    store: TrajectoryStore
+    turns: TurnRunner
     backend_factory: BackendFactory = default_backend_factory
     replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
 
@@ -158,6 +162,29 @@ async def open_services(
         )
         stack.push_async_callback(generator.aclose)
         vocab = await asyncio.to_thread(VocabInfo.from_tokenizer_dir, settings.model.tokenizer)
+        tokenizer = await asyncio.to_thread(ChatTokenizer.load, settings.model.tokenizer)
+        s = settings.store
+        trajectories = TrajectoryStore(
+            redis,
+            Keys(s.prefix),
+            ttl_s=s.ttl_s,
+            max_pending=s.max_pending,
+            session_idle_ttl_s=s.session_idle_ttl_s,
+            retry_budget_s=settings.redis.retry_budget_s,
+        )
+        trajectories.start()
+        stack.push_async_callback(trajectories.aclose)
+        sessions = SessionManager(tokenizer, trajectories)
+        turns = TurnRunner(
+            generator,
+            sessions,
+            tokenizer,
+            get_tool_parser(settings.model.tool_parser),
+            trajectories,
+            model_name=settings.model.name,
+            max_model_len=settings.model.max_model_len,
+            want_routed_experts=any(r.routed_experts for r in settings.replicas),
+        )
         services = Services(
             settings=settings,
             pool=pool,
@@ -165,6 +192,8 @@ async def open_services(
             generator=generator,
             vocab=vocab,
             redis_url=redis_url,
+            store=trajectories,
+            turns=turns,
             backend_factory=backend_factory,
             replica_configs={replica.id: replica for replica in settings.replicas},
         )

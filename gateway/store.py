@@ -16,27 +16,62 @@ session's multi-key writes stay in one Redis Cluster slot; what crosses slots is
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
+
+Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
+`ttl_s` once it is finished or abandoned. The global keys (both streams, both sets, the counter) have no TTL:
+the trainer trims `rg:trajectories` and `rg:abandoned` is capped (approximate MAXLEN).
+
+`TrajectoryStore` owns the session lifecycle on these keys (DESIGN §3, §5, §8, §10):
+
+- Samples are written at segment boundaries and turn ends, one atomic script per write on the session's slot,
+  never per token. While Redis is unreachable the latest version of each sample waits in a bounded in-memory
+  buffer that a background flusher retries; a full buffer makes the write fail loudly, it never drops one.
+- `finish` is idempotent, shielded from cancellation, retried for `retry_budget_s`, and returns only once the
+  session is in `rg:trajectories` (what it returns is acknowledged and durable per the server's AOF policy).
+  Its steps, each idempotent, so a crash between any two is repaired by re-running them (`repair_undelivered`):
+  (1) flush the session's buffered writes; SADD `rg:sessions:undelivered`; (2) one WATCHed transaction on the
+  session slot: status finished, reward, metadata, finished_at, EXPIRE ttl_s on meta and samples; ZREM
+  `rg:sessions:active`; (3) XADD `rg:trajectories`; (4) HSETNX meta `stream_id` (a script: only on an existing
+  meta, returns the stored id) — the writer whose entry id is stored INCRs `rg:pending`, a loser XDELs its
+  duplicate; (5) SREM `rg:sessions:undelivered`.
+- Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
+  other; an entry whose meta has no `stream_id` yet is not arbitrated yet: leave it pending and look again.
+  The trainer does `DECR rg:pending` once per acknowledged real entry, and deletes or expires its data.
+- `rg:pending` is a backpressure gauge, not a ledger: it is INCRed at most once per real entry (never resent by
+  the client's retry policy), so a crash or connection loss around that INCR can undercount by one, never over.
+  `create_session` answers `Overloaded` (429 + Retry-After) while it is ≥ `max_pending`; existing sessions go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import logging
+import random
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
-from gateway.errors import StoreError
+from gateway.errors import Conflict, GatewayError, InvalidRequest, Overloaded, SessionNotFound, StoreError
+from gateway.trajectory import Sample, SessionMeta
+
+if TYPE_CHECKING:
+    from gateway.config import RedisConfig, StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +137,11 @@ class WeightsRecord:
 
 
 def connect(url: str, socket_timeout_s: float = 5.0) -> aioredis.Redis:
-    """One pooled client. Commands retry on connection loss (a Redis restart) with backoff."""
+    """One pooled client. Commands retry on connection loss (a Redis restart) with backoff (~2.5 s in all).
+
+    The asyncio client needs `redis.asyncio.retry.Retry`: given the sync `redis.retry.Retry`, its
+    `call_with_retry` only returns the coroutine and every error escapes the retry loop (no retry at all).
+    """
     return aioredis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,
@@ -181,3 +220,748 @@ class WeightsBus:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trajectory store: sessions, samples, the trajectories stream (DESIGN §3, §8, §10)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Lua:
+    """A server-side script: run by SHA, sent in full only when the server does not know it (e.g. after restart)."""
+
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+# One atomic write per sample on the session's slot. A script rather than MULTI or WATCH: the write must be
+# refused when the session is no longer active (a finished trajectory never changes after delivery) and
+# `sample_count` must only grow; MULTI cannot branch on what it reads, and WATCH costs a read round trip plus
+# retries under contention, while the script does read, check and write in one round trip.
+# KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, field, value, ...
+_SAVE_SAMPLE = _Lua(
+    """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status ~= 'active' then return status end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+if tonumber(ARGV[1]) > tonumber(redis.call('HGET', KEYS[1], 'sample_count') or '0') then
+    redis.call('HSET', KEYS[1], 'sample_count', ARGV[1])
+end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'replica', ARGV[3]) end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 'active'
+"""
+)
+
+# Activity on an active session without a sample write (a new turn begins). Never creates a meta.
+# KEYS: meta. ARGV: now, TTL.
+_TOUCH = _Lua(
+    """
+if redis.call('HGET', KEYS[1], 'status') ~= 'active' then return 0 end
+redis.call('HSET', KEYS[1], 'updated_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+)
+
+# Step (4) of finish: HSETNX `stream_id`, but only on an existing meta (a plain HSETNX on an expired or deleted
+# meta would create a stub hash without TTL), and answer the id now stored, i.e. the winner. Re-running it
+# after a lost reply answers the same winner, so the client's own retries are harmless.
+# KEYS: meta. ARGV: the entry id just added.
+_CLAIM_STREAM_ID = _Lua(
+    """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSETNX', KEYS[1], 'stream_id', ARGV[1])
+return redis.call('HGET', KEYS[1], 'stream_id')
+"""
+)
+
+_MAX_WATCH_ATTEMPTS = 16  # optimistic transactions rerun on conflict; a session's meta is rarely contended
+_BACKOFF_BASE_S = 0.05
+_BACKOFF_CAP_S = 2.0
+_ABANDONED_MAXLEN = 100_000
+_SESSION_ID_MAX_LEN = 256
+
+_Writes = Callable[[Pipeline], None]
+_Fields = dict[bytes | str, bytes | str]  # a hash as redis-py returns it (bytes) or as we encode it
+
+
+def _backoff_s(attempt: int) -> float:
+    """Exponential backoff with equal jitter: half the step fixed (progress), half random (no lockstep)."""
+    step = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0**attempt)
+    return step / 2 + random.uniform(0, step / 2)
+
+
+def _encode_sample(sample: Sample) -> _Fields:
+    """The sample's hash fields exactly as Redis stores and returns them (so a buffered copy decodes alike)."""
+    return {name: v if isinstance(v, bytes) else str(v).encode() for name, v in sample.to_redis().items()}
+
+
+def _check_session_id(session_id: str) -> str:
+    # Braces would change the Redis Cluster hash tag `{id}` and split a session's keys across slots.
+    if not 0 < len(session_id) <= _SESSION_ID_MAX_LEN or "{" in session_id or "}" in session_id:
+        raise InvalidRequest(
+            f"session id must be 1-{_SESSION_ID_MAX_LEN} characters without braces", param="session_id"
+        )
+    return session_id
+
+
+def _optional_text(value: bytes | str | None) -> str | None:
+    return None if value is None else _text(value)
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters of this process's store (for metrics and for tests to wait on)."""
+
+    writes_buffered: int = 0  # sample writes that went to the in-memory buffer (Redis unreachable)
+    writes_flushed: int = 0  # buffered writes later written to Redis
+    writes_refused: int = 0  # buffered writes Redis refused because the session had ended or expired (logged)
+    finish_retries: int = 0  # finish attempts that failed on Redis and were retried
+    duplicate_entries: int = 0  # stream entries that lost the `stream_id` arbitration and were deleted
+    repaired: int = 0  # sessions delivered by `repair_undelivered`
+    abandoned: int = 0  # sessions closed by `abandon_idle`
+
+
+@dataclass(slots=True)
+class _SampleWrite:
+    """One sample write, kept until it reached Redis."""
+
+    session_id: str
+    index: int
+    fields: _Fields
+    replica: str
+    at: float
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.session_id, self.index
+
+
+class TrajectoryStore:
+    """Sessions, samples and finished trajectories in Redis, with the invariants of DESIGN §8 and §10.
+
+    Invariants:
+
+    - A session's keys share the hash tag `{id}`; multi-key writes of a session are one atomic script or one
+      WATCHed MULTI on that slot. Every cross-slot step is idempotent and ordered so that a crash between any
+      two steps leaves a state the sweepers (`repair_undelivered`, `abandon_idle`) complete.
+    - A finished or abandoned session never changes again: sample writes to it are refused.
+    - `finish` returns an entry id only once that entry is in `rg:trajectories` and recorded as the session's
+      `stream_id`; however often and however concurrently it runs, exactly one entry is real and `rg:pending`
+      counts it at most once (a crash or a lost connection at that INCR undercounts; see the module docstring).
+    - No sample write is dropped in silence: while Redis is down it is buffered (latest version per sample),
+      and when the buffer is full `save_sample` raises `StoreError`.
+
+    The store does not own `client` (the caller closes it); the client must return bytes (the default
+    `decode_responses=False`), since sample fields are binary. `start()` runs the flusher and the sweeper;
+    `aclose()` stops them.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        ttl_s: int = 86_400,
+        max_pending: int = 10_000,
+        session_idle_ttl_s: int = 1_800,
+        retry_budget_s: float = 30.0,
+        max_buffered_writes: int = 10_000,
+        sweep_interval_s: float | None = 30.0,
+        repair_grace_s: float = 10.0,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
+        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper."""
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.max_pending = max_pending
+        self.session_idle_ttl_s = session_idle_ttl_s
+        self.retry_budget_s = retry_budget_s
+        self.max_buffered_writes = max_buffered_writes
+        self.sweep_interval_s = sweep_interval_s
+        self.repair_grace_s = repair_grace_s
+        self.retry_after_s = retry_after_s
+        self.stats = StoreStats()
+        # Sample writes waiting for Redis, oldest first; a newer version of a sample replaces the older in place.
+        self._buffer: dict[tuple[str, int], _SampleWrite] = {}
+        self._outage = False  # the last write failed: buffer new writes at once instead of waiting on retries
+        self._wake = asyncio.Event()
+        # One lock per session serialises its sample writes (direct and flushed), so an older version can never
+        # land after a newer one. Weak values: a lock lives only while someone holds or awaits it.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Hard references to background tasks: the event loop keeps only weak ones.
+        self._finishing: dict[str, asyncio.Task[str]] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_settings(
+        cls, client: aioredis.Redis, store: StoreConfig, redis: RedisConfig, **options: Any
+    ) -> TrajectoryStore:
+        return cls(
+            client,
+            Keys(store.prefix),
+            ttl_s=store.ttl_s,
+            max_pending=store.max_pending,
+            session_idle_ttl_s=store.session_idle_ttl_s,
+            retry_budget_s=redis.retry_budget_s,
+            **options,
+        )
+
+    @property
+    def buffered(self) -> int:
+        """Sample writes waiting in memory for Redis."""
+        return len(self._buffer)
+
+    @property
+    def _active_ttl_s(self) -> int:
+        return self.session_idle_ttl_s + self.ttl_s
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the buffered-write flusher and, unless `sweep_interval_s` is None, the periodic sweeper."""
+        if self._flusher is None:
+            self._flusher = self._background(self._flush_forever(), "trajectory-store-flusher")
+        if self._sweeper is None and self.sweep_interval_s is not None:
+            self._sweeper = self._background(self._sweep_forever(self.sweep_interval_s), "trajectory-store-sweeper")
+
+    async def aclose(self, drain_timeout_s: float = 5.0) -> None:
+        """Staged stop: the sweeper; in-flight finishes get `drain_timeout_s`; buffered writes get one last flush
+        bounded by `drain_timeout_s`. Writes that still could not be written are logged as lost, by count."""
+        await self._cancel(self._sweeper)
+        self._sweeper = None
+        if self._finishing:
+            _, late = await asyncio.wait(list(self._finishing.values()), timeout=drain_timeout_s)
+            for task in late:
+                task.cancel()
+        await self._cancel(self._flusher)
+        self._flusher = None
+        if self._buffer:
+            try:
+                await asyncio.wait_for(self._flush_buffered(), drain_timeout_s)
+            except (StoreError, TimeoutError) as exc:
+                logger.error("closing with %d sample writes Redis never took; they are lost: %s", self.buffered, exc)
+
+    def _background(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        task.add_done_callback(_log_crash)
+        return task
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task[None] | None) -> None:
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])  # unlike `await task`, a cancellation of aclose itself still propagates
+
+    # -- sessions -------------------------------------------------------------------------------------------
+
+    async def create_session(
+        self, metadata: dict[str, Any] | None = None, session_id: str | None = None
+    ) -> SessionMeta:
+        """A new active session (a fresh uuid unless `session_id` is given).
+
+        An existing active session of that id is returned as is (and counts as activity); a finished or
+        abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
+        `rg:pending` ≥ `max_pending`. Concurrent creations of one id yield one session (WATCH).
+        """
+        session_id = uuid.uuid4().hex if session_id is None else _check_session_id(session_id)
+        existing = await self.get_session(session_id)
+        if existing is not None:
+            return await self._reuse(existing)
+        await self._check_backpressure()
+        now = time.time()
+        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
+        # Index first, data second: a crash in between leaves an id without meta, which the idle sweeper drops.
+        await _call(self.client.zadd(self.keys.active_sessions, {session_id: now}, nx=True), "index session")
+        before = await self._transact(session_id, functools.partial(self._plan_create, meta), "create session")
+        return meta if before is None else await self._reuse(before)
+
+    async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
+        """The session named by a client (header or body), created on first use; see `create_session`."""
+        return await self.create_session(metadata, session_id)
+
+    async def get_session(self, session_id: str) -> SessionMeta | None:
+        raw = await _call(self.client.hgetall(self.keys.meta(session_id)), "read session")
+        return SessionMeta.from_redis(session_id, raw) if raw else None
+
+    async def pending(self) -> int:
+        """Finished sessions delivered to the stream and not yet acknowledged by a trainer."""
+        value = await _call(self.client.get(self.keys.pending), "read pending")
+        return int(value) if value is not None else 0
+
+    async def _reuse(self, meta: SessionMeta) -> SessionMeta:
+        if meta.status != "active":
+            raise Conflict(f"session {meta.id} is {meta.status}", param="session_id")
+        now = time.time()
+        touched = await self._eval(_TOUCH, [self.keys.meta(meta.id)], [now, self._active_ttl_s], "touch session")
+        if touched:
+            await _call(self.client.zadd(self.keys.active_sessions, {meta.id: now}, xx=True, gt=True), "touch")
+        return meta
+
+    async def _check_backpressure(self) -> None:
+        pending = await self.pending()
+        if pending >= self.max_pending:
+            raise Overloaded(
+                f"{pending} finished trajectories wait for the trainer (store.max_pending={self.max_pending}); "
+                "no new sessions until it catches up",
+                retry_after_s=self.retry_after_s,
+            )
+
+    def _plan_create(self, meta: SessionMeta, before: SessionMeta | None) -> _Writes | None:
+        if before is not None:
+            return None
+        key = self.keys.meta(meta.id)
+
+        def writes(pipe: Pipeline) -> None:
+            pipe.hset(key, mapping=meta.to_redis())  # type: ignore[arg-type]
+            pipe.expire(key, self._active_ttl_s)
+
+        return writes
+
+    # -- samples --------------------------------------------------------------------------------------------
+
+    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None:
+        """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
+
+        If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
+        flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
+        buffered one. With `max_buffered_writes` writes already waiting, a write of another sample raises
+        `StoreError` (the request fails loudly; nothing is dropped). A finished or abandoned session is a
+        `Conflict`, an unknown one `SessionNotFound`.
+        """
+        if index < 0:
+            raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
+        write = _SampleWrite(session_id, index, _encode_sample(sample), replica or "", time.time())
+        if self._replace_buffered(write):
+            return
+        async with self._session_lock(session_id):
+            if self._replace_buffered(write):
+                return
+            if self._outage and self._flusher is not None:  # Redis is known down: no need to wait on retries
+                self._buffer_write(write)
+                return
+            try:
+                status = await self._write_sample(write)
+            except StoreError as exc:
+                logger.warning(
+                    "session=%s sample=%d: buffering the write, redis unavailable: %s", session_id, index, exc
+                )
+                self._outage = True
+                self._buffer_write(write)
+                return
+            self._outage = False
+        if status == "missing":
+            raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+        if status != "active":
+            raise Conflict(f"session {session_id} is {status}; its samples can no longer change", param="session_id")
+
+    async def load_samples(self, session_id: str) -> list[Sample]:
+        """The session's samples in index order (gaps skipped), including writes still buffered here."""
+        meta = await self.get_session(session_id)
+        count = meta.sample_count if meta is not None else 0
+        found: dict[int, _Fields] = {}
+        if count:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for index in range(count):
+                    pipe.hgetall(self.keys.sample(session_id, index))
+                rows = await _call(pipe.execute(), "read samples")
+            found = {index: row for index, row in enumerate(rows) if row}
+        found |= {w.index: w.fields for w in self._buffer.values() if w.session_id == session_id}
+        return [Sample.from_redis(found[index]) for index in sorted(found)]
+
+    def _session_lock(self, session_id: str) -> asyncio.Lock:
+        lock = self._locks.get(session_id)
+        if lock is None:
+            lock = self._locks[session_id] = asyncio.Lock()
+        return lock
+
+    def _replace_buffered(self, write: _SampleWrite) -> bool:
+        """While a version of this sample waits in the buffer, a newer one takes its place (keeps order)."""
+        if write.key not in self._buffer:
+            return False
+        self._buffer[write.key] = write
+        self.stats.writes_buffered += 1
+        return True
+
+    def _buffer_write(self, write: _SampleWrite) -> None:
+        if len(self._buffer) >= self.max_buffered_writes:
+            raise StoreError(
+                f"redis unavailable and {len(self._buffer)} sample writes already buffered "
+                f"(max_buffered_writes); refusing sample {write.index} of session {write.session_id} "
+                "rather than dropping a write"
+            )
+        self._buffer[write.key] = write
+        self.stats.writes_buffered += 1
+        self._wake.set()
+
+    async def _write_sample(self, write: _SampleWrite) -> str:
+        """The sample script and the activity score, pipelined in one round trip; the script's verdict."""
+        keys = [self.keys.meta(write.session_id), self.keys.sample(write.session_id, write.index)]
+        args: list[bytes | str | int | float] = [write.index + 1, write.at, write.replica, self._active_ttl_s]
+        for name, value in write.fields.items():
+            args += [name, value]
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(_SAVE_SAMPLE.sha, len(keys), *keys, *args)
+                # XX: only sessions still indexed as active; GT: a late write never moves the score back.
+                pipe.zadd(self.keys.active_sessions, {write.session_id: write.at}, xx=True, gt=True)
+                verdict, _ = await pipe.execute(raise_on_error=False)
+            if isinstance(verdict, NoScriptError):  # a restarted server forgot the script
+                verdict = await self.client.eval(_SAVE_SAMPLE.source, len(keys), *keys, *args)
+            if isinstance(verdict, Exception):
+                raise verdict
+        except RedisError as exc:
+            raise StoreError(f"redis: save sample failed: {exc}") from exc
+        return _text(verdict)
+
+    # -- the buffered-write flusher -------------------------------------------------------------------------
+
+    async def _flush_forever(self) -> None:
+        attempt = 0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._buffer:
+                try:
+                    await self._flush_buffered()
+                    attempt = 0
+                except StoreError as exc:
+                    attempt += 1
+                    delay = _backoff_s(attempt)
+                    logger.warning(
+                        "%d buffered sample writes; redis still down (%s); retry in %.2fs", self.buffered, exc, delay
+                    )
+                    await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+
+    async def _flush_buffered(self, session_id: str | None = None) -> None:
+        """Write buffered samples (of one session, or all), oldest first. Raises `StoreError` at the first failure."""
+        for key in [k for k in self._buffer if session_id is None or k[0] == session_id]:
+            async with self._session_lock(key[0]):
+                write = self._buffer.get(key)
+                if write is None:
+                    continue
+                status = await self._write_sample(write)
+                self._outage = False
+                if self._buffer.get(key) is write:  # else a newer version arrived meanwhile: it goes next round
+                    del self._buffer[key]
+            self.stats.writes_flushed += 1
+            if status != "active":
+                self.stats.writes_refused += 1
+                logger.error(
+                    "session=%s sample=%d: buffered write refused, session %s", write.session_id, write.index, status
+                )
+
+    # -- finish ---------------------------------------------------------------------------------------------
+
+    async def finish(self, session_id: str, reward: float | None = None, metadata: dict[str, Any] | None = None) -> str:
+        """Finish the session and return its entry id in `rg:trajectories` (see the module docstring's steps).
+
+        Idempotent: a finished session returns its existing entry id; concurrent calls in this process share
+        one run (the first call's reward and metadata win), and across processes the WATCHed transaction and
+        the `stream_id` claim keep exactly one real entry. The run is shielded: a cancelled caller does not stop
+        it. Redis failures are retried with backoff for `retry_budget_s`, then `StoreError`; a returned id is
+        durable. Unknown session: `SessionNotFound`; abandoned: `Conflict`.
+        """
+        task = self._finishing.get(session_id)
+        if task is None:
+            task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata))
+            task.set_name(f"finish-{session_id}")
+            self._finishing[session_id] = task
+            task.add_done_callback(functools.partial(self._finish_done, session_id))
+        return await asyncio.shield(task)
+
+    def _finish_done(self, session_id: str, task: asyncio.Task[str]) -> None:
+        if self._finishing.get(session_id) is task:
+            del self._finishing[session_id]
+        # Retrieved here because every caller may have left; errors of ours reached whoever still waited.
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None and not isinstance(exc, GatewayError):
+            logger.error("session=%s: finish crashed", session_id, exc_info=exc)
+
+    async def _finish_with_retries(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+        deadline = time.monotonic() + self.retry_budget_s
+        attempt = 0
+        while True:
+            try:
+                return await self._finish_once(session_id, reward, metadata)
+            except StoreError as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreError(
+                        f"session {session_id}: not finished, redis unavailable for the whole retry budget "
+                        f"({self.retry_budget_s:g}s): {exc}"
+                    ) from exc
+                attempt += 1
+                self.stats.finish_retries += 1
+                delay = min(remaining, _backoff_s(attempt))
+                logger.warning("session=%s: finish failed (%s); retry %d in %.2fs", session_id, exc, attempt, delay)
+                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+
+    async def _finish_once(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+        await self._flush_buffered(session_id)  # (1) what the trainer gets includes every buffered write
+        meta = await self.get_session(session_id)
+        if meta is None:
+            raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+        if meta.status == "abandoned":
+            raise Conflict(f"session {session_id} was abandoned (idle); it cannot be finished", param="session_id")
+        if meta.stream_id is not None:  # delivered before: make sure the repair set forgets it, answer the same id
+            await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
+            return meta.stream_id
+        # Registered for repair BEFORE the status changes, so no crash can leave a finished, undelivered session
+        # that nothing will deliver.
+        await _call(self.client.sadd(self.keys.undelivered, session_id), "register finish")
+        meta = await self._mark_finished(session_id, reward, metadata)  # (2)
+        await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
+        return await self._deliver(meta)  # (3)-(5)
+
+    async def _mark_finished(
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None
+    ) -> SessionMeta:
+        """Step (2): the session-slot transaction. Returns the meta as finished (the first finish's, if any)."""
+        now = time.time()
+        result: list[SessionMeta] = []
+
+        def plan(before: SessionMeta | None) -> _Writes | None:
+            if before is None:
+                raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+            if before.status == "abandoned":
+                raise Conflict(f"session {session_id} was abandoned (idle); it cannot be finished", param="session_id")
+            if before.status == "finished":
+                result.append(before)
+                return None
+            merged = before.metadata | (metadata or {})
+            after = dataclasses.replace(
+                before, status="finished", reward=reward, metadata=merged, finished_at=now, updated_at=now
+            )
+            result.append(after)
+            return self._writes_closing(after, after.to_redis())
+
+        await self._transact(session_id, plan, "finish session")
+        return result[-1]
+
+    def _writes_closing(self, meta: SessionMeta, fields: dict[str, bytes | int | float | str]) -> _Writes:
+        """Closing a session: its meta fields, and TTL `ttl_s` on the meta and every sample."""
+        meta_key = self.keys.meta(meta.id)
+        sample_keys = [self.keys.sample(meta.id, index) for index in range(meta.sample_count)]
+
+        def writes(pipe: Pipeline) -> None:
+            pipe.hset(meta_key, mapping=fields)  # type: ignore[arg-type]
+            for key in (meta_key, *sample_keys):
+                pipe.expire(key, self.ttl_s)
+
+        return writes
+
+    async def _deliver(self, meta: SessionMeta) -> str:
+        """Steps (3)-(5) for a finished session. Safe to run any number of times, concurrently."""
+        entry_id = await self._append_entry(meta)
+        return await self._claim_entry(meta.id, entry_id)
+
+    async def _append_entry(self, meta: SessionMeta) -> str:
+        """Step (3): XADD the session's summary. May leave a duplicate; `_claim_entry` arbitrates."""
+        entry = {
+            "session_id": meta.id,
+            "group_id": meta.group_id or "",
+            "reward": "" if meta.reward is None else repr(meta.reward),
+            "samples": meta.sample_count,
+        }
+        return _text(await _call(self.client.xadd(self.keys.trajectories, entry), "append trajectory"))  # type: ignore[arg-type]
+
+    async def _claim_entry(self, session_id: str, entry_id: str) -> str:
+        """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
+        stored = await self._eval(_CLAIM_STREAM_ID, [self.keys.meta(session_id)], [entry_id], "claim stream entry")
+        winner = _optional_text(stored)
+        if winner is None:
+            raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
+        if winner == entry_id:
+            await self._count_pending()
+        else:
+            self.stats.duplicate_entries += 1
+            with contextlib.suppress(StoreError):  # best effort: consumers skip entries other than `stream_id`
+                await _call(self.client.xdel(self.keys.trajectories, entry_id), "delete duplicate entry")
+        await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
+        return winner
+
+    async def _count_pending(self) -> None:
+        """INCR `rg:pending` at most once, never raising: the delivery it counts is already done.
+
+        Not through the client's retry policy: a resent INCR whose first reply was lost (Redis killed after
+        applying it) counts one delivery twice, and an overcount never decays (the trainer DECRs once per real
+        entry), so it would hold back new sessions for good. A lost INCR instead undercounts by one, which only
+        loosens backpressure; it is logged.
+        """
+        pool = self.client.connection_pool
+        try:
+            conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # untyped in redis-py
+        except RedisError as exc:
+            logger.warning(
+                "%s not incremented (redis unavailable: %s); backpressure undercounts by one", self.keys.pending, exc
+            )
+            return
+        try:
+            await conn.send_command("INCR", self.keys.pending)
+            await conn.read_response()
+        except RedisError as exc:
+            await conn.disconnect()
+            logger.warning("%s may not be incremented (%s); backpressure may undercount by one", self.keys.pending, exc)
+        except BaseException:
+            await conn.disconnect()  # interrupted mid-command: the connection's state is unknown
+            raise
+        finally:
+            await pool.release(conn)
+
+    # -- sweepers -------------------------------------------------------------------------------------------
+
+    async def repair_undelivered(self, older_than_s: float = 0.0) -> int:
+        """Deliver sessions finished but not confirmed in the stream (a finish that crashed or gave up midway).
+
+        Sessions finished less than `older_than_s` ago, and those finishing in this process, are left to their
+        own finish. Ids whose session is gone or abandoned leave the set; active ones (a finish that has not
+        marked them yet) stay. Returns how many sessions this call confirmed in the stream.
+        """
+        members = await _call(self.client.smembers(self.keys.undelivered), "read undelivered")
+        cutoff = time.time() - older_than_s
+        delivered = 0
+        for session_id in sorted(_text(m) for m in members):
+            if session_id not in self._finishing and await self._repair_one(session_id, cutoff):
+                delivered += 1
+        self.stats.repaired += delivered
+        return delivered
+
+    async def _repair_one(self, session_id: str, cutoff: float) -> bool:
+        meta = await self.get_session(session_id)
+        if meta is None or meta.status == "abandoned":
+            await _call(self.client.srem(self.keys.undelivered, session_id), "forget undelivered")
+            return False
+        if meta.status != "finished" or (meta.finished_at or 0.0) > cutoff:
+            return False
+        await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
+        if meta.stream_id is not None:
+            await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
+        else:
+            await self._deliver(meta)
+        logger.info("session=%s: repaired an interrupted finish", session_id)
+        return True
+
+    async def abandon_idle(self, now: float | None = None, limit: int = 1_000) -> list[str]:
+        """Close active sessions idle for more than `session_idle_ttl_s` as `abandoned`, recorded in
+        `rg:abandoned` and never delivered to `rg:trajectories`. Idempotent; at most `limit` per call.
+
+        The activity index may be stale; the meta's `updated_at` (checked inside the transaction) decides.
+        Returns the sessions this call abandoned.
+        """
+        now = time.time() if now is None else now
+        cutoff = now - self.session_idle_ttl_s
+        found = await _call(
+            self.client.zrangebyscore(self.keys.active_sessions, "-inf", cutoff, start=0, num=limit), "read idle"
+        )
+        ids = [_text(member) for member in found if isinstance(member, bytes | str)]
+        closed = [session_id for session_id in ids if await self._abandon_one(session_id, cutoff, now)]
+        self.stats.abandoned += len(closed)
+        return closed
+
+    async def _abandon_one(self, session_id: str, cutoff: float, now: float) -> bool:
+        if session_id in self._finishing:
+            return False
+        outcome: list[SessionMeta | None] = []
+
+        def plan(before: SessionMeta | None) -> _Writes | None:
+            outcome.append(before)
+            if before is None or before.status != "active" or before.updated_at > cutoff:
+                return None
+            return self._writes_closing(before, {"status": "abandoned", "abandoned_at": now})
+
+        await self._transact(session_id, plan, "abandon session")
+        before = outcome[-1]
+        if before is not None and before.status == "active" and before.updated_at > cutoff:  # active after all
+            await _call(self.client.zadd(self.keys.active_sessions, {session_id: before.updated_at}), "rescore")
+            return False
+        abandoned_now = before is not None and before.status == "active"
+        # A session abandoned earlier but still indexed: an interrupted sweep; record it if that was not done.
+        if before is not None and before.status != "finished" and (abandoned_now or not await self._recorded(before)):
+            await self._record_abandoned(before)
+        await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
+        return abandoned_now
+
+    async def _recorded(self, meta: SessionMeta) -> bool:
+        return bool(await _call(self.client.hexists(self.keys.meta(meta.id), "abandoned_id"), "read record"))
+
+    async def _record_abandoned(self, meta: SessionMeta) -> None:
+        # At least once: a crash between XADD and HSET records the session twice (a log, not a trajectory).
+        entry = {"session_id": meta.id, "group_id": meta.group_id or "", "samples": meta.sample_count}
+        entry_id = await _call(
+            self.client.xadd(self.keys.abandoned, entry, maxlen=_ABANDONED_MAXLEN, approximate=True),  # type: ignore[arg-type]
+            "record abandoned",
+        )
+        await _call(self.client.hset(self.keys.meta(meta.id), "abandoned_id", entry_id), "record abandoned")
+
+    async def _sweep_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a period, not synchronisation
+            try:
+                await self.repair_undelivered(older_than_s=self.repair_grace_s)
+                await self.abandon_idle()
+            except StoreError as exc:
+                logger.warning("store sweep failed (%s); next in %gs", exc, interval_s)
+
+    # -- Redis plumbing -------------------------------------------------------------------------------------
+
+    async def _transact(
+        self, session_id: str, plan: Callable[[SessionMeta | None], _Writes | None], what: str
+    ) -> SessionMeta | None:
+        """Optimistic transaction on the session's slot: WATCH the meta, read it, let `plan` decide the writes
+        (None: none), MULTI/EXEC; rerun if the meta changed meanwhile. Returns the meta as `plan` last saw it."""
+        key = self.keys.meta(session_id)
+        for _ in range(_MAX_WATCH_ATTEMPTS):
+            try:
+                async with self.client.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    raw = await pipe.hgetall(key)
+                    before = SessionMeta.from_redis(session_id, raw) if raw else None
+                    writes = plan(before)
+                    if writes is not None:
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        writes(pipe)
+                        await pipe.execute()
+                    return before
+            except WatchError:
+                continue  # the meta changed (or the connection dropped) while watched: decide again
+            except RedisError as exc:
+                raise StoreError(f"redis: {what} failed: {exc}") from exc
+        raise StoreError(f"redis: {what}: the session changed under {_MAX_WATCH_ATTEMPTS} attempts in a row")
+
+    async def _eval(self, lua: _Lua, keys: list[str], args: list[Any], what: str) -> Any:
+        try:
+            try:
+                return await self.client.evalsha(lua.sha, len(keys), *keys, *args)
+            except NoScriptError:  # a restarted server forgot the script; EVAL caches it again
+                return await self.client.eval(lua.source, len(keys), *keys, *args)
+        except RedisError as exc:
+            raise StoreError(f"redis: {what} failed: {exc}") from exc
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        logger.error("background task %s crashed", task.get_name(), exc_info=exc)
+
+
+__all__ = [
+    "Keys",
+    "StoreStats",
+    "TrajectoryStore",
+    "WeightsBus",
+    "WeightsRecord",
+    "connect",
+]

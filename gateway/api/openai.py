@@ -1,0 +1,274 @@
+"""OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Standard clients work unchanged; what only a rollout needs (session id, sample index, per-token versions,
+resumes) travels under the vendor key `rollout`, which they ignore.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from backends.asgi import relay_until_disconnected, unless_disconnected
+from backends.errors import GatewayError
+from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.sessions import session_id_from
+from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner
+
+router = APIRouter(tags=["openai"], dependencies=[Depends(require_agent)])
+
+
+def _json(content: Any) -> Response:
+    return Response(orjson.dumps(content), media_type="application/json")
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+@router.get("/v1/models")
+async def models(svc: ServicesDep) -> dict[str, Any]:
+    model = svc.settings.model
+    card = {"id": model.name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}
+    return {"object": "list", "data": [{**card, "max_model_len": model.max_model_len}]}
+
+
+def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
+    return {
+        "session_id": prepared.session_id,
+        "choices": [
+            {
+                "index": c.index,
+                "sample_index": c.turn.sample.index,
+                "new_sample": c.turn.new_sample,
+                "versions": c.state.versions,
+                "num_resumes": c.state.num_resumes,
+                "output_ids": c.state.output_ids,
+            }
+            for c in choices
+        ],
+    }
+
+
+def _usage(prepared: PreparedTurn) -> dict[str, int]:
+    completion = sum(len(c.state.output_ids) for c in prepared.choices)
+    prompt = len(prepared.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+
+def _token_logprob(runner: TurnRunner, token: int, logprob: float) -> dict[str, Any]:
+    text = runner.tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], tops: list[Any] | None) -> list[Any]:
+    entries = []
+    for i, (token, logprob) in enumerate(zip(ids, logprobs, strict=True)):
+        entry = _token_logprob(runner, token, logprob)
+        entry["top_logprobs"] = [_token_logprob(runner, t, lp) for t, lp in (tops[i] if tops else [])]
+        entries.append(entry)
+    return entries
+
+
+def _chat_message(choice: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in choice.tool_calls
+        ]
+    return message
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
+    runner = svc.turns
+    session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
+    prepared = await runner.prepare_chat(body, session)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
+        return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
+    try:
+        await unless_disconnected(raw, runner.run(prepared), lambda: None)
+    finally:
+        await runner.close(prepared)
+    choices = []
+    for c in prepared.choices:
+        logprobs = None
+        if body.logprobs:
+            s = c.state
+            logprobs = {"content": _chat_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None)}
+        message = _chat_message(c)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    return _json(
+        {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": runner.model_name,
+            "choices": choices,
+            "usage": _usage(prepared),
+            "rollout": _rollout(prepared, prepared.choices),
+        }
+    )
+
+
+async def _chat_chunks(
+    runner: TurnRunner, prepared: PreparedTurn, completion_id: str, logprobs: bool, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    head = {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": runner.model_name,
+    }
+    for choice in prepared.choices:
+        first = {
+            "index": choice.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        yield _sse({**head, "choices": [first]})
+    tool_index: dict[int, int] = {}
+    async for event in runner.events(prepared):
+        chunk = _chat_delta(runner, event, logprobs, tool_index)
+        if chunk is not None:
+            yield _sse({**head, "choices": [chunk]})
+        if event.finished:
+            end = {
+                "index": event.choice.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": event.choice.finish_reason,
+            }
+            yield _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(prepared)})
+
+
+def _chat_delta(
+    runner: TurnRunner, event: ChoiceEvent, logprobs: bool, tool_index: dict[int, int]
+) -> dict[str, Any] | None:
+    delta: dict[str, Any] = {}
+    if event.text:
+        delta["content"] = event.text
+    if event.tool_deltas:
+        delta["tool_calls"] = []
+        for d in event.tool_deltas:
+            call: dict[str, Any] = {"index": d.index}
+            if d.id is not None:
+                call.update({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}})
+            else:
+                call["function"] = {"arguments": d.arguments}
+            delta["tool_calls"].append(call)
+    entries = None
+    if logprobs and event.delta is not None:
+        new = event.delta
+        entries = {"content": _chat_logprobs(runner, new.token_ids, new.logprobs, new.top_logprobs)}
+    if not delta and entries is None:
+        return None
+    return {"index": event.choice.index, "delta": delta, "logprobs": entries, "finish_reason": None}
+
+
+# -- completions ---------------------------------------------------------------------------------------
+
+
+def _completion_logprobs(
+    runner: TurnRunner, ids: list[int], logprobs: list[float], tops: list[Any] | None
+) -> dict[str, Any]:
+    tokens = [runner.tokenizer.decode([t]) for t in ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    top = [{runner.tokenizer.decode([t]): lp for t, lp in tops[i]} for i in range(len(ids))] if tops else None
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
+    runner = svc.turns
+    session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
+    prepared = await runner.prepare_completion(body, session)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
+        return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
+    try:
+        await unless_disconnected(raw, runner.run(prepared), lambda: None)
+    finally:
+        await runner.close(prepared)
+    choices = []
+    for c in prepared.choices:
+        s = c.state
+        logprobs = (
+            _completion_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None)
+            if body.logprobs is not None
+            else None
+        )
+        choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    return _json(
+        {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": runner.model_name,
+            "choices": choices,
+            "usage": _usage(prepared),
+            "rollout": _rollout(prepared, prepared.choices),
+        }
+    )
+
+
+async def _completion_chunks(
+    runner: TurnRunner, prepared: PreparedTurn, completion_id: str, logprobs: bool, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    head = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": runner.model_name}
+    async for event in runner.events(prepared):
+        d = event.delta
+        lp = _completion_logprobs(runner, d.token_ids, d.logprobs, d.top_logprobs) if logprobs and d else None
+        if event.text or lp is not None:
+            choice = {"index": event.choice.index, "text": event.text, "logprobs": lp, "finish_reason": None}
+            yield _sse({**head, "choices": [choice]})
+        if event.finished:
+            end = {
+                "index": event.choice.index,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": event.choice.finish_reason,
+            }
+            yield _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(prepared)})
+
+
+# -- streaming plumbing ----------------------------------------------------------------------------------
+
+
+async def _relay(
+    raw: Request, runner: TurnRunner, prepared: PreparedTurn, chunks: AsyncGenerator[bytes, None]
+) -> AsyncIterator[bytes]:
+    """Relay SSE chunks until done or the client leaves; errors become an SSE error event; always record."""
+    try:
+        async for chunk in relay_until_disconnected(raw, chunks):
+            yield chunk
+        yield b"data: [DONE]\n\n"
+    except GatewayError as exc:
+        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
+        yield _sse({"error": error})
+    finally:
+        await runner.close(prepared)

@@ -1,0 +1,63 @@
+"""Session routes: create, inspect, finish (DESIGN §1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path
+
+from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.openai_models import SessionCreate, SessionFinish
+from gateway.errors import SessionNotFound
+from gateway.trajectory import SessionMeta
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])
+
+SessionId = Path(min_length=1, max_length=256)
+
+
+def _meta(meta: SessionMeta) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": "session",
+        "status": meta.status,
+        "metadata": meta.metadata,
+        "reward": meta.reward,
+        "sample_count": meta.sample_count,
+        "created_at": meta.created_at,
+        "finished_at": meta.finished_at,
+    }
+
+
+@router.post("", status_code=201)
+async def create_session(body: SessionCreate, svc: ServicesDep) -> dict[str, Any]:
+    return _meta(await svc.store.create_session(body.metadata, body.session_id))
+
+
+@router.get("/{session_id}")
+async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+    meta = await svc.store.get_session(session_id)
+    if meta is None:
+        raise SessionNotFound(f"no session {session_id!r}", param="session_id")
+    samples = await svc.store.load_samples(session_id)
+    out = _meta(meta)
+    out["samples"] = [
+        {
+            "index": i,
+            "prompt_tokens": len(s.prompt_ids),
+            "response_tokens": len(s.response_ids),
+            "sampled_tokens": int(s.loss_mask.sum()),
+            "num_turns": s.num_turns,
+            "min_version": s.min_version,
+            "max_version": s.max_version,
+            "cancelled": s.cancelled,
+        }
+        for i, s in enumerate(samples)
+    ]
+    return out
+
+
+@router.post("/{session_id}/finish")
+async def finish_session(body: SessionFinish, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+    stream_id = await svc.store.finish(session_id, body.reward, body.metadata)
+    return {"id": session_id, "object": "session", "status": "finished", "stream_id": stream_id}

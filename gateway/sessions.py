@@ -1,0 +1,260 @@
+"""Sessions with exact multi-turn tokens (DESIGN §3, §7).
+
+Turn N+1 of a session reuses turn N's exact ids (prompt + sampled tokens) and tokenizes only what the new
+messages add (`ChatTokenizer.render_delta`); sampled tokens get loss mask 1, everything else 0, and what the
+model produced is never re-tokenized. When the new messages do not extend any sample of the session (history
+rewritten, system prompt or tools changed) a new sample starts, and the session counts it.
+
+A session's samples live in Redis (`TrajectoryStore`); this process keeps a bounded cache of the ones it
+served, so another gateway process can serve the next turn by reading them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from backends.routed_experts import ExpertArray
+from gateway.generation import GenerationState
+from gateway.tokenization import ChatTokenizer, NotAPrefix
+from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SessionMeta
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+Tool = dict[str, Any]
+
+
+class SampleStore(Protocol):
+    """What sessions need of the trajectory store."""
+
+    async def load_samples(self, session_id: str) -> list[Sample]: ...
+
+    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None: ...
+
+    async def ensure_session(self, session_id: str, metadata: dict[str, Any]) -> SessionMeta: ...
+
+
+@dataclass
+class WorkingSample:
+    """A sample as python lists, cheap to extend turn after turn."""
+
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: ExpertArray | None = None
+    conversation: list[Message] = field(default_factory=list)
+    tools: list[Tool] | None = None
+    num_turns: int = 0
+    cancelled: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def to_sample(self) -> Sample:
+        return Sample(
+            prompt_ids=np.asarray(self.prompt_ids, I32),
+            response_ids=np.asarray(self.response_ids, I32),
+            loss_mask=np.asarray(self.loss_mask, U8),
+            logprobs=np.asarray(self.logprobs, F32),
+            versions=np.asarray(self.versions, I32),
+            routed_experts=self.routed_experts,
+            num_turns=self.num_turns,
+            cancelled=self.cancelled,
+            conversation=self.conversation,
+            tools=self.tools,
+        )
+
+    @classmethod
+    def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
+        return cls(
+            index=index,
+            prompt_ids=sample.prompt_ids.tolist(),
+            response_ids=sample.response_ids.tolist(),
+            loss_mask=sample.loss_mask.tolist(),
+            logprobs=sample.logprobs.tolist(),
+            versions=sample.versions.tolist(),
+            routed_experts=sample.routed_experts,
+            conversation=list(sample.conversation or []),
+            tools=sample.tools,
+            num_turns=sample.num_turns,
+            cancelled=sample.cancelled,
+        )
+
+    def copy_as(self, index: int) -> WorkingSample:
+        """A branch of this sample under another index (n > 1 choices of one turn)."""
+        return replace(
+            self,
+            index=index,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            loss_mask=list(self.loss_mask),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            conversation=list(self.conversation),
+        )
+
+
+@dataclass
+class Turn:
+    """One prepared turn: the ids to send and the sample they extend."""
+
+    session_id: str
+    sample: WorkingSample
+    prompt_ids: list[int]
+    env_ids: list[int]
+    messages: list[Message]
+    new_sample: bool
+
+    @property
+    def experts_start(self) -> int:
+        """The first position whose routed experts this turn must fetch (earlier ones are in the sample)."""
+        return max(0, len(self.sample.ids) - 1) if self.sample.routed_experts is not None else 0
+
+
+class SessionManager:
+    """Prepares and records the turns of sessions."""
+
+    def __init__(self, tokenizer: ChatTokenizer, store: SampleStore, *, cache_size: int = 10_000) -> None:
+        self.tokenizer = tokenizer
+        self.store = store
+        self.cache_size = cache_size
+        self.history_rewrites = 0
+        self._cache: OrderedDict[str, list[WorkingSample]] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, session_id: str) -> asyncio.Lock:
+        """Turns of one session run one at a time in this process."""
+        return self._locks.setdefault(session_id, asyncio.Lock())
+
+    async def samples(self, session_id: str) -> list[WorkingSample]:
+        cached = self._cache.get(session_id)
+        if cached is None:
+            stored = await self.store.load_samples(session_id)
+            cached = [WorkingSample.from_sample(i, s) for i, s in enumerate(stored)]
+            self._remember(session_id, cached)
+        self._cache.move_to_end(session_id)
+        return cached
+
+    def _remember(self, session_id: str, samples: list[WorkingSample]) -> None:
+        self._cache[session_id] = samples
+        while len(self._cache) > self.cache_size:
+            evicted, _ = self._cache.popitem(last=False)
+            self._locks.pop(evicted, None)
+
+    async def begin_chat_turn(self, session_id: str, messages: list[Message], tools: list[Tool] | None) -> Turn:
+        """Find the sample these messages extend (most recent first) or start a new one."""
+        samples = await self.samples(session_id)
+        for sample in sorted(samples, key=lambda s: s.num_turns and s.index, reverse=True):
+            if not sample.num_turns or sample.cancelled or sample.tools != tools:
+                continue
+            try:
+                delta = self.tokenizer.render_delta(sample.conversation, messages, tools)
+            except NotAPrefix:
+                continue
+            env = self._close_turn(sample) + delta
+            return Turn(session_id, sample, sample.ids + env, env, messages, new_sample=False)
+        if any(s.num_turns for s in samples):
+            self.history_rewrites += 1
+            logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
+        prompt = self.tokenizer.render(messages, tools)
+        fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools)
+        return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
+
+    async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
+        """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
+        samples = await self.samples(session_id)
+        for sample in sorted(samples, key=lambda s: s.index, reverse=True):
+            ids = sample.ids
+            if (
+                sample.num_turns
+                and not sample.cancelled
+                and prompt_ids[: len(ids)] == ids
+                and len(prompt_ids) > len(ids)
+            ):
+                env = prompt_ids[len(ids) :]
+                return Turn(session_id, sample, list(prompt_ids), env, [], new_sample=False)
+        fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
+        return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
+
+    def _close_turn(self, sample: WorkingSample) -> list[int]:
+        """A reply cut by max_tokens never sampled its end-of-turn token; the template needs it (mask 0)."""
+        stops = self.tokenizer.stop_token_ids
+        if sample.response_ids and sample.response_ids[-1] not in stops:
+            return [self.tokenizer.end_of_turn_id]
+        return []
+
+    def branch(self, turn: Turn, count: int) -> list[Turn]:
+        """`count` turns from one prompt (n > 1): the first extends the sample, the others are new samples."""
+        turns = [turn]
+        base = len(self._cache.get(turn.session_id, [])) + (1 if turn.new_sample else 0)
+        for i in range(1, count):
+            sample = turn.sample.copy_as(base + i - 1)
+            turns.append(replace(turn, sample=sample, new_sample=True))
+        return turns
+
+    def record(self, turn: Turn, state: GenerationState, assistant: Message | None) -> Sample:
+        """Append the turn to its sample (env ids mask 0, sampled ids mask 1) and return the sample to store."""
+        sample = turn.sample
+        sample.response_ids += turn.env_ids + state.output_ids
+        sample.loss_mask += [0] * len(turn.env_ids) + [1] * len(state.output_ids)
+        sample.logprobs += [0.0] * len(turn.env_ids) + state.logprobs
+        sample.versions += [ENV_VERSION] * len(turn.env_ids) + state.versions
+        sample.routed_experts = self._merge_experts(sample, turn, state)
+        sample.num_turns += 1
+        sample.cancelled = state.cancelled
+        if assistant is not None:
+            sample.conversation = [*turn.messages, assistant]
+        samples = self._cache.setdefault(turn.session_id, [])
+        if turn.new_sample:
+            samples.append(sample)
+        return sample.to_sample()
+
+    @staticmethod
+    def _merge_experts(sample: WorkingSample, turn: Turn, state: GenerationState) -> ExpertArray | None:
+        new = state.routed_experts if state.routed_experts_complete else None
+        if new is None:
+            return None
+        if sample.routed_experts is None or turn.experts_start == 0:
+            return new
+        return np.concatenate([sample.routed_experts, new.astype(sample.routed_experts.dtype)])
+
+    def partial(self, turn: Turn, state: GenerationState) -> Sample:
+        """The sample as it would be stored if the turn ended now (written at segment boundaries)."""
+        sample = turn.sample
+        ws = WorkingSample(
+            index=sample.index,
+            prompt_ids=sample.prompt_ids,
+            response_ids=sample.response_ids + turn.env_ids + state.output_ids,
+            loss_mask=sample.loss_mask + [0] * len(turn.env_ids) + [1] * len(state.output_ids),
+            logprobs=sample.logprobs + [0.0] * len(turn.env_ids) + state.logprobs,
+            versions=sample.versions + [ENV_VERSION] * len(turn.env_ids) + state.versions,
+            routed_experts=self._merge_experts(sample, turn, state),
+            conversation=sample.conversation,
+            tools=sample.tools,
+            num_turns=sample.num_turns,
+        )
+        return ws.to_sample()
+
+
+def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:
+    """`X-Session-ID` header, else `session_id` in the body, else `user` (DESIGN §1)."""
+    for candidate in (header, body_session, user):
+        if candidate:
+            return candidate
+    return None
+
+
+def all_messages_text(messages: Sequence[Message]) -> int:
+    """Number of messages (a cheap bound used by request limits)."""
+    return len(messages)

@@ -1,0 +1,324 @@
+"""One agent turn end to end: session → prompt ids → n generations (resume loop) → text, tool calls → Redis.
+
+The OpenAI routes shape requests and responses; everything between lives here. A turn holds its session's
+lock from `prepare_*` until `close()`, so the turns of one session never interleave in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.base import SamplingParams
+from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.errors import InvalidRequest, NotFound
+from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
+from gateway.sessions import SessionManager, Turn
+from gateway.tokenization import (
+    ChatTokenizer,
+    IncrementalDetokenizer,
+    StreamingToolParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    collect_deltas,
+    make_stop_checker,
+)
+
+MAX_RANDOM_SEED = 2**31 - 1
+
+
+@dataclass
+class Choice:
+    """One of the n generations of a turn, with its text decoded as it streams."""
+
+    index: int
+    turn: Turn
+    request: GenerationRequest
+    state: GenerationState
+    detokenizer: IncrementalDetokenizer
+    tool_stream: StreamingToolParser | None
+    text: str = ""
+    content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        if self.tool_calls:
+            return "tool_calls"
+        return self.state.finish_reason or "stop"
+
+
+@dataclass
+class ChoiceEvent:
+    """What changed in one choice: new text or tool-call deltas, new token logprobs, or its end."""
+
+    choice: Choice
+    text: str = ""
+    tool_deltas: list[ToolCallDelta] = field(default_factory=list)
+    delta: Delta | None = None
+    finished: bool = False
+
+
+@dataclass
+class PreparedTurn:
+    session_id: str
+    one_turn: bool
+    choices: list[Choice]
+    prompt_ids: list[int]
+    lock: asyncio.Lock
+    closed: bool = False
+
+
+class TurnRunner:
+    """Runs turns for the OpenAI routes."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        sessions: SessionManager,
+        tokenizer: ChatTokenizer,
+        tool_parser: ToolParser,
+        store: Any,
+        *,
+        model_name: str,
+        max_model_len: int,
+        want_routed_experts: bool,
+    ) -> None:
+        self.generator = generator
+        self.sessions = sessions
+        self.tokenizer = tokenizer
+        self.tool_parser = tool_parser
+        self.store = store
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.want_routed_experts = want_routed_experts
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise NotFound(
+                f"The model `{model}` does not exist; this gateway serves `{self.model_name}`", param="model"
+            )
+
+    async def _open_session(self, session_id: str, one_turn: bool) -> None:
+        """Record the session in Redis, after the request was validated (a refused request stores nothing).
+        A new session is refused with 429 while the trainer lags (backpressure)."""
+        if one_turn:
+            await self.store.create_session({"one_turn": True}, session_id)
+            return
+        meta = await self.store.ensure_session(session_id, {})
+        if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
+            self.generator.pool.remember(session_id, meta.replica)
+
+    async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
+        self.check_model(body.model)
+        messages = [m.to_template() for m in body.messages]
+        tools = None
+        if body.tools and body.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        one_turn = session_id is None
+        sid = session_id or f"chat-{uuid.uuid4().hex}"
+        lock = self.sessions.lock(sid)
+        await lock.acquire()
+        try:
+            turn = await self.sessions.begin_chat_turn(sid, messages, tools)
+            top = body.top_logprobs or 0
+            prepared = self._prepare(sid, one_turn, turn, body, body.budget, top, tools is not None, lock)
+            await self._open_session(sid, one_turn)
+            return prepared
+        except BaseException:
+            lock.release()
+            raise
+
+    async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
+        self.check_model(body.model)
+        prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt:
+            raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
+        bad = next((t for t in prompt if t >= self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
+        one_turn = session_id is None
+        sid = session_id or f"cmpl-{uuid.uuid4().hex}"
+        lock = self.sessions.lock(sid)
+        await lock.acquire()
+        try:
+            turn = await self.sessions.begin_completion_turn(sid, prompt)
+            budget, top = body.max_tokens or 16, body.logprobs or 0
+            prepared = self._prepare(sid, one_turn, turn, body, budget, top, False, lock)
+            await self._open_session(sid, one_turn)
+            return prepared
+        except BaseException:
+            lock.release()
+            raise
+
+    def _prepare(
+        self,
+        session_id: str,
+        one_turn: bool,
+        turn: Turn,
+        body: _Sampling,
+        budget: int | None,
+        top_logprobs: int,
+        parse_tools: bool,
+        lock: asyncio.Lock,
+    ) -> PreparedTurn:
+        room = self.max_model_len - len(turn.prompt_ids)
+        max_tokens = budget if budget is not None else room
+        if max_tokens > room or room <= 0:
+            raise InvalidRequest(
+                f"{len(turn.prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the context length "
+                f"{self.max_model_len}",
+                param="max_tokens",
+            )
+        choices = []
+        for index, branch in enumerate(self.sessions.branch(turn, body.n)):
+            request = self._request(session_id, branch, body, max_tokens, top_logprobs, index)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, stop=body.stops)
+            tool_stream = self.tool_parser.streaming() if parse_tools else None
+            choices.append(Choice(index, branch, request, GenerationState(request), detokenizer, tool_stream))
+        return PreparedTurn(session_id, one_turn, choices, turn.prompt_ids, lock)
+
+    def _request(
+        self, session_id: str, turn: Turn, body: _Sampling, max_tokens: int, top_logprobs: int, index: int
+    ) -> GenerationRequest:
+        seed = body.seed + index if body.seed is not None else None
+        if seed is None and body.n > 1:
+            seed = random.randint(0, MAX_RANDOM_SEED)  # distinct samples of one prompt, even on deterministic engines
+        stop_ids = tuple(body.stop_token_ids or ())
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            top_logprobs=top_logprobs,
+        )
+
+        async def on_partial(state: GenerationState) -> None:
+            await self.store.save_sample(session_id, turn.sample.index, self.sessions.partial(turn, state))
+
+        return GenerationRequest(
+            request_id=f"{session_id}-{turn.sample.index}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=turn.prompt_ids,
+            sampling=sampling,
+            session_id=session_id,
+            want_routed_experts=self.want_routed_experts,
+            stop=make_stop_checker(self.tokenizer, body.stops),
+            experts_start=turn.experts_start,
+            routed_experts=turn.sample.routed_experts,
+            on_partial=on_partial,
+        )
+
+    # -- running ---------------------------------------------------------------------------------
+
+    async def run(self, prepared: PreparedTurn) -> None:
+        """Generate every choice to the end (non-streaming)."""
+        async for _ in self.events(prepared):
+            pass
+
+    async def events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
+        """Text and tool-call deltas of all choices as they arrive, then one `finished` event per choice."""
+        if len(prepared.choices) == 1:
+            async for event in self._choice_events(prepared.choices[0]):
+                yield event
+            return
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for event in self._choice_events(choice):
+                    await queue.put(event)
+                await queue.put(None)
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(c)) for c in prepared.choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # results were consumed above
+
+    async def _choice_events(self, choice: Choice) -> AsyncIterator[ChoiceEvent]:
+        stream = self.generator.stream(choice.request, choice.state)
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                yield self._decoded(choice, choice.detokenizer.feed(delta.token_ids), delta)
+        yield self._finish(choice)
+
+    def _decoded(self, choice: Choice, text: str, delta: Delta | None) -> ChoiceEvent:
+        choice.text += text
+        if choice.tool_stream is None:
+            return ChoiceEvent(choice, text=text, delta=delta)
+        content, tools = _split(choice.tool_stream.feed(text) if text else [])
+        return ChoiceEvent(choice, text=content, tool_deltas=tools, delta=delta)
+
+    def _finish(self, choice: Choice) -> ChoiceEvent:
+        tail = self._decoded(choice, choice.detokenizer.flush(), None)
+        if choice.tool_stream is not None:
+            content, tools = _split(choice.tool_stream.finish())
+            tail.text += content
+            tail.tool_deltas += tools
+            parsed = self.tool_parser.parse(choice.text)
+            choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
+        else:
+            choice.content = choice.text
+        tail.finished = True
+        return tail
+
+    # -- recording -------------------------------------------------------------------------------
+
+    async def close(self, prepared: PreparedTurn) -> None:
+        """Record every choice in its sample, store it, finish a one-turn session; release the session lock."""
+        if prepared.closed:
+            return
+        prepared.closed = True
+        try:
+            for choice in prepared.choices:
+                assistant = None if choice.state.cancelled else self._assistant_message(choice)
+                sample = self.sessions.record(choice.turn, choice.state, assistant)
+                replicas = choice.state.replica_ids
+                await self.store.save_sample(
+                    prepared.session_id, choice.turn.sample.index, sample, replica=replicas[-1] if replicas else None
+                )
+            cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
+            if prepared.one_turn and not cancelled:
+                await self.store.finish(prepared.session_id, None, None)
+        finally:
+            prepared.lock.release()
+
+    @staticmethod
+    def _assistant_message(choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+        if choice.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in choice.tool_calls
+            ]
+        return message
+
+
+def _split(deltas: list[Any]) -> tuple[str, list[ToolCallDelta]]:
+    text = "".join(d.text for d in deltas if not isinstance(d, ToolCallDelta))
+    return text, [d for d in deltas if isinstance(d, ToolCallDelta)]
+
+
+__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "collect_deltas"]

@@ -1,0 +1,530 @@
+"""The trajectory store against a real redis-server: schema, idempotent finish, repair, backpressure, outages.
+
+Most tests use the session's server (flushed per test by the `redis` fixture); the restart and outage tests
+start their own `EmbeddedRedis` (AOF fsynced on every write) so they can kill and restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from gateway.config import Settings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.errors import Conflict, InvalidRequest, Overloaded, SessionNotFound, StoreError
+from gateway.store import Keys, TrajectoryStore, _encode_sample, _SampleWrite, connect
+from gateway.trajectory import F32, I32, U8, Sample
+
+KEYS = Keys()
+TTL_S = 3_600
+IDLE_S = 600
+GLOBAL_KEYS = {KEYS.trajectories, KEYS.pending, KEYS.active_sessions, KEYS.undelivered, KEYS.abandoned}
+
+
+def make_sample(prompt: int = 5, response: int = 8, *, experts_max: int | None = None, seed: int = 0) -> Sample:
+    rng = np.random.default_rng(seed)
+    mask = rng.integers(0, 2, response).astype(U8)
+    experts = None
+    if experts_max is not None:
+        experts = rng.integers(0, experts_max + 1, (prompt + response - 1, 4, 2)).astype(np.int64)
+        experts[0, 0, 0] = experts_max  # the largest id decides the dtype
+    return Sample(
+        prompt_ids=rng.integers(0, 50_000, prompt).astype(I32),
+        response_ids=rng.integers(0, 50_000, response).astype(I32),
+        loss_mask=mask,
+        logprobs=-rng.random(response).astype(F32),
+        versions=np.where(mask == 1, 3, -1).astype(I32),
+        routed_experts=experts,
+        num_turns=2,
+    )
+
+
+def assert_same(a: Sample, b: Sample) -> None:
+    for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"):
+        got, want = getattr(a, name), getattr(b, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+    assert (a.num_turns, a.cancelled) == (b.num_turns, b.cancelled)
+    if b.routed_experts is None:
+        assert a.routed_experts is None
+    else:
+        assert a.routed_experts is not None and np.array_equal(a.routed_experts, b.routed_experts)
+
+
+async def entries(client: Redis, stream: str = KEYS.trajectories) -> list[tuple[str, dict[str, str]]]:
+    found = await client.xrange(stream)
+    return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in found]
+
+
+async def real_entries(client: Redis, store: TrajectoryStore) -> dict[str, str]:
+    """session id -> entry id, for the entries the trainer treats as real (id == the meta's stream_id)."""
+    real: dict[str, str] = {}
+    for entry_id, fields in await entries(client):
+        meta = await store.get_session(fields["session_id"])
+        if meta is not None and meta.stream_id == entry_id:
+            assert fields["session_id"] not in real, "two real entries for one session"
+            real[fields["session_id"]] = entry_id
+    return real
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Poll a condition with a bounded deadline (a foreign process gives no event to wait on)."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def make_store(client: Redis, **options: Any) -> TrajectoryStore:
+    settings: dict[str, Any] = {
+        "ttl_s": TTL_S,
+        "session_idle_ttl_s": IDLE_S,
+        "max_pending": 100,
+        "retry_budget_s": 20.0,
+        "sweep_interval_s": None,
+    }
+    return TrajectoryStore(client, KEYS, **(settings | options))
+
+
+@pytest.fixture
+async def client(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[Redis]:
+    """A client made as the gateway makes it (`connect`), on the flushed session server."""
+    client = connect(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(client: Redis) -> AsyncIterator[TrajectoryStore]:
+    store = make_store(client)
+    yield store
+    await store.aclose()
+
+
+@pytest.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[EmbeddedRedis]:
+    async with EmbeddedRedis(data_dir=tmp_path / "redis", appendfsync="always") as server:
+        yield server
+
+
+@pytest.fixture
+async def own_client(own_redis: EmbeddedRedis) -> AsyncIterator[Redis]:
+    client = connect(own_redis.url, socket_timeout_s=1.0)
+    yield client
+    await client.aclose()
+
+
+# -- samples --------------------------------------------------------------------------------------------------
+
+
+async def test_sample_round_trip_without_experts(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session({"group_id": "g1", "task": 7})
+    sample = make_sample()
+    await store.save_sample(meta.id, 0, sample, replica="r1")
+
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, sample)
+    stored = await store.get_session(meta.id)
+    assert stored is not None
+    assert (stored.status, stored.sample_count, stored.replica, stored.group_id) == ("active", 1, "r1", "g1")
+    assert stored.metadata == {"group_id": "g1", "task": 7}
+    assert not await redis.hexists(KEYS.sample(meta.id, 0), "experts")
+
+
+@pytest.mark.parametrize(("experts_max", "dtype"), [(200, np.uint8), (3_000, np.uint16)])
+async def test_routed_experts_keep_the_smallest_dtype_and_samples_are_compact(
+    store: TrajectoryStore, redis: Redis, experts_max: int, dtype: type[np.unsignedinteger[Any]]
+) -> None:
+    meta = await store.create_session()
+    sample = make_sample(100, 2_000, experts_max=experts_max)
+    await store.save_sample(meta.id, 0, sample)
+
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, sample)
+    assert loaded.routed_experts is not None and loaded.routed_experts.dtype == dtype
+    assert loaded.routed_experts.shape == (2_099, 4, 2)
+
+    key = KEYS.sample(meta.id, 0)
+    itemsize = np.dtype(dtype).itemsize
+    assert await redis.hstrlen(key, "experts") == 2_099 * 4 * 2 * itemsize
+    assert await redis.hstrlen(key, "response_ids") == 2_000 * 4
+    assert await redis.hstrlen(key, "loss_mask") == 2_000
+    raw = 100 * 4 + 2_000 * (4 + 1 + 4 + 4) + 2_099 * 4 * 2 * itemsize
+    usage = await redis.memory_usage(key, samples=0)  # every field, not an estimate from 5
+    assert usage is not None and raw <= usage < raw * 1.3 + 2_048  # allocator rounding, not JSON's ~4x
+
+
+async def test_saving_an_index_again_replaces_it_and_sample_count_tracks_the_max(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 2, make_sample(experts_max=9, seed=1))
+    await store.save_sample(meta.id, 0, make_sample(seed=2))
+    newer = make_sample(response=12, seed=3)  # no experts: the old experts field must not linger
+    await store.save_sample(meta.id, 2, newer)
+
+    stored = await store.get_session(meta.id)
+    assert stored is not None and stored.sample_count == 3
+    samples = await store.load_samples(meta.id)
+    assert len(samples) == 2  # index 1 was never written
+    assert_same(samples[0], make_sample(seed=2))
+    assert_same(samples[1], newer)
+    assert not await redis.hexists(KEYS.sample(meta.id, 2), "experts")
+
+
+async def test_unknown_and_malformed_sessions(store: TrajectoryStore) -> None:
+    with pytest.raises(SessionNotFound):
+        await store.save_sample("nope", 0, make_sample())
+    with pytest.raises(SessionNotFound):
+        await store.finish("nope")
+    assert await store.get_session("nope") is None
+    assert await store.load_samples("nope") == []
+    with pytest.raises(InvalidRequest):
+        await store.ensure_session("a{b}c")
+    with pytest.raises(InvalidRequest):
+        await store.save_sample((await store.create_session()).id, -1, make_sample())
+
+
+async def test_ensure_session_creates_once_and_returns_the_existing_one(store: TrajectoryStore) -> None:
+    first, second = await asyncio.gather(
+        store.ensure_session("agent-1", {"group_id": "g"}), store.ensure_session("agent-1", {"group_id": "g"})
+    )
+    assert first.id == second.id == "agent-1"
+    assert first.created_at == second.created_at
+    assert (await store.ensure_session("agent-1", {"other": 1})).metadata == {"group_id": "g"}
+
+
+async def test_a_buffered_write_for_a_session_that_ended_is_refused_loudly(
+    store: TrajectoryStore, redis: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    meta = await store.create_session()
+    await store.finish(meta.id)
+    # As if written during an outage, while another gateway process finished the session.
+    store._buffer_write(_SampleWrite(meta.id, 0, _encode_sample(make_sample()), "", time.time()))
+
+    store.start()
+    await wait_for(lambda: _true(store.buffered == 0))
+
+    assert store.stats.writes_refused == 1 and "buffered write refused" in caplog.text
+    assert not await redis.exists(KEYS.sample(meta.id, 0))
+
+
+def test_settings_build_the_store(client: Redis) -> None:
+    settings = Settings(store={"prefix": "x:", "max_pending": 7, "ttl_s": 60}, redis={"retry_budget_s": 3})
+    store = TrajectoryStore.from_settings(client, settings.store, settings.redis, sweep_interval_s=None)
+    assert (store.keys.prefix, store.max_pending, store.ttl_s, store.retry_budget_s) == ("x:", 7, 60, 3.0)
+    assert store.session_idle_ttl_s == settings.store.session_idle_ttl_s
+
+
+# -- finish -----------------------------------------------------------------------------------------------------
+
+
+async def test_finish_twice_gives_one_stream_entry(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session({"group_id": "g7"})
+    await store.save_sample(meta.id, 0, make_sample())
+    await store.save_sample(meta.id, 1, make_sample(seed=1))
+
+    first = await store.finish(meta.id, 1.5, {"judge": "ok"})
+    second = await store.finish(meta.id, 0.0)
+
+    assert first == second
+    assert await entries(redis) == [(first, {"session_id": meta.id, "group_id": "g7", "reward": "1.5", "samples": "2"})]
+    finished = await store.get_session(meta.id)
+    assert finished is not None
+    assert (finished.status, finished.reward, finished.stream_id) == ("finished", 1.5, first)
+    assert finished.metadata == {"group_id": "g7", "judge": "ok"}
+    assert finished.finished_at is not None
+    assert await store.pending() == 1
+    assert await redis.smembers(KEYS.undelivered) == set()
+    assert await redis.zscore(KEYS.active_sessions, meta.id) is None
+    with pytest.raises(Conflict):  # a delivered trajectory never changes
+        await store.save_sample(meta.id, 0, make_sample(seed=9))
+    with pytest.raises(Conflict):
+        await store.ensure_session(meta.id)
+
+
+async def test_concurrent_finishes_in_one_and_in_two_processes_give_one_entry(
+    store: TrajectoryStore, client: Redis, redis: Redis
+) -> None:
+    other = make_store(client)  # a second gateway process on the same Redis
+    one, two = await store.create_session(), await store.create_session()
+
+    same = await asyncio.gather(store.finish(one.id, 1.0), store.finish(one.id, 2.0))
+    across = await asyncio.gather(store.finish(two.id, 1.0), other.finish(two.id, 2.0))
+
+    assert same[0] == same[1] and across[0] == across[1]
+    assert await real_entries(redis, store) == {one.id: same[0], two.id: across[0]}
+    assert await redis.xlen(KEYS.trajectories) == 2  # the loser of the stream_id claim deleted its entry
+    assert await store.pending() == 2
+    await other.aclose()
+
+
+async def test_a_cancelled_caller_cannot_half_finish(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session()
+    caller = asyncio.create_task(store.finish(meta.id, 1.0))
+    await asyncio.sleep(0)  # one turn of the loop: the caller started the run and awaits it; the run has not begun
+    running = store._finishing[meta.id]
+    caller.cancel()
+
+    entry_id = await running  # the shielded run went on without its caller
+    assert caller.cancelled()
+    assert await real_entries(redis, store) == {meta.id: entry_id}
+    assert await store.finish(meta.id) == entry_id
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_crash_between_xadd_and_the_stream_id_claim_is_repaired(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 0, make_sample())
+    # Steps (1)-(3) of finish, then the process "dies" before claiming `stream_id`.
+    await redis.sadd(KEYS.undelivered, meta.id)
+    finished = await store._mark_finished(meta.id, 0.5, None)
+    orphan = await store._append_entry(finished)
+
+    assert await store.repair_undelivered() == 1
+
+    real = await real_entries(redis, store)
+    assert list(real) == [meta.id] and real[meta.id] != orphan  # the orphan is skipped by consumers
+    assert await store.pending() == 1
+    assert await redis.smembers(KEYS.undelivered) == set()
+    assert await store.finish(meta.id) == real[meta.id]
+    assert await store.repair_undelivered() == 0
+
+
+async def test_a_duplicate_entry_loses_the_claim_and_is_deleted(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session()
+    entry_id = await store.finish(meta.id, 1.0)
+    finished = await store.get_session(meta.id)
+    assert finished is not None
+
+    duplicate = await store._append_entry(finished)  # e.g. a second process that XADDed concurrently
+    assert await store._claim_entry(meta.id, duplicate) == entry_id
+
+    assert [e for e, _ in await entries(redis)] == [entry_id]
+    assert await store.pending() == 1
+    assert store.stats.duplicate_entries == 1
+
+
+async def test_repair_confirms_or_forgets_what_the_undelivered_set_holds(store: TrajectoryStore, redis: Redis) -> None:
+    delivered, in_progress, gone = await store.create_session(), await store.create_session(), "expired-session"
+    entry_id = await store.finish(delivered.id)
+    # A crash after the claim but before SREM; a finish that has not marked its session yet; an expired meta.
+    await redis.sadd(KEYS.undelivered, delivered.id, in_progress.id, gone)
+
+    assert await store.repair_undelivered() == 1
+
+    assert await redis.smembers(KEYS.undelivered) == {in_progress.id.encode()}
+    assert [e for e, _ in await entries(redis)] == [entry_id]  # nothing delivered twice
+    assert await store.pending() == 1
+
+
+async def test_the_periodic_sweeper_repairs_and_abandons(client: Redis, redis: Redis) -> None:
+    store = make_store(client, sweep_interval_s=0.05, repair_grace_s=0.0)
+    interrupted, idle = await store.create_session(), await store.create_session()
+    await redis.sadd(KEYS.undelivered, interrupted.id)
+    await store._mark_finished(interrupted.id, None, None)  # a finish that died before XADD
+    await redis.zadd(KEYS.active_sessions, {idle.id: 0})
+    await redis.hset(KEYS.meta(idle.id), "updated_at", 0)
+
+    store.start()
+    await wait_for(lambda: _true(store.stats.repaired == 1 and store.stats.abandoned == 1))
+
+    assert list(await real_entries(redis, store)) == [interrupted.id]
+    assert [fields["session_id"] for _, fields in await entries(redis, KEYS.abandoned)] == [idle.id]
+    await store.aclose()
+
+
+async def test_repair_leaves_recent_finishes_to_their_own_finish(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session()
+    await redis.sadd(KEYS.undelivered, meta.id)
+    await store._mark_finished(meta.id, None, None)
+
+    assert await store.repair_undelivered(older_than_s=60) == 0
+    assert await store.repair_undelivered() == 1
+    assert list(await real_entries(redis, store)) == [meta.id]
+
+
+# -- backpressure and idle sessions -----------------------------------------------------------------------------
+
+
+async def test_backpressure_refuses_new_sessions_only(client: Redis, redis: Redis) -> None:
+    store = make_store(client, max_pending=2, retry_after_s=3.0)
+    first, second, ongoing = [await store.create_session() for _ in range(3)]
+    await store.finish(first.id)
+    await store.finish(second.id)
+
+    with pytest.raises(Overloaded) as refused:
+        await store.create_session()
+    assert refused.value.retry_after_s > 0
+    with pytest.raises(Overloaded):
+        await store.ensure_session("brand-new")
+
+    assert (await store.ensure_session(ongoing.id)).id == ongoing.id  # existing sessions go on
+    await store.save_sample(ongoing.id, 0, make_sample())
+    await store.finish(ongoing.id, 1.0)
+    assert await store.pending() == 3
+
+    await redis.decr(KEYS.pending, 2)  # the trainer acknowledged two trajectories
+    assert (await store.create_session()).status == "active"
+    await store.aclose()
+
+
+async def test_idle_sessions_are_abandoned_and_never_delivered(store: TrajectoryStore, redis: Redis) -> None:
+    idle, fresh, done = await store.create_session({"group_id": "g"}), await store.create_session(), None
+    done = await store.create_session()
+    await store.save_sample(idle.id, 0, make_sample())
+    await store.finish(done.id)
+    await redis.zadd(KEYS.active_sessions, {fresh.id: 0})  # a stale index entry; the meta says it is fresh
+    later = time.time() + IDLE_S + 1
+    await redis.hset(KEYS.meta(fresh.id), "updated_at", later)
+
+    assert await store.abandon_idle(now=later) == [idle.id]
+    assert await store.abandon_idle(now=later) == []  # idempotent
+
+    meta = await store.get_session(idle.id)
+    assert meta is not None and meta.status == "abandoned"
+    recorded = await entries(redis, KEYS.abandoned)
+    assert [fields["session_id"] for _, fields in recorded] == [idle.id]
+    assert [fields["session_id"] for _, fields in await entries(redis)] == [done.id]
+    assert await redis.zscore(KEYS.active_sessions, idle.id) is None
+    assert await redis.zscore(KEYS.active_sessions, fresh.id) == pytest.approx(later)
+    assert 0 < await redis.ttl(KEYS.meta(idle.id)) <= TTL_S
+    assert 0 < await redis.ttl(KEYS.sample(idle.id, 0)) <= TTL_S
+    with pytest.raises(Conflict):
+        await store.finish(idle.id)
+    with pytest.raises(Conflict):
+        await store.save_sample(idle.id, 1, make_sample())
+    assert await store.pending() == 1
+
+
+async def test_every_session_key_has_a_ttl(store: TrajectoryStore, redis: Redis) -> None:
+    active, finished, abandoned = [await store.create_session() for _ in range(3)]
+    for meta in (active, finished, abandoned):
+        await store.save_sample(meta.id, 0, make_sample(experts_max=5))
+    await store.finish(finished.id)
+    await redis.zadd(KEYS.active_sessions, {abandoned.id: 0})
+    await redis.hset(KEYS.meta(abandoned.id), "updated_at", 0)
+    assert await store.abandon_idle() == [abandoned.id]
+
+    names = {key.decode() async for key in redis.scan_iter()}
+    session_keys = names - GLOBAL_KEYS
+    assert len(session_keys) == 6
+    for key in session_keys:
+        limit = IDLE_S + TTL_S if f"{{{active.id}}}" in key else TTL_S
+        assert 0 < await redis.ttl(key) <= limit, key
+    for key in names & GLOBAL_KEYS:
+        assert await redis.ttl(key) == -1, key  # indexes, streams and the counter persist by design
+
+
+# -- Redis restarts and outages (own server) ---------------------------------------------------------------------
+
+
+async def test_redis_killed_during_a_run_loses_no_acknowledged_trajectory(
+    own_redis: EmbeddedRedis, own_client: Redis
+) -> None:
+    store = make_store(own_client)
+    sessions = [await store.create_session({"group_id": "g"}) for _ in range(8)]
+    for seed, meta in enumerate(sessions):
+        await store.save_sample(meta.id, 0, make_sample(experts_max=40, seed=seed))
+    finishing = [asyncio.create_task(store.finish(meta.id, 1.0)) for meta in sessions]
+    await asyncio.wait(finishing, return_when=asyncio.FIRST_COMPLETED)
+
+    own_redis.kill()  # a crash in the middle of the finishes
+    await own_redis.arestart()
+    acknowledged = dict(zip((m.id for m in sessions), await asyncio.gather(*finishing), strict=True))
+
+    assert await real_entries(own_client, store) == acknowledged
+    for seed, meta in enumerate(sessions):
+        [sample] = await store.load_samples(meta.id)
+        assert_same(sample, make_sample(experts_max=40, seed=seed))
+    # At most once per real entry: an INCR cut by the kill may be lost (undercount), never resent (overcount).
+    assert await store.pending() <= len(sessions)
+    later = await store.create_session()  # new writes work on the reconnected client
+    await store.save_sample(later.id, 0, make_sample())
+    assert await store.finish(later.id) in {e for e, _ in await entries(own_client)}
+    await store.aclose()
+
+
+async def test_writes_during_an_outage_are_buffered_then_flushed(own_redis: EmbeddedRedis, own_client: Redis) -> None:
+    store = make_store(own_client)
+    store.start()
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 0, make_sample())
+
+    own_redis.kill()
+    await store.save_sample(meta.id, 1, make_sample(seed=1))  # does not raise: buffered
+    newest = make_sample(response=20, seed=2)
+    await store.save_sample(meta.id, 1, newest)  # replaces the buffered version
+    await store.save_sample(meta.id, 2, make_sample(seed=3))  # Redis is known down: buffered at once
+    assert store.buffered == 2
+
+    await own_redis.arestart()
+
+    async def flushed() -> bool:
+        return await own_client.exists(KEYS.sample(meta.id, 1), KEYS.sample(meta.id, 2)) == 2
+
+    await wait_for(flushed)
+    await wait_for(lambda: _true(store.buffered == 0))
+    assert_same((await store.load_samples(meta.id))[1], newest)
+    stored = await store.get_session(meta.id)
+    assert stored is not None and stored.sample_count == 3
+    await store.aclose()
+
+
+async def test_finish_during_an_outage_waits_for_redis_and_flushes_first(
+    own_redis: EmbeddedRedis, own_client: Redis
+) -> None:
+    store = make_store(own_client, max_buffered_writes=1)  # no flusher: finish itself writes the buffer
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 0, make_sample())
+
+    own_redis.kill()
+    await store.save_sample(meta.id, 1, make_sample(seed=1))
+    with pytest.raises(StoreError, match="buffered"):  # the buffer is full: fail loudly, drop nothing
+        await store.save_sample(meta.id, 2, make_sample(seed=2))
+    finishing = asyncio.create_task(store.finish(meta.id, 2.0))
+    await wait_for(lambda: _true(store.stats.finish_retries >= 1))
+    assert not finishing.done()
+
+    await own_redis.arestart()
+    entry_id = await finishing
+
+    assert await entries(own_client) == [
+        (entry_id, {"session_id": meta.id, "group_id": "", "reward": "2.0", "samples": "2"})
+    ]
+    assert len(await store.load_samples(meta.id)) == 2
+    assert store.buffered == 0
+    await store.aclose()
+
+
+async def test_finish_gives_up_after_the_retry_budget(
+    own_redis: EmbeddedRedis, own_client: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = make_store(own_client, retry_budget_s=0.5)
+    meta = await store.create_session()
+
+    own_redis.kill()
+    with pytest.raises(StoreError, match="retry budget"):
+        await store.finish(meta.id)
+    await store.save_sample(meta.id, 0, make_sample())  # buffered
+    await store._count_pending()  # the gauge's INCR never raises: the delivery it counts is already done
+    assert "undercounts by one" in caplog.text
+    with caplog.at_level(logging.ERROR, logger="gateway.store"):
+        await store.aclose(drain_timeout_s=0.2)  # shutting down while Redis is away: the loss is loud
+    assert "1 sample writes Redis never took" in caplog.text
+
+    await own_redis.arestart()
+    later = make_store(own_client)
+    entry_id = await later.finish(meta.id)  # nothing was half-done that a later finish cannot complete
+    assert await real_entries(own_client, later) == {meta.id: entry_id}
+    await later.aclose()
