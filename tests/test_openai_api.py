@@ -354,3 +354,49 @@ async def test_oversized_body_is_413(
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
     response = await http.post(f"{gw.url}/v1/chat/completions", json=body)
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_trainer_receives_exactly_what_the_agent_generated(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis_server: Any
+) -> None:
+    from gateway.trainer import TrajectoryConsumer
+
+    _, gw = await gateway_on(make_sim, make_gateway)
+    session = (await http.post(f"{gw.url}/v1/sessions", json={"metadata": {"group_id": "g", "group_size": 1}})).json()
+    api = client(gw, **{"X-Session-ID": session["id"]})
+    chat = await api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=9)
+    sampled = chat.model_extra["rollout"]["choices"][0]["output_ids"]
+    await http.post(f"{gw.url}/v1/sessions/{session['id']}/finish", json={"reward": 0.25})
+    async with TrajectoryConsumer(redis_server.url, "trainers", "t0", group_by="group_id") as consumer:
+        batch = await consumer.next_batch(4, timeout=5)
+        assert [t.session_id for t in batch.trajectories] == [session["id"]]
+        trajectory = batch.trajectories[0]
+        assert trajectory.reward == 0.25
+        assert trajectory.samples[0].response_ids.tolist() == sampled
+        assert await consumer.ack(batch) == 1
+    await api.close()
+
+
+async def test_partial_sample_is_written_at_a_segment_boundary(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim, gw = await gateway_on(make_sim, make_gateway, token_delay=0.003)
+    api = client(gw, **{"X-Session-ID": "partial"})
+    task = asyncio.create_task(
+        api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "go"}],
+            max_tokens=400,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] > 30, what="tokens")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    await wait_for(lambda: gw.services.generator.resumes_total >= 1, what="the resume")
+    partial = await gw.services.store.load_samples("partial")
+    assert partial and 30 <= int(partial[0].loss_mask.sum()) < 400  # persisted mid-turn, before the reply ends
+    chat = await task
+    assert len(chat.model_extra["rollout"]["choices"][0]["output_ids"]) == 400
+    stored = await gw.services.store.load_samples("partial")
+    assert int(stored[0].loss_mask.sum()) == 400
+    await api.close()
