@@ -26,7 +26,6 @@ from gateway.tokenization import (
     ToolCall,
     ToolCallDelta,
     ToolParser,
-    collect_deltas,
     make_stop_checker,
 )
 
@@ -293,7 +292,7 @@ class TurnRunner:
         prepared.closed = True
         try:
             for choice in prepared.choices:
-                assistant = None if choice.state.cancelled else self._assistant_message(choice)
+                assistant = None if choice.state.cancelled else assistant_message(choice)
                 sample = self.sessions.record(choice.turn, choice.state, assistant)
                 replicas = choice.state.replica_ids
                 await self.store.save_sample(
@@ -305,15 +304,16 @@ class TurnRunner:
         finally:
             prepared.lock.release()
 
-    @staticmethod
-    def _assistant_message(choice: Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.content}
-        if choice.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in choice.tool_calls
-            ]
-        return message
+
+def assistant_message(choice: Choice) -> dict[str, Any]:
+    """The reply as the agent receives it (and echoes back next turn)."""
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in choice.tool_calls
+        ]
+    return message
 
 
 def _split(deltas: list[Any]) -> tuple[str, list[ToolCallDelta]]:
@@ -321,4 +321,4 @@ def _split(deltas: list[Any]) -> tuple[str, list[ToolCallDelta]]:
     return text, [d for d in deltas if isinstance(d, ToolCallDelta)]
 
 
-__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "collect_deltas"]
+__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message"]

@@ -20,7 +20,7 @@ from backends.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.sessions import session_id_from
-from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner
+from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 router = APIRouter(tags=["openai"], dependencies=[Depends(require_agent)])
 
@@ -57,6 +57,30 @@ def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
     }
 
 
+async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) -> None:
+    """Generate every choice (aborted if the client leaves), then record the turn."""
+    try:
+        await unless_disconnected(raw, runner.run(prepared), lambda: None)
+    finally:
+        await runner.close(prepared)
+
+
+def _envelope(
+    kind: str, completion_id: str, runner: TurnRunner, prepared: PreparedTurn, choices: list[Any]
+) -> Response:
+    return _json(
+        {
+            "id": completion_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": runner.model_name,
+            "choices": choices,
+            "usage": _usage(prepared),
+            "rollout": _rollout(prepared, prepared.choices),
+        }
+    )
+
+
 def _usage(prepared: PreparedTurn) -> dict[str, int]:
     completion = sum(len(c.state.output_ids) for c in prepared.choices)
     prompt = len(prepared.prompt_ids)
@@ -80,16 +104,6 @@ def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], to
     return entries
 
 
-def _chat_message(choice: Choice) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
-    if choice.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in choice.tool_calls
-        ]
-    return message
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
@@ -100,29 +114,16 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
         return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
-    try:
-        await unless_disconnected(raw, runner.run(prepared), lambda: None)
-    finally:
-        await runner.close(prepared)
+    await _run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
         logprobs = None
         if body.logprobs:
             s = c.state
             logprobs = {"content": _chat_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None)}
-        message = _chat_message(c)
+        message = assistant_message(c)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return _json(
-        {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": runner.model_name,
-            "choices": choices,
-            "usage": _usage(prepared),
-            "rollout": _rollout(prepared, prepared.choices),
-        }
-    )
+    return _envelope("chat.completion", completion_id, runner, prepared, choices)
 
 
 async def _chat_chunks(
@@ -208,10 +209,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
         return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
-    try:
-        await unless_disconnected(raw, runner.run(prepared), lambda: None)
-    finally:
-        await runner.close(prepared)
+    await _run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
         s = c.state
@@ -221,17 +219,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
             else None
         )
         choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return _json(
-        {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": runner.model_name,
-            "choices": choices,
-            "usage": _usage(prepared),
-            "rollout": _rollout(prepared, prepared.choices),
-        }
-    )
+    return _envelope("text_completion", completion_id, runner, prepared, choices)
 
 
 async def _completion_chunks(
