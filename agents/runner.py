@@ -128,6 +128,12 @@ class Runner:
 
     async def run(self) -> RunSummary:
         """Run every episode, print the summary tables, return the summary."""
+        summary = await self.run_quietly()
+        print_summary(summary, self.console)
+        return summary
+
+    async def run_quietly(self) -> RunSummary:
+        """Run every episode and return the summary without printing it (for callers with their own display)."""
         results = self.episodes()
         started = time.monotonic()
         headers = {"authorization": f"Bearer {self.api_key}"}
@@ -148,9 +154,7 @@ class Runner:
                 async with asyncio.TaskGroup() as group:
                     for _ in range(min(self.concurrency, len(results))):
                         group.create_task(self._worker(jobs, client, sessions, progress, bar))
-        summary = RunSummary.of(results, throttled=self.stats.throttled, elapsed_s=time.monotonic() - started)
-        print_summary(summary, self.console)
-        return summary
+        return RunSummary.of(results, throttled=self.stats.throttled, elapsed_s=time.monotonic() - started)
 
     def _progress(self) -> Progress:
         return Progress(

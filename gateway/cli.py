@@ -70,24 +70,43 @@ def sim(ctx: typer.Context) -> None:
 
 @app.command()
 def demo(
+    duration: Annotated[float, typer.Option(min=1, max=3600, help="Seconds of agent traffic (rounds of tasks).")] = 20,
     replicas: Annotated[int, typer.Option(min=1, max=16, help="Simulator replicas.")] = 2,
     dialect: Annotated[str, typer.Option(help="vllm | sglang | mixed")] = "mixed",
-    requests: Annotated[int, typer.Option(min=1, max=4096, help="Concurrent generations.")] = 64,
-    tokens: Annotated[int, typer.Option(min=1, max=4096, help="Tokens per generation.")] = 200,
-    updates: Annotated[int, typer.Option(min=0, max=100, help="Weight updates published mid-flight.")] = 3,
-    token_delay: Annotated[float, typer.Option(help="Simulated seconds per decode step.")] = 0.005,
+    concurrency: Annotated[int, typer.Option(min=1, max=4096, help="Agent episodes in flight.")] = 32,
+    group_size: Annotated[int, typer.Option(min=1, max=64, help="Samples per task (GRPO group).")] = 4,
+    update_every: Annotated[float, typer.Option(min=0.2, help="Seconds between weight updates.")] = 3.0,
+    token_delay: Annotated[float, typer.Option(min=0, help="Simulated seconds per decode step.")] = 0.003,
     mode: Annotated[str, typer.Option(help="Pause mode of the updates: abort | keep | wait")] = "abort",
+    agent: Annotated[str, typer.Option(help="math | tool")] = "tool",
 ) -> None:
-    """Everything in one process: embedded Redis, simulator replicas, the gateway, weight updates mid-flight."""
+    """Everything in one process: embedded Redis, simulator replicas, the gateway, GRPO agents, a trainer
+    that consumes trajectories and publishes weight updates mid-generation."""
     import uvloop
 
     from gateway.demo import DemoOptions, run_demo
 
-    if dialect not in ("vllm", "sglang", "mixed") or mode not in ("abort", "keep", "wait"):
-        typer.echo("rollout-gateway demo: --dialect is vllm|sglang|mixed and --mode abort|keep|wait", err=True)
+    if (
+        dialect not in ("vllm", "sglang", "mixed")
+        or mode not in ("abort", "keep", "wait")
+        or agent not in ("math", "tool")
+    ):
+        typer.echo(
+            "rollout-gateway demo: --dialect vllm|sglang|mixed, --mode abort|keep|wait, --agent math|tool", err=True
+        )
         raise typer.Exit(2)
     _configure_logging("warning")
-    options = DemoOptions(replicas, dialect, requests, tokens, updates, token_delay, mode)  # type: ignore[arg-type]
+    options = DemoOptions(
+        duration_s=duration,
+        replicas=replicas,
+        dialect=dialect,  # type: ignore[arg-type]
+        concurrency=concurrency,
+        group_size=group_size,
+        update_every_s=update_every,
+        token_delay_s=token_delay,
+        mode=mode,  # type: ignore[arg-type]
+        agent=agent,  # type: ignore[arg-type]
+    )
     ok = uvloop.run(run_demo(options))
     raise typer.Exit(0 if ok else 1)
 

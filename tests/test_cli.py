@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -88,6 +89,18 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_demo_runs_and_checks_itself() -> None:
-    result = run_cli("demo", "--requests", "16", "--tokens", "80", "--updates", "2", "--token-delay", "0.002")
+    result = run_cli("demo", "--duration", "3", "--update-every", "1", "--concurrency", "16", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK" in result.stdout and "16/16" in result.stdout
+    out = result.stdout
+    assert "OK" in out
+    lost = re.search(r"lost\s*│\s*(\d+)", out)
+    updates = re.search(r"weight updates\s*│\s*(\d+)", out)
+    spanning = re.search(r"samples spanning an update\s*│\s*(\d+)", out)
+    assert lost and lost.group(1) == "0"
+    assert updates and int(updates.group(1)) >= 1
+    assert spanning and int(spanning.group(1)) >= 1
+
+
+def test_demo_rejects_bad_flags() -> None:
+    result = run_cli("demo", "--dialect", "tgi")
+    assert result.returncode == 2
