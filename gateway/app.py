@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway.api import admin, generate, health, openai, sessions
+from gateway.api import admin, generate, health, observability, openai, sessions
 from gateway.api.errors import install_error_handlers
 from gateway.api.limits import BodySizeLimit
 from gateway.config import Settings
@@ -30,5 +30,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory = default_bac
     app.include_router(openai.router)
     app.include_router(sessions.router)
     app.include_router(admin.router)
+    app.include_router(observability.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
+    app.add_middleware(observability.RequestMetrics)  # outermost: counts the 413s of the body limit too
     return app

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from gateway.errors import ConfigError
+
+T = TypeVar("T")
 
 app = typer.Typer(
     name="rollout-gateway",
@@ -20,7 +23,12 @@ app = typer.Typer(
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    """Plain-text logs with the structured fields (session_id, replica, version) appended as key=value."""
+    from gateway.metrics import ContextFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(ContextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 @app.command()
@@ -109,6 +117,85 @@ def demo(
     )
     ok = uvloop.run(run_demo(options))
     raise typer.Exit(0 if ok else 1)
+
+
+trajectories = typer.Typer(help="Inspect the trajectory store in Redis.", no_args_is_help=True)
+app.add_typer(trajectories, name="trajectories")
+
+RedisUrl = Annotated[str, typer.Option("--redis-url", envvar="RG_REDIS__URL", help="The gateway's Redis.")]
+Prefix = Annotated[str, typer.Option(help="Key prefix (store.prefix).")]
+
+
+@trajectories.command("stats")
+def trajectories_stats(redis_url: RedisUrl = "redis://127.0.0.1:6379/0", prefix: Prefix = "rg:") -> None:
+    """Stream length, unconsumed trajectories, active/abandoned sessions, weight version, consumer groups."""
+    import uvloop
+    from rich.console import Console
+    from rich.table import Table
+
+    from gateway.store import Keys, connect, inspect_store
+
+    async def read() -> dict[str, Any]:
+        client = connect(redis_url)
+        try:
+            return await inspect_store(client, Keys(prefix))
+        finally:
+            await client.aclose()
+
+    stats = _or_exit(lambda: uvloop.run(read()))
+    table = Table(title=f"trajectory store at {redis_url}", show_header=False)
+    for key, value in stats.items():
+        if key != "consumer_groups":
+            table.add_row(key.replace("_", " "), str(value))
+    for group in stats["consumer_groups"]:
+        table.add_row(
+            f"group {group.get('name')}", f"consumers {group.get('consumers')}, pending {group.get('pending')}"
+        )
+    Console().print(table)
+
+
+@trajectories.command("tail")
+def trajectories_tail(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    prefix: Prefix = "rg:",
+    count: Annotated[int, typer.Option("-n", "--count", min=1, max=10_000)] = 10,
+) -> None:
+    """The newest finished trajectories: session, group, reward, samples, and whether the entry is the real one."""
+    import uvloop
+    from rich.console import Console
+    from rich.table import Table
+
+    from gateway.store import Keys, connect, tail_trajectories
+
+    async def read() -> list[dict[str, Any]]:
+        client = connect(redis_url)
+        try:
+            return await tail_trajectories(client, Keys(prefix), count)
+        finally:
+            await client.aclose()
+
+    rows = _or_exit(lambda: uvloop.run(read()))
+    table = Table(title=f"newest {len(rows)} trajectories")
+    for column in ("entry_id", "session_id", "group_id", "reward", "samples", "status", "real"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            *(
+                str(row.get(c, ""))
+                for c in ("entry_id", "session_id", "group_id", "reward", "samples", "status", "real")
+            )
+        )
+    Console().print(table)
+
+
+def _or_exit(call: Callable[[], T]) -> T:
+    from gateway.errors import StoreError
+
+    try:
+        return call()
+    except StoreError as exc:
+        typer.echo(f"rollout-gateway: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 def main() -> None:

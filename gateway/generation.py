@@ -126,22 +126,32 @@ class _SegmentRun:
         self.spans: list[VersionSpan] | None = None
         self.experts: ExpertArray | None = None
         self.weight_version: str | None = None
+        self.interrupted_at: float | None = None  # monotonic time the previous segment broke off (resume latency)
 
 
 class Generator:
-    """Runs completions over the pool, resuming across weight updates and replica failures."""
+    """Runs completions over the pool, resuming across weight updates and replica failures.
+
+    The counters are plain integers that metrics read at scrape time (nothing is pushed per token); `on_resume`
+    gets the resume latency of each continuation: seconds from the moment its predecessor segment broke off
+    (abort or failure) to the continuation's first token, waiting for a weight update included.
+    """
 
     def __init__(
         self,
         pool: ReplicaPool,
         weights: WeightCoordinator,
         settings: GenerationSettings | None = None,
+        on_resume: Callable[[float], None] | None = None,
     ) -> None:
         self.pool = pool
         self.weights = weights
         self.settings = settings or GenerationSettings()
+        self.on_resume = on_resume
         self.resumes_total = 0
         self.preemptions_total = 0
+        self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
+        self.completion_tokens_total = 0  # tokens handed to callers
         self._aborts: set[asyncio.Task[None]] = set()
 
     async def run(self, request: GenerationRequest) -> GenerationState:
@@ -154,8 +164,10 @@ class Generator:
     async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncGenerator[Delta, None]:
         """Yield new tokens as they arrive; `state` holds the rest (versions, experts, finish) at the end.
         If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
+        self.prompt_tokens_total += len(request.prompt_ids)
         try:
             async for delta in self._stream(request, state):
+                self.completion_tokens_total += len(delta.token_ids)
                 yield delta
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
@@ -164,6 +176,7 @@ class Generator:
     async def _stream(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
         deadline = time.monotonic() + self.settings.request_timeout_s
         avoid: tuple[str, ...] = ()
+        interrupted_at: float | None = None
         while state.finish_reason is None:
             remaining = request.sampling.max_tokens - len(state.output_ids)
             if remaining <= 0:
@@ -174,6 +187,7 @@ class Generator:
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
             dispatch_version = replica.version if replica.version is not None else self.weights.version
             run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
+            run.interrupted_at = interrupted_at
             failed = False
             try:
                 async for delta in self._segment(request, state, run, remaining, deadline):
@@ -186,6 +200,8 @@ class Generator:
             self._close_segment(state, run)
             avoid = (replica.id,) if failed else ()
             if state.finish_reason is None:
+                # A continuation that produced nothing keeps the first break: latency is what the caller waited.
+                interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
                 await self._prepare_resume(state, failed)
 
     async def _until_serving(self, deadline: float) -> None:
@@ -218,6 +234,8 @@ class Generator:
                         delta = self._absorb(state, run, chunk, request)
                         engine_done = chunk.finish_reason is not None
                         if delta is not None:
+                            if run.interrupted_at is not None:
+                                self._resumed(run)
                             yield delta
                         if run.finish is not None:
                             break
@@ -227,6 +245,12 @@ class Generator:
                 if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
                     self._abort_in_background(run.replica, engine_request_id)
         self.pool.report_success(run.replica)
+
+    def _resumed(self, run: _SegmentRun) -> None:
+        """The first token of a continuation arrived: report how long the caller waited for it."""
+        started, run.interrupted_at = run.interrupted_at, None
+        if started is not None and self.on_resume is not None:
+            self.on_resume(time.monotonic() - started)
 
     def _replay(self, request: GenerationRequest, state: GenerationState) -> ExpertArray | None:
         """Experts of every position already run through the model: the earlier turns', then this request's."""
@@ -279,6 +303,7 @@ class Generator:
                 state.versions[-1],
                 versions[0],
                 run.replica.id,
+                extra={"session_id": state.request.session_id, "replica": run.replica.id, "version": versions[0]},
             )
         state.versions.extend(versions)
         state.segments.append(Segment(run.replica.id, run.start, len(state.output_ids), run.finish))
@@ -329,6 +354,7 @@ class Generator:
             replica.id,
             len(state.output_ids),
             exc,
+            extra={"session_id": state.request.session_id, "replica": replica.id, "version": replica.version},
         )
         if isinstance(exc, BackendUnavailable):
             self.pool.mark_unreachable(replica)
@@ -342,7 +368,9 @@ class Generator:
             try:
                 await replica.backend.abort(engine_request_id)
             except BackendError as exc:
-                logger.debug("abort of %s on %s failed: %s", engine_request_id, replica.id, exc)
+                logger.debug(
+                    "abort of %s on %s failed: %s", engine_request_id, replica.id, exc, extra={"replica": replica.id}
+                )
 
         task = asyncio.get_running_loop().create_task(abort())
         self._aborts.add(task)  # hard reference until it ran

@@ -234,7 +234,9 @@ class ReplicaPool:
         replica.consecutive_failures += 1
         if replica.consecutive_failures >= self.failure_threshold or not replica.healthy:
             replica.circuit_open_until = time.monotonic() + self.circuit_open_s
-            logger.warning("replica %s: circuit open for %.1fs", replica.id, self.circuit_open_s)
+            logger.warning(
+                "replica %s: circuit open for %.1fs", replica.id, self.circuit_open_s, extra={"replica": replica.id}
+            )
         self.notify()
 
     def report_success(self, replica: Replica) -> None:
@@ -257,7 +259,8 @@ class ReplicaPool:
     async def _probe(self, replica: Replica) -> None:
         ok = await replica.backend.health()
         if ok != replica.healthy:
-            logger.warning("replica %s is now %s", replica.id, "healthy" if ok else "unhealthy")
+            state = "healthy" if ok else "unhealthy"
+            logger.warning("replica %s is now %s", replica.id, state, extra={"replica": replica.id})
             replica.healthy = ok
             if ok:
                 replica.consecutive_failures = 0

@@ -17,6 +17,7 @@ from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.generation import GenerationSettings, Generator
+from gateway.metrics import GatewayMetrics
 from gateway.routing import Replica, ReplicaPool
 from gateway.sessions import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
@@ -70,6 +71,7 @@ class Services:
     turns: TurnRunner
     backend_factory: BackendFactory = default_backend_factory
     replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
@@ -92,7 +94,13 @@ class Services:
                 replica.version, replica.stale = self.weights.version, False
                 self.pool.notify()
         except BackendError as exc:
-            logger.error("replica %s could not load version %s: %s", replica.id, label, exc)
+            logger.error(
+                "replica %s could not load version %s: %s",
+                replica.id,
+                label,
+                exc,
+                extra={"replica": replica.id, "version": self.weights.version},
+            )
 
     async def remove_replica(self, replica_id: str) -> Replica:
         self.replica_configs.pop(replica_id, None)
@@ -103,7 +111,7 @@ async def _reported_version(backend: EngineBackend) -> int | None:
     try:
         return parse_version(await backend.weight_version())
     except BackendError as exc:
-        logger.warning("replica %s: cannot read its weight version: %s", backend.id, exc)
+        logger.warning("replica %s: cannot read its weight version: %s", backend.id, exc, extra={"replica": backend.id})
         return None
 
 
@@ -137,7 +145,13 @@ async def open_services(
         for backend, version in zip(backends, versions, strict=True):
             replica = pool.add(backend, version=version, stale=version is not None and version != current)
             if replica.stale:
-                logger.error("replica %s runs version %s, the pool runs %s: held out", backend.id, version, current)
+                logger.error(
+                    "replica %s runs version %s, the pool runs %s: held out",
+                    backend.id,
+                    version,
+                    current,
+                    extra={"replica": backend.id, "version": version},
+                )
         await pool.check_health()
         pool.start_health_checks()
         weights = WeightCoordinator(
@@ -185,6 +199,8 @@ async def open_services(
             max_model_len=settings.model.max_model_len,
             want_routed_experts=any(r.routed_experts for r in settings.replicas),
         )
+        metrics = GatewayMetrics()
+        metrics.bind(pool, weights, generator, trajectories)
         services = Services(
             settings=settings,
             pool=pool,
@@ -196,6 +212,7 @@ async def open_services(
             turns=turns,
             backend_factory=backend_factory,
             replica_configs={replica.id: replica for replica in settings.replicas},
+            metrics=metrics,
         )
-        logger.info("gateway ready: %d replicas, weight version %d", len(backends), current)
+        logger.info("gateway ready: %d replicas, weight version %d", len(backends), current, extra={"version": current})
         yield services

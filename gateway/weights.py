@@ -86,6 +86,7 @@ class WeightCoordinator:
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._paused_report: UpdateReport | None = None
+        self._paused_at = 0.0
         self._paused_token: str | None = None
         self._paused_leadership: contextlib.AbstractAsyncContextManager[str | None] | None = None
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
@@ -124,7 +125,14 @@ class WeightCoordinator:
                 self._serving.set()
             report.duration_s = time.monotonic() - started
             self.updates += 1
-            logger.info("weights: version %d (%s) on %s; stale: %s", version, mode, report.updated, report.stale)
+            logger.info(
+                "weights: version %d (%s) on %s; stale: %s",
+                version,
+                mode,
+                report.updated,
+                report.stale,
+                extra={"version": version},
+            )
             await self._announce(report)
             return report
 
@@ -192,7 +200,9 @@ class WeightCoordinator:
             self._mark_stale(replica, report, f"resume failed: {exc}")
 
     def _mark_stale(self, replica: Replica, report: UpdateReport, why: str) -> None:
-        logger.error("replica %s marked stale: %s", replica.id, why)
+        logger.error(
+            "replica %s marked stale: %s", replica.id, why, extra={"replica": replica.id, "version": report.version}
+        )
         replica.stale = True
         if replica.id not in report.stale:
             report.stale.append(replica.id)
@@ -212,7 +222,7 @@ class WeightCoordinator:
                         return
                     await self.pool.wait_for_change(0.5)
             except BackendError as exc:
-                logger.error("replica %s: cache flush failed: %s", replica.id, exc)
+                logger.error("replica %s: cache flush failed: %s", replica.id, exc, extra={"replica": replica.id})
                 replica.stale = True
             finally:
                 replica.draining = False
@@ -236,6 +246,7 @@ class WeightCoordinator:
             await self._pause_all(mode or self.default_mode, report)
             self.state = "paused"
             self._paused_report = report
+            self._paused_at = time.monotonic()
         except BaseException:
             self.state = "serving"
             self._serving.set()
@@ -267,6 +278,7 @@ class WeightCoordinator:
             self.state = "serving"
             self._serving.set()
             self._lock.release()
+        report.duration_s = time.monotonic() - self._paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
         await self._announce(report)
         return report
@@ -309,7 +321,9 @@ class WeightCoordinator:
             await self.bus.record(self.version, "serving", self.last_source)
             await self.bus.announce(event)
         except StoreError as exc:  # the engines are updated; the followers time out and re-read
-            logger.error("weights: could not announce version %d: %s", self.version, exc)
+            logger.error(
+                "weights: could not announce version %d: %s", self.version, exc, extra={"version": self.version}
+            )
 
     def start_following(self) -> None:
         """Follow updates that other gateway processes coordinate."""
@@ -333,7 +347,11 @@ class WeightCoordinator:
         async def expire() -> None:
             await asyncio.sleep(self.update_timeout_s)
             if self.state == "following" and self.bus is not None:
-                logger.error("weights: no result for version %s from the coordinating process", version)
+                logger.error(
+                    "weights: no result for version %s from the coordinating process",
+                    version,
+                    extra={"version": version},
+                )
                 record = await self.bus.read()
                 self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -104,3 +106,23 @@ def test_demo_runs_and_checks_itself() -> None:
 def test_demo_rejects_bad_flags() -> None:
     result = run_cli("demo", "--dialect", "tgi")
     assert result.returncode == 2
+
+
+async def test_trajectories_stats_and_tail(redis_server: Any, redis: Any) -> None:
+    import numpy as np
+
+    from gateway.store import Keys, TrajectoryStore
+    from gateway.trajectory import Sample
+
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    meta = await store.create_session({"group_id": "g7"}, "cli-session")
+    await store.save_sample(meta.id, 0, Sample(prompt_ids=np.array([1, 2, 3], np.int32)))
+    await store.finish(meta.id, 0.5)
+    stats = await asyncio.to_thread(run_cli, "trajectories", "stats", "--redis-url", redis_server.url)
+    assert stats.returncode == 0, stats.stderr
+    assert "stream entries" in stats.stdout and "pending" in stats.stdout
+    tail = await asyncio.to_thread(run_cli, "trajectories", "tail", "--redis-url", redis_server.url, "-n", "5")
+    assert tail.returncode == 0, tail.stderr
+    assert "cli-session" in tail.stdout and "g7" in tail.stdout and "True" in tail.stdout
+    down = await asyncio.to_thread(run_cli, "trajectories", "stats", "--redis-url", "redis://127.0.0.1:1/0")
+    assert down.returncode == 1 and "redis" in down.stderr

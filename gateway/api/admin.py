@@ -79,6 +79,7 @@ async def resume(body: ResumeRequest, svc: ServicesDep) -> dict[str, Any]:
 
 @router.get("/status")
 async def status(svc: ServicesDep) -> dict[str, Any]:
+    await svc.metrics.refresh()  # the pending count, read from Redis with a short timeout
     return {
         "version": svc.weights.version,
         "state": svc.weights.state,
@@ -87,6 +88,8 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
         "affinity_ratio": svc.pool.affinity.ratio,
         "resumes_total": svc.generator.resumes_total,
         "preemptions_total": svc.generator.preemptions_total,
+        "store_pending": svc.metrics.store_pending,
+        "tokens": {"prompt": svc.generator.prompt_tokens_total, "completion": svc.generator.completion_tokens_total},
     }
 
 

@@ -1,0 +1,202 @@
+"""Prometheus metrics of one gateway process, and the log fields that go with them (DESIGN §14: no per-token work).
+
+Names are a contract (a Grafana dashboard is built against them); never rename one:
+
+| metric                                   | type      | labels        | recorded                                  |
+|------------------------------------------|-----------|---------------|-------------------------------------------|
+| `rollout_gateway_requests_total`         | counter   | route, status | once per HTTP request (ASGI middleware)   |
+| `rollout_gateway_tokens_total`           | counter   | kind          | read at scrape from `Generator` counters  |
+| `rollout_gateway_in_flight`              | gauge     | replica       | read at scrape from the pool              |
+| `rollout_gateway_replica_healthy`        | gauge     | replica       | read at scrape from the pool              |
+| `rollout_gateway_resumes_total`          | counter   |               | read at scrape from `Generator`           |
+| `rollout_gateway_preemptions_total`      | counter   |               | read at scrape from `Generator`           |
+| `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, once per resume    |
+| `rollout_gateway_weight_version`         | gauge     |               | read at scrape from the coordinator       |
+| `rollout_gateway_weight_update_seconds`  | histogram |               | `WeightCoordinator.on_update`, per update |
+| `rollout_gateway_store_pending`          | gauge     |               | `rg:pending`, read from Redis per scrape  |
+| `rollout_gateway_affinity_ratio`         | gauge     |               | read at scrape from the pool              |
+
+Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
+version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
+nothing for them. What is pushed is pushed rarely: one counter increment per HTTP request, one histogram
+observation per resumed segment and per weight update.
+
+`tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
+prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
+
+Store pending is read from Redis (`GET rg:pending`) by `refresh()` before each scrape, bounded by a short
+timeout, rather than cached by a background task: a scrape every ~15 s costs one GET per process, the value is
+exact when read (no refresh lag to explain), and there is no task to start, stop and keep alive. If Redis does
+not answer in time the sample is left out of that scrape (absent means unknown; a stale number would lie). The
+counter is shared by every gateway process on one Redis: aggregate it with `max`, not `sum`.
+
+Each `GatewayMetrics` owns its registry, so several gateways can run in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gateway.errors import StoreError
+
+if TYPE_CHECKING:
+    from gateway.generation import Generator
+    from gateway.routing import ReplicaPool
+    from gateway.store import TrajectoryStore
+    from gateway.weights import UpdateReport, WeightCoordinator
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "rollout_gateway"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNMATCHED_ROUTE = "unmatched"  # a path no route matched: one label value, never the raw URL (cardinality)
+
+# Resume latency includes waiting for a weight update, so the buckets reach minutes.
+RESUME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LOG_FIELDS = ("session_id", "replica", "version")
+
+
+class _Sources:
+    """The live objects the scrape-time collector reads."""
+
+    def __init__(
+        self, pool: ReplicaPool, weights: WeightCoordinator, generator: Generator, store: TrajectoryStore
+    ) -> None:
+        self.pool = pool
+        self.weights = weights
+        self.generator = generator
+        self.store = store
+
+
+class _LiveCollector:
+    """Reads in-flight, health, counters, version, affinity and the last pending count when scraped."""
+
+    def __init__(self, sources: _Sources) -> None:
+        self.sources = sources
+        self.pending: int | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        src = self.sources
+        replicas = src.pool.all()
+        in_flight = GaugeMetricFamily(f"{PREFIX}_in_flight", "Requests in flight per replica.", labels=["replica"])
+        healthy = GaugeMetricFamily(
+            f"{PREFIX}_replica_healthy",
+            "1 if the replica passes health checks (stale ones included).",
+            labels=["replica"],
+        )
+        for replica in replicas:
+            in_flight.add_metric([replica.id], replica.in_flight)
+            healthy.add_metric([replica.id], 1.0 if replica.healthy else 0.0)
+        tokens = CounterMetricFamily(f"{PREFIX}_tokens", "Tokens by kind (prompt, completion).", labels=["kind"])
+        tokens.add_metric(["prompt"], src.generator.prompt_tokens_total)
+        tokens.add_metric(["completion"], src.generator.completion_tokens_total)
+        yield in_flight
+        yield healthy
+        yield tokens
+        yield CounterMetricFamily(
+            f"{PREFIX}_resumes", "Segments re-issued after an abort or a replica failure.", src.generator.resumes_total
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_preemptions", "Segments aborted by a weight update.", src.generator.preemptions_total
+        )
+        yield GaugeMetricFamily(f"{PREFIX}_weight_version", "Weight version the pool serves.", src.weights.version)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_affinity_ratio", "Turns that reached their previous turn's replica.", src.pool.affinity.ratio
+        )
+        if self.pending is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_store_pending", "Finished trajectories not yet consumed by a trainer.", self.pending
+            )
+
+
+class GatewayMetrics:
+    """The metrics of one gateway: its own registry, the pushed metrics, and the scrape-time collector."""
+
+    def __init__(self, *, pending_timeout_s: float = 0.25) -> None:
+        self.registry = CollectorRegistry()
+        self.pending_timeout_s = pending_timeout_s
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests by route template and status.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.resume_latency = Histogram(
+            f"{PREFIX}_resume_latency_seconds",
+            "From a segment's abort or failure to the first token of its continuation.",
+            buckets=RESUME_BUCKETS,
+            registry=self.registry,
+        )
+        self.weight_update = Histogram(
+            f"{PREFIX}_weight_update_seconds",
+            "Duration of a weight update (pause, update, verify, resume).",
+            buckets=UPDATE_BUCKETS,
+            registry=self.registry,
+        )
+        self._live: _LiveCollector | None = None
+        self._pending_failing = False
+
+    def bind(self, pool: ReplicaPool, weights: WeightCoordinator, generator: Generator, store: TrajectoryStore) -> None:
+        """Read these objects at scrape time and subscribe to their events (once, at startup)."""
+        if self._live is not None:
+            raise RuntimeError("GatewayMetrics is already bound")
+        self._live = _LiveCollector(_Sources(pool, weights, generator, store))
+        self.registry.register(self._live)
+        generator.on_resume = self.observe_resume
+        weights.on_update.append(self.observe_update)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def observe_resume(self, seconds: float) -> None:
+        self.resume_latency.observe(seconds)
+
+    def observe_update(self, report: UpdateReport) -> None:
+        # An out-of-band pause/resume reports no duration (the sync ran outside the gateway): nothing to observe.
+        if report.duration_s > 0:
+            self.weight_update.observe(report.duration_s)
+
+    @property
+    def store_pending(self) -> int | None:
+        """The pending count read by the last `refresh()`; None if Redis did not answer in time."""
+        return self._live.pending if self._live is not None else None
+
+    async def refresh(self) -> None:
+        """Read what lives outside this process (`rg:pending`), bounded by `pending_timeout_s`."""
+        live = self._live
+        if live is None:
+            return
+        try:
+            async with asyncio.timeout(self.pending_timeout_s):
+                live.pending = await live.sources.store.pending()
+        except (StoreError, TimeoutError) as exc:
+            live.pending = None
+            if not self._pending_failing:  # log the transition, not every scrape of an outage
+                logger.warning("metrics: cannot read the pending count from Redis: %s", exc or "timed out")
+            self._pending_failing = True
+            return
+        self._pending_failing = False
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this gateway's registry."""
+        return generate_latest(self.registry)
+
+
+class ContextFormatter(logging.Formatter):
+    """Appends the structured fields a record carries (`extra={"session_id", "replica", "version"}`) as
+    `key=value`, so plain-text logs can be filtered by session, replica or weight version."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = [f"{name}={record.__dict__[name]}" for name in LOG_FIELDS if record.__dict__.get(name) is not None]
+        return f"{text} {' '.join(fields)}" if fields else text
+
+
+__all__ = ["CONTENT_TYPE", "UNMATCHED_ROUTE", "ContextFormatter", "GatewayMetrics"]
