@@ -126,3 +126,30 @@ async def test_trajectories_stats_and_tail(redis_server: Any, redis: Any) -> Non
     assert "cli-session" in tail.stdout and "g7" in tail.stdout and "True" in tail.stdout
     down = await asyncio.to_thread(run_cli, "trajectories", "stats", "--redis-url", "redis://127.0.0.1:1/0")
     assert down.returncode == 1 and "redis" in down.stderr
+
+
+def test_serve_starts_from_the_repository_config_yaml() -> None:
+    port = free_port()
+    env = {**os.environ, "RG_SERVER__PORT": str(port), "RG_ROUTING__HEALTH_TIMEOUT_S": "0.5"}
+    config = Path(__file__).resolve().parent.parent / "config.yaml"
+    process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stderr.read() if process.stderr else ""
+                assert time.monotonic() < deadline, "serve did not come up"
+                time.sleep(0.1)
+        assert health.status_code == 200 and health.json()["replicas"]["total"] == 2
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in (process.stderr.read() if process.stderr else "")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr:
+            process.stderr.close()
