@@ -61,6 +61,7 @@ class TrainerStats:
     version: int = 0
     batches: int = 0
     tensor_rows: int = 0
+    queue_depth: int = 0
     update_ms: list[float] = field(default_factory=list)
 
     def absorb(self, batch: Batch) -> None:
@@ -118,7 +119,8 @@ async def _trainer(
                 stats.version, stats.updates = version, stats.updates + 1
                 stats.update_ms.append(report.get("duration_s", 0.0) * 1000)
                 next_update = time.monotonic() + options.update_every_s
-            if agents_done.is_set() and not batch.trajectories and await gateway.services.store.pending() == 0:
+            stats.queue_depth = await gateway.services.store.pending()
+            if agents_done.is_set() and not batch.trajectories and stats.queue_depth == 0:
                 return
 
 
@@ -143,6 +145,7 @@ def _live_table(gateway: RunningGateway, stats: TrainerStats, started: float, ru
     table.add_row(
         "preemptions / resumes", f"{services.generator.preemptions_total} / {services.generator.resumes_total}"
     )
+    table.add_row("queue depth (unconsumed)", f"{stats.queue_depth}")
     table.add_row("samples spanning an update", f"{stats.spanning}")
     table.add_row("max staleness (versions)", f"{stats.max_staleness}")
     table.add_row("elapsed", f"{elapsed:.1f}s")
