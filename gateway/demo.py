@@ -170,7 +170,8 @@ async def run_demo(options: DemoOptions, console: Console | None = None) -> bool
         trainer = asyncio.create_task(_trainer(gateway, options, stats, agents_done))
         with Live(_live_table(gateway, stats, started, runner_stats), console=console, refresh_per_second=4) as live:
             round_index = 0
-            while time.monotonic() - started < options.duration_s or round_index == 0:
+            # Keep the agents busy until the duration has passed AND at least one update landed mid-traffic.
+            while time.monotonic() - started < options.duration_s or stats.updates == 0:
                 runner = Runner(
                     gateway.url,
                     agent=options.agent,
