@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+import uvloop
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -300,3 +301,18 @@ def machine_line() -> str:
     """The context a reader needs to judge absolute numbers."""
     load = "" if _LOAD_BEFORE is None else f", load average {_LOAD_BEFORE:.1f} before the run"
     return f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, loopback only{load}"
+
+
+def run_benchmark(main_async: Callable[[Any, Console], Awaitable[bool]], options: Any, timeout_s: float) -> int:
+    """The shared `main` of the gateway benchmarks: raise the file limit, run, map failures to exit status 1."""
+    raise_open_file_limit()
+    console = make_console()
+    try:
+        ok = uvloop.run(main_async(options, console))
+    except TimeoutError:
+        console.print(f"[red]stopped: the run passed its deadline of {timeout_s:g} s (--timeout)[/]")
+        return 1
+    except BenchmarkError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 1
+    return 0 if ok else 1

@@ -47,21 +47,18 @@ from typing import Any, Literal
 
 import httpx
 import orjson
-import uvloop
 from rich.console import Console
 
 from benchmarks._harness import (
-    BenchmarkError,
     GatewayProcess,
     Percentiles,
     agent_clients,
     cpu_seconds,
     json_post,
     machine_line,
-    make_console,
     ms,
     print_table,
-    raise_open_file_limit,
+    run_benchmark,
     sim_replica_entry,
     sim_replicas,
     sse_events,
@@ -419,17 +416,7 @@ async def main_async(options: Options, console: Console) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = options_from(build_parser().parse_args(argv))
-    raise_open_file_limit()
-    console = make_console()
-    try:
-        ok = uvloop.run(main_async(options, console))
-    except TimeoutError:
-        console.print(f"[red]stopped: the run passed its deadline of {options.timeout_s:g} s (--timeout)[/]")
-        return 1
-    except BenchmarkError as exc:
-        console.print(f"[red]{exc}[/]")
-        return 1
-    return 0 if ok else 1
+    return run_benchmark(main_async, options, options.timeout_s)
 
 
 if __name__ == "__main__":

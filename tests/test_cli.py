@@ -32,6 +32,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_for_health(process: subprocess.Popen[str], url: str, timeout_s: float = 30) -> httpx.Response:
+    """Poll a `serve` child until /health answers (bounded; the process gives no other signal)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(f"{url}/health", timeout=1)
+        except httpx.TransportError:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.1)
+
+
 def test_help_lists_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
@@ -64,15 +76,7 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
         process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    health = httpx.get(f"{url}/health", timeout=1)
-                    break
-                except httpx.TransportError:
-                    assert process.poll() is None, process.stderr.read() if process.stderr else ""
-                    assert time.monotonic() < deadline, "serve did not come up"
-                    time.sleep(0.1)
+            health = wait_for_health(process, url)
             assert health.json()["replicas"] == {"serving": 1, "total": 1}
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
             assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] in ("length", "stop")
@@ -134,15 +138,7 @@ def test_serve_starts_from_the_repository_config_yaml() -> None:
     config = Path(__file__).resolve().parent.parent / "config.yaml"
     process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.stderr.read() if process.stderr else ""
-                assert time.monotonic() < deadline, "serve did not come up"
-                time.sleep(0.1)
+        health = wait_for_health(process, f"http://127.0.0.1:{port}")
         assert health.status_code == 200 and health.json()["replicas"]["total"] == 2
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) in (0, -signal.SIGTERM)

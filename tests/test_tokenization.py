@@ -34,29 +34,9 @@ from gateway.tokenization import (
     get_tool_parser,
     make_stop_checker,
 )
+from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
 IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = 1, 2, 3, 4
-
-ADD_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city — e.g. Zürich.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 SYSTEM: dict[str, Any] = {"role": "system", "content": "You are a careful agent."}
 USER_1: dict[str, Any] = {"role": "user", "content": "What is 2 + 3, and the weather in Zürich? 🙂"}

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gateway.assets import TINY_TOKENIZER_DIR
+from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_tokenizer.py"
@@ -26,27 +27,6 @@ EXPECTED_IDS = {
     "</tool_call>": 4,
     "<tool_response>": 5,
     "</tool_response>": 6,
-}
-
-ADD_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city — e.g. Zürich.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
 }
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
