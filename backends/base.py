@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-import httpx
+import aiohttp
 
 from backends.errors import (
     BackendError,
@@ -71,6 +71,24 @@ class Chunk:
     cached_tokens: int | None = None
 
 
+def merge_deltas(chunks: Sequence[Chunk]) -> Chunk:
+    """Consecutive unfinished chunks as one delta (the events of one socket read): the layers above then do their
+    per-chunk work, and write downstream, once per read instead of once per token."""
+    if len(chunks) == 1:
+        return chunks[0]
+    merged = Chunk(token_ids=[], logprobs=[])
+    tops: list[list[tuple[int, float]]] | None = None
+    for chunk in chunks:
+        merged.token_ids += chunk.token_ids
+        merged.logprobs += chunk.logprobs
+        if chunk.top_logprobs is not None:
+            tops = (tops or []) + chunk.top_logprobs
+        if chunk.weight_version is not None:
+            merged.weight_version = chunk.weight_version
+    merged.top_logprobs = tops
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a replica's engine can do; the gateway adapts its orchestration to it."""
@@ -102,8 +120,13 @@ class Timeouts:
     pool: float = 30.0
     control: float = 30.0  # pause/resume/health: short calls that must not hang a weight update forever
 
-    def httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(connect=self.connect, read=self.read, write=self.write, pool=self.pool)
+    def client(self, read: float | None = None) -> aiohttp.ClientTimeout:
+        """As aiohttp's timeouts: `connect` bounds opening a socket, `pool` waiting for a pooled connection (and
+        the connect within it), `read` every gap between bytes of the answer (`read` overrides it). aiohttp has no
+        separate write timeout: a request body the engine does not take stalls into the read timeout."""
+        return aiohttp.ClientTimeout(
+            total=None, connect=self.pool + self.connect, sock_connect=self.connect, sock_read=read or self.read
+        )
 
 
 @runtime_checkable
@@ -182,14 +205,14 @@ class ReplicaSpec:
 
 @contextlib.contextmanager
 def translate_errors(replica: str) -> Iterator[None]:
-    """Map httpx and decoding errors to the gateway's error tree (the only place that knows httpx errors)."""
+    """Map HTTP-client (aiohttp) and decoding errors to the gateway's error tree (the only place that knows them)."""
     try:
         yield
     except BackendError:
         raise
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:  # aiohttp's connect and read timeouts are TimeoutErrors
         raise BackendTimeout(f"replica {replica}: {type(exc).__name__}: {exc}", replica=replica) from exc
-    except (httpx.TransportError, httpx.StreamError) as exc:
+    except (aiohttp.ClientError, OSError) as exc:
         raise BackendUnavailable(f"replica {replica}: {type(exc).__name__}: {exc}", replica=replica) from exc
     except (ValueError, KeyError, TypeError, IndexError, RoutedExpertsFormatError) as exc:
         # orjson.JSONDecodeError is a ValueError; a missing or mistyped field is a contract breach.

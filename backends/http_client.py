@@ -1,16 +1,19 @@
 """HTTP plumbing shared by the engine adapters (vLLM, SGLang): one pooled client per replica, JSON calls and SSE
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
-Every function here translates httpx errors at the boundary (`translate_errors` / `raise_for_status`), so an
-adapter never sees an `httpx` exception and never builds an error by hand.
+The client is aiohttp's: its C parser hands a stream over in whatever the socket delivered, so a burst of
+engine events costs one Python iteration instead of one per event (`sse_batches`), and it is cheaper per request
+than a pure-Python client on the hot path (benchmarks/compare.py). Every function here translates aiohttp
+errors at the boundary (`translate_errors` / `raise_for_status`), so an adapter never sees one.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,82 +22,120 @@ from backends.errors import BackendError, BackendUnavailable
 
 __all__ = [
     "HttpEngineBackend",
-    "build_client",
+    "Reply",
+    "ReplicaClient",
     "control_timeout",
     "error_event_status",
     "parse_gauges",
     "probe",
     "request",
     "request_json",
-    "sse_events",
+    "sse_batches",
 ]
 
-# Idle keep-alive connections kept per replica: enough for a steady stream of short control calls and the
-# generation fan-out without holding max_connections sockets open forever.
+_JSON_HEADERS = {"content-type": "application/json"}
+_SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
-def build_client(spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The one pooled client of a replica. No I/O happens until the first request.
-
-    `transport` replaces the network transport (tests use `httpx.MockTransport`); the pool limits then belong
-    to that transport.
-    """
-    # httpcore walks every pooled connection on each request, so a large idle pool costs more than reconnecting
-    # (measured in benchmarks/gateway_overhead.py); keep a modest number of idle connections.
-    limits = httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=min(64, spec.max_connections))
-    return httpx.AsyncClient(base_url=spec.url, timeout=spec.timeouts.httpx(), limits=limits, transport=transport)
-
-
-def control_timeout(timeouts: Timeouts) -> httpx.Timeout:
+def control_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
     """Timeouts of a short control call (health, pause, resume, version): the read gap is `control`, not `read`."""
-    return httpx.Timeout(connect=timeouts.connect, read=timeouts.control, write=timeouts.write, pool=timeouts.pool)
+    return timeouts.client(read=timeouts.control)
 
 
-def _ensure_open(client: httpx.AsyncClient, replica: str) -> None:
-    # httpx raises a bare RuntimeError on a closed client; callers only know BackendError.
-    if client.is_closed:
-        raise BackendUnavailable(f"replica {replica}: the backend was closed", replica=replica)
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A complete answer: its status and body."""
+
+    status: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+class ReplicaClient:
+    """The one pooled HTTP client of a replica (keep-alive connections, at most `spec.max_connections`).
+
+    The aiohttp session is made on first use, inside the running event loop, so building a backend does no I/O
+    and needs no loop; `aclose` closes it, after which every call raises `BackendUnavailable`.
+    """
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self._spec = spec
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        self.timeout = spec.timeouts.client()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise BackendUnavailable(f"replica {self._spec.id}: the backend was closed", replica=self._spec.id)
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._spec.max_connections, limit_per_host=0, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(
+                base_url=self._spec.url,
+                connector=connector,
+                timeout=self.timeout,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
 
 async def request(
-    client: httpx.AsyncClient,
+    client: ReplicaClient,
     replica: str,
     method: str,
     path: str,
     *,
     json: Any = None,
     params: Mapping[str, str] | None = None,
-    timeout: httpx.Timeout | None = None,
-) -> httpx.Response:
-    """One request/response call: the (2xx) response with its body read, or the matching `BackendError`."""
-    _ensure_open(client, replica)
+    timeout: aiohttp.ClientTimeout | None = None,
+    check: bool = True,
+) -> Reply:
+    """One request/response call: the answer with its body read, or the matching `BackendError` (any non-2xx
+    status too, unless `check=False`)."""
+    session = client.session()
     with translate_errors(replica):
-        content = None if json is None else orjson.dumps(json)
-        headers = None if content is None else {"content-type": "application/json"}
-        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        response = await client.request(method, path, content=content, headers=headers, params=params, **extra)
-        raise_for_status(replica, response.status_code, response.content)
-        return response
+        data = None if json is None else orjson.dumps(json)
+        headers = None if data is None else _JSON_HEADERS
+        async with session.request(
+            method, path, data=data, headers=headers, params=params, timeout=timeout or client.timeout
+        ) as response:
+            reply = Reply(response.status, await response.read())
+    if check:
+        raise_for_status(replica, reply.status, reply.content)
+    return reply
 
 
 async def request_json(
-    client: httpx.AsyncClient,
+    client: ReplicaClient,
     replica: str,
     method: str,
     path: str,
     *,
     json: Any = None,
     params: Mapping[str, str] | None = None,
-    timeout: httpx.Timeout | None = None,
+    timeout: aiohttp.ClientTimeout | None = None,
 ) -> Any:
     """`request`, then the decoded JSON body: None when empty (some engine versions answer control calls with a
     bare 200); undecodable JSON is a `BackendProtocolError`."""
-    response = await request(client, replica, method, path, json=json, params=params, timeout=timeout)
+    reply = await request(client, replica, method, path, json=json, params=params, timeout=timeout)
     with translate_errors(replica):
-        return orjson.loads(response.content) if response.content.strip() else None
+        return orjson.loads(reply.content) if reply.content.strip() else None
 
 
-async def probe(client: httpx.AsyncClient, replica: str, path: str, timeout: httpx.Timeout | None = None) -> bool:
+async def probe(client: ReplicaClient, replica: str, path: str, timeout: aiohttp.ClientTimeout | None = None) -> bool:
     """True when `GET path` answers 200, False on any other status or failure; never raises."""
     try:
         await request(client, replica, "GET", path, timeout=timeout)
@@ -125,46 +166,51 @@ def error_event_status(payload: Any) -> tuple[int, str] | None:
     return status, str(details.get("message") or details.get("type") or "error event")
 
 
-async def sse_events(
-    client: httpx.AsyncClient, replica: str, path: str, json: Any, *, timeout: httpx.Timeout | None = None
-) -> AsyncGenerator[Any, None]:
-    """POST `json` and yield the decoded `data:` payloads of the server-sent-event answer until `[DONE]`.
+async def sse_batches(
+    client: ReplicaClient, replica: str, path: str, json: Any, *, timeout: aiohttp.ClientTimeout | None = None
+) -> AsyncGenerator[list[Any], None]:
+    """POST `json` and yield the decoded `data:` payloads of the server-sent-event answer until `[DONE]`, in
+    batches: all the complete events one socket read delivered (a busy gateway reads several at once, and the
+    layers above handle them as one delta).
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
-    `BackendError`. Closing the iterator early (`aclose`, cancellation) closes the HTTP stream, which the
-    engines take as a client disconnect and abort the request. The stream ending without `[DONE]` is not an
-    error here: the caller decides from what it received (e.g. whether a finish reason arrived).
+    `BackendError`, after the events that preceded it were yielded. Closing the iterator early (`aclose`,
+    cancellation) closes the connection, which the engines take as a client disconnect and abort the request.
+    The stream ending without `[DONE]` is not an error here: the caller decides from what it received.
 
-    Written by hand rather than with httpx-sse: the engines send single-line `data:` events only, and the
-    ~15 lines here avoid a dependency on the hot path.
+    Written by hand rather than with an SSE library: the engines send single-line `data:` events only.
     """
-    _ensure_open(client, replica)
+    session = client.session()
     with translate_errors(replica):
-        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        request = client.build_request(
-            "POST",
-            path,
-            content=orjson.dumps(json),
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
-            **extra,
-        )
-        response = await client.send(request, stream=True)
-        try:
-            if response.status_code >= 300:
-                raise_for_status(replica, response.status_code, await response.aread())
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:`/`id:` fields
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                payload = orjson.loads(data)
-                error = error_event_status(payload)
-                if error is not None:
-                    raise_for_status(replica, error[0], error[1].encode())
-                yield payload
-        finally:
-            await response.aclose()
+        async with session.post(
+            path, data=orjson.dumps(json), headers=_SSE_HEADERS, timeout=timeout or client.timeout
+        ) as response:
+            if response.status >= 300:
+                raise_for_status(replica, response.status, await response.read())
+            pending = b""
+            done = False
+            async for data in response.content.iter_any():
+                if done:
+                    continue  # read to the end of the body (the engines end it after [DONE]): the connection is reused
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                batch: list[Any] = []
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments, `event:`/`id:` fields
+                    payload_bytes = line[5:].strip()
+                    if payload_bytes == b"[DONE]":
+                        done = True
+                        break
+                    payload = orjson.loads(payload_bytes)
+                    error = error_event_status(payload)
+                    if error is not None:
+                        if batch:
+                            yield batch
+                        raise_for_status(replica, error[0], error[1].encode())
+                    batch.append(payload)
+                if batch:
+                    yield batch
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
@@ -204,13 +250,13 @@ class HttpEngineBackend:
     running_gauge: str
     waiting_gauge: str
 
-    def __init__(self, spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
         self.id = spec.id
         self.url = spec.url
-        self._client = build_client(spec, transport)
+        self._client = ReplicaClient(spec)
         self._control = control_timeout(spec.timeouts)
-        self._long = spec.timeouts.httpx()
+        self._long = spec.timeouts.client()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, url={self.url!r})"

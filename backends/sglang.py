@@ -19,7 +19,6 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import httpx
 import orjson
 
 from backends.base import (
@@ -30,11 +29,12 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    merge_deltas,
     raise_for_status,
     translate_errors,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable
-from backends.http_client import HttpEngineBackend, request, request_json, sse_events
+from backends.http_client import HttpEngineBackend, request, request_json, sse_batches
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 
 __all__ = ["SglangBackend"]
@@ -47,7 +47,6 @@ UPDATE_FROM_DISK = "/update_weights_from_disk"
 # The 400 that /update_weights_from_disk answers after pause(in_place): the weights and the version DID switch,
 # only the radix cache kept KV of the old weights (observed on 0.5.23).
 _CACHE_NOT_FLUSHED = "cache was not flushed"
-_JSON = {"content-type": "application/json"}
 
 
 class SglangBackend(HttpEngineBackend):
@@ -60,13 +59,13 @@ class SglangBackend(HttpEngineBackend):
     running_gauge = "sglang:num_running_reqs"
     waiting_gauge = "sglang:num_queue_reqs"
 
-    def __init__(self, spec: ReplicaSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, spec: ReplicaSpec) -> None:
         if spec.routed_experts and spec.routed_experts_shape is None:
             raise ValueError(
                 f"replica {spec.id}: SGLang sends routed experts without a shape; set routed_experts_shape "
                 "= (num_hidden_layers, num_experts_per_tok)"
             )
-        super().__init__(spec, transport)
+        super().__init__(spec)
         self.capabilities = Capabilities(
             pause_modes=frozenset({"abort", "keep"}),
             routed_experts_out=spec.routed_experts,
@@ -94,15 +93,24 @@ class SglangBackend(HttpEngineBackend):
         body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         seen = 0
         finished = False
-        async with contextlib.aclosing(sse_events(self._client, self.id, GENERATE, body)) as events:
-            async for event in events:
-                if finished:
-                    continue  # read on to [DONE] so the connection goes back to the pool
-                with translate_errors(self.id):
-                    chunk, seen = self._chunk(event, sampling, len(token_ids), experts_start, seen)
-                finished = chunk.finish_reason is not None
-                if finished or chunk.token_ids:
-                    yield chunk
+        async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body)) as batches:
+            async for events in batches:
+                deltas: list[Chunk] = []
+                final: Chunk | None = None
+                for event in events:
+                    if finished:
+                        break  # read on to [DONE] so the connection goes back to the pool
+                    with translate_errors(self.id):
+                        chunk, seen = self._chunk(event, sampling, len(token_ids), experts_start, seen)
+                    finished = chunk.finish_reason is not None
+                    if finished:
+                        final = chunk
+                    elif chunk.token_ids:
+                        deltas.append(chunk)
+                if deltas:
+                    yield merge_deltas(deltas)
+                if final is not None:
+                    yield final
         if not finished:
             raise BackendUnavailable(
                 f"replica {self.id}: the stream ended before the request finished", replica=self.id
@@ -262,14 +270,12 @@ class SglangBackend(HttpEngineBackend):
 
     async def _update_from_disk(self, body: dict[str, Any]) -> bool:
         # Not `request_json`: one 400 here is a success whose body must be read, and that helper raises on it.
-        if self._client.is_closed:
-            raise BackendUnavailable(f"replica {self.id}: the backend was closed", replica=self.id)
+        # The long timeout: an unpaused server takes its writer lock, waiting for in-flight requests.
+        response = await request(
+            self._client, self.id, "POST", UPDATE_FROM_DISK, json=body, timeout=self._long, check=False
+        )
         with translate_errors(self.id):
-            # The long timeout: an unpaused server takes its writer lock, waiting for in-flight requests.
-            response = await self._client.post(
-                UPDATE_FROM_DISK, content=orjson.dumps(body), headers=_JSON, timeout=self._long
-            )
-            if response.status_code == 400 and _cache_not_flushed(response.content):
+            if response.status == 400 and _cache_not_flushed(response.content):
                 logger.warning(
                     "replica %s: weights %s (version %s) loaded, prefix cache not flushed (requests hold KV)",
                     self.id,
@@ -277,7 +283,7 @@ class SglangBackend(HttpEngineBackend):
                     body["weight_version"],
                 )
                 return False
-            raise_for_status(self.id, response.status_code, response.content)
+            raise_for_status(self.id, response.status, response.content)
             answer = orjson.loads(response.content) if response.content.strip() else None
         self._expect_success(answer, f"update_weights_from_disk {body['model_path']!r}")
         return True

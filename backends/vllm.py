@@ -21,7 +21,7 @@ import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import httpx
+import aiohttp
 
 from backends.base import (
     Capabilities,
@@ -31,10 +31,11 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    merge_deltas,
     translate_errors,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
-from backends.http_client import HttpEngineBackend, request, request_json, sse_events
+from backends.http_client import HttpEngineBackend, request, request_json, sse_batches
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
 
 __all__ = ["VllmBackend"]
@@ -75,8 +76,8 @@ class VllmBackend(HttpEngineBackend):
     running_gauge = "vllm:num_requests_running"
     waiting_gauge = "vllm:num_requests_waiting"
 
-    def __init__(self, spec: ReplicaSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(spec, transport)
+    def __init__(self, spec: ReplicaSpec) -> None:
+        super().__init__(spec)
         self._generate_endpoint = spec.routed_experts and spec.scale_out
         self.capabilities = Capabilities(
             pause_modes=frozenset({"abort", "keep", "wait"}),
@@ -185,19 +186,23 @@ class VllmBackend(HttpEngineBackend):
         final: Chunk | None = None
         cached: int | None = None
         produced = 0
-        async with contextlib.aclosing(sse_events(self._client, self.id, path, body)) as events:
-            async for event in events:
+        async with contextlib.aclosing(sse_batches(self._client, self.id, path, body)) as batches:
+            async for events in batches:
+                deltas: list[Chunk] = []
                 with translate_errors(self.id):
-                    if not isinstance(event, dict):
-                        raise TypeError(f"stream event is not an object: {event!r}")
-                    cached = _cached_tokens(event.get("usage")) if event.get("usage") else cached
-                    for choice in event.get("choices") or ():  # the usage event has none
-                        chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
-                        produced += len(chunk.token_ids)
-                        if chunk.finish_reason is not None:
-                            final = chunk
-                        elif chunk.token_ids:
-                            yield chunk
+                    for event in events:
+                        if not isinstance(event, dict):
+                            raise TypeError(f"stream event is not an object: {event!r}")
+                        cached = _cached_tokens(event.get("usage")) if event.get("usage") else cached
+                        for choice in event.get("choices") or ():  # the usage event has none
+                            chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
+                            produced += len(chunk.token_ids)
+                            if chunk.finish_reason is not None:
+                                final = chunk
+                            elif chunk.token_ids:
+                                deltas.append(chunk)
+                if deltas:
+                    yield merge_deltas(deltas)
         if final is None:
             raise BackendUnavailable(
                 f"replica {self.id}: the stream ended before the request finished", replica=self.id
@@ -328,7 +333,7 @@ class VllmBackend(HttpEngineBackend):
         *,
         json: Any = None,
         params: dict[str, str] | None = None,
-        timeout: httpx.Timeout | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
     ) -> Any:
         return await request_json(
             self._client, self.id, method, path, json=json, params=params, timeout=timeout or self._control

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -23,7 +25,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory = default_bac
             app.state.services = services
             yield
 
-    app = FastAPI(title="rollout-gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(generate.router)
@@ -34,3 +36,12 @@ def create_app(settings: Settings, backend_factory: BackendFactory = default_bac
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
     app.add_middleware(observability.RequestMetrics)  # outermost: counts the 413s of the body limit too
     return app
+
+
+def _no_otel_telemetry() -> dict[str, Any]:
+    """Turn off FastAPI's built-in OpenTelemetry hooks where the installed FastAPI has them (newer releases): they
+    look up providers and environment variables on every request, and the gateway exports its own Prometheus
+    metrics (`/metrics`). An app that wants OpenTelemetry can wrap the ASGI app with its own instrumentation."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}

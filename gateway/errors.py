@@ -19,8 +19,8 @@ GatewayError                      base of every error the gateway raises on purp
 ```
 
 `GatewayError` and the `Backend*` branch are defined in `backends/errors.py` so that engine adapters depend
-on nothing in `gateway/`; they are re-exported here. Foreign errors (httpx, redis) are translated into this
-tree inside `backends/` and `gateway/store.py` only; nothing above those layers catches `httpx.*` or `redis.*`.
+on nothing in `gateway/`; they are re-exported here. Foreign errors (aiohttp, redis) are translated into this
+tree inside `backends/` and `gateway/store.py` only; nothing above those layers catches `aiohttp.*` or `redis.*`.
 """
 
 from __future__ import annotations

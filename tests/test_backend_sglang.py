@@ -2,7 +2,7 @@
 
 The simulator enforces SGLang 0.5.23's strict `/generate` schema (any field it does not declare is a 400), so every
 successful generation here also proves the adapter sends only accepted fields. A few stream shapes the simulator
-never produces (a stream cut before the finish, aborts carrying an HTTP status) come from a scripted ASGI app.
+never produces (a stream cut before the finish, aborts carrying an HTTP status) come from a scripted HTTP server.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 import pytest
-from starlette.types import Receive, Scope, Send
 
 from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
@@ -27,6 +25,7 @@ from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from tests.conftest import SimFactory
+from tests.scripted_server import Answer, scripted_server, sse_body
 from tests.sim_helpers import sim_state, wait_for
 
 SHAPE = ModelShape()
@@ -52,8 +51,8 @@ async def make_backend() -> AsyncIterator[BackendFactory]:
     """`make_backend(url, **spec_fields)`: a backend closed after the test."""
     backends: list[SglangBackend] = []
 
-    def make(url: str, transport: httpx.AsyncBaseTransport | None = None, **spec: Any) -> SglangBackend:
-        backend = SglangBackend(ReplicaSpec(id=f"sg{len(backends)}", url=url, **spec), transport=transport)
+    def make(url: str, **spec: Any) -> SglangBackend:
+        backend = SglangBackend(ReplicaSpec(id=f"sg{len(backends)}", url=url, **spec))
         backends.append(backend)
         return backend
 
@@ -427,19 +426,6 @@ async def test_unreachable_and_closed_backends(make_sim: SimFactory, make_backen
 # -- stream shapes the simulator does not produce (scripted server) --------------------------------------------
 
 
-def scripted(*events: Any, done: bool = True) -> httpx.ASGITransport:
-    """An ASGI app answering `/generate` with these SSE events (then `[DONE]` unless `done` is False)."""
-    body = b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in events)
-    body += b"data: [DONE]\n\n" if done else b""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    return httpx.ASGITransport(app=app)
-
-
 def event(ids: list[int], total: int, finish: Any = None, logprobs: list[int] | None = None) -> dict[str, Any]:
     listed = ids if logprobs is None else logprobs
     meta = {"completion_tokens": total, "finish_reason": finish, "weight_version": "v1"}
@@ -448,28 +434,35 @@ def event(ids: list[int], total: int, finish: Any = None, logprobs: list[int] | 
 
 
 async def test_scripted_stream_shapes(make_backend: BackendFactory) -> None:
-    url = "http://scripted"
-    cut = make_backend(url, transport=scripted(event([7, 8], 2), done=True))
-    with pytest.raises(BackendUnavailable, match="before the request finished"):
-        await collect(cut, PROMPT, greedy())
+    async with contextlib.AsyncExitStack() as stack:
 
-    # Delta ids with cumulative logprobs: each side is aligned on its own.
-    mixed = scripted(event([7, 8], 2), event([9], 3, {"type": "length", "length": 3}, logprobs=[7, 8, 9]))
-    chunks = await collect(make_backend(url, transport=mixed), PROMPT, greedy())
-    assert [c.token_ids for c in chunks] == [[7, 8], [9]] and [len(c.logprobs) for c in chunks] == [2, 1]
+        async def backend(*events: Any, done: bool = True) -> SglangBackend:
+            body = sse_body(*events, done=done)
+            server = await stack.enter_async_context(scripted_server(lambda _: Answer(200, body, "text/event-stream")))
+            return make_backend(server.url)
 
-    server_abort = {"type": "abort", "message": "out of memory", "status_code": 503, "err_type": None}
-    chunks = await collect(make_backend(url, transport=scripted(event([7], 1, server_abort))), PROMPT, greedy())
-    assert chunks[-1].finish_reason == "abort" and chunks[-1].token_ids == [7]
+        cut = await backend(event([7, 8], 2), done=True)
+        with pytest.raises(BackendUnavailable, match="before the request finished"):
+            await collect(cut, PROMPT, greedy())
 
-    too_long = {"type": "abort", "message": "input is too long", "status_code": 400, "err_type": "BadRequestError"}
-    with pytest.raises(BackendRejected, match="too long"):
-        await collect(make_backend(url, transport=scripted(event([], 0, too_long))), PROMPT, greedy())
+        # Delta ids with cumulative logprobs: each side is aligned on its own.
+        mixed = await backend(event([7, 8], 2), event([9], 3, {"type": "length", "length": 3}, logprobs=[7, 8, 9]))
+        chunks = await collect(mixed, PROMPT, greedy())
+        assert [t for c in chunks for t in c.token_ids] == [7, 8, 9] and chunks[-1].finish_reason == "length"
+        assert [len(c.logprobs) for c in chunks] == [len(c.token_ids) for c in chunks]
 
-    with pytest.raises(BackendProtocolError, match="differ"):
-        await collect(make_backend(url, transport=scripted(event([7], 1, logprobs=[8]))), PROMPT, greedy())
-    with pytest.raises(BackendError, match="boom"):
-        await collect(make_backend(url, transport=scripted({"error": {"message": "boom"}})), PROMPT, greedy())
+        server_abort = {"type": "abort", "message": "out of memory", "status_code": 503, "err_type": None}
+        chunks = await collect(await backend(event([7], 1, server_abort)), PROMPT, greedy())
+        assert chunks[-1].finish_reason == "abort" and chunks[-1].token_ids == [7]
+
+        too_long = {"type": "abort", "message": "input is too long", "status_code": 400, "err_type": "BadRequestError"}
+        with pytest.raises(BackendRejected, match="too long"):
+            await collect(await backend(event([], 0, too_long)), PROMPT, greedy())
+
+        with pytest.raises(BackendProtocolError, match="differ"):
+            await collect(await backend(event([7], 1, logprobs=[8])), PROMPT, greedy())
+        with pytest.raises(BackendError, match="boom"):
+            await collect(await backend({"error": {"message": "boom"}}), PROMPT, greedy())
 
 
 async def _state_is(http: httpx.AsyncClient, url: str, **expected: Any) -> bool:

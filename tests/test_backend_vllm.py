@@ -1,7 +1,8 @@
 """`VllmBackend` against in-process simulator replicas speaking vLLM's protocol (real HTTP, real sockets).
 
-The last section drives the adapter with `httpx.MockTransport` for answers the simulator never gives (contract
-breaches, cut streams, older-server shapes): those are the adapter's error paths, not the simulator's.
+The last section drives the adapter with a scripted HTTP server (`tests/scripted_server.py`) for answers the
+simulator never gives (contract breaches, cut streams, older-server shapes): the adapter's error paths, not the
+simulator's.
 """
 
 from __future__ import annotations
@@ -9,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 import pytest
 
 from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
@@ -32,6 +32,7 @@ from backends.sim.reference import reference_tokens
 from backends.sim.server import SimReplica
 from backends.vllm import VllmBackend
 from tests.conftest import SimFactory
+from tests.scripted_server import Answer, Handler, ScriptedServer, Seen, replying, scripted_server, sse_body
 from tests.sim_helpers import wait_for
 
 SHAPE = ModelShape()
@@ -39,6 +40,7 @@ PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]
 INIT = ("init", "default")
 
 BackendFactory = Callable[..., VllmBackend]
+Scripted = Callable[[Handler], Awaitable[ScriptedServer]]
 
 
 def greedy(max_tokens: int, **extra: Any) -> SamplingParams:
@@ -50,17 +52,26 @@ async def backend_for() -> AsyncIterator[BackendFactory]:
     """`backend_for(sim_or_url, **spec_fields)`: a VllmBackend closed after the test."""
     backends: list[VllmBackend] = []
 
-    def make(
-        target: SimReplica | str, *, transport: httpx.AsyncBaseTransport | None = None, **spec: Any
-    ) -> VllmBackend:
+    def make(target: SimReplica | str, **spec: Any) -> VllmBackend:
         url = target if isinstance(target, str) else target.url
-        backend = VllmBackend(ReplicaSpec(id="r0", url=url, **spec), transport=transport)
+        backend = VllmBackend(ReplicaSpec(id="r0", url=url, **spec))
         backends.append(backend)
         return backend
 
     yield make
     for backend in backends:
         await backend.aclose()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Handler], Awaitable[ScriptedServer]]]:
+    """`await scripted(handler)`: a scripted HTTP server on loopback, stopped after the test."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(handler: Handler) -> ScriptedServer:
+            return await stack.enter_async_context(scripted_server(handler))
+
+        yield start
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
@@ -395,13 +406,8 @@ async def test_aclose_closes_the_client(make_sim: SimFactory, backend_for: Backe
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Answers the simulator never gives: contract breaches, cut streams, other server versions (MockTransport)
+# Answers the simulator never gives: contract breaches, cut streams, other server versions (scripted server)
 # ----------------------------------------------------------------------------------------------------------
-
-
-def sse_body(*events: Any, done: bool = True) -> bytes:
-    body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
-    return body + (b"data: [DONE]\n\n" if done else b"")
 
 
 def choice(token_ids: list[int], finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -409,30 +415,21 @@ def choice(token_ids: list[int], finish: str | None = None, **extra: Any) -> dic
     return {"choices": [{"index": 0, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish, **extra}]}
 
 
-def mock(handler: Callable[[httpx.Request], httpx.Response]) -> httpx.MockTransport:
-    return httpx.MockTransport(handler)
+async def test_request_body_follows_the_contract(backend_for: BackendFactory, scripted: Scripted) -> None:
+    def handler(request: Seen) -> Answer:
+        if request.path == "/pause":
+            return Answer(200, b'{"status": "paused"}')
+        if request.path == "/abort_requests":
+            return Answer(200, b'{"status": "aborted", "aborted": 2}')
+        return Answer(200, sse_body(choice([9], "length")), "text/event-stream")
 
-
-def replying(body: bytes, status: int = 200) -> httpx.MockTransport:
-    return mock(lambda _: httpx.Response(status, content=body))
-
-
-async def test_request_body_follows_the_contract(backend_for: BackendFactory) -> None:
-    seen: list[httpx.Request] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        if request.url.path == "/pause":
-            return httpx.Response(200, json={"status": "paused"})
-        if request.url.path == "/abort_requests":
-            return httpx.Response(200, json={"status": "aborted", "aborted": 2})
-        return httpx.Response(200, content=sse_body(choice([9], "length")))
-
-    backend = backend_for("http://vllm", transport=mock(handler))
+    server = await scripted(handler)
+    seen = server.seen
+    backend = backend_for(server.url)
     sampling = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, seed=3, stop_token_ids=(2,))
     await collect(backend.generate([1, 2, 3], sampling, "rq"))
-    body = orjson.loads(seen[0].content)
-    assert seen[0].url.path == "/v1/completions"
+    body = seen[0].json()
+    assert seen[0].path == "/v1/completions"
     assert body == {
         "model": "tiny",
         "prompt": [1, 2, 3],
@@ -453,9 +450,9 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory) ->
         "stream_options": {"include_usage": True},
     }
     await backend.abort("rq")
-    assert orjson.loads(seen[1].content) == {"request_ids": ["cmpl-rq-0", "generate-tokens-rq"]}
+    assert seen[1].json() == {"request_ids": ["cmpl-rq-0", "generate-tokens-rq"]}
     await backend.pause("keep")
-    assert seen[2].url.path == "/pause" and seen[2].url.params["mode"] == "keep"
+    assert seen[2].path == "/pause" and seen[2].query["mode"] == "keep"
 
 
 @pytest.mark.parametrize(
@@ -476,46 +473,46 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory) ->
         (sse_body(choice([1], "error")), BackendError),
     ],
 )
-async def test_stream_breaches(backend_for: BackendFactory, body: bytes, error: type[BackendError]) -> None:
-    backend = backend_for("http://vllm", transport=replying(body))
+async def test_stream_breaches(
+    backend_for: BackendFactory, scripted: Scripted, body: bytes, error: type[BackendError]
+) -> None:
+    backend = backend_for((await scripted(replying(body))).url)
     with pytest.raises(error) as raised:
         await collect(backend.generate(PROMPT, greedy(4), "b"))
     assert type(raised.value) is error
 
 
-async def test_top_logprob_keys_must_be_token_ids(backend_for: BackendFactory) -> None:
+async def test_top_logprob_keys_must_be_token_ids(backend_for: BackendFactory, scripted: Scripted) -> None:
     event = choice([1], "length")
     event["choices"][0]["logprobs"]["top_logprobs"] = [{"hello": -0.5}]
-    backend = backend_for("http://vllm", transport=replying(sse_body(event)))
+    backend = backend_for((await scripted(replying(sse_body(event)))).url)
     with pytest.raises(BackendProtocolError, match="token_id"):
         await collect(backend.generate(PROMPT, greedy(4, top_logprobs=1), "k"))
 
 
-async def test_stream_cut_by_a_transport_error(backend_for: BackendFactory) -> None:
-    async def cut() -> AsyncIterator[bytes]:
-        yield sse_body(choice([1, 2]), done=False)
-        raise httpx.ReadError("connection reset by peer")
-
-    backend = backend_for("http://vllm", transport=mock(lambda _: httpx.Response(200, content=cut())))
+async def test_stream_cut_by_a_transport_error(backend_for: BackendFactory, scripted: Scripted) -> None:
+    server = await scripted(replying(sse_body(choice([1, 2]), done=False), cut=True))
+    backend = backend_for(server.url)
     received: list[Chunk] = []
-    with pytest.raises(BackendUnavailable, match="ReadError"):
+    with pytest.raises(BackendUnavailable, match="Payload"):
         async for chunk in backend.generate(PROMPT, greedy(4), "cut"):
             received.append(chunk)
     assert tokens_of(received) == [1, 2]  # what arrived before the cut was delivered
 
 
-async def test_other_finish_reasons_and_usage(backend_for: BackendFactory) -> None:
+async def test_other_finish_reasons_and_usage(backend_for: BackendFactory, scripted: Scripted) -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 128}}}
     body = sse_body(choice([4]), choice([5], "repetition", stop_reason=None), usage)
-    chunks = await collect(backend_for("http://vllm", transport=replying(body)).generate(PROMPT, greedy(4), "r"))
+    backend = backend_for((await scripted(replying(body))).url)
+    chunks = await collect(backend.generate(PROMPT, greedy(4), "r"))
     assert [c.token_ids for c in chunks] == [[4], [5]]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].cached_tokens == 128
     body = sse_body(choice([4], "something_new"))
-    chunks = await collect(backend_for("http://vllm", transport=replying(body)).generate(PROMPT, greedy(4), "n"))
+    chunks = await collect(backend_for((await scripted(replying(body))).url).generate(PROMPT, greedy(4), "n"))
     assert chunks[-1].finish_reason == "stop"
 
 
-async def test_older_server_answers(backend_for: BackendFactory) -> None:
+async def test_older_server_answers(backend_for: BackendFactory, scripted: Scripted) -> None:
     """vLLM 0.32 shapes: empty 200 bodies, `{"success": ...}` version updates, refused cache resets."""
     answers = {
         "/collective_rpc": (200, b'{"results":[null]}'),
@@ -524,8 +521,8 @@ async def test_older_server_answers(backend_for: BackendFactory) -> None:
         "/pause": (200, b'{"status":"paused"}'),
         "/resume": (200, b""),
     }
-    transport = mock(lambda r: httpx.Response(answers[r.url.path][0], content=answers[r.url.path][1]))
-    backend = backend_for("http://vllm", transport=transport)
+    server = await scripted(lambda r: Answer(*answers[r.path]))
+    backend = backend_for(server.url)
     assert await backend.update_weights("s7", "/ckpt") is True
     await backend.resume()
     answers["/reset_prefix_cache"] = (200, b'{"success":false}')
@@ -541,7 +538,7 @@ async def test_older_server_answers(backend_for: BackendFactory) -> None:
         await backend.pause("keep")
 
 
-async def test_load_sums_label_sets(backend_for: BackendFactory) -> None:
+async def test_load_sums_label_sets(backend_for: BackendFactory, scripted: Scripted) -> None:
     metrics = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
@@ -550,7 +547,7 @@ vllm:num_requests_running_total_something{engine="0"} 100.0
 vllm:num_requests_waiting{engine="0",model_name="a b"} 4.0
 vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
 """
-    backend = backend_for("http://vllm", transport=replying(metrics))
+    backend = backend_for((await scripted(replying(metrics))).url)
     assert await backend.load() == Load(running=5, waiting=4)
-    assert await backend_for("http://vllm", transport=replying(b"# nothing\n")).load() == Load()
+    assert await backend_for((await scripted(replying(b"# nothing\n"))).url).load() == Load()
     assert parse_gauges("", ["x"]) == {}
