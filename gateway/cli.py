@@ -39,6 +39,9 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Override server.host.")] = None,
     port: Annotated[int | None, typer.Option(help="Override server.port.")] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+    workers: Annotated[
+        int, typer.Option(min=1, help="Gateway processes sharing the port and Redis (one per core; DESIGN §13).")
+    ] = 1,
 ) -> None:
     """Run the gateway from a configuration file until SIGINT/SIGTERM (graceful shutdown)."""
     import uvicorn
@@ -60,6 +63,10 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"rollout-gateway: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from exc
+    if workers > 1:
+        from gateway.workers import serve_workers
+
+        raise typer.Exit(serve_workers(settings, workers, log_level))
     uv = uvicorn_config(create_app(settings), log_level=log_level, in_process=False)
     uv.host, uv.port = settings.server.host, settings.server.port
     uvicorn.Server(uv).run()

@@ -149,3 +149,49 @@ def test_serve_starts_from_the_repository_config_yaml() -> None:
             process.wait()
         if process.stderr:
             process.stderr.close()
+
+
+def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
+    """`serve --workers 2`: two processes answer on one port, a weight update reaches both, SIGTERM stops all."""
+    with SimProcess() as sim:
+        port = free_port()
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            f'server:\n  port: {port}\n  admin_token: "t0k"\nredis:\n  url: ""\n'
+            f'replicas:\n  - url: "{sim.url}"\n    backend: sim\n    dialect: vllm\n'
+        )
+        command = [*CLI, "serve", "--config", str(config), "--workers", "2", "--log-level", "warning"]
+        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        admin = {"authorization": "Bearer t0k"}
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_health(process, url)
+
+            def statuses(attempts: int) -> dict[int, int]:
+                """pid -> weight version, over `attempts` fresh connections (the kernel spreads them)."""
+                seen: dict[int, int] = {}
+                for _ in range(attempts):
+                    status = httpx.get(f"{url}/admin/status", headers=admin, timeout=10).json()
+                    seen[status["pid"]] = status["version"]
+                return seen
+
+            assert len(statuses(200)) == 2, "both workers answer on the one port"
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
+            assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] == "length"
+            update = httpx.post(f"{url}/admin/weights", json={"version": 3}, headers=admin, timeout=30)
+            assert update.status_code == 200, update.text
+            deadline = time.monotonic() + 20
+            while set(statuses(50).values()) != {3}:  # the other worker follows through Redis
+                assert time.monotonic() < deadline, "the other worker never adopted version 3"
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            stderr = process.stderr.read() if process.stderr else ""
+            assert "Traceback" not in stderr, stderr
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health", timeout=2)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if process.stderr:
+                process.stderr.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Depends, Response
@@ -81,6 +82,7 @@ async def resume(body: ResumeRequest, svc: ServicesDep) -> dict[str, Any]:
 async def status(svc: ServicesDep) -> dict[str, Any]:
     await svc.metrics.refresh()  # the pending count, read from Redis with a short timeout
     return {
+        "pid": os.getpid(),  # which gateway process answered (`serve --workers N` runs several on one port)
         "version": svc.weights.version,
         "state": svc.weights.state,
         "updates": svc.weights.updates,
