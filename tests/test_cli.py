@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,30 @@ def wait_for_health(process: subprocess.Popen[str], url: str, timeout_s: float =
             time.sleep(0.1)
 
 
+def sim_config(tmp_path: Path, sim: SimProcess, port: int) -> Path:
+    """A config file: the gateway on `port` with an embedded Redis, in front of one simulator replica."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f'server:\n  port: {port}\n  admin_token: "t0k"\nredis:\n  url: ""\n'
+        f'replicas:\n  - url: "{sim.url}"\n    backend: sim\n    dialect: vllm\n'
+    )
+    return config
+
+
+@contextlib.contextmanager
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`rollout-gateway serve ARGS` as a child process (stderr piped), killed if the test leaves it running."""
+    process = subprocess.Popen([*CLI, "serve", *args], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stderr:
+            process.stderr.close()
+
+
 def test_help_lists_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
@@ -68,13 +94,7 @@ def test_serve_rejects_a_bad_config(tmp_path: Path) -> None:
 def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
     with SimProcess() as sim:
         port = free_port()
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            f'server:\n  port: {port}\n  admin_token: "t0k"\nredis:\n  url: ""\n'
-            f'replicas:\n  - url: "{sim.url}"\n    backend: sim\n    dialect: vllm\n'
-        )
-        process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
-        try:
+        with serving("--config", str(sim_config(tmp_path, sim, port))) as process:
             url = f"http://127.0.0.1:{port}"
             health = wait_for_health(process, url)
             assert health.json()["replicas"] == {"serving": 1, "total": 1}
@@ -85,12 +105,6 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
             assert process.wait(timeout=20) in (0, -signal.SIGTERM)
             stderr = process.stderr.read() if process.stderr else ""
             assert "Application shutdown complete" in stderr and "Traceback" not in stderr
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            if process.stderr:
-                process.stderr.close()
 
 
 @pytest.mark.slow
@@ -136,35 +150,22 @@ def test_serve_starts_from_the_repository_config_yaml() -> None:
     port = free_port()
     env = {**os.environ, "RG_SERVER__PORT": str(port), "RG_ROUTING__HEALTH_TIMEOUT_S": "0.5"}
     config = Path(__file__).resolve().parent.parent / "config.yaml"
-    process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True, env=env)
-    try:
+    with serving("--config", str(config), env=env) as process:
         health = wait_for_health(process, f"http://127.0.0.1:{port}")
         assert health.status_code == 200 and health.json()["replicas"]["total"] == 2
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) in (0, -signal.SIGTERM)
         assert "Application shutdown complete" in (process.stderr.read() if process.stderr else "")
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr:
-            process.stderr.close()
 
 
 def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
     """`serve --workers 2`: two processes answer on one port, a weight update reaches both, SIGTERM stops all."""
+    admin = {"authorization": "Bearer t0k"}
     with SimProcess() as sim:
         port = free_port()
-        config = tmp_path / "config.yaml"
-        config.write_text(
-            f'server:\n  port: {port}\n  admin_token: "t0k"\nredis:\n  url: ""\n'
-            f'replicas:\n  - url: "{sim.url}"\n    backend: sim\n    dialect: vllm\n'
-        )
-        command = [*CLI, "serve", "--config", str(config), "--workers", "2", "--log-level", "warning"]
-        process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-        admin = {"authorization": "Bearer t0k"}
-        try:
-            url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        config = sim_config(tmp_path, sim, port)
+        with serving("--config", str(config), "--workers", "2", "--log-level", "warning") as process:
             wait_for_health(process, url)
 
             def statuses(attempts: int) -> dict[int, int]:
@@ -189,9 +190,3 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
             assert "Traceback" not in stderr, stderr
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"{url}/health", timeout=2)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            if process.stderr:
-                process.stderr.close()
