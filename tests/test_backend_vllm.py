@@ -426,6 +426,8 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory) ->
             return httpx.Response(200, json={"status": "paused"})
         if request.url.path == "/abort_requests":
             return httpx.Response(200, json={"status": "aborted", "aborted": 2})
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": "0.33.0"})
         return httpx.Response(200, content=sse_body(choice([9], "length")))
 
     backend = backend_for("http://vllm", transport=mock(handler))
@@ -454,8 +456,29 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory) ->
     }
     await backend.abort("rq")
     assert orjson.loads(seen[1].content) == {"request_ids": ["cmpl-rq-0", "generate-tokens-rq"]}
+    await backend.pause("keep")  # 0.33 reports weight_versions on /v1/completions: keep stays keep
+    assert seen[2].url.path == "/version"
+    assert seen[3].url.path == "/pause" and seen[3].url.params["mode"] == "keep"
+
+
+@pytest.mark.parametrize(("version", "scale_out", "sent"), [("0.32.0", False, "abort"), ("0.32.0", True, "keep")])
+async def test_keep_needs_version_spans(version: str, scale_out: bool, sent: str) -> None:
+    """vLLM 0.32 has weight_versions only on /inference/v1/generate (scale-out): over /v1/completions a kept
+    request could not say which tokens the new weights made, so keep becomes abort (the gateway resumes)."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/version":
+            return httpx.Response(200, json={"version": version})
+        return httpx.Response(200, json={"status": "paused"})
+
+    spec = ReplicaSpec(id="r0", url="http://vllm", scale_out=scale_out)
+    backend = VllmBackend(spec, transport=mock(handler))
     await backend.pause("keep")
-    assert seen[2].url.path == "/pause" and seen[2].url.params["mode"] == "keep"
+    assert seen[-1].url.path == "/pause" and seen[-1].url.params["mode"] == sent
+    assert backend.capabilities.version_spans is scale_out
+    await backend.aclose()
 
 
 @pytest.mark.parametrize(
