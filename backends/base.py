@@ -7,6 +7,7 @@ engine's own stream shape (vLLM deltas, SGLang cumulative). It never retries: re
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -239,3 +240,9 @@ def spans_to_versions(spans: Sequence[VersionSpan], count: int, fallback: str) -
         for i in range(max(0, span.start), min(count, span.end)):
             versions[i] = span.version
     return versions
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """`"0.32.0+cpu"` → (0, 32, 0): the leading numeric release parts of an engine's version string."""
+    match = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()

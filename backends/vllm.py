@@ -3,12 +3,18 @@
 Behaviour follows ../shared/contracts (vLLM 0.33 from source, 0.32 observed); where the two differ both are
 handled. Transport per request:
 
-- no R3: streaming `POST /v1/completions` with token-id prompts (`return_token_ids` gives delta token ids,
-  `return_tokens_as_token_ids` keeps top logprobs keyed by id, `return_weight_versions` the version spans);
-- R3 with `--enable-scale-out`: streaming `POST /inference/v1/generate`, whose final chunk carries
-  `routed_experts`;
-- R3 without scale-out: non-streaming `POST /v1/completions`, the only completions transport that carries
+- with `--enable-scale-out` (spec `scale_out`): streaming `POST /inference/v1/generate`, whose final chunk
+  carries `weight_versions` (0.32 and 0.33) and, with R3, `routed_experts`;
+- otherwise, no R3: streaming `POST /v1/completions` with token-id prompts (`return_token_ids` gives delta token
+  ids, `return_tokens_as_token_ids` keeps top logprobs keyed by id, `return_weight_versions` the version spans:
+  0.33 only, 0.32 ignores the field);
+- otherwise, with R3: non-streaming `POST /v1/completions`, the only completions transport that carries
   `routed_experts` (streaming completion chunks have no such field); the tokens then arrive in one chunk.
+
+Per-token versions across a `keep` pause need the engine's spans. `capabilities.version_spans` is True with
+scale-out, and on the completions transport once `GET /version` says >= 0.33 or a finished request came back
+with spans; where it stays False, `pause("keep")` pauses with `abort` instead, and the gateway resumes the
+aborted requests itself, so every token still carries the version that sampled it.
 
 Weight updates use the dev-mode routes: `/collective_rpc reload_weights` (from a path), `/update_weight_version`,
 and `/reset_prefix_cache`, because vLLM does not flush the prefix cache when weights change.
@@ -17,6 +23,7 @@ and `/reset_prefix_cache`, because vLLM does not flush the prefix cache when wei
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -33,6 +40,7 @@ from backends.base import (
     VersionSpan,
     merge_deltas,
     translate_errors,
+    version_tuple,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
 from backends.http_client import HttpEngineBackend, request, request_json, sse_batches
@@ -78,13 +86,14 @@ class VllmBackend(HttpEngineBackend):
 
     def __init__(self, spec: ReplicaSpec) -> None:
         super().__init__(spec)
-        self._generate_endpoint = spec.routed_experts and spec.scale_out
+        self._generate_endpoint = spec.scale_out
+        self._engine_version: str | None = None
         self.capabilities = Capabilities(
             pause_modes=frozenset({"abort", "keep", "wait"}),
             routed_experts_out=spec.routed_experts,
             routed_experts_in=spec.routed_experts_input,
             streams_routed_experts=spec.scale_out,
-            version_spans=True,
+            version_spans=spec.scale_out,
             token_endpoint=GENERATE if self._generate_endpoint else COMPLETIONS,
             new_requests_while_paused=spec.new_requests_while_paused,
         )
@@ -163,7 +172,7 @@ class VllmBackend(HttpEngineBackend):
         replay: str | None,
     ) -> dict[str, Any]:
         params = self._sampling_fields(sampling)
-        if experts_start:
+        if self.spec.routed_experts and experts_start:
             # A SamplingParams field in 0.33; an engine that ignores it returns every position and
             # `_experts` slices locally.
             params["routed_experts_prompt_start"] = experts_start
@@ -258,6 +267,8 @@ class VllmBackend(HttpEngineBackend):
         if spans:
             chunk.version_spans = spans
             chunk.weight_version = spans[-1].version
+            if not self.capabilities.version_spans:
+                self.capabilities = dataclasses.replace(self.capabilities, version_spans=True)
         if self.spec.routed_experts and choice.get("routed_experts") is not None:
             total = before + len(token_ids) - 1  # every position but the last sampled token went through the model
             chunk.routed_experts = _experts(str(choice["routed_experts"]), total, experts_start)
@@ -289,10 +300,34 @@ class VllmBackend(HttpEngineBackend):
 
     async def pause(self, mode: PauseMode) -> None:
         """`POST /pause?mode=`; returns once the engine is paused (for `wait`, after in-flight requests drained,
-        hence the long read timeout)."""
+        hence the long read timeout). `keep` becomes `abort` where the engine cannot say which tokens the new
+        weights produced (see the module docstring): the gateway then resumes those requests itself."""
+        if mode == "keep" and not await self._reports_version_spans():
+            logger.warning(
+                "replica %s (vLLM %s) reports no per-token weight versions on %s: pausing with abort, not keep",
+                self.id,
+                self._engine_version,
+                COMPLETIONS,
+            )
+            mode = "abort"
         timeout = self._long if mode == "wait" else self._control
         answer = await self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
         self._expect_status(answer, "paused")
+
+    async def _reports_version_spans(self) -> bool:
+        """Whether finished requests carry `weight_versions`: with scale-out, on vLLM >= 0.33, or once seen."""
+        if self.capabilities.version_spans:
+            return True
+        if self._engine_version is None:
+            try:
+                answer = await self._call("GET", "/version")
+                self._engine_version = str(answer["version"])
+            except (BackendError, KeyError, TypeError) as exc:
+                logger.warning("replica %s: GET /version failed (%s); assuming no version spans", self.id, exc)
+                return False
+        if version_tuple(self._engine_version) >= (0, 33):
+            self.capabilities = dataclasses.replace(self.capabilities, version_spans=True)
+        return self.capabilities.version_spans
 
     async def resume(self) -> None:
         answer = await self._call("POST", "/resume")

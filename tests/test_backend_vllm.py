@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
@@ -421,6 +422,8 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory, sc
             return Answer(200, b'{"status": "paused"}')
         if request.path == "/abort_requests":
             return Answer(200, b'{"status": "aborted", "aborted": 2}')
+        if request.path == "/version":
+            return Answer(200, b'{"version": "0.33.0"}')
         return Answer(200, sse_body(choice([9], "length")), "text/event-stream")
 
     server = await scripted(handler)
@@ -451,8 +454,27 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory, sc
     }
     await backend.abort("rq")
     assert seen[1].json() == {"request_ids": ["cmpl-rq-0", "generate-tokens-rq"]}
+    await backend.pause("keep")  # 0.33 reports weight_versions on /v1/completions: keep stays keep
+    assert seen[2].path == "/version"
+    assert seen[3].path == "/pause" and seen[3].query["mode"] == "keep"
+
+
+@pytest.mark.parametrize(("version", "scale_out", "sent"), [("0.32.0", False, "abort"), ("0.32.0", True, "keep")])
+async def test_keep_needs_version_spans(scripted: Scripted, version: str, scale_out: bool, sent: str) -> None:
+    """vLLM 0.32 has weight_versions only on /inference/v1/generate (scale-out): over /v1/completions a kept
+    request could not say which tokens the new weights made, so keep becomes abort (the gateway resumes)."""
+
+    def handler(request: Seen) -> Answer:
+        if request.path == "/version":
+            return Answer(200, orjson.dumps({"version": version}))
+        return Answer(200, b'{"status": "paused"}')
+
+    server = await scripted(handler)
+    backend = VllmBackend(ReplicaSpec(id="r0", url=server.url, scale_out=scale_out))
     await backend.pause("keep")
-    assert seen[2].path == "/pause" and seen[2].query["mode"] == "keep"
+    assert server.seen[-1].path == "/pause" and server.seen[-1].query["mode"] == sent
+    assert backend.capabilities.version_spans is scale_out
+    await backend.aclose()
 
 
 @pytest.mark.parametrize(

@@ -168,6 +168,41 @@ async def test_keep_mode_versions_come_from_engine_spans(
     assert result.output_ids == expected_tokens(PROMPT, versions, 200)
 
 
+async def test_keep_mode_on_vllm_032_without_spans_aborts_and_resumes(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """vLLM 0.32 (observed) has no weight_versions on /v1/completions: a kept request would continue under new
+    weights with nothing saying from which token on, so the adapter pauses with abort and the gateway resumes."""
+    sim = await make_sim(*slow("vllm"), vllm_version="0.32.0")
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 1
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
+async def test_keep_mode_on_vllm_032_with_scale_out_keeps(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """With --enable-scale-out the adapter uses /inference/v1/generate, whose spans 0.32 does report."""
+    sim = await make_sim(*slow("vllm"), vllm_version="0.32.0", enable_scale_out=True)
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", scale_out=True)])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 0
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
 async def test_wait_mode_drains_before_updating(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

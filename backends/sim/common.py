@@ -39,6 +39,9 @@ class SimServerSettings:
     dev_mode: bool = True
     enable_scale_out: bool = False
     enable_prompt_tokens_details: bool = False
+    # The vLLM release the dialect imitates: 0.32 (observed on CPU) has no `return_weight_versions` on
+    # /v1/completions (spans only on /inference/v1/generate); 0.33 (read from source) has it.
+    vllm_version: str = "0.33.0"
     incremental_streaming_output: bool = False
     tokenizer_path: str | None = None
     startup_delay_s: float = 0.0

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backends.base import version_tuple
 from backends.routed_experts import decode_npy_b64, encode_npy_b64
 from backends.sim.common import (
     SSE_DONE,
@@ -200,6 +201,7 @@ class VllmDialect:
         self.settings = settings
         self.engine = engine
         self.text = TextDecoder(settings.tokenizer_path)
+        self.completion_spans = version_tuple(settings.vllm_version) >= (0, 33)
 
     # -- shared helpers ------------------------------------------------------------------------
 
@@ -328,7 +330,7 @@ class VllmDialect:
             choice["logprobs"] = self._completion_logprobs(
                 request, 0, len(request.output_ids), bool(body.return_tokens_as_token_ids)
             )
-        if body.return_weight_versions:
+        if body.return_weight_versions and self.completion_spans:
             choice["weight_versions"] = request.weight_version_spans()
         return json_response(
             {
@@ -363,7 +365,7 @@ class VllmDialect:
             if body.return_token_ids:
                 choice["prompt_token_ids"] = list(request.prompt) if first else None
                 choice["token_ids"] = request.output_ids[start:end]
-            if done and body.return_weight_versions:
+            if done and body.return_weight_versions and self.completion_spans:
                 choice["weight_versions"] = request.weight_version_spans()
             first = False
             yield sse(
@@ -496,8 +498,8 @@ async def health() -> Response:
 
 
 @router.get("/version")
-async def version() -> dict[str, str]:
-    return {"version": "0.33.0+sim"}
+async def version(raw: Request) -> dict[str, str]:
+    return {"version": f"{_dialect(raw).settings.vllm_version}+sim"}
 
 
 @router.get("/load")

