@@ -60,7 +60,12 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"rollout-gateway: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from exc
-    uv = uvicorn_config(create_app(settings), log_level=log_level, in_process=False)
+    uv = uvicorn_config(
+        create_app(settings),
+        log_level=log_level,
+        in_process=False,
+        shutdown_timeout_s=settings.server.shutdown_timeout_s,
+    )
     uv.host, uv.port = settings.server.host, settings.server.port
     uvicorn.Server(uv).run()
 
