@@ -7,6 +7,7 @@ import hmac
 from fastapi import Request
 
 from gateway.errors import Forbidden, Unauthorized
+from gateway.quotas import ANONYMOUS, key_id
 
 
 def _bearer(request: Request) -> str | None:
@@ -34,12 +35,14 @@ def check_admin(request: Request, admin_token: str) -> None:
         raise Forbidden("wrong admin token")
 
 
-def check_agent(request: Request, api_keys: tuple[str, ...]) -> None:
-    """Agent routes are open when no API keys are configured; otherwise a configured key is required."""
+def check_agent(request: Request, api_keys: tuple[str, ...]) -> str:
+    """Agent routes are open when no API keys are configured; otherwise a configured key is required.
+    Returns the caller's key id (a digest, never the key) for per-key limits."""
     if not api_keys:
-        return
+        return ANONYMOUS
     token = _bearer(request)
     if token is None:
         raise Unauthorized("this gateway needs 'Authorization: Bearer <api key>'")
     if not _matches(token, api_keys):
         raise Forbidden("unknown API key")
+    return key_id(token)

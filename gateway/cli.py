@@ -67,7 +67,12 @@ def serve(
         from gateway.workers import serve_workers
 
         raise typer.Exit(serve_workers(settings, workers, log_level))
-    uv = uvicorn_config(create_app(settings), log_level=log_level, in_process=False)
+    uv = uvicorn_config(
+        create_app(settings),
+        log_level=log_level,
+        in_process=False,
+        shutdown_timeout_s=settings.server.shutdown_timeout_s,
+    )
     uv.host, uv.port = settings.server.host, settings.server.port
     uvicorn.Server(uv).run()
 

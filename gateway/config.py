@@ -87,6 +87,14 @@ class ServerConfig(_Section):
     )
     admin_token: SecretStr = Field(SecretStr("change-me"), description="Bearer token for /admin routes.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
+    max_messages: int = Field(1024, ge=1, description="Most messages in one chat completion request.")
+    max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens one request may ask for.")
+    max_sessions_per_key: int = Field(
+        0, ge=0, description="Sessions with a request in flight per API key (per process); 0 = no limit."
+    )
+    shutdown_timeout_s: Seconds = Field(
+        30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
+    )
 
 
 class RedisConfig(_Section):

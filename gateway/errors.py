@@ -74,8 +74,10 @@ class Overloaded(GatewayError):
     status_code = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None) -> None:
-        super().__init__(message, param=param)
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message, param=param, code=code)
         self.retry_after_s = retry_after_s
 
 

@@ -197,7 +197,10 @@ class Generator:
                     raise
                 failed = True
                 self._on_failure(replica, exc, state)
-            self._close_segment(state, run)
+            finally:
+                # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
+                # token it produced gets its version: a cut turn is recorded with aligned arrays.
+                self._close_segment(state, run)
             avoid = (replica.id,) if failed else ()
             if state.finish_reason is None:
                 # A continuation that produced nothing keeps the first break: latency is what the caller waited.

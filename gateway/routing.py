@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -132,6 +132,8 @@ class ReplicaPool:
         self.affinity = AffinityStats()
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        # Runs before a replica that was down serves again: it may have restarted on other weights.
+        self.on_recover: Callable[[Replica], Awaitable[None]] | None = None
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -258,6 +260,8 @@ class ReplicaPool:
 
     async def _probe(self, replica: Replica) -> None:
         ok = await replica.backend.health()
+        if ok and not replica.healthy and self.on_recover is not None:
+            await self.on_recover(replica)
         if ok != replica.healthy:
             state = "healthy" if ok else "unhealthy"
             logger.warning("replica %s is now %s", replica.id, state, extra={"replica": replica.id})

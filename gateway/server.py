@@ -28,7 +28,11 @@ class RunningGateway:
         return services
 
 
-def uvicorn_config(app: FastAPI, *, log_level: str = "warning", in_process: bool = True) -> uvicorn.Config:
+def uvicorn_config(
+    app: FastAPI, *, log_level: str = "warning", in_process: bool = True, shutdown_timeout_s: float = 10.0
+) -> uvicorn.Config:
+    """Graceful shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
+    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services."""
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
@@ -37,7 +41,7 @@ def uvicorn_config(app: FastAPI, *, log_level: str = "warning", in_process: bool
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
     )
 
 
@@ -52,7 +56,7 @@ async def serve_gateway(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, settings.server.port))
     app = create_app(settings, backend_factory)
-    server = uvicorn.Server(uvicorn_config(app))
+    server = uvicorn.Server(uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     try:
         while not server.started:

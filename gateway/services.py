@@ -18,6 +18,7 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import SessionQuota
 from gateway.routing import Replica, ReplicaPool
 from gateway.sessions import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
@@ -28,6 +29,9 @@ from gateway.weights import WeightCoordinator, parse_version, version_label
 logger = logging.getLogger(__name__)
 
 BackendFactory = Callable[[ReplicaConfig, Settings], EngineBackend]
+
+#: At shutdown, how long turns cut by the server may take to record what they generated (one Redis write each).
+SHUTDOWN_RECORD_TIMEOUT_S = 10.0
 
 
 def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
@@ -72,6 +76,7 @@ class Services:
     backend_factory: BackendFactory = default_backend_factory
     replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    quota: SessionQuota = field(default_factory=lambda: SessionQuota(0))
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
@@ -84,6 +89,24 @@ class Services:
         if replica.stale and self.weights.last_source is not None:
             await self._catch_up(replica)
         return replica
+
+    async def readmit(self, replica: Replica) -> None:
+        """A replica that was down is answering again. A restarted engine runs its initial weights, so it serves
+        only if it reports the current version; otherwise it is held out (stale) and, where the weights came from
+        a path, loaded with them now — never left to sample under other weights than it is labelled with."""
+        version = await _reported_version(replica.backend)
+        if version == self.weights.version:
+            return
+        logger.warning(
+            "replica %s came back with weight version %s, the pool runs %d: held out until it catches up",
+            replica.id,
+            version,
+            self.weights.version,
+            extra={"replica": replica.id, "version": version},
+        )
+        replica.version, replica.stale = version, True
+        if self.weights.serving and self.weights.last_source is not None:
+            await self._catch_up(replica)
 
     async def _catch_up(self, replica: Replica) -> None:
         """Load the current weights onto a newcomer (only possible when they came from a path)."""
@@ -199,6 +222,7 @@ async def open_services(
             max_model_len=settings.model.max_model_len,
             want_routed_experts=any(r.routed_experts for r in settings.replicas),
         )
+        stack.push_async_callback(turns.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
         metrics.bind(pool, weights, generator, trajectories)
         services = Services(
@@ -213,6 +237,8 @@ async def open_services(
             backend_factory=backend_factory,
             replica_configs={replica.id: replica for replica in settings.replicas},
             metrics=metrics,
+            quota=SessionQuota(settings.server.max_sessions_per_key),
         )
+        pool.on_recover = services.readmit
         logger.info("gateway ready: %d replicas, weight version %d", len(backends), current, extra={"version": current})
         yield services

@@ -18,6 +18,7 @@ from backends.base import SamplingParams
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
+from gateway.quotas import SessionLease
 from gateway.sessions import SessionManager, Turn
 from gateway.tokenization import (
     ChatTokenizer,
@@ -72,6 +73,7 @@ class PreparedTurn:
     prompt_ids: list[int]
     lock: asyncio.Lock
     closed: bool = False
+    leases: list[SessionLease] = field(default_factory=list)
 
 
 class TurnRunner:
@@ -97,6 +99,10 @@ class TurnRunner:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
+        self._open = 0  # turns prepared and not yet closed
+        self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -123,7 +129,7 @@ class TurnRunner:
         one_turn = session_id is None
         sid = session_id or f"chat-{uuid.uuid4().hex}"
         lock = self.sessions.lock(sid)
-        await lock.acquire()
+        await self._acquire(lock)
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             top = body.top_logprobs or 0
@@ -131,7 +137,7 @@ class TurnRunner:
             await self._open_session(sid, one_turn)
             return prepared
         except BaseException:
-            lock.release()
+            self._release(lock)
             raise
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
@@ -145,7 +151,7 @@ class TurnRunner:
         one_turn = session_id is None
         sid = session_id or f"cmpl-{uuid.uuid4().hex}"
         lock = self.sessions.lock(sid)
-        await lock.acquire()
+        await self._acquire(lock)
         try:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             budget, top = body.max_tokens or 16, body.logprobs or 0
@@ -153,7 +159,7 @@ class TurnRunner:
             await self._open_session(sid, one_turn)
             return prepared
         except BaseException:
-            lock.release()
+            self._release(lock)
             raise
 
     def _prepare(
@@ -285,24 +291,58 @@ class TurnRunner:
 
     # -- recording -------------------------------------------------------------------------------
 
+    async def _acquire(self, lock: asyncio.Lock) -> None:
+        await lock.acquire()
+        self._open += 1
+        self._idle.clear()
+
+    def _release(self, lock: asyncio.Lock) -> None:
+        lock.release()
+        self._open -= 1
+        self._check_idle()
+
+    def _recorded(self, task: asyncio.Task[None]) -> None:
+        self._recording.discard(task)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._open and not self._recording:
+            self._idle.set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until every open turn is closed and its final write done. Shutdown runs this before
+        the store closes: the server cancels requests past its grace period without waiting for them, and a
+        cancelled turn still records its tokens so far (a checkpoint the next process continues from)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+    async def _record(self, prepared: PreparedTurn) -> None:
+        for choice in prepared.choices:
+            assistant = None if choice.state.cancelled else assistant_message(choice)
+            sample = self.sessions.record(choice.turn, choice.state, assistant)
+            replicas = choice.state.replica_ids
+            await self.store.save_sample(
+                prepared.session_id, choice.turn.sample.index, sample, replica=replicas[-1] if replicas else None
+            )
+        cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
+        if prepared.one_turn and not cancelled:
+            await self.store.finish(prepared.session_id, None, None)
+
     async def close(self, prepared: PreparedTurn) -> None:
         """Record every choice in its sample, store it, finish a one-turn session; release the session lock."""
         if prepared.closed:
             return
         prepared.closed = True
         try:
-            for choice in prepared.choices:
-                assistant = None if choice.state.cancelled else assistant_message(choice)
-                sample = self.sessions.record(choice.turn, choice.state, assistant)
-                replicas = choice.state.replica_ids
-                await self.store.save_sample(
-                    prepared.session_id, choice.turn.sample.index, sample, replica=replicas[-1] if replicas else None
-                )
-            cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
-            if prepared.one_turn and not cancelled:
-                await self.store.finish(prepared.session_id, None, None)
+            # Shielded: a second cancellation (client gone, shutdown past its bound) must not half-write the turn.
+            record = asyncio.ensure_future(self._record(prepared))
+            self._recording.add(record)
+            record.add_done_callback(self._recorded)
+            await asyncio.shield(record)
         finally:
-            prepared.lock.release()
+            self._release(prepared.lock)
+            for lease in prepared.leases:
+                lease.release()
 
 
 def assistant_message(choice: Choice) -> dict[str, Any]:

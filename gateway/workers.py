@@ -49,7 +49,12 @@ def _worker(settings: Settings, sock: socket.socket, log_level: str) -> None:
     from gateway.app import create_app
     from gateway.server import uvicorn_config
 
-    config = uvicorn_config(create_app(settings), log_level=log_level, in_process=False)
+    config = uvicorn_config(
+        create_app(settings),
+        log_level=log_level,
+        in_process=False,
+        shutdown_timeout_s=settings.server.shutdown_timeout_s,
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

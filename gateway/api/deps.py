@@ -27,7 +27,13 @@ async def require_admin(request: Request) -> None:
 
 
 async def require_agent(request: Request) -> None:
-    check_agent(request, _services(request).settings.server.api_keys)
+    request.state.agent_key = check_agent(request, _services(request).settings.server.api_keys)
+
+
+def agent_key(request: Request) -> str:
+    """The key id `require_agent` found for this request."""
+    found: str = request.state.agent_key
+    return found
 
 
 ServicesDep = Annotated[Services, Depends(services)]

@@ -8,14 +8,16 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.base import SamplingParams
 from backends.errors import GatewayError
 from backends.routed_experts import encode_npy_b64
-from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.limits import check_max_tokens
+from gateway.api.streaming import GuardedStreamingResponse
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 
@@ -106,17 +108,27 @@ def _final(state: GenerationState, body: GenerateBody) -> dict[str, Any]:
 
 @router.post("/generate")
 async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
+    check_max_tokens(body.sampling_params.max_tokens, "sampling_params.max_tokens", svc.settings.server)
     _validate(body, svc.vocab.vocab_size, svc.settings.model.max_model_len)
     request = _request(body)
+    lease = svc.quota.acquire(agent_key(raw), body.session_id)
     if body.stream:
-        return StreamingResponse(_stream(raw, svc.generator.stream, request, body), media_type="text/event-stream")
+        chunks = _stream(raw, svc.generator.stream, request, body)
+
+        async def release() -> None:
+            lease.release()
+
+        return GuardedStreamingResponse(chunks, release, media_type="text/event-stream")
     state = GenerationState(request)
 
     async def run() -> None:
         async for _ in svc.generator.stream(request, state):
             pass
 
-    await unless_disconnected(raw, run(), lambda: None)
+    try:
+        await unless_disconnected(raw, run(), lambda: None)
+    finally:
+        lease.release()
     result = _final(state, body)
     result["output_ids"] = state.output_ids
     result["logprobs"] = state.logprobs

@@ -1,9 +1,31 @@
-"""Request-size limit, enforced before a body is parsed (an ASGI middleware)."""
+"""Request limits: the body size (an ASGI middleware, before a body is parsed) and the configured bounds on
+what a parsed request may ask for (message count, max_tokens). Each refusal is a 4xx naming the field."""
 
 from __future__ import annotations
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.config import ServerConfig
+from gateway.errors import InvalidRequest
+
+
+def check_messages(count: int, server: ServerConfig) -> None:
+    if count > server.max_messages:
+        raise InvalidRequest(
+            f"{count} messages exceed the limit of {server.max_messages} (server.max_messages)",
+            param="messages",
+            code="too_many_messages",
+        )
+
+
+def check_max_tokens(value: int | None, param: str, server: ServerConfig) -> None:
+    if value is not None and value > server.max_tokens_limit:
+        raise InvalidRequest(
+            f"{param} = {value} exceeds the limit of {server.max_tokens_limit} (server.max_tokens_limit)",
+            param=param,
+            code="max_tokens_limit",
+        )
 
 
 class BodyTooLarge(Exception):

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.errors import GatewayError
-from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.api.streaming import GuardedStreamingResponse
+from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
@@ -55,6 +58,20 @@ def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
             for c in choices
         ],
     }
+
+
+async def _prepare(
+    raw: Request, svc: Services, session: str | None, prepare: Callable[[], Awaitable[PreparedTurn]]
+) -> PreparedTurn:
+    """Take the caller's per-key session slot, then prepare the turn; the slot is freed when the turn closes."""
+    lease = svc.quota.acquire(agent_key(raw), session)
+    try:
+        prepared = await prepare()
+    except BaseException:
+        lease.release()
+        raise
+    prepared.leases.append(lease)
+    return prepared
 
 
 async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) -> None:
@@ -107,13 +124,16 @@ def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], to
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
+    check_messages(len(body.messages), svc.settings.server)
+    budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    check_max_tokens(body.budget, budget_param, svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
-    prepared = await runner.prepare_chat(body, session)
+    prepared = await _prepare(raw, svc, session, lambda: runner.prepare_chat(body, session))
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
-        return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
+        return _streaming(_relay(raw, runner, prepared, chunks), runner, prepared)
     await _run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
@@ -202,13 +222,14 @@ def _completion_logprobs(
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
+    check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
-    prepared = await runner.prepare_completion(body, session)
+    prepared = await _prepare(raw, svc, session, lambda: runner.prepare_completion(body, session))
     completion_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
-        return StreamingResponse(_relay(raw, runner, prepared, chunks), media_type="text/event-stream")
+        return _streaming(_relay(raw, runner, prepared, chunks), runner, prepared)
     await _run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
@@ -247,13 +268,20 @@ async def _completion_chunks(
 # -- streaming plumbing ----------------------------------------------------------------------------------
 
 
+def _streaming(chunks: AsyncIterator[bytes], runner: TurnRunner, prepared: PreparedTurn) -> Response:
+    return GuardedStreamingResponse(chunks, lambda: runner.close(prepared), media_type="text/event-stream")
+
+
 async def _relay(
     raw: Request, runner: TurnRunner, prepared: PreparedTurn, chunks: AsyncGenerator[bytes, None]
 ) -> AsyncIterator[bytes]:
-    """Relay SSE chunks until done or the client leaves; errors become an SSE error event; always record."""
+    """Relay SSE chunks until done or the client leaves; errors become an SSE error event; always record.
+    The turn is recorded before `[DONE]`, so an agent that finishes its session right after a streamed turn
+    never races that turn's write (the trainer would get the trajectory without it)."""
     try:
         async for chunk in relay_until_disconnected(raw, chunks):
             yield chunk
+        await runner.close(prepared)
         yield b"data: [DONE]\n\n"
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}

@@ -1,0 +1,169 @@
+"""Security and request limits over real HTTP: admin and agent credentials, size/count/token/concurrency limits,
+every refusal a 4xx OpenAI-style error naming the field or limit, and secrets that never reach a log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from backends.sim.engine import EngineSettings
+from gateway.config import load_config
+from gateway.errors import ConfigError
+from gateway.server import RunningGateway
+from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
+from tests.gateway_helpers import generate_body
+from tests.sim_helpers import wait_for
+
+AGENT_KEY = "sk-agent-0123456789abcdef"
+OTHER_KEY = "sk-agent-fedcba9876543210"
+USER = [{"role": "user", "content": "x"}]
+
+
+async def gateway_on(make_sim: SimFactory, make_gateway: GatewayFactory, delay: float = 0.0, **server: Any) -> Any:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=delay))
+    return await make_gateway([sim], server=server)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, code: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code
+    return error
+
+
+async def nothing_stored(redis: Redis) -> bool:
+    return not [k async for k in redis.scan_iter(match="rg:{*")]
+
+
+async def test_too_many_messages(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis: Redis
+) -> None:
+    gw = await gateway_on(make_sim, make_gateway, max_messages=3)
+    body = {"model": "tiny", "messages": USER * 4, "max_tokens": 2}
+    response = await http.post(f"{gw.url}/v1/chat/completions", json=body)
+    error = assert_error(response, 400, "messages", "too_many_messages")
+    assert "server.max_messages" in error["message"] and error["type"] == "invalid_request_error"
+    assert await nothing_stored(redis)
+    ok = await http.post(f"{gw.url}/v1/chat/completions", json=body | {"messages": USER * 3})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 9}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": USER, "max_completion_tokens": 9},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 9}, "max_tokens"),
+        ("/generate", generate_body([5, 6, 7], 9), "sampling_params.max_tokens"),
+    ],
+)
+async def test_max_tokens_limit(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+    path: str,
+    body: dict[str, Any],
+    param: str,
+) -> None:
+    gw = await gateway_on(make_sim, make_gateway, max_tokens_limit=8)
+    error = assert_error(await http.post(f"{gw.url}{path}", json=body), 400, param, "max_tokens_limit")
+    assert "server.max_tokens_limit" in error["message"]
+    assert await nothing_stored(redis)
+
+
+async def test_concurrent_sessions_per_key(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw: RunningGateway = await gateway_on(
+        make_sim, make_gateway, delay=0.005, api_keys=[AGENT_KEY, OTHER_KEY], max_sessions_per_key=1
+    )
+    mine, other = {"authorization": f"Bearer {AGENT_KEY}"}, {"authorization": f"Bearer {OTHER_KEY}"}
+    long = generate_body([5, 6, 7], 300, session_id="first")
+    first = asyncio.create_task(http.post(f"{gw.url}/generate", json=long, headers=mine))
+    quota = gw.services.quota
+    await wait_for(lambda: sum(quota.in_flight(k) for k in list(quota._held)) == 1, what="the first session")
+    second = generate_body([5, 6, 7], 2, session_id="second")
+    error = assert_error(
+        await http.post(f"{gw.url}/generate", json=second, headers=mine), 429, None, "too_many_concurrent_sessions"
+    )
+    assert "server.max_sessions_per_key" in error["message"]
+    chat = {"model": "tiny", "messages": USER, "max_tokens": 2}
+    refused = await http.post(f"{gw.url}/v1/chat/completions", json=chat, headers=mine)
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert (await http.post(f"{gw.url}/generate", json=second, headers=other)).status_code == 200  # its own quota
+    assert (await first).status_code == 200
+    assert (await http.post(f"{gw.url}/generate", json=second, headers=mine)).status_code == 200  # slot freed
+    stream = {"model": "tiny", "messages": USER, "max_tokens": 2, "stream": True}
+    async with http.stream("POST", f"{gw.url}/v1/chat/completions", json=stream, headers=mine) as response:
+        assert response.status_code == 200
+        await response.aread()
+    assert not quota._held  # every slot released, streamed or not
+
+
+async def test_agent_key_never_reaches_admin(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await gateway_on(make_sim, make_gateway, api_keys=[AGENT_KEY])
+    agent = {"authorization": f"Bearer {AGENT_KEY}"}
+    calls = [
+        ("POST", "/admin/weights", {"version": 1, "path": "ckpt-1"}),
+        ("POST", "/admin/pause", {}),
+        ("POST", "/admin/resume", {"version": 1}),
+        ("GET", "/admin/status", None),
+        ("POST", "/admin/replicas", {"url": "http://127.0.0.1:9", "backend": "sim"}),
+        ("DELETE", f"/admin/replicas/{gw.services.pool.all()[0].id}", None),
+    ]
+    for method, path, body in calls:
+        for headers, status in ((agent, 403), ({}, 401), ({"authorization": f"Bearer {ADMIN_TOKEN}x"}, 403)):
+            response = await http.request(method, f"{gw.url}{path}", json=body, headers=headers)
+            assert_error(response, status, None, None)
+    assert gw.services.weights.version == 0 and gw.services.weights.serving and len(gw.services.pool.all()) == 1
+    admin_as_agent = await http.post(
+        f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 2}, headers=ADMIN
+    )
+    assert_error(admin_as_agent, 403, None, None)  # nor is the admin token an agent key
+
+
+async def test_secrets_never_logged(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    gw = await gateway_on(make_sim, make_gateway, api_keys=[AGENT_KEY])
+    api = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=AGENT_KEY, max_retries=0)
+    await api.chat.completions.create(model="tiny", messages=USER, max_tokens=3)  # type: ignore[arg-type]
+    wrong = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=AGENT_KEY[:-1] + "Z", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        await wrong.chat.completions.create(model="tiny", messages=USER, max_tokens=3)  # type: ignore[arg-type]
+    await http.post(f"{gw.url}/admin/weights", json={"version": 1, "path": "ckpt-1"}, headers=ADMIN)
+    await http.get(f"{gw.url}/admin/status", headers={"authorization": f"Bearer {ADMIN_TOKEN}-wrong"})
+    monkeypatch.setenv("RG_SERVER__ADMIN_TOKEN", "")  # an invalid secret in the environment...
+    monkeypatch.setenv("RG_SERVER__API_KEYS", orjson.dumps([AGENT_KEY, 7]).decode())
+    with pytest.raises(ConfigError) as raised:
+        load_config()
+    logging.getLogger("test").error("%s", raised.value)  # ...is not echoed by the error a log would carry
+    logging.getLogger("test").info("settings: %r %s", gw.services.settings, gw.services.settings)
+    await api.close()
+    await wrong.close()
+    out, err = capfd.readouterr()
+    everything = caplog.text + out + err + str(raised.value)
+    assert "settings:" in caplog.text and "api_keys" in str(raised.value)
+    for secret in (AGENT_KEY, AGENT_KEY[:-1] + "Z", ADMIN_TOKEN, f"{ADMIN_TOKEN}-wrong"):
+        assert secret not in everything
