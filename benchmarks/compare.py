@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import math
 import os
@@ -72,6 +73,7 @@ from benchmarks._harness import (
 from benchmarks.loadgen import session_of
 from gateway.config import DEFAULT_TOKENIZER
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LOG_HEAD = 24  # tokens of each prompt the replicas log: enough for "bench-<tag>-<n> " in the tiny tokenizer
 ALL_TARGETS = (
     "direct",
@@ -248,9 +250,7 @@ def router_command(target: str) -> list[str] | None:
     """The command line of a router target, or None where its package is not installed."""
     family, policy = target.split("-", 1)
     if family == "sglang":
-        try:
-            import sglang_router  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("sglang_router") is None:
             return None
         return [sys.executable, "-m", "sglang_router.launch_router", "--policy", policy, "--log-level", "warn"]
     script = Path(sys.executable).with_name("vllm-router")
@@ -346,6 +346,7 @@ class Bench:
             stdout=asyncio.subprocess.PIPE,
             preexec_fn=pinned(self.loadgen_cpus),
             limit=1 << 26,
+            cwd=REPO_ROOT,  # `benchmarks` is not an installed package
         )
         assert process.stdin is not None and process.stdout is not None
         try:
