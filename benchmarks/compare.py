@@ -8,7 +8,8 @@ What runs where (written for a 2-core machine; with more cores the same split ap
 
 * two simulator replicas (`python -m backends.sim --dialect vllm`, the gateway's tiny tokenizer) on core 0;
 * each target on core 1, alone: `direct` (no proxy: the load generator picks the replica by a hash of the
-  session id), `gateway` (`rollout-gateway serve`, with its embedded redis-server child, also on core 1),
+  session id), `gateway` (`rollout-gateway serve`, with its embedded redis-server child, also on core 1;
+  `gateway-generate` is the same process driven through its token-in/token-out `POST /generate`),
   `sglang-manual` (sglang-router `--policy manual`: sticky on `X-SMG-Routing-Key`), `vllm-consistent_hash` and
   `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`); optional `sglang-cache_aware`. All
   targets are started once and stay up (idle ones cost nothing measurable); each fronts both replicas;
@@ -78,12 +79,13 @@ PROMPT_LOG_HEAD = 24  # tokens of each prompt the replicas log: enough for "benc
 ALL_TARGETS = (
     "direct",
     "gateway",
+    "gateway-generate",
     "sglang-manual",
     "vllm-consistent_hash",
     "vllm-sticky_least_loaded",
     "sglang-cache_aware",
 )
-DEFAULT_TARGETS = ALL_TARGETS[:5]
+DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
 
 
 # -- workloads ---------------------------------------------------------------------------------------------------
@@ -99,13 +101,15 @@ class Workload:
     max_tokens: int
     stream: bool
     token_delay_s: float = 0.0
+    duration_s: float = 0.0  # no new request after this long (0: only the count bounds the run)
     grow: bool = False
     prompt_words: int = 16
     columns: tuple[str, ...] = ()
     what: str = ""
 
-    def spec(self, urls: list[str], tag: int, timeout_s: float) -> dict[str, Any]:
+    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str) -> dict[str, Any]:
         return {
+            "api": api,
             "urls": urls,
             "tag": tag,
             "sessions": self.sessions,
@@ -120,71 +124,71 @@ class Workload:
             "warmup": 1,
             "timeout_s": timeout_s,
             "seed": tag,
+            "duration_s": self.duration_s,
         }
 
 
 def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | None, rl_delay: float) -> list[Workload]:
+    """The five workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
     q = quick
-    rl_lo, rl_hi = rl_tokens or ((64, 256) if q else (128, 512))
+    rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
+    short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 10.0}
+    latency_columns = ("req/s", "p50", "p99", "+p50", "+p99", "cpu/req")
     return [
         Workload(
             "short-c1",
-            1,
-            0,
-            300 if q else 2000,
-            1,
-            8,
-            False,
-            columns=("req/s", "p50", "p99", "+p50", "+p99", "cpu/req", "cap/core", "errors"),
+            sessions=1,
+            requests=300 if q else 3000,
+            **short,  # type: ignore[arg-type]
+            columns=(*latency_columns, "cap/core", "errors"),
             what="1-8 tokens, not streamed, one agent: the latency a proxy adds",
-        ),  # fmt: skip
+        ),
         Workload(
             "short-c64",
-            64,
-            0,
-            1500 if q else 8000,
-            1,
-            8,
-            False,
-            columns=("req/s", "p50", "p99", "+p50", "+p99", "cpu/req", "cap/core", "errors"),
-            what="1-8 tokens, not streamed, 64 agents: capacity (cap/core = 1 / proxy CPU per request)",
-        ),  # fmt: skip
+            sessions=64,
+            requests=1000 if q else 6000,
+            **short,  # type: ignore[arg-type]
+            columns=(*latency_columns, "redis/req", "cap/core", "errors"),
+            what="1-8 tokens, not streamed, 64 agents: capacity (req/s per core = 1 / proxy CPU per request)",
+        ),
         Workload(
             "stream",
-            16,
-            0,
-            64 if q else 320,
-            256,
-            256,
-            True,
-            columns=("tok/s", "ttft50", "p50", "p99", "+p50", "cpu/ktok", "errors"),
+            sessions=16,
+            turns=0,
+            requests=64 if q else 400,
+            min_tokens=256,
+            max_tokens=256,
+            stream=True,
+            duration_s=3.0 if q else 10.0,
+            columns=("tok/s", "ttft50", "p50", "p99", "+p50", "cpu/ktok", "redis/ktok", "errors"),
             what="256 tokens streamed, no token delay, 16 agents: relay cost per token",
-        ),  # fmt: skip
+        ),
         Workload(
             "rl",
-            rl_sessions or (64 if q else 256),
-            1,
-            0,
-            rl_lo,
-            rl_hi,
-            True,
+            sessions=rl_sessions or (32 if q else 256),
+            turns=1,
+            requests=0,
+            min_tokens=rl_lo,
+            max_tokens=rl_hi,
+            stream=True,
             token_delay_s=rl_delay,
-            columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "balance", "errors"),
-            what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens, {rl_delay * 1000:g} ms/token",
-        ),  # fmt: skip
+            columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
+            what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens each, "
+            f"{rl_delay * 1000:g} ms per token",
+        ),
         Workload(
             "multiturn",
-            32 if q else 64,
-            4 if q else 8,
-            0,
-            16,
-            32,
-            False,
+            sessions=16 if q else 64,
+            turns=4 if q else 8,
+            requests=0,
+            min_tokens=16,
+            max_tokens=32,
+            stream=False,
             grow=True,
             prompt_words=64,
-            columns=("req/s", "p50", "+p50", "cpu/req", "affinity", "balance", "prefix hit", "errors"),
+            columns=("req/s", "p50", "+p50", "cpu/req", "redis/req", "affinity", "balance", "prefix hit", "errors"),
             what="sessions × turns, each prompt = the previous one + 32 words: affinity and prefix-cache hits",
-        ),  # fmt: skip
+        ),
     ]
 
 
@@ -337,7 +341,9 @@ class Bench:
     async def run(self, target: Target, workload: Workload) -> RunResult:
         tag = next(self.tags)
         urls = [target.url] if target.url else [replica.url for replica in self.replicas]
-        spec = workload.spec(urls, tag, self.timeout_s)
+        spec = workload.spec(
+            urls, tag, self.timeout_s, "generate" if target.name == "gateway-generate" else "completions"
+        )
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -428,13 +434,15 @@ def targets_up(options: Options, replicas: list[SimProcess], proxy_cpus: set[int
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(_tmpdir()))
         targets = []
+        gateway: GatewayProcess | None = None
         for name in options.targets:
             if name == "direct":
                 targets.append(Target(name, "", None))
-            elif name == "gateway":
-                entries = [sim_replica_entry(url, "vllm") for url in urls]
-                settings = {"generation": {"max_connections_per_replica": 2048}}
-                gateway = stack.enter_context(GatewayProcess(entries, settings, cpus=proxy_cpus))
+            elif name.startswith("gateway"):
+                if gateway is None:  # one gateway process serves both of its rows (/v1/completions, /generate)
+                    entries = [sim_replica_entry(url, "vllm") for url in urls]
+                    settings = {"generation": {"max_connections_per_replica": 2048}}
+                    gateway = stack.enter_context(GatewayProcess(entries, settings, cpus=proxy_cpus))
                 targets.append(Target(name, gateway.url, gateway.pid))
             else:
                 command = router_command(name)
@@ -501,6 +509,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "ttft99": ("TTFT p99 ms", "min"),
     "cpu/req": ("CPU s/1k req", "min"),
     "cpu/ktok": ("CPU s/1k tok", "min"),
+    "redis/req": ("+redis s/1k req", ""),
+    "redis/ktok": ("+redis s/1k tok", ""),
     "cap/core": ("req/s per core", "max"),
     "affinity": ("affinity", "max"),
     "balance": ("busiest replica", ""),
@@ -525,6 +535,8 @@ def figures(run: RunResult, direct: RunResult | None) -> dict[str, float]:
         "balance": max(run.per_replica) / sum(run.per_replica) if sum(run.per_replica) else math.nan,
         "prefix hit": run.cache_hits / run.cache_queries if run.cache_queries else math.nan,
         "errors": float(run.errors),
+        "redis/req": run.cpu_children_s / run.ok * 1000 if run.ok else math.nan,
+        "redis/ktok": run.cpu_children_s / run.tokens * 1000 if run.tokens else math.nan,
     }
     out["cap/core"] = 1000 / out["cpu/req"] if out["cpu/req"] > 0 else math.nan
     if direct is not None and direct.latencies:
@@ -545,7 +557,7 @@ def fmt(column: str, value: float) -> str:
         return f"{value:,.0f}"
     if column == "x direct":
         return f"{value:.2f}"
-    if column in ("cpu/req", "cpu/ktok"):
+    if column in ("cpu/req", "cpu/ktok", "redis/req", "redis/ktok"):
         return f"{value:.3f}"
     return f"{value:,.2f}"
 
@@ -579,10 +591,11 @@ def report(console: Console, options: Options, results: dict[str, dict[str, RunR
     console.print(
         "[dim]How to read this:[/] (x.xx) = the figure ÷ the best proxy's (direct excluded): 1.00 is the best; "
         "above 1 is worse for latency/CPU, below 1 worse for throughput/affinity. +p50/+p99 = minus direct's. "
-        "CPU = utime+stime of the proxy process (all its threads) during the timed part, not counting the "
-        "gateway's embedded redis-server (shown in --json as cpu_children_s). req/s per core = 1 / CPU per "
-        "request: the capacity of one core spent on the proxy alone. busiest replica = its share of requests "
-        "(50% = even). Absolute figures on a shared 2-core machine move from run to run; the ratios move less."
+        "CPU = utime+stime of the proxy process (all its threads) during the timed part; +redis = the "
+        "gateway's embedded redis-server child besides (same core; the routers have none). "
+        "req/s per core = 1 / CPU per request: the capacity of one core spent on the proxy alone. "
+        "busiest replica = its share of requests (50% = even). Absolute figures on a shared 2-core machine "
+        "move from run to run; the ratios move less."
     )
 
 
@@ -613,9 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=list(DEFAULT_TARGETS))
     p.add_argument("--workloads", nargs="+", default=None, help="short-c1 short-c64 stream rl multiturn (default all)")
     p.add_argument("--rounds", type=int, default=None, help="timed runs per target and workload, ABBA (default 2)")
-    p.add_argument("--rl-sessions", type=int, default=None, help="concurrent sessions of `rl` (default 256; quick 64)")
+    p.add_argument("--rl-sessions", type=int, default=None, help="concurrent sessions of `rl` (default 256; quick 32)")
     p.add_argument("--rl-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="tokens per rl stream")
-    p.add_argument("--rl-token-delay", type=float, default=0.04, help="seconds per decode step in `rl` (0.04)")
+    p.add_argument("--rl-token-delay", type=float, default=0.03, help="seconds per decode step in `rl` (0.03)")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
     p.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
     p.add_argument("--json", type=Path, default=None, help="also write every figure (and raw counts) here")

@@ -8,7 +8,8 @@ Protocol (line-delimited JSON on stdin/stdout, so the parent can read the proxy'
 2. this process opens one keep-alive connection per agent and warms up (every connection used at least once),
    then prints `{"event": "warm"}`;
 3. the parent reads the proxy's CPU time and writes `go`;
-4. this process runs the timed part and prints `{"event": "result", ...}` (latencies, tokens, errors), then exits.
+4. this process runs the timed part (`requests`, or `turns` per session; no new request after `duration_s`) and
+   prints `{"event": "result", ...}` (latencies, tokens, errors), then exits.
 
 Every request is `POST /v1/completions` with a text prompt, `temperature 0`, `ignore_eos` and a token budget (text,
 not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data did not match any variant of
@@ -29,11 +30,13 @@ blocks.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,6 +80,8 @@ class Spec:
     warmup: int = 1  # requests per agent before "warm" (on separate sessions: tag + 1)
     timeout_s: float = 120.0
     seed: int = 0
+    api: str = "completions"  # or "generate": this gateway's token-in/token-out `POST /generate`
+    duration_s: float = 0.0  # > 0: no new request starts after this long (the bound in time besides `requests`)
 
 
 @dataclass
@@ -162,10 +167,45 @@ class Connection:
         return status, pieces
 
 
-def check_answer(status: int, pieces: list[tuple[float, bytes]], stream: bool, budget: int) -> tuple[int, float | None]:
+def sse_data(pieces: list[tuple[float, bytes]]) -> Iterator[tuple[float, Any]]:
+    """(arrival time, decoded event) of each `data:` event but `[DONE]`."""
+    buffer = b""
+    for now, piece in pieces:
+        buffer += piece
+        while (end := buffer.find(b"\n\n")) >= 0:
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            if event.startswith(b"data: ") and event != b"data: [DONE]":
+                yield now, orjson.loads(event[6:])
+
+
+def check_generate(pieces: list[tuple[float, bytes]], stream: bool, budget: int) -> tuple[int, float | None]:
+    """`POST /generate` answers: `output_ids` (in one body, or in stream events) and `finish_reason`."""
+    if not stream:
+        answer = orjson.loads(b"".join(p for _, p in pieces))
+        tokens, finish, first = len(answer["output_ids"]), answer["finish_reason"], None
+    else:
+        tokens, finish, first = 0, None, None
+        for now, data in sse_data(pieces):
+            if "error" in data:
+                raise HttpError(f"stream error: {str(data['error'])[:200]}")
+            if "finish_reason" in data:
+                finish = data["finish_reason"]
+            elif data.get("output_ids"):
+                first = first or now
+                tokens += len(data["output_ids"])
+    if finish != "length" or tokens != budget:
+        raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
+    return tokens, first
+
+
+def check_answer(
+    status: int, pieces: list[tuple[float, bytes]], stream: bool, budget: int, api: str = "completions"
+) -> tuple[int, float | None]:
     """(tokens, first-token time) of a valid answer; raises HttpError naming what is wrong otherwise."""
     if status != 200:
         raise HttpError(f"HTTP {status}: {b''.join(p for _, p in pieces)[:200]!r}")
+    if api == "generate":
+        return check_generate(pieces, stream, budget)
     if not stream:
         answer = orjson.loads(pieces[0][1] if len(pieces) == 1 else b"".join(p for _, p in pieces))
         finish = answer["choices"][0]["finish_reason"]
@@ -173,21 +213,15 @@ def check_answer(status: int, pieces: list[tuple[float, bytes]], stream: bool, b
         if finish != "length" or tokens != budget:
             raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
         return tokens, None
-    buffer, first, finish, usage = b"", None, None, None
-    for now, piece in pieces:
-        buffer += piece
-        while (end := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                continue
-            data = orjson.loads(event[6:])
-            if "error" in data:
-                raise HttpError(f"stream error: {str(data['error'])[:200]}")
-            if data.get("choices"):
-                first = first or now
-                finish = data["choices"][0].get("finish_reason") or finish
-            if data.get("usage"):
-                usage = int(data["usage"]["completion_tokens"])
+    first, finish, usage = None, None, None
+    for now, data in sse_data(pieces):
+        if "error" in data:
+            raise HttpError(f"stream error: {str(data['error'])[:200]}")
+        if data.get("choices"):
+            first = first or now
+            finish = data["choices"][0].get("finish_reason") or finish
+        if data.get("usage"):
+            usage = int(data["usage"]["completion_tokens"])
     if finish != "length" or usage != budget:
         raise HttpError(f"asked {budget} tokens, streamed usage {usage} (finish_reason {finish!r})")
     return budget, first
@@ -198,12 +232,25 @@ class LoadGen:
         self.spec = spec
         self.rng = random.Random(spec.seed)
         self.filler = [self.rng.choice(WORDS) for _ in range(4096)]
+        self.tokenizer: Any = None
+        if spec.api == "generate":  # token ids in: the gateway's own tiny tokenizer, as the replicas use
+            from tokenizers import Tokenizer
+
+            from gateway.config import DEFAULT_TOKENIZER
+
+            self.tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER / "tokenizer.json"))
 
     def url_of(self, session: str) -> str:
         urls = self.spec.urls
         return urls[zlib.crc32(session.encode()) % len(urls)]
 
-    def body(self, prompt: str, budget: int) -> bytes:
+    def body(self, session: str, prompt: str, budget: int) -> bytes:
+        if self.spec.api == "generate":
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            sampling = {"max_tokens": budget, "temperature": 0, "ignore_eos": True}
+            return orjson.dumps(
+                {"session_id": session, "input_ids": ids, "sampling_params": sampling, "stream": self.spec.stream}
+            )
         body: dict[str, Any] = {
             "model": "tiny",
             "prompt": prompt,
@@ -220,8 +267,9 @@ class LoadGen:
         headers = {"X-Session-ID": session, "X-SMG-Routing-Key": session}
         started = time.perf_counter()
         try:
-            status, pieces = await conn.post("/v1/completions", self.body(prompt, budget), headers)
-            tokens, first = check_answer(status, pieces, self.spec.stream, budget)
+            path = "/generate" if self.spec.api == "generate" else "/v1/completions"
+            status, pieces = await conn.post(path, self.body(session, prompt, budget), headers)
+            tokens, first = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, KeyError) as exc:
             conn.close()
             result.error(f"{type(exc).__name__}: {exc}")
@@ -238,7 +286,9 @@ class LoadGen:
     def budget(self) -> int:
         return self.rng.randint(self.spec.min_tokens, self.spec.max_tokens)
 
-    async def agent(self, tag: int, number: int, turns: int, remaining: list[int], result: Result) -> None:
+    async def agent(
+        self, tag: int, number: int, turns: int, remaining: list[int], result: Result, until: float
+    ) -> None:
         spec = self.spec
         session = session_name(tag, number)
         conn = Connection(self.url_of(session))
@@ -246,7 +296,7 @@ class LoadGen:
         prompt = f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words])
         try:
             turn = 0
-            while (turns and turn < turns) or (not turns and remaining[0] > 0):
+            while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
                 if not turns:
                     remaining[0] -= 1
                 await self.one(conn, session, prompt, self.budget(), result)
@@ -257,15 +307,16 @@ class LoadGen:
         finally:
             conn.close()
 
-    async def run(self, tag: int, turns: int, requests: int) -> Result:
+    async def run(self, tag: int, turns: int, requests: int, duration_s: float = 0.0) -> Result:
         result = Result()
         remaining = [requests]
         started = time.perf_counter()
+        until = started + duration_s if duration_s > 0 else math.inf
         try:
             async with asyncio.timeout(self.spec.timeout_s):
                 async with asyncio.TaskGroup() as group:
                     for number in range(self.spec.sessions):
-                        group.create_task(self.agent(tag, number, turns, remaining, result))
+                        group.create_task(self.agent(tag, number, turns, remaining, result, until))
         except TimeoutError:  # the bound in time: what finished is kept, the cut-off is an error
             result.error(f"deadline: the run passed {self.spec.timeout_s:g} s and was cut off")
         result.wall_s = time.perf_counter() - started
@@ -281,7 +332,7 @@ async def main_async() -> int:
     sys.stdout.flush()
     if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
         return 1
-    result = await gen.run(spec.tag, spec.turns, spec.requests)
+    result = await gen.run(spec.tag, spec.turns, spec.requests, spec.duration_s)
     out = {"event": "result", **result.__dict__}
     sys.stdout.write(orjson.dumps(out).decode() + "\n")
     sys.stdout.flush()
