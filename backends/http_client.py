@@ -40,7 +40,7 @@ def build_client(spec: ReplicaSpec, transport: httpx.AsyncBaseTransport | None =
     to that transport.
     """
     # httpcore walks every pooled connection on each request, so a large idle pool costs more than reconnecting
-    # (measured in benchmarks/gateway_overhead.py); keep a modest number of idle connections.
+    # (measured with the benchmarks' direct-vs-gateway runs); keep a modest number of idle connections.
     limits = httpx.Limits(max_connections=spec.max_connections, max_keepalive_connections=min(64, spec.max_connections))
     return httpx.AsyncClient(base_url=spec.url, timeout=spec.timeouts.httpx(), limits=limits, transport=transport)
 

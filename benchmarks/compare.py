@@ -29,6 +29,9 @@ around the timed part only) per 1k requests and per 1k tokens, and the capacity 
 same replica as its previous one; from `/sim/prompt_log`), balance (the busiest replica's share of requests)
 and the prefix-cache hit ratio (`/sim/state` counters). Every figure also shows its ratio to the best proxy.
 Every request is checked (status, token count); errors are counted and shown, and make the exit status 1.
+
+This supersedes the former `benchmarks/gateway_overhead.py` (direct vs gateway on one replica): the same
+comparison, with the routers beside it, a load generator in its own process and the proxy on its own core.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
     """The five workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
     q = quick
     rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
-    short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 10.0}
+    short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 6.0}
     latency_columns = ("req/s", "p50", "p99", "+p50", "+p99", "cpu/req")
     return [
         Workload(
@@ -159,7 +162,7 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
             min_tokens=256,
             max_tokens=256,
             stream=True,
-            duration_s=3.0 if q else 10.0,
+            duration_s=3.0 if q else 6.0,
             columns=("tok/s", "ttft50", "p50", "p99", "+p50", "cpu/ktok", "redis/ktok", "errors"),
             what="256 tokens streamed, no token delay, 16 agents: relay cost per token",
         ),
