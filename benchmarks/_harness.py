@@ -1,4 +1,4 @@
-"""Plumbing shared by `resume_latency` and `gateway_overhead`: child processes, a loopback client, SSE, stats, tables.
+"""Plumbing shared by the gateway benchmarks: child processes, CPU pinning, a loopback client, SSE, stats, tables.
 
 Both benchmarks run everything on 127.0.0.1. The gateway runs as a child process (`rollout-gateway serve
 --config <tmp yaml>`) and the simulator replicas as `SimProcess` children, so the load generator in the parent
@@ -79,6 +79,33 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of a live process, from /proc (the gateway's embedded redis-server, for instance)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def pin_process(pid: int, cpus: set[int] | None) -> None:
+    """Move every thread of a live process onto `cpus` (None: leave it alone); threads it starts later inherit."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
+
+
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that pins a child to `cpus` before it executes, so all its threads start there."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 @contextlib.contextmanager
 def sim_replicas(args_per_replica: Sequence[Sequence[str]]) -> Iterator[list[SimProcess]]:
     """One simulator replica per argument list, each a child process; all stopped (SIGTERM, bounded) on exit."""
@@ -112,6 +139,7 @@ class GatewayProcess:
     replicas: list[dict[str, Any]]
     settings: dict[str, Any] = field(default_factory=dict)
     startup_timeout_s: float = 60.0
+    cpus: set[int] | None = None  # pin the gateway (and so its embedded Redis) to these CPUs
     url: str = ""
     process: subprocess.Popen[bytes] | None = None
     _dir: Path | None = None
@@ -150,7 +178,7 @@ class GatewayProcess:
         config_file.write_text(yaml.safe_dump(self._config(port)))
         command = [*_gateway_command(), "serve", "--config", str(config_file), "--log-level", "warning"]
         with (self._dir / "gateway.log").open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pinned(self.cpus))
         self.url = f"http://127.0.0.1:{port}"
         return self._wait_ready()
 

@@ -419,3 +419,21 @@ async def test_slow_start(make_sim: SimFactory, http: httpx.AsyncClient) -> None
     assert (await http.get(f"{sim.url}/health")).status_code == 503
     await wait_for(lambda: sim.app.state.faults.ready, what="ready")
     assert (await http.get(f"{sim.url}/health")).status_code == 200
+
+
+async def test_speed_and_prompt_log_control(make_sim: SimFactory, http: httpx.AsyncClient) -> None:
+    sim = await make_sim("vllm")
+    speed = await http.post(f"{sim.url}/sim/speed", json={"token_delay": 0.001})
+    assert speed.json() == {"token_delay": 0.001, "prefill_delay": 0.0}
+    assert sim.engine.settings.token_delay_s == 0.001
+    assert (await http.post(f"{sim.url}/sim/speed", json={"token_delay": -1})).status_code == 400
+    await http.post(f"{sim.url}/v1/completions", json=completion())  # before recording: not logged
+    assert (await http.post(f"{sim.url}/sim/prompt_log", json={"head": 2})).json() == {"head": 2}
+    await http.post(f"{sim.url}/v1/completions", json=completion())
+    await http.post(f"{sim.url}/v1/completions", json=completion([9, 8, 7]))
+    log = (await http.get(f"{sim.url}/sim/prompt_log")).json()
+    assert log["head"] == 2
+    assert [entry[:2] for entry in log["requests"]] == [[PROMPT[:2], len(PROMPT)], [[9, 8], 3]]
+    assert log["requests"][0][2] <= log["requests"][1][2]  # arrival times, in order
+    await http.post(f"{sim.url}/sim/prompt_log", json={"head": 0})
+    assert (await http.get(f"{sim.url}/sim/prompt_log")).json() == {"head": 0, "requests": []}

@@ -122,6 +122,21 @@ class FaultsUpdate(BaseModel):
     ready: bool | None = None
 
 
+class SpeedUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_delay: float | None = Field(default=None, ge=0.0)
+    prefill_delay: float | None = Field(default=None, ge=0.0)
+
+
+class PromptLogUpdate(BaseModel):
+    """Start (head > 0) or stop (head = 0) recording submitted prompts; either way the log is emptied."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    head: int = Field(ge=0, le=64)
+
+
 class ScriptRequest(BaseModel):
     """A scripted reply: prompts ending in `prompt_suffix` get `output`, then EOS."""
 
@@ -166,6 +181,25 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             # Answer first, then die like a crashed engine: the process exits and its connections reset.
             return json_response({"status": "crashing"}, 200, background=BackgroundTask(os._exit, 1))
         return json_response({"status": "ok", "aborted": aborted})
+
+    @router.post("/speed")
+    async def set_speed(update: SpeedUpdate) -> dict[str, float]:
+        engine.set_speed(update.token_delay, update.prefill_delay)
+        return {
+            "token_delay": engine.settings.token_delay_s,
+            "prefill_delay": engine.settings.prefill_delay_s_per_token,
+        }
+
+    @router.post("/prompt_log")
+    async def set_prompt_log(update: PromptLogUpdate) -> dict[str, int]:
+        engine.prompt_log_head = update.head
+        engine.prompt_log = []
+        return {"head": update.head}
+
+    @router.get("/prompt_log")
+    async def prompt_log() -> dict[str, Any]:
+        """Each recorded request as [first `head` prompt tokens, prompt length, monotonic time], in arrival order."""
+        return {"head": engine.prompt_log_head, "requests": [[list(h), n, t] for h, n, t in engine.prompt_log]}
 
     @router.post("/script")
     async def script(body: ScriptRequest) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -140,6 +141,11 @@ class SimEngine:
         self._retracted: set[str] = set()
         self.counters: Counter[str] = Counter()
         self.scripts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        # (first `prompt_log_head` prompt tokens, prompt length, time.monotonic()) of each submitted request,
+        # only while `prompt_log_head` > 0 (benchmarks measure session affinity from the replicas' side with it;
+        # the monotonic clock is system-wide, so the logs of several replicas on one host merge in order).
+        self.prompt_log_head = 0
+        self.prompt_log: list[tuple[tuple[int, ...], int, float]] = []
         self._loop_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -186,6 +192,8 @@ class SimEngine:
     ) -> SimRequest:
         """Admit a request: wait out (or reject during) a pause, prefill, then join the decode batch."""
         self.validate(prompt, params)
+        if self.prompt_log_head:
+            self.prompt_log.append((tuple(prompt[: self.prompt_log_head]), len(prompt), time.monotonic()))
         if engine_id in self.requests:
             raise SimRequestError(f"request id {engine_id!r} is already in flight")
         await self._admit()
@@ -469,6 +477,15 @@ class SimEngine:
             return False
         self._cache.clear()
         return True
+
+    def set_speed(self, token_delay_s: float | None, prefill_delay_s_per_token: float | None) -> None:
+        """Change the per-token decode and prefill delays at run time (benchmarks reuse one set of replicas)."""
+        changes: dict[str, float] = {}
+        if token_delay_s is not None:
+            changes["token_delay_s"] = token_delay_s
+        if prefill_delay_s_per_token is not None:
+            changes["prefill_delay_s_per_token"] = prefill_delay_s_per_token
+        self.settings = dataclasses.replace(self.settings, **changes)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         """Back to the initial weights, unpaused, empty cache (test isolation; not in real engines)."""

@@ -1,0 +1,670 @@
+"""This gateway side by side with direct access and the two Rust routers, on the same simulator replicas, in one run.
+
+    python -m benchmarks.compare              # the real figures: about 5-10 minutes
+    python -m benchmarks.compare --quick      # about 1-2 minutes, for development
+    python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
+
+What runs where (written for a 2-core machine; with more cores the same split applies):
+
+* two simulator replicas (`python -m backends.sim --dialect vllm`, the gateway's tiny tokenizer) on core 0;
+* each target on core 1, alone: `direct` (no proxy: the load generator picks the replica by a hash of the
+  session id), `gateway` (`rollout-gateway serve`, with its embedded redis-server child, also on core 1;
+  `gateway-generate` is the same process driven through its token-in/token-out `POST /generate`),
+  `sglang-manual` (sglang-router `--policy manual`: sticky on `X-SMG-Routing-Key`), `vllm-consistent_hash` and
+  `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`); optional `sglang-cache_aware`. All
+  targets are started once and stay up (idle ones cost nothing measurable); each fronts both replicas;
+* the load generator (`python -m benchmarks.loadgen`, see there) in its own process on core 0, one per timed
+  run, loopback only, bounded in requests and time (`--timeout` per run).
+
+Workloads (`--workloads`): `short-c1` and `short-c64` (1-8 tokens, not streamed: pure proxy cost, at concurrency
+1 and 64), `stream` (256 tokens streamed, no token delay: relay cost), `rl` (many concurrent sessions, one long
+stream each with a per-token delay: RL-shaped), `multiturn` (sessions × turns whose prompts grow: affinity,
+balance, prefix-cache hits). Each workload runs every target `--rounds` times in ABBA order (targets forward,
+then backward, ...), so drift in the shared machine's speed falls on all of them alike.
+
+Measured per (workload, target): req/s, tokens/s, latency p50/p99 (send → last byte) and what it adds over
+`direct`, time to first event (streams), the proxy's CPU (utime + stime of all its threads from /proc, read
+around the timed part only) per 1k requests and per 1k tokens, and the capacity it implies on one core
+(1 / CPU per request); from the replicas' side: affinity (share of a session's requests that reached the
+same replica as its previous one; from `/sim/prompt_log`), balance (the busiest replica's share of requests)
+and the prefix-cache hit ratio (`/sim/state` counters). Every figure also shows its ratio to the best proxy.
+Every request is checked (status, token count); errors are counted and shown, and make the exit status 1.
+
+This supersedes the former `benchmarks/gateway_overhead.py` (direct vs gateway on one replica): the same
+comparison, with the routers beside it, a load generator in its own process and the proxy on its own core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import itertools
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from rich.console import Console
+
+from backends.sim.server import SimProcess
+from benchmarks._harness import (
+    BenchmarkError,
+    GatewayProcess,
+    Percentiles,
+    child_pids,
+    cpu_seconds,
+    free_port,
+    machine_line,
+    pin_process,
+    pinned,
+    print_table,
+    run_benchmark,
+    sim_replica_entry,
+    sim_replicas,
+)
+from benchmarks.loadgen import session_of
+from gateway.config import DEFAULT_TOKENIZER
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LOG_HEAD = 24  # tokens of each prompt the replicas log: enough for "bench-<tag>-<n> " in the tiny tokenizer
+ALL_TARGETS = (
+    "direct",
+    "gateway",
+    "gateway-generate",
+    "sglang-manual",
+    "vllm-consistent_hash",
+    "vllm-sticky_least_loaded",
+    "sglang-cache_aware",
+)
+DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
+
+
+# -- workloads ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    sessions: int
+    turns: int  # per session (0: `requests` in all, shared by the sessions)
+    requests: int
+    min_tokens: int
+    max_tokens: int
+    stream: bool
+    token_delay_s: float = 0.0
+    duration_s: float = 0.0  # no new request after this long (0: only the count bounds the run)
+    grow: bool = False
+    prompt_words: int = 16
+    columns: tuple[str, ...] = ()
+    what: str = ""
+
+    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str) -> dict[str, Any]:
+        return {
+            "api": api,
+            "urls": urls,
+            "tag": tag,
+            "sessions": self.sessions,
+            "turns": self.turns,
+            "requests": self.requests,
+            "min_tokens": self.min_tokens,
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+            "grow": self.grow,
+            "prompt_words": self.prompt_words,
+            "append_words": 32,
+            "warmup": 1,
+            "timeout_s": timeout_s,
+            "seed": tag,
+            "duration_s": self.duration_s,
+        }
+
+
+def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | None, rl_delay: float) -> list[Workload]:
+    """The five workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
+    q = quick
+    rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
+    short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 6.0}
+    latency_columns = ("req/s", "p50", "p99", "+p50", "+p99", "cpu/req")
+    return [
+        Workload(
+            "short-c1",
+            sessions=1,
+            requests=300 if q else 3000,
+            **short,  # type: ignore[arg-type]
+            columns=(*latency_columns, "cap/core", "errors"),
+            what="1-8 tokens, not streamed, one agent: the latency a proxy adds",
+        ),
+        Workload(
+            "short-c64",
+            sessions=64,
+            requests=1000 if q else 6000,
+            **short,  # type: ignore[arg-type]
+            columns=(*latency_columns, "redis/req", "cap/core", "errors"),
+            what="1-8 tokens, not streamed, 64 agents: capacity (req/s per core = 1 / proxy CPU per request)",
+        ),
+        Workload(
+            "stream",
+            sessions=16,
+            turns=0,
+            requests=64 if q else 400,
+            min_tokens=256,
+            max_tokens=256,
+            stream=True,
+            duration_s=3.0 if q else 6.0,
+            columns=("tok/s", "ttft50", "p50", "p99", "+p50", "cpu/ktok", "redis/ktok", "errors"),
+            what="256 tokens streamed, no token delay, 16 agents: relay cost per token",
+        ),
+        Workload(
+            "rl",
+            sessions=rl_sessions or (32 if q else 256),
+            turns=1,
+            requests=0,
+            min_tokens=rl_lo,
+            max_tokens=rl_hi,
+            stream=True,
+            token_delay_s=rl_delay,
+            columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
+            what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens each, "
+            f"{rl_delay * 1000:g} ms per token",
+        ),
+        Workload(
+            "multiturn",
+            sessions=16 if q else 64,
+            turns=4 if q else 8,
+            requests=0,
+            min_tokens=16,
+            max_tokens=32,
+            stream=False,
+            grow=True,
+            prompt_words=64,
+            columns=("req/s", "p50", "+p50", "cpu/req", "redis/req", "affinity", "balance", "prefix hit", "errors"),
+            what="sessions × turns, each prompt = the previous one + 32 words: affinity and prefix-cache hits",
+        ),
+    ]
+
+
+# -- targets -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterProcess:
+    """A Rust router (sglang-router or vllm-router) in a child process, pinned to `cpus`."""
+
+    name: str
+    command: list[str]
+    cpus: set[int] | None
+    url: str = ""
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def start(self, log_dir: Path, timeout_s: float = 60.0) -> RouterProcess:
+        port, metrics_port = free_port(), free_port()
+        command = [*self.command, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
+        self.log = log_dir / f"{self.name}.log"
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pinned(self.cpus))
+        self.url = f"http://127.0.0.1:{port}"
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        # Ready = it routes a real completion (its /health can answer before its workers are registered).
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        body = {"model": "tiny", "prompt": "ready?", "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    break
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.post(f"{self.url}/v1/completions", json=body).status_code == 200:
+                        return
+                time.sleep(0.2)
+        raise BenchmarkError(f"{self.name} did not become ready:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.log is None or not self.log.exists():
+            return "(no log)"
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def router_command(target: str) -> list[str] | None:
+    """The command line of a router target, or None where its package is not installed."""
+    family, policy = target.split("-", 1)
+    if family == "sglang":
+        if importlib.util.find_spec("sglang_router") is None:
+            return None
+        return [sys.executable, "-m", "sglang_router.launch_router", "--policy", policy, "--log-level", "warn"]
+    script = Path(sys.executable).with_name("vllm-router")
+    found = str(script) if script.exists() else shutil.which("vllm-router")
+    if found is None:
+        return None
+    return [found, "--policy", policy, "--log-level", "warning"]
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # "" for direct
+    pid: int | None  # the proxy process (None for direct)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds of the proxy and, separately, of its child processes (the gateway's redis-server)."""
+        if self.pid is None:
+            return {"proxy": 0.0, "children": 0.0}
+        children = sum(cpu_seconds(child) or 0.0 for child in child_pids(self.pid))
+        return {"proxy": cpu_seconds(self.pid) or 0.0, "children": children}
+
+
+# -- one timed run -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One load-generator run against one target, plus what the replicas saw during it."""
+
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_proxy_s: float = 0.0
+    cpu_children_s: float = 0.0
+    cpu_replicas_s: float = 0.0
+    cpu_loadgen_s: float = 0.0
+    pairs: int = 0  # consecutive requests of one session (affinity's denominator)
+    same: int = 0  # ... that reached the same replica as the previous one
+    per_replica: list[int] = field(default_factory=list)
+    cache_queries: int = 0
+    cache_hits: int = 0
+
+    def add(self, other: RunResult) -> None:
+        for name, value in asdict(other).items():
+            if name == "per_replica":
+                self.per_replica = [a + b for a, b in itertools.zip_longest(self.per_replica, value, fillvalue=0)]
+            elif name == "error_samples":
+                self.error_samples = (self.error_samples + value)[:5]
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+
+class Bench:
+    def __init__(self, replicas: list[SimProcess], loadgen_cpus: set[int] | None, timeout_s: float) -> None:
+        self.replicas = replicas
+        self.loadgen_cpus = loadgen_cpus
+        self.timeout_s = timeout_s
+        self.tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up sessions
+        self.http = httpx.AsyncClient(timeout=10.0)
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER / "tokenizer.json"))
+
+    async def replica_post(self, path: str, body: dict[str, Any]) -> None:
+        for replica in self.replicas:
+            (await self.http.post(f"{replica.url}{path}", json=body)).raise_for_status()
+
+    async def cache_counters(self) -> tuple[int, int]:
+        queries = hits = 0
+        for replica in self.replicas:
+            counters = (await self.http.get(f"{replica.url}/sim/state")).json()["counters"]
+            queries += counters.get("prefix_cache_queries", 0)
+            hits += counters.get("prefix_cache_hits", 0)
+        return queries, hits
+
+    def replica_cpu(self) -> float:
+        return sum(cpu_seconds(replica.pid) or 0.0 for replica in self.replicas)
+
+    async def run(self, target: Target, workload: Workload) -> RunResult:
+        tag = next(self.tags)
+        urls = [target.url] if target.url else [replica.url for replica in self.replicas]
+        spec = workload.spec(
+            urls, tag, self.timeout_s, "generate" if target.name == "gateway-generate" else "completions"
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "benchmarks.loadgen",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            preexec_fn=pinned(self.loadgen_cpus),
+            limit=1 << 26,
+            cwd=REPO_ROOT,  # `benchmarks` is not an installed package
+        )
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(orjson.dumps(spec) + b"\n")
+            await process.stdin.drain()
+            warm = orjson.loads(await asyncio.wait_for(process.stdout.readline(), self.timeout_s))
+            await self.replica_post("/sim/prompt_log", {"head": PROMPT_LOG_HEAD})
+            queries0, hits0 = await self.cache_counters()
+            cpu0, replicas0, loadgen0 = target.cpu(), self.replica_cpu(), cpu_seconds(process.pid) or 0.0
+            process.stdin.write(b"go\n")
+            await process.stdin.drain()
+            line = await asyncio.wait_for(process.stdout.readline(), self.timeout_s + 30)
+            cpu1, replicas1, loadgen1 = target.cpu(), self.replica_cpu(), cpu_seconds(process.pid) or 0.0
+            queries1, hits1 = await self.cache_counters()
+            await asyncio.wait_for(process.wait(), 30)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        if not line:
+            raise BenchmarkError(f"the load generator against {target.name} stopped without a result")
+        answer = orjson.loads(line)
+        result = RunResult(**{k: v for k, v in answer.items() if k in RunResult.__dataclass_fields__})
+        if warm.get("errors"):
+            result.errors += warm["errors"]
+            result.error_samples = (["warm-up: " + m for m in warm["error_samples"]] + result.error_samples)[:5]
+        result.cpu_proxy_s = cpu1["proxy"] - cpu0["proxy"]
+        result.cpu_children_s = cpu1["children"] - cpu0["children"]
+        result.cpu_replicas_s = replicas1 - replicas0
+        result.cpu_loadgen_s = loadgen1 - loadgen0
+        result.cache_queries, result.cache_hits = queries1 - queries0, hits1 - hits0
+        await self.placement(tag, result)
+        return result
+
+    async def placement(self, tag: int, result: RunResult) -> None:
+        """Affinity and balance of the run from the replicas' prompt logs (sessions decoded from prompt heads)."""
+        arrivals: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        result.per_replica = [0] * len(self.replicas)
+        for index, replica in enumerate(self.replicas):
+            log = (await self.http.get(f"{replica.url}/sim/prompt_log")).json()["requests"]
+            for head, _length, at in log:
+                found = session_of(self.tokenizer.decode(head))
+                if found is not None and found[0] == tag:
+                    arrivals[found[1]].append((at, index))
+                    result.per_replica[index] += 1
+        for visits in arrivals.values():
+            visits.sort()
+            result.pairs += len(visits) - 1
+            result.same += sum(a[1] == b[1] for a, b in itertools.pairwise(visits))
+
+
+# -- the whole run -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    targets: tuple[str, ...]
+    workloads: tuple[Workload, ...]
+    rounds: int
+    timeout_s: float
+    pin: bool
+    json_path: Path | None
+
+
+def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(CPUs of the replicas and the load generator, CPUs of the proxy): core 0 and core 1 where there are two."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return {cpus[0]}, {cpus[1]}
+
+
+@contextlib.contextmanager
+def targets_up(options: Options, replicas: list[SimProcess], proxy_cpus: set[int] | None) -> Iterator[list[Target]]:
+    """Start every requested target (each fronting both replicas); stop them all on exit."""
+    urls = [replica.url for replica in replicas]
+    with contextlib.ExitStack() as stack:
+        log_dir = Path(stack.enter_context(_tmpdir()))
+        targets = []
+        gateway: GatewayProcess | None = None
+        for name in options.targets:
+            if name == "direct":
+                targets.append(Target(name, "", None))
+            elif name.startswith("gateway"):
+                if gateway is None:  # one gateway process serves both of its rows (/v1/completions, /generate)
+                    entries = [sim_replica_entry(url, "vllm") for url in urls]
+                    settings = {"generation": {"max_connections_per_replica": 2048}}
+                    gateway = stack.enter_context(GatewayProcess(entries, settings, cpus=proxy_cpus))
+                targets.append(Target(name, gateway.url, gateway.pid))
+            else:
+                command = router_command(name)
+                if command is None:
+                    raise BenchmarkError(f"{name}: its package is not installed (pip install -e '.[bench]')")
+                router = RouterProcess(name, [*command, "--worker-urls", *urls], proxy_cpus)
+                stack.callback(router.stop)
+                router.start(log_dir)
+                targets.append(Target(name, router.url, router.pid))
+        yield targets
+
+
+@contextlib.contextmanager
+def _tmpdir() -> Iterator[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rg-compare-") as path:
+        yield path
+
+
+async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
+    replica_cpus, proxy_cpus = cpu_split(options.pin)
+    args = ["--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
+    results: dict[str, dict[str, RunResult]] = {}
+    with sim_replicas([args, args]) as replicas:
+        for replica in replicas:
+            if replica.pid is not None:
+                pin_process(replica.pid, replica_cpus)
+        with targets_up(options, replicas, proxy_cpus) as targets:
+            where = f"replicas + load generator on CPU {replica_cpus}, proxy on CPU {proxy_cpus}"
+            console.print(f"{len(replicas)} replicas up, targets: {', '.join(t.name for t in targets)}; {where}")
+            bench = Bench(replicas, replica_cpus, options.timeout_s)
+            try:
+                for workload in options.workloads:
+                    await bench.replica_post("/sim/speed", {"token_delay": workload.token_delay_s})
+                    runs = results.setdefault(workload.name, {t.name: RunResult() for t in targets})
+                    for round_number in range(options.rounds):
+                        order = targets if round_number % 2 == 0 else targets[::-1]  # ABBA
+                        for target in order:
+                            started = time.monotonic()
+                            run = await bench.run(target, workload)
+                            runs[target.name].add(run)
+                            console.print(
+                                f"  {workload.name:<10} round {round_number + 1}  {target.name:<25} "
+                                f"{run.ok:>6,} ok {run.errors:>3} errors  {time.monotonic() - started:5.1f} s"
+                            )
+            finally:
+                await bench.http.aclose()
+    return results
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+# column -> (header, which way is better: "max", "min" or "" for no ratio)
+COLUMNS: dict[str, tuple[str, str]] = {
+    "req/s": ("req/s", "max"),
+    "tok/s": ("tokens/s", "max"),
+    "x direct": ("× direct", "max"),
+    "p50": ("p50 ms", "min"),
+    "p99": ("p99 ms", "min"),
+    "+p50": ("+p50 ms", "min"),
+    "+p99": ("+p99 ms", "min"),
+    "ttft50": ("TTFT p50 ms", "min"),
+    "ttft99": ("TTFT p99 ms", "min"),
+    "cpu/req": ("CPU s/1k req", "min"),
+    "cpu/ktok": ("CPU s/1k tok", "min"),
+    "redis/req": ("+redis s/1k req", ""),
+    "redis/ktok": ("+redis s/1k tok", ""),
+    "cap/core": ("req/s per core", "max"),
+    "affinity": ("affinity", "max"),
+    "balance": ("busiest replica", ""),
+    "prefix hit": ("prefix hit", "max"),
+    "errors": ("errors", ""),
+}
+
+
+def figures(run: RunResult, direct: RunResult | None) -> dict[str, float]:
+    lat, ttft = Percentiles.of(run.latencies), Percentiles.of(run.ttfts)
+    wall = run.wall_s or math.nan
+    out = {
+        "req/s": run.ok / wall,
+        "tok/s": run.tokens / wall,
+        "p50": lat.p50 * 1000,
+        "p99": lat.p99 * 1000,
+        "ttft50": ttft.p50 * 1000,
+        "ttft99": ttft.p99 * 1000,
+        "cpu/req": run.cpu_proxy_s / max(1, run.ok) * 1000 if run.ok else math.nan,
+        "cpu/ktok": run.cpu_proxy_s / max(1, run.tokens) * 1000 if run.tokens else math.nan,
+        "affinity": run.same / run.pairs if run.pairs else math.nan,
+        "balance": max(run.per_replica) / sum(run.per_replica) if sum(run.per_replica) else math.nan,
+        "prefix hit": run.cache_hits / run.cache_queries if run.cache_queries else math.nan,
+        "errors": float(run.errors),
+        "redis/req": run.cpu_children_s / run.ok * 1000 if run.ok else math.nan,
+        "redis/ktok": run.cpu_children_s / run.tokens * 1000 if run.tokens else math.nan,
+    }
+    out["cap/core"] = 1000 / out["cpu/req"] if out["cpu/req"] > 0 else math.nan
+    if direct is not None and direct.latencies:
+        d = Percentiles.of(direct.latencies)
+        out["+p50"], out["+p99"] = out["p50"] - d.p50 * 1000, out["p99"] - d.p99 * 1000
+        out["x direct"] = out["tok/s"] / (direct.tokens / direct.wall_s) if direct.wall_s else math.nan
+    else:
+        out["+p50"] = out["+p99"] = out["x direct"] = math.nan
+    return out
+
+
+def fmt(column: str, value: float) -> str:
+    if value != value:
+        return "—"
+    if column in ("affinity", "balance", "prefix hit"):
+        return f"{value * 100:.1f}%"
+    if column in ("req/s", "tok/s", "cap/core", "errors"):
+        return f"{value:,.0f}"
+    if column == "x direct":
+        return f"{value:.2f}"
+    if column in ("cpu/req", "cpu/ktok", "redis/req", "redis/ktok"):
+        return f"{value:.3f}"
+    return f"{value:,.2f}"
+
+
+def report(console: Console, options: Options, results: dict[str, dict[str, RunResult]]) -> None:
+    console.print(f"\n[bold]rollout-gateway vs direct vs Rust routers[/] — {machine_line()}")
+    for workload in options.workloads:
+        runs = results.get(workload.name, {})
+        direct = runs.get("direct")
+        table = {name: figures(run, direct) for name, run in runs.items()}
+        proxies = [name for name in table if name != "direct"]
+        rows = []
+        for name, values in table.items():
+            row = [name]
+            for column in workload.columns:
+                cell = fmt(column, values[column])
+                better = COLUMNS[column][1]
+                peers = [table[p][column] for p in proxies if table[p][column] == table[p][column]]
+                if better and name != "direct" and len(peers) > 1 and cell != "—":
+                    best = max(peers) if better == "max" else min(peers)
+                    if best and best == best:
+                        ratio = values[column] / best
+                        cell += f" ({ratio:.2f})"
+                row.append(cell)
+            rows.append(row)
+        headers = ["target", *(COLUMNS[c][0] for c in workload.columns)]
+        print_table(console, f"{workload.name}: {workload.what}", headers, rows)
+        for name, run in runs.items():
+            for sample in run.error_samples:
+                console.print(f"  [red]{name} error:[/] {sample}")
+    console.print(
+        "[dim]How to read this:[/] (x.xx) = the figure ÷ the best proxy's (direct excluded): 1.00 is the best; "
+        "above 1 is worse for latency/CPU, below 1 worse for throughput/affinity. +p50/+p99 = minus direct's. "
+        "CPU = utime+stime of the proxy process (all its threads) during the timed part; +redis = the "
+        "gateway's embedded redis-server child besides (same core; the routers have none). "
+        "req/s per core = 1 / CPU per request: the capacity of one core spent on the proxy alone. "
+        "busiest replica = its share of requests (50% = even). Absolute figures on a shared 2-core machine "
+        "move from run to run; the ratios move less."
+    )
+
+
+def write_json(path: Path, options: Options, results: dict[str, dict[str, RunResult]]) -> None:
+    out: dict[str, Any] = {"machine": machine_line(), "rounds": options.rounds, "workloads": {}}
+    for workload in options.workloads:
+        runs = results.get(workload.name, {})
+        direct = runs.get("direct")
+        out["workloads"][workload.name] = {
+            "workload": asdict(workload),
+            "targets": {
+                name: {
+                    "figures": figures(run, direct),
+                    **{k: v for k, v in asdict(run).items() if k not in ("latencies", "ttfts")},
+                }
+                for name, run in runs.items()
+            },
+        }
+    path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small counts and one round: about 1-2 minutes")
+    p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=list(DEFAULT_TARGETS))
+    p.add_argument("--workloads", nargs="+", default=None, help="short-c1 short-c64 stream rl multiturn (default all)")
+    p.add_argument("--rounds", type=int, default=None, help="timed runs per target and workload, ABBA (default 2)")
+    p.add_argument("--rl-sessions", type=int, default=None, help="concurrent sessions of `rl` (default 256; quick 32)")
+    p.add_argument("--rl-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="tokens per rl stream")
+    p.add_argument("--rl-token-delay", type=float, default=0.03, help="seconds per decode step in `rl` (0.03)")
+    p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
+    p.add_argument("--json", type=Path, default=None, help="also write every figure (and raw counts) here")
+    return p
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    available = workloads(args.quick, args.rl_sessions, args.rl_tokens, args.rl_token_delay)
+    by_name = {w.name: w for w in available}
+    chosen = args.workloads or list(by_name)
+    unknown = [name for name in chosen if name not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(by_name)}")
+    rounds = args.rounds or (1 if args.quick else 2)
+    if rounds < 1:
+        raise SystemExit("--rounds must be ≥ 1")
+    targets = tuple(dict.fromkeys(args.targets))
+    return Options(targets, tuple(by_name[n] for n in chosen), rounds, args.timeout, not args.no_pin, args.json)
+
+
+async def main_async(options: Options, console: Console) -> bool:
+    results = await run_all(options, console)
+    report(console, options, results)
+    if options.json_path is not None:
+        write_json(options.json_path, options, results)
+    return all(run.errors == 0 for runs in results.values() for run in runs.values())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = options_from(build_parser().parse_args(argv))
+    total_timeout = options.timeout_s * len(options.targets) * len(options.workloads) * options.rounds
+    return run_benchmark(main_async, options, total_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

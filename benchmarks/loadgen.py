@@ -1,0 +1,347 @@
+"""The load generator of `benchmarks.compare`: a separate process, loopback only, bounded in requests and time.
+
+    python -m benchmarks.loadgen < spec.json      # one JSON spec on the first line of stdin
+
+Protocol (line-delimited JSON on stdin/stdout, so the parent can read the proxy's CPU around the timed part only):
+
+1. the parent writes the spec (one line);
+2. this process opens one keep-alive connection per agent and warms up (every connection used at least once),
+   then prints `{"event": "warm"}`;
+3. the parent reads the proxy's CPU time and writes `go`;
+4. this process runs the timed part (`requests`, or `turns` per session; no new request after `duration_s`) and
+   prints `{"event": "result", ...}` (latencies, tokens, errors), then exits.
+
+Every request is `POST /v1/completions` with a text prompt, `temperature 0`, `ignore_eos` and a token budget (text,
+not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data did not match any variant of
+untagged enum StringOrArray"), so each answer must carry exactly that many tokens (`usage.completion_tokens`,
+`finish_reason == "length"`); one that does not, or any non-200 answer or I/O error, is counted as an error (with a
+sample of messages), never dropped. Every request carries the session both as `X-Session-ID` (this gateway,
+vllm-router) and as `X-SMG-Routing-Key` (sglang-router's `manual` policy).
+
+The HTTP client is a minimal HTTP/1.1 keep-alive client over asyncio streams (content-length and chunked bodies):
+on a 2-core machine the load generator shares a core with the simulator replicas, and httpx costs several
+times more CPU per request, which would cap every target at the load generator's speed.
+
+Prompts start with the session id (`bench-<run tag>-<n> `), so the replicas' prompt logs (`/sim/prompt_log`,
+decoded with the same tokenizer) tell which session each request belonged to, and runs never share prefix-cache
+blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import sys
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import uvloop
+
+WORDS = (
+    "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud forest ember harbor "
+    "signal vector matrix tensor kernel buffer socket thread packet router engine replica session rollout"
+).split()
+SESSION_PATTERN = re.compile(r"bench-(\d+)-(\d+) ")
+
+
+def session_name(tag: int, session: int) -> str:
+    """The session id of agent `session` in run `tag`; every prompt starts with it (see `session_of`)."""
+    return f"bench-{tag}-{session}"
+
+
+def session_of(prompt_head: str) -> tuple[int, int] | None:
+    """(run tag, session number) from the decoded start of a prompt, as the replicas logged it."""
+    match = SESSION_PATTERN.match(prompt_head)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+@dataclass
+class Spec:
+    """What one load-generator process runs (the JSON spec's fields)."""
+
+    urls: list[str]  # one: a proxy; several: direct, each session on urls[crc32(session) % len]
+    tag: int  # run tag: part of every prompt head and session name
+    sessions: int  # agents, each one session, all running at once
+    turns: int  # requests per session in the timed part (0: as many as `requests` allows)
+    requests: int  # total requests in the timed part when turns == 0
+    min_tokens: int
+    max_tokens: int
+    stream: bool
+    prompt_words: int = 16  # first turn's prompt length (after the session id); later turns append `append_words`
+    append_words: int = 16
+    grow: bool = False  # multi-turn: each turn's prompt extends the previous turn's prompt
+    warmup: int = 1  # requests per agent before "warm" (on separate sessions: tag + 1)
+    timeout_s: float = 120.0
+    seed: int = 0
+    api: str = "completions"  # or "generate": this gateway's token-in/token-out `POST /generate`
+    duration_s: float = 0.0  # > 0: no new request starts after this long (the bound in time besides `requests`)
+
+
+@dataclass
+class Result:
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def error(self, message: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(message[:300])
+
+
+class HttpError(Exception):
+    pass
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection (reopened after the server closes it)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.reader is None or self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        return self.reader, self.writer
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, list[tuple[float, bytes]]]:
+        """Send one POST; return (status, [(arrival time, body piece)]): one piece per chunk (or the whole body)."""
+        reader, writer = await self._open()
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
+        head += ["Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        try:
+            status_line = await reader.readuntil(b"\r\n")
+        except asyncio.IncompleteReadError:  # a stale keep-alive connection: reopen once
+            self.close()
+            reader, writer = await self._open()
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+            status_line = await reader.readuntil(b"\r\n")
+        status = int(status_line.split(b" ", 2)[1])
+        length, chunked, close = None, False, False
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+            elif name == b"connection" and b"close" in value.lower():
+                close = True
+        pieces: list[tuple[float, bytes]] = []
+        if chunked:
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readuntil(b"\r\n")
+                    break
+                data = await reader.readexactly(size + 2)
+                pieces.append((time.perf_counter(), data[:-2]))
+        elif length is not None:
+            pieces.append((time.perf_counter(), await reader.readexactly(length)))
+        else:
+            pieces.append((time.perf_counter(), await reader.read()))
+            close = True
+        if close:
+            self.close()
+        return status, pieces
+
+
+def sse_data(pieces: list[tuple[float, bytes]]) -> Iterator[tuple[float, Any]]:
+    """(arrival time, decoded event) of each `data:` event but `[DONE]`."""
+    buffer = b""
+    for now, piece in pieces:
+        buffer += piece
+        while (end := buffer.find(b"\n\n")) >= 0:
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            if event.startswith(b"data: ") and event != b"data: [DONE]":
+                yield now, orjson.loads(event[6:])
+
+
+def check_generate(pieces: list[tuple[float, bytes]], stream: bool, budget: int) -> tuple[int, float | None]:
+    """`POST /generate` answers: `output_ids` (in one body, or in stream events) and `finish_reason`."""
+    if not stream:
+        answer = orjson.loads(b"".join(p for _, p in pieces))
+        tokens, finish, first = len(answer["output_ids"]), answer["finish_reason"], None
+    else:
+        tokens, finish, first = 0, None, None
+        for now, data in sse_data(pieces):
+            if "error" in data:
+                raise HttpError(f"stream error: {str(data['error'])[:200]}")
+            if "finish_reason" in data:
+                finish = data["finish_reason"]
+            elif data.get("output_ids"):
+                first = first or now
+                tokens += len(data["output_ids"])
+    if finish != "length" or tokens != budget:
+        raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
+    return tokens, first
+
+
+def check_answer(
+    status: int, pieces: list[tuple[float, bytes]], stream: bool, budget: int, api: str = "completions"
+) -> tuple[int, float | None]:
+    """(tokens, first-token time) of a valid answer; raises HttpError naming what is wrong otherwise."""
+    if status != 200:
+        raise HttpError(f"HTTP {status}: {b''.join(p for _, p in pieces)[:200]!r}")
+    if api == "generate":
+        return check_generate(pieces, stream, budget)
+    if not stream:
+        answer = orjson.loads(pieces[0][1] if len(pieces) == 1 else b"".join(p for _, p in pieces))
+        finish = answer["choices"][0]["finish_reason"]
+        tokens = int(answer["usage"]["completion_tokens"])
+        if finish != "length" or tokens != budget:
+            raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
+        return tokens, None
+    first, finish, usage = None, None, None
+    for now, data in sse_data(pieces):
+        if "error" in data:
+            raise HttpError(f"stream error: {str(data['error'])[:200]}")
+        if data.get("choices"):
+            first = first or now
+            finish = data["choices"][0].get("finish_reason") or finish
+        if data.get("usage"):
+            usage = int(data["usage"]["completion_tokens"])
+    if finish != "length" or usage != budget:
+        raise HttpError(f"asked {budget} tokens, streamed usage {usage} (finish_reason {finish!r})")
+    return budget, first
+
+
+class LoadGen:
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed)
+        self.filler = [self.rng.choice(WORDS) for _ in range(4096)]
+        self.tokenizer: Any = None
+        if spec.api == "generate":  # token ids in: the gateway's own tiny tokenizer, as the replicas use
+            from tokenizers import Tokenizer
+
+            from gateway.config import DEFAULT_TOKENIZER
+
+            self.tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER / "tokenizer.json"))
+
+    def url_of(self, session: str) -> str:
+        urls = self.spec.urls
+        return urls[zlib.crc32(session.encode()) % len(urls)]
+
+    def body(self, session: str, prompt: str, budget: int) -> bytes:
+        if self.spec.api == "generate":
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            sampling = {"max_tokens": budget, "temperature": 0, "ignore_eos": True}
+            return orjson.dumps(
+                {"session_id": session, "input_ids": ids, "sampling_params": sampling, "stream": self.spec.stream}
+            )
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": budget,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": self.spec.stream,
+        }
+        if self.spec.stream:
+            body["stream_options"] = {"include_usage": True}
+        return orjson.dumps(body)
+
+    async def one(self, conn: Connection, session: str, prompt: str, budget: int, result: Result) -> None:
+        headers = {"X-Session-ID": session, "X-SMG-Routing-Key": session}
+        started = time.perf_counter()
+        try:
+            path = "/generate" if self.spec.api == "generate" else "/v1/completions"
+            status, pieces = await conn.post(path, self.body(session, prompt, budget), headers)
+            tokens, first = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, KeyError) as exc:
+            conn.close()
+            result.error(f"{type(exc).__name__}: {exc}")
+            return
+        except HttpError as exc:
+            result.error(str(exc))
+            return
+        result.latencies.append(time.perf_counter() - started)
+        if first is not None:
+            result.ttfts.append(first - started)
+        result.tokens += tokens
+        result.ok += 1
+
+    def budget(self) -> int:
+        return self.rng.randint(self.spec.min_tokens, self.spec.max_tokens)
+
+    async def agent(
+        self, tag: int, number: int, turns: int, remaining: list[int], result: Result, until: float
+    ) -> None:
+        spec = self.spec
+        session = session_name(tag, number)
+        conn = Connection(self.url_of(session))
+        offset = (number * 7919) % 2048
+        prompt = f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words])
+        try:
+            turn = 0
+            while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
+                if not turns:
+                    remaining[0] -= 1
+                await self.one(conn, session, prompt, self.budget(), result)
+                turn += 1
+                if spec.grow:
+                    start = (offset + spec.prompt_words + turn * spec.append_words) % 2048
+                    prompt += "\n" + " ".join(self.filler[start : start + spec.append_words])
+        finally:
+            conn.close()
+
+    async def run(self, tag: int, turns: int, requests: int, duration_s: float = 0.0) -> Result:
+        result = Result()
+        remaining = [requests]
+        started = time.perf_counter()
+        until = started + duration_s if duration_s > 0 else math.inf
+        try:
+            async with asyncio.timeout(self.spec.timeout_s):
+                async with asyncio.TaskGroup() as group:
+                    for number in range(self.spec.sessions):
+                        group.create_task(self.agent(tag, number, turns, remaining, result, until))
+        except TimeoutError:  # the bound in time: what finished is kept, the cut-off is an error
+            result.error(f"deadline: the run passed {self.spec.timeout_s:g} s and was cut off")
+        result.wall_s = time.perf_counter() - started
+        return result
+
+
+async def main_async() -> int:
+    spec = Spec(**orjson.loads(sys.stdin.readline()))
+    gen = LoadGen(spec)
+    loop = asyncio.get_running_loop()
+    warm = await gen.run(spec.tag + 1, spec.warmup, 0)  # other sessions, so the timed turns start fresh
+    print(orjson.dumps({"event": "warm", "errors": warm.errors, "error_samples": warm.error_samples}).decode())
+    sys.stdout.flush()
+    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+        return 1
+    result = await gen.run(spec.tag, spec.turns, spec.requests, spec.duration_s)
+    out = {"event": "result", **result.__dict__}
+    sys.stdout.write(orjson.dumps(out).decode() + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def main() -> int:
+    return uvloop.run(main_async())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

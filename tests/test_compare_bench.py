@@ -1,0 +1,55 @@
+"""Smoke test of `benchmarks.compare`: its whole machinery at a trivial size (correctness only, no timings)."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import pytest
+from rich.console import Console
+
+from benchmarks.compare import Options, figures, report, router_command, run_all, workloads
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def tiny_options(targets: tuple[str, ...]) -> Options:
+    by_name = {w.name: w for w in workloads(True, None, None, 0.0)}
+    chosen = (
+        replace(by_name["stream"], sessions=2, requests=2, min_tokens=8, max_tokens=8),
+        replace(by_name["multiturn"], sessions=3, turns=3),
+    )
+    return Options(targets, chosen, rounds=1, timeout_s=30.0, pin=False, json_path=None)
+
+
+async def test_direct_and_gateway_end_to_end() -> None:
+    options = tiny_options(("direct", "gateway"))
+    results = await run_all(options, Console(file=io.StringIO()))
+    for name in ("direct", "gateway"):
+        stream, multi = (results[w.name][name] for w in options.workloads)
+        assert (stream.ok, stream.errors, stream.tokens, stream.error_samples) == (2, 0, 16, [])
+        assert len(stream.ttfts) == 2
+        assert (multi.ok, multi.errors) == (9, 0)
+        # Every turn seen by the replicas, attributed to its session; 2 follow-up turns per session.
+        assert sum(multi.per_replica) == 9 and multi.pairs == 6
+        assert multi.cache_queries > 0
+    assert results["multiturn"]["direct"].same == 6  # direct hashes each session to one replica
+    assert results["multiturn"]["gateway"].same == 6  # the gateway's sticky routing
+    assert results["multiturn"]["gateway"].cpu_proxy_s > 0
+    assert figures(results["multiturn"]["gateway"], results["multiturn"]["direct"])["affinity"] == 1.0
+    out = io.StringIO()
+    report(Console(file=out, width=200), options, results)
+    assert "multiturn" in out.getvalue() and "gateway" in out.getvalue()
+
+
+@pytest.mark.skipif(
+    router_command("vllm-consistent_hash") is None or router_command("sglang-manual") is None,
+    reason="the Rust routers are not installed (pip install -e '.[bench]')",
+)
+async def test_rust_routers_end_to_end() -> None:
+    options = tiny_options(("sglang-manual", "vllm-consistent_hash"))
+    options = replace(options, workloads=options.workloads[1:])
+    results = await run_all(options, Console(file=io.StringIO()))
+    for run in results["multiturn"].values():
+        assert (run.ok, run.errors, sum(run.per_replica), run.pairs) == (9, 0, 9, 6)
+        assert run.same == 6  # both are sticky on the session header
