@@ -119,6 +119,7 @@ class ChatTokenizer:
         if not isinstance(eos, int):
             raise ConfigError("model.tokenizer: the tokenizer has no eos_token")
         self._eos: int = eos
+        self._vocab_size = len(tokenizer)  # computed by transformers on every call: keep it
         added = self._backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._end_of_turn = self._probe_end_of_turn()
@@ -144,7 +145,7 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""
-        return len(self._tok)
+        return self._vocab_size
 
     @property
     def eos_token_id(self) -> int:
@@ -172,7 +173,8 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` with no special tokens added (special-token strings in `text` do become those tokens)."""
-        return cast("list[int]", self._tok.encode(text, add_special_tokens=False))
+        # The Rust tokenizer directly: what transformers' fast encode runs, without its per-call Python wrapping.
+        return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return cast(str, self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -145,7 +145,8 @@ class TurnRunner:
         prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
-        bad = next((t for t in prompt if t >= self.tokenizer.vocab_size), None)
+        vocab_size = self.tokenizer.vocab_size
+        bad = next((t for t in prompt if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
         one_turn = session_id is None
