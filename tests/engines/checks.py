@@ -70,7 +70,7 @@ async def interrupted(
                 break
             await asyncio.sleep(0.1)  # not faster: scraping /metrics costs the engine's API server CPU
         await freeze(http, server, keep_mode)
-        if await in_engine(http, server) == 1:
+        if await held_in_engine(http, server):
             break
         await unfreeze(http, server)  # it finished before the freeze landed: try again
         await task
@@ -100,6 +100,17 @@ async def unfreeze(http: httpx.AsyncClient, server: EngineServer) -> None:
     else:
         response = await http.post(f"{server.url}/continue_generation", json={})
     assert response.status_code == 200, response.text
+
+
+async def held_in_engine(http: httpx.AsyncClient, server: EngineServer, timeout: float = 5.0) -> bool:
+    """Whether the frozen engine holds our one request. Its gauges can lag (the API server publishes the
+    engine's stats as it catches up with its backlog), so a request counts as gone only if they never show it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await in_engine(http, server) != 1:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 async def in_engine(http: httpx.AsyncClient, server: EngineServer) -> float:
