@@ -282,11 +282,20 @@ class SglangBackend(HttpEngineBackend):
                     body["model_path"],
                     body["weight_version"],
                 )
+                await self._relabel(str(body["weight_version"]))
                 return False
             raise_for_status(self.id, response.status, response.content)
             answer = orjson.loads(response.content) if response.content.strip() else None
         self._expect_success(answer, f"update_weights_from_disk {body['model_path']!r}")
         return True
+
+    async def _relabel(self, version: str) -> None:
+        """After that 400 the scheduler runs `version` but the tokenizer manager, which `/model_info` reads,
+        still holds the old label (it updates it only on success; observed on 0.5.23): set it explicitly."""
+        answer = await self._call(
+            "POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False}
+        )
+        self._expect_success(answer, f"update_weight_version to {version!r}")
 
     async def weight_version(self) -> str:
         """The label of the loaded weights, from `GET /model_info`."""

@@ -6,6 +6,7 @@ Writes three checkpoints, each with the project's tiny tokenizer (gateway/assets
     dense      Qwen2ForCausalLM, hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 2048
     dense_v2   the same architecture with other weights (the weight-update tests load it over `dense`)
     moe        Qwen3MoeForCausalLM, same dims, 8 experts, top-2, every layer MoE
+    moe_v2     the MoE architecture with other weights (loaded over `moe` when a server serves the MoE)
 
 Weights are drawn with a large init scale so each next-token distribution is peaked: a near-uniform random
 model makes greedy decoding flip between tokens whose logits differ in the last bit, and the tests compare
@@ -66,7 +67,12 @@ MOE: dict[str, Any] = {
 }
 
 # name -> (architecture, seed)
-MODELS: dict[str, tuple[str, int]] = {"dense": ("qwen2", 1), "dense_v2": ("qwen2", 2), "moe": ("qwen3_moe", 3)}
+MODELS: dict[str, tuple[str, int]] = {
+    "dense": ("qwen2", 1),
+    "dense_v2": ("qwen2", 2),
+    "moe": ("qwen3_moe", 3),
+    "moe_v2": ("qwen3_moe", 4),
+}
 
 
 def build(name: str, out: Path, dtype: str) -> Path:
@@ -104,7 +110,7 @@ def _write_generation_config(target: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder that receives dense/, dense_v2/, moe/")
+    parser.add_argument("--out", type=Path, required=True, help="folder that receives dense/, dense_v2/, moe/, moe_v2/")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--only", choices=sorted(MODELS), action="append", help="build only these")
     return parser.parse_args(argv)

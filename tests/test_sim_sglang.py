@@ -375,7 +375,9 @@ async def test_weight_update_while_paused_gives_version_spans(
             assert update.json()["message"].startswith("Weights were updated, but the cache was not flushed")
             assert (await http.post(f"{sim.url}/flush_cache")).status_code == 400
         info = (await http.get(f"{sim.url}/model_info")).json()
-        assert (info["model_path"], info["weight_version"]) == ("w2", "v2")
+        # Observed on 0.5.23: only a successful update relabels what /model_info reports (the tokenizer
+        # manager's copy); after the in_place 400 the scheduler already runs v2 (see the spans below).
+        assert (info["model_path"], info["weight_version"]) == ("w2", "v2" if mode == "retract" else "default")
         await post(http, sim.url, "/continue_generation")
         chunks.extend([chunk async for chunk in events])
     meta = chunks[-1]["meta_info"]

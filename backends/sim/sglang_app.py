@@ -243,6 +243,10 @@ class SglangDialect:
         self.engine = engine
         self.text = TextDecoder(settings.tokenizer_path)
         self.load_format = "auto"
+        # The tokenizer manager's copy of the label (what /model_info reports). Observed on 0.5.23: after the
+        # 400 "cache was not flushed" the scheduler runs the new version, but this copy keeps the old one
+        # (it is only updated on success, or by /update_weight_version).
+        self.reported_version = engine.version
         self.request_model: type[GenerateReqInput] = (
             GenerateReqInputWithReplay if settings.engine.routed_experts_input else GenerateReqInput
         )
@@ -466,6 +470,7 @@ class SglangDialect:
             )
         message = "Succeeded to update model weights."
         if body.weight_version is not None:
+            self.reported_version = body.weight_version
             message += f" Weight version updated to {body.weight_version}."
         return json_response({"success": True, "message": message, "num_paused_requests": 0})
 
@@ -478,7 +483,7 @@ class SglangDialect:
             "tokenizer_path": self.settings.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": engine.version,
+            "weight_version": self.reported_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "served_model_name": engine.settings.model_name,
@@ -572,6 +577,7 @@ async def update_weight_version(raw: Request, body: UpdateWeightVersionReqInput)
     if body.abort_all_requests:
         engine.abort_all()
     engine.set_version(body.new_version)
+    _dialect(raw).reported_version = body.new_version
     return {
         "success": True,
         "message": f"Weight version updated to {body.new_version}.",

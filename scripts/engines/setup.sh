@@ -82,17 +82,31 @@ build_models() {
   ln -sfn "$dir" "$STATE/models"
 }
 
-# Old venvs of other pins: keep the two newest per engine, so a machine-local cache does not grow forever.
+# Old venvs of other pins (and old model builds): keep the two newest, so the cache does not grow forever.
 prune() {
   local name=$1
   # shellcheck disable=SC2012
   ls -1dt "$CACHE/venvs/$name-"* 2>/dev/null | tail -n +3 | xargs -r rm -rf
+  # shellcheck disable=SC2012
+  ls -1dt "$CACHE/models/"* 2>/dev/null | tail -n +3 | xargs -r rm -rf
 }
 
 build_models
+# The installs are mostly downloads and unpacking: run them side by side, each with its own log.
+pids=()
 for engine in "${ENGINES[@]}"; do
-  ensure_venv "$engine"
-  prune "$engine"
+  ensure_venv "$engine" >"$STATE/$engine-setup.log" 2>&1 &
+  pids+=($!)
 done
+failed=0
+for i in "${!ENGINES[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    failed=1
+    echo "[engines] ${ENGINES[$i]}: setup FAILED" >&2
+  fi
+  cat "$STATE/${ENGINES[$i]}-setup.log"
+  prune "${ENGINES[$i]}"
+done
+[ $failed -eq 0 ] || exit 1
 mkdir -p "$CACHE/compile"
 log "ready: $(ls -1 "$STATE" | tr '\n' ' ')"

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from typing import Any
 
 import httpx
+import numpy as np
 
+from backends.routed_experts import decode_npy_b64
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN
 from tests.engines.direct import greedy, metric, prompt_of
@@ -22,7 +25,7 @@ from tests.sim_helpers import wait_for
 
 PROMPT = prompt_of(8)
 # Tokens of the requests a pause or update interrupts: long enough (seconds) that the interruption lands mid-way.
-LONG = {"vllm": 3000, "sglang": 1500}
+LONG = {"vllm": 3000, "sglang": 600}
 _references: dict[tuple[str, str], list[int]] = {}
 PAUSE_AFTER = 100  # tokens streamed before the interruption
 
@@ -44,6 +47,8 @@ async def interrupted(
     server: EngineServer,
     interrupt: Any,
     prompt: list[int] = PROMPT,
+    keep_mode: str = "retract",
+    **extra: Any,
 ) -> Streamed:
     """Stream `total` greedy tokens through the gateway; once the engine generated PAUSE_AFTER of them, await
     `interrupt()` (a gateway pause or update).
@@ -56,11 +61,16 @@ async def interrupted(
     total = LONG[server.kind]
     for _attempt in range(3):
         before = await metric(http, server, GENERATED[server.kind])
-        task = asyncio.create_task(stream_generate(http, gw.url, generate_body(prompt, total)))
-        while not task.done() and await metric(http, server, GENERATED[server.kind]) - before < PAUSE_AFTER:
+        progress = [0]
+        task = asyncio.create_task(stream_generate(http, gw.url, generate_body(prompt, total, **extra), progress))
+        # Whichever says first that generation is under way: the engine's counter (vLLM counts every step;
+        # SGLang only when a request finishes) or the tokens that reached the client.
+        while not task.done() and progress[0] < PAUSE_AFTER:
+            if await metric(http, server, GENERATED[server.kind]) - before >= PAUSE_AFTER:
+                break
             await asyncio.sleep(0.1)  # not faster: scraping /metrics costs the engine's API server CPU
-        await freeze(http, server)
-        if await in_engine(http, server) == 1:
+        await freeze(http, server, keep_mode)
+        if await held_in_engine(http, server):
             break
         await unfreeze(http, server)  # it finished before the freeze landed: try again
         await task
@@ -74,12 +84,13 @@ async def interrupted(
     return result
 
 
-async def freeze(http: httpx.AsyncClient, server: EngineServer) -> None:
-    """Pause the engine directly, keeping in-flight requests (vLLM keep, SGLang retract)."""
+async def freeze(http: httpx.AsyncClient, server: EngineServer, keep_mode: str = "retract") -> None:
+    """Pause the engine directly, keeping in-flight requests (vLLM keep; SGLang retract or in_place, the mode
+    the gateway will use: a retracted request holds no KV, which would change an in_place scenario)."""
     if server.kind == "vllm":
         response = await http.post(f"{server.url}/pause", params={"mode": "keep"})
     else:
-        response = await http.post(f"{server.url}/pause_generation", json={"mode": "retract"})
+        response = await http.post(f"{server.url}/pause_generation", json={"mode": keep_mode})
     assert response.status_code == 200, response.text
 
 
@@ -89,6 +100,17 @@ async def unfreeze(http: httpx.AsyncClient, server: EngineServer) -> None:
     else:
         response = await http.post(f"{server.url}/continue_generation", json={})
     assert response.status_code == 200, response.text
+
+
+async def held_in_engine(http: httpx.AsyncClient, server: EngineServer, timeout: float = 5.0) -> bool:
+    """Whether the frozen engine holds our one request. Its gauges can lag (the API server publishes the
+    engine's stats as it catches up with its backlog), so a request counts as gone only if they never show it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await in_engine(http, server) != 1:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 async def in_engine(http: httpx.AsyncClient, server: EngineServer) -> float:
@@ -148,7 +170,9 @@ async def abort_pause_resumes_transparently(http: httpx.AsyncClient, gw: Running
     assert result.output_ids == reference
 
 
-async def keep_pause_continues_in_the_engine(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+async def keep_pause_continues_in_the_engine(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, keep_mode: str = "retract"
+) -> None:
     """keep: the request stays frozen in the engine (no abort, no resume by the gateway) and goes on after the
     pause; the version label that changed meanwhile is reported per token from the engine's spans."""
     reference = await long_reference(http, server)
@@ -161,7 +185,7 @@ async def keep_pause_continues_in_the_engine(http: httpx.AsyncClient, gw: Runnin
         assert await metric(http, server, GENERATED[server.kind]) == before  # frozen
         await admin(http, gw, "resume", {"version": 1})
 
-    result = await interrupted(http, gw, server, pause_and_resume)
+    result = await interrupted(http, gw, server, pause_and_resume, keep_mode=keep_mode)
     assert result.final["num_resumes"] == 0, summary(result)
     k = split(result.final["versions"])
     assert PAUSE_AFTER <= k < len(reference)
@@ -175,7 +199,7 @@ async def abort_update_resumes_under_new_weights(
     exactly the new model's greedy continuation of everything so far, each with its version; the engine's
     prefix cache was flushed (a continuation on stale KV would differ from a fresh one)."""
     reference = await long_reference(http, server)
-    update = {"version": 1, "path": server.checkpoint("dense_v2"), "mode": "abort"}
+    update = {"version": 1, "path": server.second_checkpoint, "mode": "abort"}
     result = await interrupted(http, gw, server, lambda: admin(http, gw, "weights", update))
     assert result.final["num_resumes"] >= 1, summary(result)
     k = split(result.final["versions"])
@@ -188,18 +212,18 @@ async def abort_update_resumes_under_new_weights(
 
 
 async def keep_update_switches_weights_in_flight(
-    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, keep_mode: str = "retract"
 ) -> dict[str, Any]:
     """A weight update in keep mode: the frozen request continues under the new weights; the engine's spans
     give each token its version. Returns the admin report."""
     reference = await long_reference(http, server)
-    update = {"version": 1, "path": server.checkpoint("dense_v2"), "mode": "keep"}
+    update = {"version": 1, "path": server.second_checkpoint, "mode": "keep"}
     reports: list[dict[str, Any]] = []
 
     async def run_update() -> None:
         reports.append(await admin(http, gw, "weights", update))
 
-    result = await interrupted(http, gw, server, run_update)
+    result = await interrupted(http, gw, server, run_update, keep_mode=keep_mode)
     assert result.final["num_resumes"] == 0, summary(result)
     k = split(result.final["versions"])
     assert PAUSE_AFTER <= k < len(reference)
@@ -269,3 +293,36 @@ async def flush(http: httpx.AsyncClient, server: EngineServer) -> None:
     path = "/reset_prefix_cache" if server.kind == "vllm" else "/flush_cache"
     response = await http.post(f"{server.url}{path}")
     assert response.status_code == 200, response.text
+
+
+def experts_shape(server: EngineServer) -> tuple[int, int, int]:
+    """(layers, top_k, experts) of the served MoE model, from its config."""
+    config = json.loads((server.model_path / "config.json").read_text())
+    return config["num_hidden_layers"], config["num_experts_per_tok"], config["num_experts"]
+
+
+async def routed_experts_splice_on_resume(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
+    """R3 (GPU recipe; CPU builds cannot capture experts): across an abort pause and resume the gateway returns
+    the experts of every position but the last (prompt + output - 1), each position keeping the experts it was
+    routed to when it ran (splice), which equal those of an uninterrupted run of the same greedy tokens."""
+    layers, top_k, experts = experts_shape(server)
+    total = LONG[server.kind]
+    body = generate_body(PROMPT, total, return_routed_experts=True)
+    plain = (await http.post(f"{gw.url}/generate", json=body, timeout=300)).json()
+    reference = decode_npy_b64(plain["routed_experts"])
+    assert reference.shape == (len(PROMPT) + total - 1, layers, top_k)
+
+    async def pause_and_resume() -> None:
+        await admin(http, gw, "pause", {"mode": "abort"})
+        await admin(http, gw, "resume", {"version": 1})
+
+    result = await interrupted(http, gw, server, pause_and_resume, return_routed_experts=True)
+    assert result.final["num_resumes"] >= 1, summary(result)
+    assert result.output_ids == plain["output_ids"]
+    spliced = decode_npy_b64(result.final["routed_experts"])
+    assert spliced.shape == reference.shape
+    assert int(spliced.min()) >= 0 and int(spliced.max()) < experts
+    # Same weights, same greedy tokens: the routing of the common positions agrees (top-k sets, order-free;
+    # a GPU may break an exact tie between two experts differently, hence 99 % rather than all).
+    same = np.all(np.sort(reference, axis=-1) == np.sort(spliced, axis=-1), axis=(1, 2))
+    assert same.mean() >= 0.99, f"{same.mean():.3f} of positions routed alike"

@@ -1,4 +1,7 @@
-"""Fixtures of the real-engine tiers: one engine server per session and kind, gateways over it per test."""
+"""Fixtures of the real-engine tiers: one engine server per tier, gateways over it per test.
+
+The servers are module-scoped: each tier is one module, so each server starts once per test run, and it is
+stopped when its tier ends, before the other tier starts (never two engines at once on a small machine)."""
 
 from __future__ import annotations
 
@@ -13,13 +16,13 @@ from tests.conftest import GatewayFactory
 from tests.engines.servers import EngineServer, engine_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
     with engine_server("vllm", tmp_path_factory.mktemp("vllm")) as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sglang_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
     with engine_server("sglang", tmp_path_factory.mktemp("sglang")) as server:
         yield server

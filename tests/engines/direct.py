@@ -49,7 +49,8 @@ async def greedy(
 async def _post(http: httpx.AsyncClient, url: str, body: Any = None, **kw: Any) -> Any:
     response = await http.post(url, json=body, timeout=120.0, **kw)
     assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:500]}"
-    return response.json() if response.content.strip() else None
+    # Some control routes answer plain text (SGLang /flush_cache: "Cache flushed. ...").
+    return response.json() if response.headers.get("content-type", "").startswith("application/json") else None
 
 
 async def metric(http: httpx.AsyncClient, server: EngineServer, name: str) -> float:

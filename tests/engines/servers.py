@@ -5,7 +5,7 @@ Environment (all optional):
     RG_ENGINE_CACHE        the machine-local cache setup.sh uses (compile caches go under compile/)
     RG_VLLM_PYTHON         the python of the vLLM venv      (default .engines/vllm-venv/bin/python)
     RG_SGLANG_PYTHON       the python of the SGLang venv    (default .engines/sglang-venv/bin/python)
-    RG_ENGINE_MODELS       the folder with dense/, dense_v2/, moe/ (default .engines/models)
+    RG_ENGINE_MODELS       the folder with dense/, dense_v2/, moe/, moe_v2/ (default .engines/models)
     RG_VLLM_URL, RG_SGLANG_URL   use this running server instead of starting one (GPU recipe); it must serve
                            RG_ENGINE_MODEL (default dense) and read RG_ENGINE_MODELS from the same filesystem
     RG_ENGINE_MODEL        which model the tier serves (dense | moe; default dense)
@@ -53,9 +53,10 @@ class EngineServer:
     def model_path(self) -> Path:
         return self.models / self.model
 
-    def checkpoint(self, name: str) -> str:
-        """Path of a checkpoint the engine can load (`dense`, `dense_v2`, `moe`)."""
-        return str(self.models / name)
+    @property
+    def second_checkpoint(self) -> str:
+        """The served architecture with other weights (`dense_v2` or `moe_v2`), for weight updates."""
+        return str(self.models / f"{self.model}_v2")
 
 
 def _required() -> bool:
@@ -226,7 +227,7 @@ def engine_server(kind: str, tmp: Path) -> Iterator[EngineServer]:
     python = engine_python(kind)
     if not python.exists():
         unavailable(f"no {kind} venv at {python}")
-    if not (models / model / "config.json").exists() or not (models / "dense_v2" / "config.json").exists():
+    if not (models / model / "config.json").exists() or not (models / f"{model}_v2" / "config.json").exists():
         unavailable(f"no tiny models in {models}")
     port = free_port()
     command = (vllm_command if kind == "vllm" else sglang_command)(python, models / model, port)

@@ -34,6 +34,9 @@ async def make(
     await restore(http, sglang_server)
 
     async def make_one(**replica: Any) -> RunningGateway:
+        if sglang_server.routed_experts:
+            layers, top_k, _ = checks.experts_shape(sglang_server)
+            replica |= {"routed_experts": True, "routed_experts_shape": (layers, top_k)}
         return await gateway_over(make_gateway, sglang_server, **replica)
 
     yield make_one
@@ -62,7 +65,8 @@ async def test_abort_pause_resumes_with_the_uninterrupted_greedy_tokens(
 async def test_keep_pause_continues_in_the_engine(
     make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient, keep_mode: str
 ) -> None:
-    await checks.keep_pause_continues_in_the_engine(http, await make(keep_mode=keep_mode), sglang_server)
+    gw = await make(keep_mode=keep_mode)
+    await checks.keep_pause_continues_in_the_engine(http, gw, sglang_server, keep_mode)
 
 
 async def test_weight_update_from_disk_with_weight_version(
@@ -85,7 +89,7 @@ async def test_in_place_update_flushes_the_cache_before_new_work(
     flushed: the frozen request holds KV). The gateway counts the update as done, keeps new work off the replica
     until the request finished and the cache is flushed, so new work never reuses KV of the old weights."""
     gw = await make(keep_mode="in_place")
-    report = await checks.keep_update_switches_weights_in_flight(http, gw, sglang_server)
+    report = await checks.keep_update_switches_weights_in_flight(http, gw, sglang_server, "in_place")
     assert report["updated"] == [gw.services.pool.all()[0].id]
     assert report["flush_pending"] == report["updated"]
     replica = gw.services.pool.all()[0]
@@ -120,3 +124,11 @@ async def test_continuation_hits_the_prefix_cache(
 ) -> None:
     # The radix cache matches token by token (page size 1).
     await checks.continuation_hits_the_prefix_cache(http, await make(), sglang_server, "sglang:cached_tokens_total", 1)
+
+
+async def test_routed_experts_splice_on_resume(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    if not sglang_server.routed_experts:
+        pytest.skip("routed-expert capture crashes on the CPU (hard-coded pin_memory); GPU: scripts/gpu_check.sh")
+    await checks.routed_experts_splice_on_resume(http, await make(), sglang_server)

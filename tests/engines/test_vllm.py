@@ -28,7 +28,13 @@ async def gw(
 ) -> AsyncIterator[RunningGateway]:
     await restore(http, vllm_server)
     # A request sent to a paused vLLM is held until /resume (observed).
-    yield await gateway_over(make_gateway, vllm_server, new_requests_while_paused="block", scale_out=True)
+    yield await gateway_over(
+        make_gateway,
+        vllm_server,
+        new_requests_while_paused="block",
+        scale_out=True,  # the server runs with --enable-scale-out: /inference/v1/generate carries version spans
+        routed_experts=vllm_server.routed_experts,
+    )
     await restore(http, vllm_server)
 
 
@@ -76,3 +82,11 @@ async def test_continuation_hits_the_prefix_cache(
     gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
 ) -> None:
     await checks.continuation_hits_the_prefix_cache(http, gw, vllm_server, "vllm:prefix_cache_hits_total", BLOCK)
+
+
+async def test_routed_experts_splice_on_resume(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    if not vllm_server.routed_experts:
+        pytest.skip("routed-expert capture needs the GPU build (scripts/gpu_check.sh); the CPU build refuses it")
+    await checks.routed_experts_splice_on_resume(http, gw, vllm_server)
