@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from gateway.api import admin, generate, health, observability, openai, sessions
 from gateway.api.errors import install_error_handlers
 from gateway.api.limits import BodySizeLimit
+from gateway.api.openapi import install_openapi
 from gateway.config import Settings
 from gateway.services import BackendFactory, default_backend_factory, open_services
 
@@ -27,6 +28,7 @@ def create_app(settings: Settings, backend_factory: BackendFactory = default_bac
 
     app = FastAPI(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(health.router)
     app.include_router(generate.router)
     app.include_router(openai.router)

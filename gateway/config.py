@@ -104,6 +104,9 @@ class RedisConfig(_Section):
     data_dir: Path | None = Field(None, description="Data/AOF folder of the embedded server; None = a temp dir.")
     socket_timeout_s: Seconds = Field(5.0, description="Connect and per-command timeout, seconds.")
     retry_budget_s: Seconds = Field(30.0, description="How long writes are retried before StoreError, seconds.")
+    max_connections: int = Field(
+        512, ge=1, description="Size of the Redis connection pool; when all are busy, commands wait for one."
+    )
 
 
 class ModelConfig(_Section):

@@ -28,6 +28,7 @@ import numpy as np
 from backends.base import Chunk, SamplingParams, VersionSpan, spans_to_versions
 from backends.errors import BackendError, BackendUnavailable
 from backends.routed_experts import ExpertArray
+from gateway.errors import InvalidRequest
 from gateway.routing import Replica, ReplicaPool
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
@@ -127,6 +128,13 @@ class _SegmentRun:
         self.experts: ExpertArray | None = None
         self.weight_version: str | None = None
         self.interrupted_at: float | None = None  # monotonic time the previous segment broke off (resume latency)
+
+
+def _version_or_none(label: str) -> int | None:
+    try:
+        return parse_version(label)
+    except InvalidRequest:  # an engine label that is no gateway version: nothing to compare
+        return None
 
 
 class Generator:
@@ -267,9 +275,32 @@ class Generator:
     def _loop_deadline(self, deadline: float) -> float:
         return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
 
+    def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
+        """Refuse tokens sampled under weights older than the replica is known to run. A replica that crashed and
+        restarted on its initial weights just after a health probe looks healthy until the next one; its labelled
+        chunk gives it away. That chunk is dropped, the replica taken out (the health loop re-admits it only once
+        it runs the current version) and the request resumes elsewhere. Engines that label only their last chunk
+        (vLLM) have streamed the segment's earlier tokens by then: those keep their true (older) version."""
+        labels = [span.version for span in chunk.version_spans or ()]
+        if chunk.weight_version is not None:
+            labels.append(chunk.weight_version)
+        known = [v for v in map(_version_or_none, labels) if v is not None]
+        oldest = min(known, default=None)
+        if oldest is not None and oldest < run.dispatch_version:
+            # Label what this segment already produced truthfully (engines whose labels come with the last chunk).
+            run.spans = list(chunk.version_spans) if chunk.version_spans is not None else run.spans
+            run.weight_version = chunk.weight_version or run.weight_version
+            raise BackendUnavailable(
+                f"replica {run.replica.id} sampled under weight version {oldest}, but runs {run.dispatch_version} "
+                "as far as the gateway knows (restarted?)",
+                replica=run.replica.id,
+                code="stale_weights",
+            )
+
     def _absorb(
         self, state: GenerationState, run: _SegmentRun, chunk: Chunk, request: GenerationRequest
     ) -> Delta | None:
+        self._check_engine_version(run, chunk)
         if chunk.weight_version is not None:
             run.weight_version = chunk.weight_version
         if chunk.version_spans is not None:
@@ -319,7 +350,7 @@ class Generator:
         if not state.request.want_routed_experts:
             return
         new = run.experts
-        if self.settings.routed_experts == "replace" or not state.segments[:-1]:
+        if self.settings.routed_experts == "replace" or run.start == 0:
             if new is not None:
                 state.routed_experts = new
             elif count:

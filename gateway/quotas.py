@@ -59,8 +59,10 @@ class SessionQuota:
         sessions[session] += 1
         return SessionLease(self, key, session)
 
-    def in_flight(self, key: str) -> int:
-        """Sessions of `key` with a request in flight now."""
+    def in_flight(self, key: str | None = None) -> int:
+        """Sessions of `key` (of every key when None) with a request in flight now."""
+        if key is None:
+            return sum(len(sessions) for sessions in self._held.values())
         return len(self._held.get(key, ()))
 
     def _release(self, key: str, session: str) -> None:

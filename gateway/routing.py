@@ -132,8 +132,9 @@ class ReplicaPool:
         self.affinity = AffinityStats()
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
-        # Runs before a replica that was down serves again: it may have restarted on other weights.
-        self.on_recover: Callable[[Replica], Awaitable[None]] | None = None
+        # Runs after every successful probe, before a replica that was down serves again: it may have restarted
+        # (between two probes, unseen) on other weights than the pool runs; the hook holds such a replica out.
+        self.on_probe: Callable[[Replica], Awaitable[None]] | None = None
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class ReplicaPool:
 
     async def _probe(self, replica: Replica) -> None:
         ok = await replica.backend.health()
-        if ok and not replica.healthy and self.on_recover is not None:
-            await self.on_recover(replica)
+        if ok and self.on_probe is not None:
+            await self.on_probe(replica)
         if ok != replica.healthy:
             state = "healthy" if ok else "unhealthy"
             logger.warning("replica %s is now %s", replica.id, state, extra={"replica": replica.id})

@@ -15,7 +15,7 @@ from backends.factory import create_backend
 from gateway import store
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.errors import Conflict
+from gateway.errors import Conflict, InvalidRequest
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
@@ -24,7 +24,7 @@ from gateway.sessions import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo, get_tool_parser
 from gateway.turns import TurnRunner
-from gateway.weights import WeightCoordinator, parse_version, version_label
+from gateway.weights import WeightCoordinator, parse_version
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class Services:
     replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     quota: SessionQuota = field(default_factory=lambda: SessionQuota(0))
+    _catching_up: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
@@ -90,40 +91,55 @@ class Services:
             await self._catch_up(replica)
         return replica
 
-    async def readmit(self, replica: Replica) -> None:
-        """A replica that was down is answering again. A restarted engine runs its initial weights, so it serves
-        only if it reports the current version; otherwise it is held out (stale) and, where the weights came from
-        a path, loaded with them now — never left to sample under other weights than it is labelled with."""
+    async def verify_replica(self, replica: Replica) -> None:
+        """Run on every successful health probe. A restarted engine runs its initial weights, so a replica serves
+        only while it reports the pool's version; otherwise it is held out (stale) and, where the weights came
+        from a path, loaded with them — never left to sample under other weights than it is labelled with."""
+        if not self.weights.serving:
+            return  # mid-update the versions differ by design; the update itself verifies every replica
+        updates = self.weights.updates
         version = await _reported_version(replica.backend)
-        if version == self.weights.version:
-            return
-        logger.warning(
-            "replica %s came back with weight version %s, the pool runs %d: held out until it catches up",
-            replica.id,
-            version,
-            self.weights.version,
-            extra={"replica": replica.id, "version": version},
-        )
+        if not self.weights.serving or self.weights.updates != updates or version == self.weights.version:
+            return  # an update began or ended meanwhile: this reading proves nothing
+        if not replica.stale:
+            logger.warning(
+                "replica %s reports weight version %s, the pool runs %d: held out until it catches up",
+                replica.id,
+                version,
+                self.weights.version,
+                extra={"replica": replica.id, "version": version},
+            )
         replica.version, replica.stale = version, True
-        if self.weights.serving and self.weights.last_source is not None:
-            await self._catch_up(replica)
+        self.pool.notify()
+        if self.weights.last_source is not None:
+            self._catch_up_in_background(replica)
 
     async def _catch_up(self, replica: Replica) -> None:
-        """Load the current weights onto a newcomer (only possible when they came from a path)."""
-        label = version_label(self.weights.version)
+        """Load the current weights onto a replica (only possible when they came from a path)."""
         try:
-            await replica.backend.update_weights(label, self.weights.last_source)
-            if await replica.backend.weight_version() == label:
-                replica.version, replica.stale = self.weights.version, False
-                self.pool.notify()
+            await self.weights.load_current(replica)
         except BackendError as exc:
             logger.error(
                 "replica %s could not load version %s: %s",
                 replica.id,
-                label,
+                self.weights.version,
                 exc,
                 extra={"replica": replica.id, "version": self.weights.version},
             )
+
+    def _catch_up_in_background(self, replica: Replica) -> None:
+        """The health loop must not wait for a weight load (it queues behind any update in progress)."""
+        if replica.id in self._catching_up:
+            return
+        task = asyncio.create_task(self._catch_up(replica), name=f"catch-up-{replica.id}")
+        self._catching_up[replica.id] = task  # hard reference until done
+        task.add_done_callback(lambda _: self._catching_up.pop(replica.id, None))
+
+    async def aclose(self) -> None:
+        for task in list(self._catching_up.values()):
+            task.cancel()
+        if self._catching_up:
+            await asyncio.wait(list(self._catching_up.values()))
 
     async def remove_replica(self, replica_id: str) -> Replica:
         self.replica_configs.pop(replica_id, None)
@@ -133,7 +149,7 @@ class Services:
 async def _reported_version(backend: EngineBackend) -> int | None:
     try:
         return parse_version(await backend.weight_version())
-    except BackendError as exc:
+    except (BackendError, InvalidRequest) as exc:
         logger.warning("replica %s: cannot read its weight version: %s", backend.id, exc, extra={"replica": backend.id})
         return None
 
@@ -149,7 +165,7 @@ async def open_services(
             embedded = EmbeddedRedis(data_dir=settings.redis.data_dir)
             await stack.enter_async_context(embedded)
             redis_url = embedded.url
-        redis = store.connect(redis_url, settings.redis.socket_timeout_s)
+        redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
         stack.push_async_callback(redis.aclose)
         bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)
         r = settings.routing
@@ -239,6 +255,7 @@ async def open_services(
             metrics=metrics,
             quota=SessionQuota(settings.server.max_sessions_per_key),
         )
-        pool.on_recover = services.readmit
+        pool.on_probe = services.verify_replica
+        stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close
         logger.info("gateway ready: %d replicas, weight version %d", len(backends), current, extra={"version": current})
         yield services

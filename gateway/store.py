@@ -136,20 +136,27 @@ class WeightsRecord:
     source: str | None
 
 
-def connect(url: str, socket_timeout_s: float = 5.0) -> aioredis.Redis:
+def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512) -> aioredis.Redis:
     """One pooled client. Commands retry on connection loss (a Redis restart) with backoff (~2.5 s in all).
+
+    The pool blocks (up to `socket_timeout_s`) for a free connection when all `max_connections` are busy: the
+    default pool fails at once with "Too many connections", which under a burst of concurrent sessions turned
+    ordinary turns into 503s.
 
     The asyncio client needs `redis.asyncio.retry.Retry`: given the sync `redis.retry.Retry`, its
     `call_with_retry` only returns the coroutine and every error escapes the retry loop (no retry at all).
     """
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s,
         health_check_interval=30,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 async def _call(awaitable: Awaitable[T], what: str) -> T:

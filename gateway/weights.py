@@ -232,6 +232,27 @@ class WeightCoordinator:
         self._background.add(task)  # hard reference until done
         task.add_done_callback(self._background.discard)
 
+    async def load_current(self, replica: Replica) -> bool:
+        """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
+
+        Serialized with updates (the same lock): run concurrently, a catch-up and an update could interleave
+        inside the engine and leave it holding one version's weights under the other's label. Returns whether
+        the replica now serves the current version; False when the weights did not come from a path."""
+        async with self._lock:
+            if self.last_source is None:
+                return False
+            label = version_label(self.version)
+            cache_clean = await replica.backend.update_weights(label, self.last_source)
+            if await replica.backend.weight_version() != label:
+                return False
+            replica.version, replica.stale = self.version, False
+            if not cache_clean:
+                # Requests that ran on the old weights hold KV blocks; they would enter the prefix cache when they
+                # finish and later prompts would reuse them. Out of rotation until they are gone and it is flushed.
+                self._flush_when_idle(replica)
+            self.pool.notify()
+            return True
+
     # -- out-of-band sync (NCCL, checkpoint engine) ----------------------------------------------
 
     async def pause(self, mode: PauseMode | None = None) -> None:

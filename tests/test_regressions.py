@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
@@ -79,7 +80,7 @@ async def test_stream_cut_before_its_first_byte_releases_the_session(
     }
     await asyncio.wait_for(gw.app(scope, receive, send), timeout=10)
     assert not gw.services.turns.sessions.lock("cut").locked()
-    assert not gw.services.quota._held
+    assert gw.services.quota.in_flight() == 0
 
 
 async def test_turn_cut_mid_segment_is_recorded_with_aligned_arrays(
@@ -111,3 +112,100 @@ async def test_turn_cut_mid_segment_is_recorded_with_aligned_arrays(
     assert sample.cancelled and 15 <= n < 2000
     assert len(sample.loss_mask) == len(sample.logprobs) == len(sample.versions) == n
     assert not gw.services.turns.sessions.lock("cut").locked()
+
+
+async def test_experts_kept_when_the_first_segment_fails_before_any_token(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Bug (found by the chaos soak): when a request's first engine request failed before its first token (a
+    replica killed, answering 500) the continuation was spliced onto experts that did not exist, and the sample
+    was stored without routed experts. A continuation with no tokens before it is a first segment."""
+    from backends.routed_experts import decode_npy_b64
+    from backends.sim.engine import EngineSettings
+
+    engine = EngineSettings(block_size=16, routed_experts_output=True)
+    broken = await make_sim("vllm", engine=engine, error_rate=1.0)  # every generation answers 500
+    healthy = await make_sim("vllm", engine=engine)
+    replicas = [ReplicaConfig(url=s.url, backend="sim", dialect="vllm", routed_experts=True) for s in (broken, healthy)]
+    gw = await make_gateway(replicas, routing={"failure_threshold": 100})
+    resumed = 0
+    for i in range(8):
+        body = generate_body(PROMPT, 6, session_id=f"s{i}", return_routed_experts=True)
+        result = (await http.post(f"{gw.url}/generate", json=body)).json()
+        resumed += result["num_resumes"] > 0
+        experts = decode_npy_b64(result["routed_experts"])
+        assert experts.shape[0] == len(PROMPT) + 6 - 1, result
+    assert resumed  # some requests did start on the broken replica
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_replica_restarted_between_probes_never_serves_old_weights(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str
+) -> None:
+    """Bug (found by the chaos soak): a replica killed and restarted between two health probes never looked
+    down, so it served on its initial weights while the pool ran a later version, and versions went backwards
+    inside samples. Now every probe checks the reported version (vLLM labels only its last chunk, so the probe
+    is what protects it), and a chunk labelled older than the replica's known version is refused (SGLang labels
+    every chunk, so not even one token is taken from it)."""
+    procs = [SimProcess(["--dialect", dialect]) for _ in range(2)]
+    for proc in procs:
+        await asyncio.to_thread(proc.start)
+    try:
+        shape = [2, 2] if dialect == "sglang" else None
+        replicas = [
+            ReplicaConfig(url=p.url, backend="sim", dialect=dialect, routed_experts_shape=shape)  # type: ignore[arg-type]
+            for p in procs
+        ]
+        gw = await make_gateway(replicas, routing={"health_interval_s": 3600})  # no probe between the steps
+        assert (await publish(http, gw.url, 1)).status_code == 200
+        await asyncio.to_thread(procs[0].kill)
+        await asyncio.to_thread(procs[0].start)  # back on the same port with its initial weights, unseen
+        restarted = gw.services.pool.get(procs[0].url.removeprefix("http://"))
+        assert restarted is not None and restarted.healthy and restarted.version == 1
+        if dialect == "vllm":
+            await gw.services.pool.check_health()  # the next probe round holds it out...
+            assert restarted.stale or restarted.version == 1
+            await wait_for(lambda: not restarted.stale, what="the catch-up")  # ...until it runs version 1
+            assert restarted.version == 1
+        for i in range(8):
+            body = generate_body(PROMPT, 12, session_id=f"s{i}")
+            result = (await http.post(f"{gw.url}/generate", json=body)).json()
+            assert result["versions"] == [1] * 12, result
+            assert result["output_ids"] == expected_tokens(PROMPT, [1] * 12, 12)
+    finally:
+        for proc in procs:
+            await asyncio.to_thread(proc.stop)
+
+
+async def test_json_numbers_beyond_64_bits_are_refused_not_a_500(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Bug (found by the property tests of the Redis codecs): JSON allows integers of any size, the store
+    encodes with orjson (64-bit), so a session created with such metadata was a 500. Now it is a 400 naming
+    the field, and nothing is stored."""
+    gw = await make_gateway([await make_sim("vllm")])
+    huge = 2**64
+    headers = {"content-type": "application/json"}
+    cases = [
+        ("/v1/sessions", {"metadata": {"x": huge}}, "metadata"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "n": huge}]}]},
+            "messages.0.content",
+        ),
+    ]
+    for path, body, param in cases:
+        response = await http.post(f"{gw.url}{path}", content=_dumps(body), headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    session = (await http.post(f"{gw.url}/v1/sessions", json={})).json()["id"]
+    finish = await http.post(
+        f"{gw.url}/v1/sessions/{session}/finish", content=_dumps({"metadata": {"x": huge}}), headers=headers
+    )
+    assert finish.status_code == 400 and finish.json()["error"]["param"] == "metadata"
+
+
+def _dumps(body: Any) -> bytes:
+    import json
+
+    return json.dumps(body).encode()  # the standard library writes integers of any size, as a client may

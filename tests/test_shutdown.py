@@ -64,10 +64,14 @@ def chat(messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
 
 
 async def stream_until(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], on_tokens: int, process: subprocess.Popen[str]
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    on_tokens: int = -1,
+    process: subprocess.Popen[str] | None = None,
 ) -> tuple[str, dict[str, Any] | None, bool]:
-    """Stream a chat turn, SIGTERM the gateway once `on_tokens` content deltas arrived; return (text, the final
-    rollout record or None, whether [DONE] came)."""
+    """Stream a chat turn, SIGTERM `process` once `on_tokens` content deltas arrived (if given); return (text,
+    the final rollout record or None, whether [DONE] came)."""
     text, rollout, deltas = "", None, 0
     headers = {"x-session-id": "survivor"}
     with contextlib.suppress(httpx.RemoteProtocolError, httpx.ReadError):
@@ -79,7 +83,7 @@ async def stream_until(
                     deltas += bool(choice["delta"].get("content"))
                 if "rollout" in event:
                     rollout = event["rollout"]
-                if deltas == on_tokens:
+                if deltas == on_tokens and process is not None:
                     process.send_signal(signal.SIGTERM)
             return text, rollout, True
     return text, rollout, False
@@ -109,7 +113,7 @@ async def test_sigterm_lets_the_generation_finish_and_the_next_process_continues
             assert ADMIN_TOKEN not in stderr
             with serve(config, port) as (_, url):  # a new process, the same Redis
                 follow = [*user, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
-                text2, rollout2, done2 = await stream_until(client, url, chat(follow, 7), -1, process)
+                text2, rollout2, done2 = await stream_until(client, url, chat(follow, 7))
             assert done2 and rollout2 is not None
             choice = rollout2["choices"][0]
             assert choice["sample_index"] == 0 and not choice["new_sample"]  # the same sample, continued
@@ -140,7 +144,7 @@ async def test_sigterm_past_the_bound_checkpoints_the_generation(
             cut = int(checkpoint.loss_mask.sum())
             assert checkpoint.cancelled and 10 <= cut < 3000  # the tokens generated before the cut, kept
             with serve(config, port) as (_, url):  # the agent retries its turn on a new process
-                _, rollout2, done2 = await stream_until(client, url, chat(user, 5), -1, process)
+                _, rollout2, done2 = await stream_until(client, url, chat(user, 5))
             assert done2 and rollout2 is not None
             assert rollout2["choices"][0]["sample_index"] == 1  # the cut turn never reached the agent
     samples = await store.load_samples("survivor")

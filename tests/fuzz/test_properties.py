@@ -1,0 +1,182 @@
+"""Property tests (hypothesis): the token/expert merge of the resume loop and the Redis codecs of trajectories."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.base import ReplicaSpec, SamplingParams
+from backends.factory import create_backend
+from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
+from gateway.routing import Replica, ReplicaPool
+from gateway.trajectory import ENV_VERSION, Sample, SessionMeta, TrajectoryFormatError
+from gateway.weights import WeightCoordinator
+
+LAYERS, TOP_K = 2, 3
+
+
+def experts_of(position: int, segment: int) -> np.ndarray:
+    """What segment `segment` reports as the experts of `position` (distinct per segment, to see who won)."""
+    return np.full((LAYERS, TOP_K), (position * 7 + segment * 1000) % 65000, dtype=np.uint16)
+
+
+@pytest.fixture(scope="module")
+def replica() -> Replica:
+    backend = create_backend("sim", ReplicaSpec(id="r0", url="http://127.0.0.1:9"), "vllm")
+    return Replica(backend)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt_len=st.integers(1, 40),
+    counts=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    experts_start=st.integers(0, 39),
+    policy=st.sampled_from(["splice", "replace"]),
+)
+def test_resume_merge_keeps_every_token_once_with_its_experts(
+    replica: Replica, prompt_len: int, counts: list[int], experts_start: int, policy: str
+) -> None:
+    """Segments of any sizes (empty ones included, first or later) merge into one completion: the tokens are the
+    concatenation, versions follow the segments, and with `splice` every position keeps the experts reported by
+    the first segment that ran it (the continuation contributes only new positions)."""
+    experts_start = min(experts_start, prompt_len - 1)
+    pool = ReplicaPool()
+    generator = Generator(pool, WeightCoordinator(pool), GenerationSettings(routed_experts=policy))  # type: ignore[arg-type]
+    request = GenerationRequest(
+        "req", list(range(prompt_len)), SamplingParams(max_tokens=sum(counts) + 1), want_routed_experts=True
+    )
+    request = GenerationRequest(**{**_fields(request), "experts_start": experts_start if policy == "splice" else 0})
+    state = GenerationState(request)
+    owner: dict[int, int] = {}
+    for segment, count in enumerate(counts):
+        run = _SegmentRun(replica, len(state.output_ids), dispatch_version=segment)
+        before = prompt_len + len(state.output_ids)
+        first = run.start == 0
+        start = (request.experts_start if first else before - 1) if policy == "splice" else 0
+        end = before + count - 1
+        if count:
+            run.experts = np.stack([experts_of(p, segment) for p in range(start, end)]).reshape(-1, LAYERS, TOP_K)
+            for p in range(start, end):
+                owner.setdefault(p, segment) if policy == "splice" else owner.__setitem__(p, segment)
+        state.output_ids += [segment] * count
+        state.logprobs += [-1.0] * count
+        generator._close_segment(state, run)
+    total = sum(counts)
+    assert state.output_ids == [s for s, c in enumerate(counts) for _ in range(c)]
+    assert state.versions == state.output_ids  # each token carries the version of its segment
+    assert [(s.start, s.end) for s in state.segments] == [
+        (sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))
+    ]
+    if total == 0:
+        assert state.routed_experts is None
+        return
+    assert state.routed_experts_complete and state.routed_experts is not None
+    first_position = request.experts_start if policy == "splice" else 0
+    expected = [experts_of(p, owner[p]) for p in range(first_position, prompt_len + total - 1)]
+    assert state.routed_experts.shape == (len(expected), LAYERS, TOP_K)
+    assert np.array_equal(state.routed_experts, np.stack(expected).reshape(-1, LAYERS, TOP_K))
+
+
+def _fields(request: GenerationRequest) -> dict[str, Any]:
+    return {name: getattr(request, name) for name in request.__dataclass_fields__}
+
+
+# -- Redis codecs ------------------------------------------------------------------------------------------------
+
+I32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@st.composite
+def samples(draw: st.DrawFn) -> Sample:
+    n = draw(st.integers(0, 40))
+    mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    versions = [draw(st.integers(0, 2**31 - 1)) if m else ENV_VERSION for m in mask]
+    logprobs = [draw(st.floats(-1e6, 0, width=32)) if m else 0.0 for m in mask]
+    experts = None
+    if draw(st.booleans()):
+        rows = draw(st.integers(0, 50))
+        top = draw(st.sampled_from([7, 255, 256, 65535, 65536, 2**32 - 1]))
+        experts = np.asarray(
+            draw(st.lists(st.integers(0, top), min_size=rows * LAYERS * TOP_K, max_size=rows * LAYERS * TOP_K)),
+            dtype=np.uint64,
+        ).reshape(rows, LAYERS, TOP_K)
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=6,
+    )
+    return Sample(
+        prompt_ids=np.asarray(draw(st.lists(I32, max_size=30)), np.int32),
+        response_ids=np.asarray(draw(st.lists(I32, min_size=n, max_size=n)), np.int32),
+        loss_mask=np.asarray(mask, np.uint8),
+        logprobs=np.asarray(logprobs, np.float32),
+        versions=np.asarray(versions, np.int32),
+        routed_experts=experts,
+        num_turns=draw(st.integers(0, 1000)),
+        cancelled=draw(st.booleans()),
+        conversation=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3))),
+        tools=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3))),
+    )
+
+
+def as_stored(fields: dict[str, Any]) -> dict[bytes, bytes]:
+    """What HGETALL returns for these fields: every key and value as bytes."""
+    return {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()}
+
+
+@settings(max_examples=100, deadline=None)
+@given(samples())
+def test_sample_round_trips_through_its_redis_hash(sample: Sample) -> None:
+    back = Sample.from_redis(as_stored(sample.to_redis()))
+    for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"):
+        assert np.array_equal(getattr(back, name), getattr(sample, name)), name
+    assert (back.num_turns, back.cancelled) == (sample.num_turns, sample.cancelled)
+    assert back.conversation == sample.conversation and back.tools == sample.tools
+    assert (back.min_version, back.max_version) == (sample.min_version, sample.max_version)
+    if sample.routed_experts is None:
+        assert back.routed_experts is None
+    else:
+        assert back.routed_experts is not None and back.routed_experts.shape == sample.routed_experts.shape
+        assert np.array_equal(back.routed_experts.astype(np.uint64), sample.routed_experts)
+        assert back.routed_experts.dtype.itemsize <= sample.routed_experts.dtype.itemsize  # smallest dtype
+
+
+FIELD_NAMES = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "versions", "experts", "experts_dtype"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(samples(), st.sampled_from(FIELD_NAMES + ["experts_shape", "num_turns"]), st.binary(max_size=24))
+def test_a_corrupt_sample_hash_decodes_or_says_so(sample: Sample, name: str, garbage: bytes) -> None:
+    """Whatever one field holds, decoding gives a consistent sample or TrajectoryFormatError, nothing else."""
+    stored = as_stored(sample.to_redis())
+    stored[name.encode()] = garbage
+    try:
+        back = Sample.from_redis(stored)
+    except TrajectoryFormatError:
+        return
+    assert len(back.response_ids) == len(back.loss_mask) == len(back.logprobs) == len(back.versions)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    # 64-bit integers: the API refuses wider ones (400) before anything is stored.
+    st.dictionaries(
+        st.text(max_size=8), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8) | st.none(), max_size=4
+    ),
+    st.none() | st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(["active", "finished", "abandoned"]),
+    st.floats(0, 2e9),
+    st.none() | st.text(min_size=1, max_size=12),
+)
+def test_session_meta_round_trips(
+    metadata: dict[str, Any], reward: float | None, status: str, created: float, replica: str | None
+) -> None:
+    meta = SessionMeta("s", status, metadata, reward, 3, created, created, None, replica)  # type: ignore[arg-type]
+    back = SessionMeta.from_redis("s", as_stored(meta.to_redis()))
+    assert back == meta
+    assert orjson.loads(orjson.dumps(back.metadata)) == metadata
