@@ -1,7 +1,7 @@
 """This gateway side by side with direct access and the two Rust routers, on the same simulator replicas, in one run.
 
-    python -m benchmarks.compare              # the real figures: about 5-10 minutes
-    python -m benchmarks.compare --quick      # about 1-2 minutes, for development
+    python -m benchmarks.compare              # the real figures: 10-15 minutes on a busy 2-core machine
+    python -m benchmarks.compare --quick      # about 2-3 minutes, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
 
 What runs where (written for a 2-core machine; with more cores the same split applies):
@@ -625,7 +625,7 @@ def write_json(path: Path, options: Options, results: dict[str, dict[str, RunRes
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small counts and one round: about 1-2 minutes")
+    p.add_argument("--quick", action="store_true", help="small counts and one round: about 2-3 minutes")
     p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=list(DEFAULT_TARGETS))
     p.add_argument("--workloads", nargs="+", default=None, help="short-c1 short-c64 stream rl multiturn (default all)")
     p.add_argument("--rounds", type=int, default=None, help="timed runs per target and workload, ABBA (default 2)")
