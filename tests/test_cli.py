@@ -34,7 +34,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_health(process: subprocess.Popen[str], url: str, timeout_s: float = 30) -> httpx.Response:
+def wait_for_health(process: subprocess.Popen[str], url: str, timeout_s: float = 120) -> httpx.Response:
     """Poll a `serve` child until /health answers (bounded; the process gives no other signal)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -209,3 +209,18 @@ def _dumps(body: Any) -> bytes:
     import json
 
     return json.dumps(body).encode()  # the standard library writes integers of any size, as a client may
+
+
+async def test_redis_pool_waits_for_a_free_connection(redis_server: Any, redis: Any) -> None:
+    """Bug (found by the chaos soak): redis-py's default pool fails at once with "Too many connections" when all
+    its connections are busy, so under 300 concurrent sessions ordinary turns got 503s. The gateway's pool now
+    waits for a free connection."""
+    from gateway.store import connect
+
+    client = connect(redis_server.url, socket_timeout_s=5.0, max_connections=2)
+    try:
+        # BLPOP holds a connection for its timeout: far more commands than connections, all must succeed.
+        results = await asyncio.gather(*(client.blpop([f"empty-{i}"], timeout=0.05) for i in range(12)))
+        assert results == [None] * 12
+    finally:
+        await client.aclose()
