@@ -74,7 +74,7 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
-from benchmarks.loadgen import session_of
+from benchmarks.loadgen import Result, session_of
 from gateway.config import DEFAULT_TOKENIZER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -285,16 +285,10 @@ class Target:
 
 
 @dataclass
-class RunResult:
-    """One load-generator run against one target, plus what the replicas saw during it."""
+class RunResult(Result):
+    """One load-generator run against one target (the load generator's `Result`), plus the CPU of every process
+    and what the replicas saw during it."""
 
-    latencies: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ok: int = 0
-    errors: int = 0
-    error_samples: list[str] = field(default_factory=list)
-    wall_s: float = 0.0
     cpu_proxy_s: float = 0.0
     cpu_children_s: float = 0.0
     cpu_replicas_s: float = 0.0

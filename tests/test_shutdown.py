@@ -22,24 +22,17 @@ from redis.asyncio import Redis
 from backends.sim.server import SimProcess
 from gateway.store import Keys, TrajectoryStore
 from tests.sim_helpers import sse_events
-from tests.test_cli import CLI, free_port, wait_for_health
+from tests.test_cli import free_port, serving, wait_for_health
 
 ADMIN_TOKEN = "shutdown-admin-token"
 
 
 @contextlib.contextmanager
 def serve(config: Path, port: int) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    process = subprocess.Popen([*CLI, "serve", "--config", str(config)], stderr=subprocess.PIPE, text=True)
-    try:
+    with serving("--config", str(config)) as process:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(process, url, timeout_s=120)  # a loaded 2-core CI machine starts python slowly
         yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        if process.stderr:
-            process.stderr.close()
 
 
 def write_config(tmp_path: Path, port: int, redis_url: str, sim: SimProcess, shutdown_timeout_s: float) -> Path:
