@@ -202,7 +202,9 @@ class VllmBackend(HttpEngineBackend):
                     for event in events:
                         if not isinstance(event, dict):
                             raise TypeError(f"stream event is not an object: {event!r}")
-                        cached = _cached_tokens(event.get("usage")) if event.get("usage") else cached
+                        usage = event.get("usage")
+                        if usage:
+                            cached = _cached_tokens(usage)
                         for choice in event.get("choices") or ():  # the usage event has none
                             chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
                             produced += len(chunk.token_ids)
@@ -211,7 +213,7 @@ class VllmBackend(HttpEngineBackend):
                             elif chunk.token_ids:
                                 deltas.append(chunk)
                 if deltas:
-                    yield merge_deltas(deltas)
+                    yield deltas[0] if len(deltas) == 1 else merge_deltas(deltas)
         if final is None:
             raise BackendUnavailable(
                 f"replica {self.id}: the stream ended before the request finished", replica=self.id
@@ -240,10 +242,11 @@ class VllmBackend(HttpEngineBackend):
         if not isinstance(choice, dict):
             raise TypeError(f"choice is not an object: {choice!r}")
         token_ids = [int(t) for t in choice.get("token_ids") or ()]
+        want_top = sampling.top_logprobs > 0
         if path == GENERATE:
-            logprobs, top = _generate_logprobs(choice.get("logprobs"), token_ids)
+            logprobs, top = _generate_logprobs(choice.get("logprobs"), token_ids, want_top)
         else:
-            logprobs, top = _completion_logprobs(choice.get("logprobs"))
+            logprobs, top = _completion_logprobs(choice.get("logprobs"), want_top)
         if len(logprobs) != len(token_ids):
             raise BackendProtocolError(
                 f"replica {self.id}: {len(token_ids)} token ids but {len(logprobs)} logprobs", replica=self.id
@@ -397,11 +400,14 @@ def _token_id(key: str) -> int:
     return int(number)
 
 
-def _completion_logprobs(logprobs: Any) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """`CompletionLogProbs {token_logprobs, top_logprobs: [{"token_id:N": lp}]}` → (logprobs, top, best first)."""
+def _completion_logprobs(logprobs: Any, want_top: bool = True) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`CompletionLogProbs {token_logprobs, top_logprobs: [{"token_id:N": lp}]}` → (logprobs, top, best first);
+    the top lists are parsed only when wanted (with `logprobs: 0` vLLM still sends the sampled token's)."""
     if logprobs is None:
         return [], []
     values = [float(v) for v in logprobs["token_logprobs"]]
+    if not want_top:
+        return values, []
     top = [
         sorted(((_token_id(k), float(v)) for k, v in dict(entry or {}).items()), key=lambda kv: -kv[1])
         for entry in logprobs.get("top_logprobs") or ()
@@ -409,14 +415,19 @@ def _completion_logprobs(logprobs: Any) -> tuple[list[float], list[list[tuple[in
     return values, top
 
 
-def _generate_logprobs(logprobs: Any, token_ids: list[int]) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """`{content: [{token_id, logprob, top_logprobs: [{token_id, logprob}]}]}` → (logprobs, top)."""
+def _generate_logprobs(
+    logprobs: Any, token_ids: list[int], want_top: bool = True
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`{content: [{token_id, logprob, top_logprobs: [{token_id, logprob}]}]}` → (logprobs, top); the top lists
+    only when wanted."""
     if logprobs is None:
         return [], []
     content = logprobs["content"]
     if [int(entry["token_id"]) for entry in content] != token_ids:
         raise ValueError("logprobs.content token ids differ from the chunk's token_ids")
     values = [float(entry["logprob"]) for entry in content]
+    if not want_top:
+        return values, []
     top = [
         [(int(alt["token_id"]), float(alt["logprob"])) for alt in entry.get("top_logprobs") or ()] for entry in content
     ]

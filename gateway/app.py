@@ -13,20 +13,28 @@ from gateway.api import admin, generate, health, observability, openai, sessions
 from gateway.api.errors import install_error_handlers
 from gateway.api.limits import BodySizeLimit
 from gateway.api.openapi import install_openapi
+from gateway.api.streaming import GatewayApp
 from gateway.config import Settings
+from gateway.gc_tuning import tune_gc
 from gateway.services import BackendFactory, default_backend_factory, open_services
 
 
-def create_app(settings: Settings, backend_factory: BackendFactory = default_backend_factory) -> FastAPI:
-    """The gateway app; its services start with the app's lifespan and close with it."""
+def create_app(
+    settings: Settings, backend_factory: BackendFactory = default_backend_factory, *, server_process: bool = False
+) -> FastAPI:
+    """The gateway app; its services start with the app's lifespan and close with it. `server_process`: this
+    process serves only the gateway (`rollout-gateway serve`), so its garbage collector is tuned after startup
+    (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_services(settings, backend_factory) as services:
             app.state.services = services
+            if server_process:
+                tune_gc()
             yield
 
-    app = FastAPI(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
+    app = GatewayApp(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)

@@ -68,7 +68,7 @@ def serve(
 
         raise typer.Exit(serve_workers(settings, workers, log_level))
     uv = uvicorn_config(
-        create_app(settings),
+        create_app(settings, server_process=True),
         log_level=log_level,
         in_process=False,
         shutdown_timeout_s=settings.server.shutdown_timeout_s,

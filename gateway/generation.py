@@ -174,14 +174,13 @@ class Generator:
         If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
         self.prompt_tokens_total += len(request.prompt_ids)
         try:
-            async for delta in self._stream(request, state):
-                self.completion_tokens_total += len(delta.token_ids)
+            async for delta in self._segments(request, state):
                 yield delta
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
             raise
 
-    async def _stream(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
+    async def _segments(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
         deadline = time.monotonic() + self.settings.request_timeout_s
         avoid: tuple[str, ...] = ()
         interrupted_at: float | None = None
@@ -247,6 +246,7 @@ class Generator:
                         if delta is not None:
                             if run.interrupted_at is not None:
                                 self._resumed(run)
+                            self.completion_tokens_total += len(delta.token_ids)
                             yield delta
                         if run.finish is not None:
                             break
@@ -281,6 +281,8 @@ class Generator:
         chunk gives it away. That chunk is dropped, the replica taken out (the health loop re-admits it only once
         it runs the current version) and the request resumes elsewhere. Engines that label only their last chunk
         (vLLM) have streamed the segment's earlier tokens by then: those keep their true (older) version."""
+        if chunk.version_spans is None and chunk.weight_version is None:
+            return  # the common case: a delta without labels (engines label the last chunk)
         labels = [span.version for span in chunk.version_spans or ()]
         if chunk.weight_version is not None:
             labels.append(chunk.weight_version)
@@ -307,6 +309,7 @@ class Generator:
             run.spans = list(chunk.version_spans)
         if chunk.routed_experts is not None:
             run.experts = chunk.routed_experts
+        # The chunk's lists are the adapter's fresh ones, handed over: the delta shares them, nothing is copied.
         ids, logprobs, tops = chunk.token_ids, chunk.logprobs, chunk.top_logprobs
         if ids and request.stop is not None:
             keep = request.stop(state.output_ids + ids)
@@ -322,7 +325,7 @@ class Generator:
         state.logprobs.extend(logprobs)
         if tops:
             state.top_logprobs.extend(tops)
-        return Delta(list(ids), list(logprobs), tops)
+        return Delta(ids, logprobs, tops)
 
     def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
         count = len(state.output_ids) - run.start

@@ -485,9 +485,11 @@ class TrajectoryStore:
         `rg:pending` ≥ `max_pending`. Concurrent creations of one id yield one session (WATCH).
         """
         session_id = uuid.uuid4().hex if session_id is None else _check_session_id(session_id)
-        existing = await self.get_session(session_id)
+        existing = await self._read_and_touch(session_id)
         if existing is not None:
-            return await self._reuse(existing)
+            if existing.status != "active":
+                raise Conflict(f"session {existing.id} is {existing.status}", param="session_id")
+            return existing
         await self._check_backpressure()
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
@@ -508,6 +510,27 @@ class TrajectoryStore:
         """Finished sessions delivered to the stream and not yet acknowledged by a trainer."""
         value = await _call(self.client.get(self.keys.pending), "read pending")
         return int(value) if value is not None else 0
+
+    async def _read_and_touch(self, session_id: str) -> SessionMeta | None:
+        """The session's meta as it was, and activity recorded if it is active, in one round trip (every turn of a
+        session starts here). The activity score is raised only for ids still indexed as active (XX) and never
+        lowered (GT), as `save_sample` does."""
+        key, now = self.keys.meta(session_id), time.time()
+        touch_args = (_TOUCH.sha, 1, key, now, self._active_ttl_s)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.hgetall(key)
+                pipe.evalsha(*touch_args)
+                pipe.zadd(self.keys.active_sessions, {session_id: now}, xx=True, gt=True)
+                raw, touched, indexed = await pipe.execute(raise_on_error=False)
+            if isinstance(touched, NoScriptError):  # a restarted server forgot the script
+                touched = await self.client.eval(_TOUCH.source, 1, key, now, self._active_ttl_s)
+            for result in (raw, touched, indexed):
+                if isinstance(result, Exception):
+                    raise result
+        except RedisError as exc:
+            raise StoreError(f"redis: read session failed: {exc}") from exc
+        return SessionMeta.from_redis(session_id, raw) if raw else None
 
     async def _reuse(self, meta: SessionMeta) -> SessionMeta:
         if meta.status != "active":

@@ -231,12 +231,13 @@ class TurnRunner:
         async for _ in self.events(prepared):
             pass
 
-    async def events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
+    def events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
         """Text and tool-call deltas of all choices as they arrive, then one `finished` event per choice."""
         if len(prepared.choices) == 1:
-            async for event in self._choice_events(prepared.choices[0]):
-                yield event
-            return
+            return self._choice_events(prepared.choices[0])  # no merging layer on the common path
+        return self._merged_events(prepared)
+
+    async def _merged_events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:

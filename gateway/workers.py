@@ -50,7 +50,7 @@ def _worker(settings: Settings, sock: socket.socket, log_level: str) -> None:
     from gateway.server import uvicorn_config
 
     config = uvicorn_config(
-        create_app(settings),
+        create_app(settings, server_process=True),
         log_level=log_level,
         in_process=False,
         shutdown_timeout_s=settings.server.shutdown_timeout_s,

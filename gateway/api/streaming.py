@@ -1,15 +1,34 @@
-"""A streaming response that always runs its cleanup, even when its body iterator never started."""
+"""Streaming responses of the gateway: cleanup that always runs, and a body path that skips the middleware chain.
+
+Every ASGI middleware wraps `send` and so adds a Python call to every message; for an SSE relay that is one
+call per middleware per event (per token on RL-shaped streams). The middlewares here (Starlette's error
+handling, FastAPI's, the request metrics, the body limit) only ever look at `http.response.start`, so once the
+head went through them, body chunks go straight to the server's own `send`, which `GatewayApp` puts in the
+scope. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable
 
+from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+SERVER_SEND = "rollout_gateway.server_send"
+"""Scope key of the ASGI server's `send`, as the server passed it to the application."""
+
+
+class GatewayApp(FastAPI):
+    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
 
 class GuardedStreamingResponse(StreamingResponse):
-    """`StreamingResponse` + `on_close`, awaited however the response ends.
+    """`StreamingResponse` + `on_close`, awaited however the response ends; body chunks bypass the middlewares.
 
     Starlette cancels the body task when the client disconnects; if that happens while the response head is
     being sent, the body generator has not started, so its own `finally` never runs. Cleanup that must happen
@@ -19,9 +38,18 @@ class GuardedStreamingResponse(StreamingResponse):
     def __init__(self, content: AsyncIterable[bytes], on_close: Callable[[], Awaitable[None]], media_type: str) -> None:
         super().__init__(content, media_type=media_type)
         self.on_close = on_close
+        self._body_send: Send | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._body_send = scope.get(SERVER_SEND)
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.on_close()
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = self._body_send or send
+        async for chunk in self.body_iterator:
+            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
