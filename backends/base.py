@@ -221,9 +221,9 @@ class translate_errors:  # used like the function it was: `with translate_errors
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> None:
         if exc is None or isinstance(exc, BackendError):
-            return False
+            return
         replica = self.replica
         if isinstance(exc, TimeoutError):  # aiohttp's connect and read timeouts are TimeoutErrors
             raise BackendTimeout(f"replica {replica}: {type(exc).__name__}: {exc}", replica=replica) from exc
@@ -232,7 +232,6 @@ class translate_errors:  # used like the function it was: `with translate_errors
         if isinstance(exc, ValueError | KeyError | TypeError | IndexError | RoutedExpertsFormatError):
             # orjson.JSONDecodeError is a ValueError; a missing or mistyped field is a contract breach.
             raise BackendProtocolError(f"replica {replica}: unexpected response: {exc!r}", replica=replica) from exc
-        return False
 
 
 def raise_for_status(replica: str, status: int, body: bytes) -> None:
