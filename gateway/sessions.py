@@ -61,6 +61,11 @@ class WorkingSample:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    @property
+    def length(self) -> int:
+        """len(ids), without building them."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
     def to_sample(self) -> Sample:
         return Sample(
             prompt_ids=np.asarray(self.prompt_ids, I32),
@@ -175,13 +180,10 @@ class SessionManager:
         """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
         samples = await self.samples(session_id)
         for sample in sorted(samples, key=lambda s: s.index, reverse=True):
+            if not sample.num_turns or sample.cancelled or len(prompt_ids) <= sample.length:
+                continue  # cheap checks first: a session can hold many samples
             ids = sample.ids
-            if (
-                sample.num_turns
-                and not sample.cancelled
-                and prompt_ids[: len(ids)] == ids
-                and len(prompt_ids) > len(ids)
-            ):
+            if prompt_ids[: len(ids)] == ids:
                 env = prompt_ids[len(ids) :]
                 return Turn(session_id, sample, list(prompt_ids), env, [], new_sample=False)
         fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
