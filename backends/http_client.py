@@ -203,7 +203,9 @@ async def sse_batches(
                         done = True
                         break
                     payload = orjson.loads(payload_bytes)
-                    error = error_event_status(payload)
+                    # Cheap pre-check per event; error_event_status has the rules.
+                    maybe_error = type(payload) is dict and ("error" in payload or payload.get("object") == "error")
+                    error = error_event_status(payload) if maybe_error else None
                     if error is not None:
                         if batch:
                             yield batch
