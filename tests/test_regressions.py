@@ -224,3 +224,20 @@ async def test_redis_pool_waits_for_a_free_connection(redis_server: Any, redis: 
         assert results == [None] * 12
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("path", ["/admin/weights", "/admin/resume"])
+@pytest.mark.parametrize("version", [2**31, 2**64])
+async def test_weight_version_beyond_int32_is_refused_not_a_500(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, path: str, version: int
+) -> None:
+    """Bug (found by the schema fuzzer): a weight version beyond 64 bits made the coordination bus's encoder
+    raise (a 500), and one beyond 32 bits cannot be stored in a sample's int32 per-token versions. Both are a
+    400 naming `version` now, and the gateway's version is unchanged."""
+    gw = await make_gateway([await make_sim("vllm")])
+    headers = ADMIN | {"content-type": "application/json"}
+    response = await http.post(f"{gw.url}{path}", content=_dumps({"version": version}), headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "version"
+    status = await http.get(f"{gw.url}/admin/status", headers=ADMIN)
+    assert status.json()["version"] == 0
