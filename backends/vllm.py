@@ -17,7 +17,8 @@ with spans; where it stays False, `pause("keep")` pauses with `abort` instead, a
 aborted requests itself, so every token still carries the version that sampled it.
 
 Weight updates use the dev-mode routes: `/collective_rpc reload_weights` (from a path), `/update_weight_version`,
-and `/reset_prefix_cache`, because vLLM does not flush the prefix cache when weights change.
+and `/reset_prefix_cache?reset_running_requests=true`, because vLLM does not flush the prefix cache when weights
+change (running requests are preempted and recompute their KV, so the reset never waits for them).
 """
 
 from __future__ import annotations
@@ -357,9 +358,12 @@ class VllmBackend(HttpEngineBackend):
             return str(answer["weight_version"])
 
     async def flush_cache(self) -> bool:
-        """`POST /reset_prefix_cache`: False while running requests hold cache blocks. An empty 200 (older
-        servers) counts as success."""
-        answer = await self._call("POST", "/reset_prefix_cache")
+        """`POST /reset_prefix_cache?reset_running_requests=true`: running (or keep-paused) requests are preempted
+        and recompute their KV under the weights loaded when they next run, so the reset succeeds at once.
+        Without that, vLLM refuses while they hold blocks, and requests queued at the paused engine would be
+        admitted on resume onto prefix KV of the old weights. False if the engine still refuses (older servers
+        ignore the parameter); an empty 200 (older servers) counts as success."""
+        answer = await self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if isinstance(answer, dict):
             return answer.get("success") is not False
         return True

@@ -24,6 +24,7 @@ from backends.routed_experts import ExpertArray, smallest_unsigned
 
 SessionStatus = Literal["active", "finished", "abandoned"]
 ENV_VERSION = -1  # the version of a token the model did not sample
+MAX_VERSION = 2**31 - 1  # per-token versions are stored as int32 (below): a weight version must fit
 
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")

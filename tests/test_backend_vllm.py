@@ -240,8 +240,10 @@ async def test_keep_mode_update_gives_version_spans(make_sim: SimFactory, backen
     task = asyncio.create_task(generate_until(backend, greedy(120), "kv", ready))
     await ready.wait()
     await backend.pause("keep")
-    # The frozen request still holds KV, so the prefix cache cannot be flushed yet.
-    assert await backend.update_weights("v2", "ckpt2") is False
+    # The frozen request holds KV: the reset preempts it (it recomputes under the new weights on resume), so the
+    # prefix cache is flushed before anything queued at the paused engine can be admitted onto old KV.
+    assert await backend.update_weights("v2", "ckpt2") is True
+    assert sim.engine.counters["retractions"] == 1
     assert await backend.weight_version() == "v2"
     await backend.resume()
     final = (chunks := await task)[-1]

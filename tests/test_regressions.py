@@ -9,6 +9,7 @@ import httpx
 import orjson
 import pytest
 
+from backends.sim.engine import EngineSettings
 from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
@@ -224,3 +225,49 @@ async def test_redis_pool_waits_for_a_free_connection(redis_server: Any, redis: 
         assert results == [None] * 12
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("path", ["/admin/weights", "/admin/resume"])
+@pytest.mark.parametrize("version", [2**31, 2**64])
+async def test_weight_version_beyond_int32_is_refused_not_a_500(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, path: str, version: int
+) -> None:
+    """Bug (found by the schema fuzzer): a weight version beyond 64 bits made the coordination bus's encoder
+    raise (a 500), and one beyond 32 bits cannot be stored in a sample's int32 per-token versions. Both are a
+    400 naming `version` now, and the gateway's version is unchanged."""
+    gw = await make_gateway([await make_sim("vllm")])
+    headers = ADMIN | {"content-type": "application/json"}
+    response = await http.post(f"{gw.url}{path}", content=_dumps({"version": version}), headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "version"
+    status = await http.get(f"{gw.url}/admin/status", headers=ADMIN)
+    assert status.json()["version"] == 0
+
+
+async def test_request_queued_during_a_keep_pause_never_reads_old_weights_kv(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Bug (found by the chaos soak with the prefix cache on): vLLM keeps its prefix cache across a weight
+    reload, and `/reset_prefix_cache` is refused while a keep-paused request holds KV. The gateway then flushed
+    later, once the replica was idle; but a request that reached the engine after its pause (sent just before
+    it, or by another gateway process) is queued there and admitted on resume, onto prefix KV of the old
+    weights: it sampled tokens that no version draws. The flush now preempts running requests (they recompute
+    their KV under the new weights), so it succeeds before the replica resumes."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005))
+    gw = await make_gateway([sim])
+    prompt = list(range(10, 50))  # two full cache blocks
+    warm = await http.post(f"{gw.url}/generate", json=generate_body(prompt, 4, session_id="warm"))
+    assert warm.status_code == 200  # the prompt's blocks are now cached, computed under the initial weights
+    long = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body([7, 8, 9], 200, session_id="l")))
+    await wait_for(lambda: sim.engine.num_running == 1, what="the long request running")
+    assert (await http.post(f"{gw.url}/admin/pause", json={"mode": "keep"}, headers=ADMIN)).status_code == 200
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": "ckpt-1"}}  # the out-of-band weight sync
+    assert (await http.post(f"{sim.url}/collective_rpc", json=rpc)).status_code == 200
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    queued = asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=body | {"return_token_ids": True}))
+    await wait_for(lambda: sim.engine.held == 1, what="the request queued at the paused engine")
+    assert (await http.post(f"{gw.url}/admin/resume", json={"version": 1}, headers=ADMIN)).status_code == 200
+    tokens = (await queued).json()["choices"][0]["token_ids"]
+    assert tokens == expected_tokens(prompt, [1] * 8, 8)
+    result = (await long).json()
+    assert result["finish_reason"] == "length" and len(result["output_ids"]) == 200

@@ -346,6 +346,19 @@ async def test_stale_prefix_cache_until_reset(make_sim: SimFactory, http: httpx.
     assert fresh == clean
 
 
+async def test_reset_prefix_cache_with_running_requests(make_sim: SimFactory, http: httpx.AsyncClient) -> None:
+    """Refused while a request holds KV; with `reset_running_requests` the request is preempted (it recomputes
+    its KV and goes on with the same tokens) and the reset succeeds."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
+    running = asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=completion(max_tokens=60)))
+    await wait_for(lambda: sim.engine.num_running == 1)
+    assert (await http.post(f"{sim.url}/reset_prefix_cache")).json() == {"success": False}
+    reset = await http.post(f"{sim.url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+    assert reset.json() == {"success": True} and sim.engine.counters["retractions"] == 1
+    choice = (await running).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+
+
 async def test_client_disconnect_aborts(make_sim: SimFactory, http: httpx.AsyncClient) -> None:
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
     async with http.stream(

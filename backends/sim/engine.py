@@ -431,8 +431,7 @@ class SimEngine:
         retracted = [self.running[i] for i in self._retracted if i in self.running]
         self._retracted.clear()
         for request in retracted:
-            # Retracted requests lost their KV: recompute it under the weights now loaded.
-            request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
+            self._recompute(request)
         self.paused = False
         self.pause_mode = None
         self.frozen = False
@@ -471,12 +470,31 @@ class SimEngine:
         """Requests whose KV a cache flush would destroy (running, not retracted)."""
         return sum(1 for i in self.running if i not in self._retracted)
 
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests hold KV, like the real engines."""
-        if self.active_blocking_flush():
+    def flush_cache(self, preempt_running: bool = False) -> bool:
+        """Drop the prefix cache; refused (False) while requests hold KV, like the real engines, unless
+        `preempt_running` (vLLM's `reset_running_requests`): running requests then give up their KV and
+        recompute it under the weights loaded when they next run (at resume if the engine is frozen)."""
+        if preempt_running:
+            self._preempt_running()  # nothing holds KV after this
+        elif self.active_blocking_flush():
             return False
         self._cache.clear()
         return True
+
+    def _preempt_running(self) -> None:
+        for request in list(self.running.values()):
+            if request.engine_id in self._retracted:
+                continue
+            if self.frozen:
+                self._retracted.add(request.engine_id)  # back to the queue; `resume` recomputes its KV
+            else:
+                self._recompute(request)
+            self.counters["retractions"] += 1  # vLLM counts these as preemptions
+
+    def _recompute(self, request: SimRequest) -> None:
+        """The request lost its KV: recompute it under the weights now loaded (no cache hit, so nothing stale)."""
+        request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
+        request.stale_key = 0
 
     def set_speed(self, token_delay_s: float | None, prefill_delay_s_per_token: float | None) -> None:
         """Change the per-token decode and prefill delays at run time (benchmarks reuse one set of replicas)."""

@@ -586,8 +586,9 @@ async def weight_info(raw: Request) -> dict[str, str]:
 
 
 @dev_router.post("/reset_prefix_cache")
-async def reset_prefix_cache(raw: Request) -> dict[str, bool]:
-    return {"success": _engine(raw).flush_cache()}
+async def reset_prefix_cache(raw: Request, reset_running_requests: bool = False) -> dict[str, bool]:
+    # Like vLLM: refused while running requests hold blocks, unless they are preempted (and recompute later).
+    return {"success": _engine(raw).flush_cache(preempt_running=reset_running_requests)}
 
 
 @dev_router.get("/is_sleeping")

@@ -13,6 +13,7 @@ from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig
 from gateway.errors import NotFound
 from gateway.routing import Replica
+from gateway.trajectory import MAX_VERSION
 from gateway.weights import UpdateReport
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -21,7 +22,9 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requir
 class WeightsUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0, description="The new weight version (the trainer's step); must increase.")
+    version: int = Field(
+        ge=0, le=MAX_VERSION, description="The new weight version (the trainer's step); must increase."
+    )
     path: str | None = Field(None, min_length=1, description="Checkpoint path every engine can read.")
     mode: PauseMode | None = Field(None, description="abort | keep | wait; default weights.pause_mode.")
 
@@ -35,7 +38,7 @@ class PauseRequest(BaseModel):
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=0, description="The version the out-of-band sync loaded; must increase.")
+    version: int = Field(ge=0, le=MAX_VERSION, description="The version the out-of-band sync loaded; must increase.")
 
 
 def _report(report: UpdateReport) -> dict[str, Any]:

@@ -49,10 +49,9 @@ class SoakOptions:
     kill_every_s: tuple[float, float] = (2.0, 4.0)
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
-    # Off by default: with the simulators' prefix cache on, a few samples per run (in some runs) hold tokens that
-    # no weight version draws, i.e. sampled on prefix KV computed under older weights. Open; see
-    # docs/reliability.md. RG_CHAOS_PREFIX_CACHE=1 turns it on to reproduce.
-    prefix_cache: bool = False
+    # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
+    # tokens no version draws (see docs/reliability.md). RG_CHAOS_PREFIX_CACHE=0 turns it off.
+    prefix_cache: bool = True
 
 
 @dataclass

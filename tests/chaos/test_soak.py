@@ -1,6 +1,6 @@
 """The chaos soak (marker `chaos`). The default run is the bounded CI variant; `RG_CHAOS_SESSIONS`,
-`RG_CHAOS_DURATION_S` and `RG_CHAOS_SEED` scale it up or replay it; `RG_CHAOS_PREFIX_CACHE=1` turns the
-simulators' prefix cache on (an open finding, see docs/reliability.md)."""
+`RG_CHAOS_DURATION_S` and `RG_CHAOS_SEED` scale it up or replay it; `RG_CHAOS_PREFIX_CACHE=0` turns the
+simulators' prefix cache off."""
 
 from __future__ import annotations
 
@@ -14,17 +14,21 @@ from tests.chaos.soak import Soak, SoakOptions
 pytestmark = pytest.mark.chaos
 
 
-# In some runs a socket or transport toward a replica that was SIGKILLed is garbage-collected unclosed (a
-# ResourceWarning reported at teardown). Not yet traced; it changes no verdict of the soak, so unraisable
-# warnings are let through here, and only here (see docs/reliability.md, open findings).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# In some runs a connection of the soak's own client (httpx over anyio, toward the gateway) is garbage-collected
+# unclosed: made by anyio's connect_tcp while the agent cancelled the call (a simulated disconnect), then dropped
+# by the client stack, not by the gateway (traced; see docs/reliability.md). Only unclosed sockets and transports
+# are let through, and only here; any other unraisable exception still fails the soak.
+@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <socket\.socket:pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. <function _SelectorTransport\.__del__:pytest.PytestUnraisableExceptionWarning"
+)
 @pytest.mark.timeout(int(os.environ.get("RG_CHAOS_DURATION_S", "150")) + 240)
 async def test_chaos_soak(tmp_path: Path) -> None:
     options = SoakOptions(
         seed=int(os.environ.get("RG_CHAOS_SEED", "7")),
         sessions=int(os.environ.get("RG_CHAOS_SESSIONS", "300")),
         duration_s=float(os.environ.get("RG_CHAOS_DURATION_S", "150")),
-        prefix_cache=os.environ.get("RG_CHAOS_PREFIX_CACHE", "0") == "1",
+        prefix_cache=os.environ.get("RG_CHAOS_PREFIX_CACHE", "1") == "1",
     )
     print(f"chaos soak, seed {options.seed} (replay: RG_CHAOS_SEED={options.seed})")
     report = await Soak(options, tmp_path / "redis").run()
