@@ -83,6 +83,9 @@ class WeightCoordinator:
         self.updates = 0
         self._serving = asyncio.Event()
         self._serving.set()
+        # Monotonic time waiters were last released (an update, a resume or a followed update ended): the origin
+        # of each continuation's dispatch latency.
+        self.released_at = 0.0
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._paused_report: UpdateReport | None = None
@@ -94,6 +97,11 @@ class WeightCoordinator:
     @property
     def serving(self) -> bool:
         return self._serving.is_set()
+
+    def _release(self) -> None:
+        """Let the requests held by an update or a pause go."""
+        self.released_at = time.monotonic()
+        self._serving.set()
 
     async def until_serving(self, timeout: float | None = None) -> None:
         """Return once no update or pause is under way (at once in the common case)."""
@@ -122,7 +130,7 @@ class WeightCoordinator:
                 self.last_source = source if report.updated else self.last_source
                 await self._publish_result(token, report)
                 self.state = "serving"
-                self._serving.set()
+                self._release()
             report.duration_s = time.monotonic() - started
             self.updates += 1
             logger.info(
@@ -297,7 +305,7 @@ class WeightCoordinator:
                 await self._paused_leadership.__aexit__(None, None, None)
                 self._paused_leadership = None
             self.state = "serving"
-            self._serving.set()
+            self._release()
             self._lock.release()
         report.duration_s = time.monotonic() - self._paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
@@ -395,7 +403,7 @@ class WeightCoordinator:
             self.updates += 1
             self.pool.notify()
         self.state = "serving"
-        self._serving.set()
+        self._release()
 
     async def _announce(self, report: UpdateReport) -> None:
         for callback in self.on_update:
