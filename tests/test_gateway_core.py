@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import httpx
@@ -93,7 +94,7 @@ async def test_each_preempted_request_reports_its_dispatch_once(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     """One update preempts n streams: the dispatch histogram gets one observation per continuation, measured from
-    the release of the held requests."""
+    the release of the held requests; the cyclic GC, deferred while they are re-sent, is back on afterwards."""
     sims = [await make_sim(*slow("vllm", 0.005)), await make_sim(*slow("sglang", 0.005))]
     gw = await make_gateway(sims)
     n, total = 30, 200
@@ -121,6 +122,7 @@ async def test_each_preempted_request_reports_its_dispatch_once(
     }
     assert observed["rollout_gateway_resume_dispatch_seconds_count"] == n
     assert observed["rollout_gateway_resume_dispatch_seconds_sum"] >= 0
+    assert gc.isenabled()
 
 
 async def test_replica_killed_mid_generation_completes_elsewhere(
