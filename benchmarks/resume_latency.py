@@ -30,7 +30,7 @@ token sampled by version 1 is found from the per-token `versions` of its final e
 Dispatch, the gateway's own share, is measured twice (no per-token work for either):
 
 * by the gateway, `rollout_gateway_resume_dispatch_seconds` from its `/metrics`: per continuation, the release
-  of the requests held by the update to the continuation being handed to the replica's HTTP client. Percentiles
+  of the requests held by the update to the continuation being sent (the HTTP client's write included). Percentiles
   are interpolated within the histogram's buckets (as Prometheus' `histogram_quantile`); the share of
   continuations dispatched within 100 ms is exact (a bucket bound);
 * by the replicas, `/sim/prompt_log`: per continuation, its arrival at the simulator (before admission) minus
@@ -389,9 +389,10 @@ def report(console: Console, options: Options, results: Sequence[RunResult]) -> 
         f"token delay {options.token_delay_s * 1000:g} ms; {machine_line()}"
     )
     note = (
-        "'dispatch (gateway)' is the gateway's histogram: release of the held requests → continuation handed to "
-        "the replica's client (p50/p99 interpolated in buckets; the share within 100 ms is exact). 'continuation "
-        "at replica' is the simulator's arrival log minus the return of the admin call. "
+        "'dispatch (gateway)' is the gateway's histogram: release of the held requests → continuation sent to "
+        "the replica, the client's write included (p50/p99 interpolated within buckets; the share within 100 ms "
+        "is exact). 'continuation at replica' is the simulator's arrival log (after its HTTP parsing) minus the "
+        "return of the admin call. "
         "'resume → first new token' is, per request, the arrival of its first version-1 token minus the moment "
         "the admin call returned (every replica resumed); compare the columns to see how it grows with the "
         "number of requests the gateway re-issues at once. The decode-step row divides by the simulated token "
