@@ -87,6 +87,7 @@ class WeightCoordinator:
         # Monotonic time waiters were last released (an update, a resume or a followed update ended): the origin
         # of each continuation's dispatch latency.
         self.released_at = 0.0
+        self._gc_deferred = False  # `_release` turned the cyclic GC off; `_enable_gc` turns it back on
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._paused_report: UpdateReport | None = None
@@ -111,10 +112,17 @@ class WeightCoordinator:
             # the requests are out instead: `gc.enable` is queued behind the waiters' wake-ups, then (one hop
             # later) behind the write tasks they started.
             gc.disable()
+            self._gc_deferred = True
         self._serving.set()
         if defer_gc:
             loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, gc.enable)
+            loop.call_soon(loop.call_soon, self._enable_gc)
+
+    def _enable_gc(self) -> None:
+        """Undo `_release`'s deferral (once; `aclose` too, should the loop stop before the callback runs)."""
+        if self._gc_deferred:
+            self._gc_deferred = False
+            gc.enable()
 
     async def until_serving(self, timeout: float | None = None) -> None:
         """Return once no update or pause is under way (at once in the common case)."""
@@ -428,6 +436,7 @@ class WeightCoordinator:
                 await result
 
     async def aclose(self) -> None:
+        self._enable_gc()
         if self._follow_task is not None:
             self._follow_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
