@@ -27,6 +27,16 @@ token sampled by version 1 is found from the per-token `versions` of its final e
 (can be slightly negative: the gateway releases waiting requests just before it writes the admin response).
 "gap" is what the agent sees: the arrival of that token minus the arrival of the request's last version-0 token.
 
+Dispatch, the gateway's own share, is measured twice (no per-token work for either):
+
+* by the gateway, `rollout_gateway_resume_dispatch_seconds` from its `/metrics`: per continuation, the release
+  of the requests held by the update to the continuation being sent (the HTTP client's write included). Percentiles
+  are interpolated within the histogram's buckets (as Prometheus' `histogram_quantile`); the share of
+  continuations dispatched within 100 ms is exact (a bucket bound);
+* by the replicas, `/sim/prompt_log`: per continuation, its arrival at the simulator (before admission) minus
+  the return of the admin call, the origin of the first-token figures; transport and the replica's HTTP
+  parsing included. Clocks agree: every process reads the same CLOCK_MONOTONIC.
+
 Checks, counted as failures (must be 0): HTTP 200 and no error event; `finish_reason == "length"` with exactly
 `--max-tokens` tokens; versions non-decreasing from 0 to 1 (both present: the request spanned the update);
 `num_resumes >= 1`; and, unless `--no-verify-tokens`, every token equals the simulator's offline reference for
@@ -51,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from backends.sim.model import ModelShape
@@ -78,6 +89,9 @@ WEIGHTS = {0: ("init", "default"), NEW_VERSION: (CHECKPOINT, str(NEW_VERSION))}
 RAMP_S_PER_REQUEST = 0.05
 UPDATE_MARGIN_S = 3.0
 MAX_TOKENS_CAP = 4000  # the simulator's context is 4,096 tokens, prompt included
+PROMPT_LEN = 5  # `prompt_of`; a longer prompt at a replica is a continuation (prompt + tokens so far)
+DISPATCH_METRIC = "rollout_gateway_resume_dispatch_seconds"
+DISPATCH_BUDGET_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -149,12 +163,66 @@ class RunResult:
     resumed: int = 0
     latencies: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)  # continuation at a replica - admin return
+    dispatch: Histogram | None = None  # the gateway's own view: release of waiters → sent
     failures: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram as scraped: cumulative counts per upper bound."""
+
+    buckets: list[tuple[float, float]]  # (le, cumulative count), ascending, +Inf last
+    count: float
+
+    @classmethod
+    def scrape(cls, text: str, name: str) -> Histogram | None:
+        for family in text_string_to_metric_families(text):
+            if family.name == name:
+                buckets = sorted((float(s.labels["le"]), s.value) for s in family.samples if s.name == f"{name}_bucket")
+                return cls(buckets, buckets[-1][1] if buckets else 0.0)
+        return None
+
+    def quantile(self, q: float) -> float:
+        """Linear interpolation within the bucket holding rank q·count (Prometheus' `histogram_quantile`)."""
+        if not self.count:
+            return math.nan
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for le, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(le):
+                    return lower  # beyond the last finite bound: that bound is all we know
+                return lower + (le - lower) * (rank - below) / max(cumulative - below, 1e-12)
+            lower, below = le, cumulative
+        return math.nan
+
+    def share_within(self, bound: float) -> float:
+        """Fraction of observations ≤ `bound` (exact when `bound` is a bucket bound)."""
+        within = next((c for le, c in self.buckets if le == bound), math.nan)
+        return within / self.count if self.count else math.nan
+
+
 def prompt_of(index: int) -> list[int]:
     return [10 + index % 50, 20 + index % 7, 30 + index % 997, 40, 50 + index % 13]
+
+
+async def log_arrivals(admin: httpx.AsyncClient, urls: Sequence[str]) -> None:
+    """Make every replica log the arrival of each request (`/sim/prompt_log`)."""
+    for url in urls:
+        response = await admin.post(f"{url}/sim/prompt_log", json={"head": 1})
+        response.raise_for_status()
+
+
+async def continuation_arrivals(admin: httpx.AsyncClient, urls: Sequence[str], since: float) -> list[float]:
+    """Monotonic arrival times of the continuations the replicas received after `since`."""
+    found: list[float] = []
+    for url in urls:
+        response = await admin.get(f"{url}/sim/prompt_log")
+        response.raise_for_status()
+        found += [at for _head, length, at in response.json()["requests"] if length > PROMPT_LEN and at >= since]
+    return found
 
 
 async def run_stream(client: httpx.AsyncClient, url: str, stream: Stream, max_tokens: int, ready: Readiness) -> None:
@@ -190,9 +258,9 @@ async def run_stream(client: httpx.AsyncClient, url: str, stream: Stream, max_to
 async def publish(admin: httpx.AsyncClient, url: str) -> tuple[float, float, dict[str, Any]]:
     """(sent at, returned at, report) of the weight update."""
     body = {"version": NEW_VERSION, "path": CHECKPOINT, "mode": "abort"}
-    sent = time.perf_counter()
+    sent = time.monotonic()  # the replicas' arrival logs read the same clock
     response = await admin.post(f"{url}/admin/weights", json=body, headers=ADMIN_HEADERS)
-    returned = time.perf_counter()
+    returned = time.monotonic()
     if response.status_code != 200:
         raise BenchmarkError(f"weight update failed: HTTP {response.status_code} {response.text}")
     report: dict[str, Any] = response.json()
@@ -254,18 +322,20 @@ async def run_once(requests: int, options: Options, console: Console) -> RunResu
             console.print(f"  {requests} streams → gateway {gateway.url} → {options.replicas} replicas ({dialects})")
             streams = [Stream(i, prompt_of(i)) for i in range(requests)]
             ready = Readiness(requests, options.warm_tokens)
-            started = time.perf_counter()
-            async with (
-                agent_clients(requests, options.timeout_s) as clients,
-                loopback_client(4, options.timeout_s) as admin,
-                asyncio.TaskGroup() as group,
-            ):
-                for stream, client in zip(streams, clients, strict=True):
-                    group.create_task(run_stream(client, gateway.url, stream, result.max_tokens, ready))
-                await ready.event.wait()
-                result.ramp_s = time.perf_counter() - started
-                sent, returned, report = await publish(admin, gateway.url)
-            result.wall_s = time.perf_counter() - started
+            started = time.monotonic()
+            async with loopback_client(4, options.timeout_s) as admin:
+                await log_arrivals(admin, [s.url for s in sims])
+                async with agent_clients(requests, options.timeout_s) as clients, asyncio.TaskGroup() as group:
+                    for stream, client in zip(streams, clients, strict=True):
+                        group.create_task(run_stream(client, gateway.url, stream, result.max_tokens, ready))
+                    await ready.event.wait()
+                    result.ramp_s = time.monotonic() - started
+                    sent, returned, report = await publish(admin, gateway.url)
+                result.wall_s = time.monotonic() - started
+                arrivals = await continuation_arrivals(admin, [s.url for s in sims], sent)
+                result.arrivals = [at - returned for at in arrivals]
+                metrics = await admin.get(f"{gateway.url}/metrics")
+                result.dispatch = Histogram.scrape(metrics.text, DISPATCH_METRIC)
     result.admin_s = returned - sent
     result.reported_s = float(report["duration_s"])
     measure(streams, sent, returned, result)
@@ -281,6 +351,10 @@ def summary(result: RunResult, options: Options) -> dict[str, str]:
     """The table's column for one run: row label → cell."""
     lat = Percentiles.of(result.latencies)
     gap = Percentiles.of(result.gaps)
+    arrival = Percentiles.of(result.arrivals)
+    dispatch = result.dispatch
+    dispatched = f"{dispatch.count:,.0f}" if dispatch is not None else "—"
+    within = dispatch.share_within(DISPATCH_BUDGET_S) * 100 if dispatch is not None else math.nan
     return {
         "max_tokens per request": f"{result.max_tokens:,}",
         "ramp until all streamed warm tokens, s": f"{result.ramp_s:,.1f}",
@@ -288,6 +362,13 @@ def summary(result: RunResult, options: Options) -> dict[str, str]:
         "requests resumed (num_resumes ≥ 1)": f"{result.resumed:,}",
         "update: admin call, ms (client)": ms(result.admin_s),
         "update: duration_s reported, ms": ms(result.reported_s),
+        "dispatch (gateway: release → sent) count": dispatched,
+        "dispatch (gateway) p50, ms": ms(dispatch.quantile(0.5) if dispatch else math.nan),
+        "dispatch (gateway) p99, ms": ms(dispatch.quantile(0.99) if dispatch else math.nan),
+        "dispatch (gateway) within 100 ms, %": "—" if math.isnan(within) else f"{within:,.1f}",
+        "resume → continuation at replica p50, ms": ms(arrival.p50),
+        "resume → continuation at replica p99, ms": ms(arrival.p99),
+        "resume → continuation at replica max, ms": ms(arrival.max),
         "resume → first new token p50, ms": ms(lat.p50),
         "resume → first new token p99, ms": ms(lat.p99),
         "resume → first new token max, ms": ms(lat.max),
@@ -308,6 +389,10 @@ def report(console: Console, options: Options, results: Sequence[RunResult]) -> 
         f"token delay {options.token_delay_s * 1000:g} ms; {machine_line()}"
     )
     note = (
+        "'dispatch (gateway)' is the gateway's histogram: release of the held requests → continuation sent to "
+        "the replica, the client's write included (p50/p99 interpolated within buckets; the share within 100 ms "
+        "is exact). 'continuation at replica' is the simulator's arrival log (after its HTTP parsing) minus the "
+        "return of the admin call. "
         "'resume → first new token' is, per request, the arrival of its first version-1 token minus the moment "
         "the admin call returned (every replica resumed); compare the columns to see how it grows with the "
         "number of requests the gateway re-issues at once. The decode-step row divides by the simulated token "

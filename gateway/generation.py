@@ -128,6 +128,7 @@ class _SegmentRun:
         self.experts: ExpertArray | None = None
         self.weight_version: str | None = None
         self.interrupted_at: float | None = None  # monotonic time the previous segment broke off (resume latency)
+        self.preempted_at: float | None = None  # the same, when a weight update aborted it (dispatch latency)
 
 
 def _version_or_none(label: str) -> int | None:
@@ -142,7 +143,9 @@ class Generator:
 
     The counters are plain integers that metrics read at scrape time (nothing is pushed per token); `on_resume`
     gets the resume latency of each continuation: seconds from the moment its predecessor segment broke off
-    (abort or failure) to the continuation's first token, waiting for a weight update included.
+    (abort or failure) to the continuation's first token, waiting for a weight update included. `on_dispatch`
+    gets, once per continuation of a preempted segment, the seconds from the coordinator's release of waiters
+    (or from the preemption, if that came later) to the continuation being sent to the engine.
     """
 
     def __init__(
@@ -151,11 +154,13 @@ class Generator:
         weights: WeightCoordinator,
         settings: GenerationSettings | None = None,
         on_resume: Callable[[float], None] | None = None,
+        on_dispatch: Callable[[float], None] | None = None,
     ) -> None:
         self.pool = pool
         self.weights = weights
         self.settings = settings or GenerationSettings()
         self.on_resume = on_resume
+        self.on_dispatch = on_dispatch
         self.resumes_total = 0
         self.preemptions_total = 0
         self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
@@ -184,6 +189,7 @@ class Generator:
         deadline = time.monotonic() + self.settings.request_timeout_s
         avoid: tuple[str, ...] = ()
         interrupted_at: float | None = None
+        preempted_at: float | None = None
         while state.finish_reason is None:
             remaining = request.sampling.max_tokens - len(state.output_ids)
             if remaining <= 0:
@@ -194,7 +200,7 @@ class Generator:
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
             dispatch_version = replica.version if replica.version is not None else self.weights.version
             run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
-            run.interrupted_at = interrupted_at
+            run.interrupted_at, run.preempted_at = interrupted_at, preempted_at
             failed = False
             try:
                 async for delta in self._segment(request, state, run, remaining, deadline):
@@ -212,6 +218,7 @@ class Generator:
             if state.finish_reason is None:
                 # A continuation that produced nothing keeps the first break: latency is what the caller waited.
                 interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
+                preempted_at = None if failed else time.monotonic()
                 await self._prepare_resume(state, failed)
 
     async def _until_serving(self, deadline: float) -> None:
@@ -239,6 +246,8 @@ class Generator:
         async with self.pool.lease(run.replica):
             try:
                 chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start)
+                if run.preempted_at is not None:
+                    self._dispatched(run.preempted_at)
                 async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         delta = self._absorb(state, run, chunk, request)
@@ -256,6 +265,20 @@ class Generator:
                 if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
                     self._abort_in_background(run.replica, engine_request_id)
         self.pool.report_success(run.replica)
+
+    def _dispatched(self, preempted_at: float) -> None:
+        """A continuation of a preempted segment was handed to its engine's client: report how long after the
+        release of waiters (the weight update's end; the preemption itself if that came later) it was sent."""
+        if self.on_dispatch is None:
+            return
+        # The client writes the request from a task it starts (aiohttp on Python < 3.12), in the next pass of the
+        # event loop. This callback runs in that pass just ahead of it: after every earlier request's write, so a
+        # burst of continuations is measured until (almost) the last one is on the wire.
+        asyncio.get_running_loop().call_soon(self._observe_dispatch, preempted_at)
+
+    def _observe_dispatch(self, preempted_at: float) -> None:
+        if self.on_dispatch is not None:
+            self.on_dispatch(time.monotonic() - max(preempted_at, self.weights.released_at))
 
     def _resumed(self, run: _SegmentRun) -> None:
         """The first token of a continuation arrived: report how long the caller waited for it."""

@@ -11,6 +11,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_resumes_total`          | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_preemptions_total`      | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, once per resume    |
+| `rollout_gateway_resume_dispatch_seconds`| histogram |               | `Generator.on_dispatch`, per preemption   |
 | `rollout_gateway_weight_version`         | gauge     |               | read at scrape from the coordinator       |
 | `rollout_gateway_weight_update_seconds`  | histogram |               | `WeightCoordinator.on_update`, per update |
 | `rollout_gateway_store_pending`          | gauge     |               | `rg:pending`, read from Redis per scrape  |
@@ -19,7 +20,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
 nothing for them. What is pushed is pushed rarely: one counter increment per HTTP request, one histogram
-observation per resumed segment and per weight update.
+observation per resumed segment (two after a preemption: dispatch and first token) and per weight update.
 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
@@ -59,6 +60,11 @@ UNMATCHED_ROUTE = "unmatched"  # a path no route matched: one label value, never
 
 # Resume latency includes waiting for a weight update, so the buckets reach minutes.
 RESUME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Dispatch after a weight update is gateway work only (the budget is 100 ms p99): fine buckets around it.
+DISPATCH_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25),
+    *(0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LOG_FIELDS = ("session_id", "replica", "version")
 
@@ -134,6 +140,12 @@ class GatewayMetrics:
             buckets=RESUME_BUCKETS,
             registry=self.registry,
         )
+        self.resume_dispatch = Histogram(
+            f"{PREFIX}_resume_dispatch_seconds",
+            "From the release of requests held by a weight update to their continuation being sent to an engine.",
+            buckets=DISPATCH_BUCKETS,
+            registry=self.registry,
+        )
         self.weight_update = Histogram(
             f"{PREFIX}_weight_update_seconds",
             "Duration of a weight update (pause, update, verify, resume).",
@@ -150,6 +162,7 @@ class GatewayMetrics:
         self._live = _LiveCollector(_Sources(pool, weights, generator, store))
         self.registry.register(self._live)
         generator.on_resume = self.observe_resume
+        generator.on_dispatch = self.observe_dispatch
         weights.on_update.append(self.observe_update)
 
     def observe_request(self, route: str, status: int) -> None:
@@ -157,6 +170,9 @@ class GatewayMetrics:
 
     def observe_resume(self, seconds: float) -> None:
         self.resume_latency.observe(seconds)
+
+    def observe_dispatch(self, seconds: float) -> None:
+        self.resume_dispatch.observe(seconds)
 
     def observe_update(self, report: UpdateReport) -> None:
         # An out-of-band pause/resume reports no duration (the sync ran outside the gateway): nothing to observe.

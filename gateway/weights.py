@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -83,6 +84,10 @@ class WeightCoordinator:
         self.updates = 0
         self._serving = asyncio.Event()
         self._serving.set()
+        # Monotonic time waiters were last released (an update, a resume or a followed update ended): the origin
+        # of each continuation's dispatch latency.
+        self.released_at = 0.0
+        self._gc_deferred = False  # `_release` turned the cyclic GC off; `_enable_gc` turns it back on
         self._lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._paused_report: UpdateReport | None = None
@@ -95,11 +100,38 @@ class WeightCoordinator:
     def serving(self) -> bool:
         return self._serving.is_set()
 
+    def _release(self) -> None:
+        """Let the held requests go. Each one wakes in the next pass of the event loop and hands its continuation
+        to the engine's HTTP client before it first suspends (a pooled connection is at hand); the client writes
+        it from a task of its own, in the pass after. So the burst is two passes of the loop, whatever its size."""
+        self.released_at = time.monotonic()
+        defer_gc = gc.isenabled()
+        if defer_gc:
+            # A cyclic collection inside those passes stalls every request behind it, and the burst of new objects
+            # triggers them: a full one takes hundreds of ms with 1,000 streams' state on the heap. Collect once
+            # the requests are out instead: `gc.enable` is queued behind the waiters' wake-ups, then (one hop
+            # later) behind the write tasks they started.
+            gc.disable()
+            self._gc_deferred = True
+        self._serving.set()
+        if defer_gc:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._enable_gc)
+
+    def _enable_gc(self) -> None:
+        """Undo `_release`'s deferral (once; `aclose` too, should the loop stop before the callback runs)."""
+        if self._gc_deferred:
+            self._gc_deferred = False
+            gc.enable()
+
     async def until_serving(self, timeout: float | None = None) -> None:
         """Return once no update or pause is under way (at once in the common case)."""
         if self._serving.is_set():
             return
-        await asyncio.wait_for(self._serving.wait(), timeout)
+        # Not `wait_for`, which wraps each waiter in a task of its own: with 1,000 requests held, that is 1,000
+        # more tasks to create, and two more loop passes before each one runs after the release.
+        async with asyncio.timeout(timeout):
+            await self._serving.wait()
 
     # -- full update ---------------------------------------------------------------------------
 
@@ -122,7 +154,7 @@ class WeightCoordinator:
                 self.last_source = source if report.updated else self.last_source
                 await self._publish_result(token, report)
                 self.state = "serving"
-                self._serving.set()
+                self._release()
             report.duration_s = time.monotonic() - started
             self.updates += 1
             logger.info(
@@ -297,7 +329,7 @@ class WeightCoordinator:
                 await self._paused_leadership.__aexit__(None, None, None)
                 self._paused_leadership = None
             self.state = "serving"
-            self._serving.set()
+            self._release()
             self._lock.release()
         report.duration_s = time.monotonic() - self._paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
@@ -395,7 +427,7 @@ class WeightCoordinator:
             self.updates += 1
             self.pool.notify()
         self.state = "serving"
-        self._serving.set()
+        self._release()
 
     async def _announce(self, report: UpdateReport) -> None:
         for callback in self.on_update:
@@ -404,6 +436,7 @@ class WeightCoordinator:
                 await result
 
     async def aclose(self) -> None:
+        self._enable_gc()
         if self._follow_task is not None:
             self._follow_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.routed_experts import decode_npy_b64
 from backends.sim.engine import EngineSettings
@@ -86,6 +88,41 @@ async def test_concurrent_streams_while_updates_fire(
         assert versions == sorted(versions)
         spanning += len(set(versions)) > 1
     assert spanning > n // 2
+
+
+async def test_each_preempted_request_reports_its_dispatch_once(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """One update preempts n streams: the dispatch histogram gets one observation per continuation, measured from
+    the release of the held requests; the cyclic GC, deferred while they are re-sent, is back on afterwards."""
+    sims = [await make_sim(*slow("vllm", 0.005)), await make_sim(*slow("sglang", 0.005))]
+    gw = await make_gateway(sims)
+    n, total = 30, 200
+    streams = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n))
+    prompts = [[9, i, 4] for i in range(n)]
+    progress = [0]
+    tasks = [
+        asyncio.create_task(stream_generate(streams, gw.url, generate_body(p, total, session_id=f"d{i}"), progress))
+        for i, p in enumerate(prompts)
+    ]
+    pool = gw.services.pool
+    await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="n streams under way")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    results = await asyncio.gather(*tasks)
+    await streams.aclose()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.error is None and result.final["num_resumes"] == 1
+        assert result.output_ids == expected_tokens(prompt, result.final["versions"], total)
+    assert gw.services.generator.preemptions_total == n
+    observed = {
+        s.name: s.value
+        for family in text_string_to_metric_families(gw.services.metrics.render().decode())
+        for s in family.samples
+        if s.name.startswith("rollout_gateway_resume_dispatch_seconds_")
+    }
+    assert observed["rollout_gateway_resume_dispatch_seconds_count"] == n
+    assert observed["rollout_gateway_resume_dispatch_seconds_sum"] >= 0
+    assert gc.isenabled()
 
 
 async def test_replica_killed_mid_generation_completes_elsewhere(

@@ -104,6 +104,8 @@ async def test_metrics_after_generation_and_an_update(
     assert resumes >= 1 and value(m, "rollout_gateway_preemptions_total") >= 1
     assert value(m, "rollout_gateway_resume_latency_seconds_count") == resumes  # every resume produced tokens
     assert value(m, "rollout_gateway_resume_latency_seconds_sum") > 0
+    # Every preempted segment's continuation was sent once (no replica failed here).
+    assert value(m, "rollout_gateway_resume_dispatch_seconds_count") == value(m, "rollout_gateway_preemptions_total")
     replicas = [r.id for r in gw.services.pool.all()]
     for replica in replicas:
         assert value(m, "rollout_gateway_in_flight", replica=replica) == 0
@@ -196,12 +198,15 @@ def test_hooks_record_updates_and_resumes() -> None:
     metrics = GatewayMetrics()
     metrics.bind(pool, weights, generator, _Store("ok"))  # type: ignore[arg-type]
     assert generator.on_resume == metrics.observe_resume and weights.on_update == [metrics.observe_update]
+    assert generator.on_dispatch == metrics.observe_dispatch
     metrics.observe_update(UpdateReport(1, "abort", duration_s=0.5))
     metrics.observe_update(UpdateReport(2, "abort"))  # out-of-band resume: no duration measured, nothing observed
     generator.on_resume(0.2)
+    generator.on_dispatch(0.01)
     text = metrics.render().decode()
     assert "rollout_gateway_weight_update_seconds_count 1.0" in text
     assert "rollout_gateway_resume_latency_seconds_count 1.0" in text
+    assert "rollout_gateway_resume_dispatch_seconds_count 1.0" in text
     with pytest.raises(RuntimeError):
         metrics.bind(pool, weights, generator, _Store("ok"))  # type: ignore[arg-type]
 
