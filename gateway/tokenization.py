@@ -123,6 +123,12 @@ class ChatTokenizer:
         added = self._backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._end_of_turn = self._probe_end_of_turn()
+        # What `_render_delta_by_text` needs: the texts of every added token, and of the stop tokens that can
+        # end a turn's rendering, provided none of those strips whitespace around it (else: no text path).
+        self._added_texts = tuple(token.content for token in added.values() if token.content)
+        stops = [added.get(i) for i in self.stop_token_ids]
+        exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
+        self._stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
 
     @classmethod
     def load(cls, path: Path | str, *, sanitize_control_tokens: bool = True) -> ChatTokenizer:
@@ -261,6 +267,20 @@ class ChatTokenizer:
         `max_tokens`), the caller appends `end_of_turn_id` itself; the delta never contains the reply's tokens.
         """
         tools_before = tools if isinstance(previous_tools, EllipsisType) else previous_tools
+        delta = self._render_delta_by_text(previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
+        if delta is not None:
+            return delta
+        return self._render_delta_by_ids(previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
+
+    def _render_delta_by_ids(
+        self,
+        previous_messages: Sequence[Message],
+        new_messages: Sequence[Message],
+        tools_before: Sequence[Tool] | None,
+        tools: Sequence[Tool] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> list[int]:
+        """`render_delta` by tokenizing both whole conversations: the reference, and the fallback of the text path."""
         prefix = self.render_prefix(previous_messages, tools_before, chat_template_kwargs=chat_template_kwargs)
         full = self.render(new_messages, tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
         if full[: len(prefix)] != prefix:
@@ -270,6 +290,42 @@ class ChatTokenizer:
                 position=position,
             )
         return full[len(prefix) :]
+
+    def _render_delta_by_text(
+        self,
+        previous_messages: Sequence[Message],
+        new_messages: Sequence[Message],
+        tools_before: Sequence[Tool] | None,
+        tools: Sequence[Tool] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> list[int] | None:
+        """`render_delta` tokenizing only the new tail, or None where that is not provably the same ids.
+
+        Tokenizing dominates rendering (a 40-turn, 47k-token conversation: ~0.5 ms to render the template's text,
+        ~27 ms to tokenize it), and tokenizing the whole conversation at every turn makes an episode quadratic.
+        The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
+        an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
+        previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
+        here) the stop tokens strip nothing, the previous rendering ends with one, and no message, tool or
+        template argument contains the text of an added token (which sanitization would encode as plain text,
+        and which could fake the boundary). Otherwise the caller tokenizes both conversations.
+        """
+        if not previous_messages or not self._stop_texts:
+            return None
+        if _contains_any(
+            self._added_texts, (previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
+        ):
+            return None
+        prefix_text = cast(
+            str, self._apply(previous_messages, tools_before, False, chat_template_kwargs, tokenize=False)
+        )
+        cut = max(prefix_text.rfind(stop) + len(stop) if stop in prefix_text else -1 for stop in self._stop_texts)
+        if cut < 0:
+            return None
+        full_text = cast(str, self._apply(new_messages, tools, True, chat_template_kwargs, tokenize=False))
+        if not full_text.startswith(prefix_text[:cut]):
+            return None  # the slow path says where the ids differ (NotAPrefix)
+        return self.encode(full_text[cut:])
 
     def _apply(
         self,
@@ -302,6 +358,17 @@ class ChatTokenizer:
         except InvalidRequest:  # a template with unusual demands: fall back to the EOS alone
             return self._eos
         return next((i for i in reversed(ids) if i in self._special_ids), self._eos)
+
+
+def _contains_any(needles: Sequence[str], value: object) -> bool:
+    """Whether any string inside `value` (nested dicts, lists and tuples; keys too) contains one of `needles`."""
+    if isinstance(value, str):
+        return any(needle in value for needle in needles)
+    if isinstance(value, Mapping):
+        return any(_contains_any(needles, k) or _contains_any(needles, v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_contains_any(needles, item) for item in value)
+    return False
 
 
 def _end_after_last(ids: list[int], stops: Sequence[int]) -> int:
