@@ -476,15 +476,20 @@ class TrajectoryStore:
     # -- sessions -------------------------------------------------------------------------------------------
 
     async def create_session(
-        self, metadata: dict[str, Any] | None = None, session_id: str | None = None
+        self, metadata: dict[str, Any] | None = None, session_id: str | None = None, *, fresh: bool = False
     ) -> SessionMeta:
         """A new active session (a fresh uuid unless `session_id` is given).
 
         An existing active session of that id is returned as is (and counts as activity); a finished or
         abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
         `rg:pending` ≥ `max_pending`. Concurrent creations of one id yield one session (WATCH).
+
+        `fresh`: the caller has just made `session_id` up from a uuid, so no one else can know it; the session is
+        written without looking for an existing one (two round trips instead of six). A generated id is fresh.
         """
-        session_id = uuid.uuid4().hex if session_id is None else _check_session_id(session_id)
+        if session_id is None or fresh:
+            return await self._create_fresh(metadata, uuid.uuid4().hex if session_id is None else session_id)
+        session_id = _check_session_id(session_id)
         existing = await self._read_and_touch(session_id)
         if existing is not None:
             if existing.status != "active":
@@ -497,6 +502,24 @@ class TrajectoryStore:
         await _call(self.client.zadd(self.keys.active_sessions, {session_id: now}, nx=True), "index session")
         before = await self._transact(session_id, functools.partial(self._plan_create, meta), "create session")
         return meta if before is None else await self._reuse(before)
+
+    async def _create_fresh(self, metadata: dict[str, Any] | None, session_id: str) -> SessionMeta:
+        """Write a session whose id nobody else knows: backpressure, then index and meta in one round trip."""
+        await self._check_backpressure()
+        now = time.time()
+        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
+        key = self.keys.meta(session_id)
+        try:
+            # In order on one connection, not a transaction (the index and the meta live in different slots of a
+            # cluster): index first, data second, as `create_session` does.
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(self.keys.active_sessions, {session_id: now}, nx=True)
+                pipe.hset(key, mapping=meta.to_redis())  # type: ignore[arg-type]
+                pipe.expire(key, self._active_ttl_s)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StoreError(f"redis: create session failed: {exc}") from exc
+        return meta
 
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
         """The session named by a client (header or body), created on first use; see `create_session`."""

@@ -114,7 +114,7 @@ class TurnRunner:
         """Record the session in Redis, after the request was validated (a refused request stores nothing).
         A new session is refused with 429 while the trainer lags (backpressure)."""
         if one_turn:
-            await self.store.create_session({"one_turn": True}, session_id)
+            await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # a uuid we just made
             return
         meta = await self.store.ensure_session(session_id, {})
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
