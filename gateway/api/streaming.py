@@ -20,7 +20,12 @@ SERVER_SEND = "rollout_gateway.server_send"
 
 
 class GatewayApp(FastAPI):
-    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`."""
+    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`.
+
+    The `send` kept is the one this app was called with, so middlewares *around* the app still see every
+    message; middlewares added *to* it (`add_middleware`) see only the head of a stream, and so must not
+    transform response bodies (compression, say): none of the gateway's does.
+    """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
