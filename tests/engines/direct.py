@@ -75,6 +75,23 @@ async def wait_metric(
         await asyncio.sleep(0.1)
 
 
+async def _flush_when_idle(http: httpx.AsyncClient, server: EngineServer, timeout: float = 30.0) -> None:
+    """SGLang `/flush_cache`, retried while it answers 400: the scheduler refuses unless it is fully idle, and its
+    own `/health` runs a one-token generation, so a health probe (the gateway's, every few seconds) queued at that
+    moment refuses the flush (seen in CI: "#queue-req: 1" right after a test). Still refused after `timeout`: a
+    request was left running in the engine, which is a failure."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await http.post(f"{server.url}/flush_cache", timeout=120.0)
+        if response.status_code == 200:
+            return
+        assert response.status_code == 400 and time.monotonic() < deadline, (
+            f"{server.url}/flush_cache: {response.status_code} {response.text[:300]} "
+            f"({await metric(http, server, 'sglang:num_running_reqs')} requests still running)"
+        )
+        await asyncio.sleep(0.2)
+
+
 async def restore(http: httpx.AsyncClient, server: EngineServer) -> None:
     """Back to the served checkpoint, labelled "default", not paused, with an empty prefix cache."""
     model = str(server.model_path)
@@ -90,6 +107,6 @@ async def restore(http: httpx.AsyncClient, server: EngineServer) -> None:
     await _post(http, f"{server.url}/continue_generation", {})
     update = {"model_path": model, "weight_version": RESTORE_VERSION, "flush_cache": True}
     await _post(http, f"{server.url}/update_weights_from_disk", update)
-    await _post(http, f"{server.url}/flush_cache")
+    await _flush_when_idle(http, server)
     info = await http.get(f"{server.url}/model_info")
     assert info.json()["weight_version"] == RESTORE_VERSION
