@@ -203,9 +203,7 @@ async def sse_batches(
                         done = True
                         break
                     payload = orjson.loads(payload_bytes)
-                    # Cheap pre-check per event; error_event_status has the rules.
-                    maybe_error = type(payload) is dict and ("error" in payload or payload.get("object") == "error")
-                    error = error_event_status(payload) if maybe_error else None
+                    error = error_event_status(payload)
                     if error is not None:
                         if batch:
                             yield batch

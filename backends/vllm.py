@@ -214,7 +214,7 @@ class VllmBackend(HttpEngineBackend):
                             elif chunk.token_ids:
                                 deltas.append(chunk)
                 if deltas:
-                    yield deltas[0] if len(deltas) == 1 else merge_deltas(deltas)
+                    yield merge_deltas(deltas)  # a single event passes through as it is
         if final is None:
             raise BackendUnavailable(
                 f"replica {self.id}: the stream ended before the request finished", replica=self.id

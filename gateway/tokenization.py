@@ -193,7 +193,7 @@ class ChatTokenizer:
         *,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The template's text for `messages` (for logs and tests; the gateway sends `render`'s ids)."""
+        """The template's text for `messages` (what `render` tokenizes; `render_delta` compares texts with it)."""
         out = self._apply(messages, tools, add_generation_prompt, chat_template_kwargs, tokenize=False)
         return cast(str, out)
 
@@ -316,13 +316,13 @@ class ChatTokenizer:
             self._added_texts, (previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
         ):
             return None
-        prefix_text = cast(
-            str, self._apply(previous_messages, tools_before, False, chat_template_kwargs, tokenize=False)
+        prefix_text = self.render_text(
+            previous_messages, tools_before, False, chat_template_kwargs=chat_template_kwargs
         )
         cut = max(prefix_text.rfind(stop) + len(stop) if stop in prefix_text else -1 for stop in self._stop_texts)
         if cut < 0:
             return None
-        full_text = cast(str, self._apply(new_messages, tools, True, chat_template_kwargs, tokenize=False))
+        full_text = self.render_text(new_messages, tools, True, chat_template_kwargs=chat_template_kwargs)
         if not full_text.startswith(prefix_text[:cut]):
             return None  # the slow path says where the ids differ (NotAPrefix)
         return self.encode(full_text[cut:])
