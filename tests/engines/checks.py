@@ -18,7 +18,7 @@ import numpy as np
 from backends.routed_experts import decode_npy_b64
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN
-from tests.engines.direct import greedy, metric, prompt_of
+from tests.engines.direct import flush, greedy, metric, prompt_of
 from tests.engines.servers import EngineServer
 from tests.gateway_helpers import Streamed, generate_body, stream_generate
 from tests.sim_helpers import wait_for
@@ -287,12 +287,6 @@ async def continuation_hits_the_prefix_cache(
     hits = await metric(http, server, hits_metric) - before
     assert hits >= (len(follow) - 1) // block * block >= len(prompt) // block * block > 0
     return hits
-
-
-async def flush(http: httpx.AsyncClient, server: EngineServer) -> None:
-    path = "/reset_prefix_cache" if server.kind == "vllm" else "/flush_cache"
-    response = await http.post(f"{server.url}{path}")
-    assert response.status_code == 200, response.text
 
 
 def experts_shape(server: EngineServer) -> tuple[int, int, int]:

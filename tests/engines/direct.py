@@ -75,11 +75,14 @@ async def wait_metric(
         await asyncio.sleep(0.1)
 
 
-async def _flush_when_idle(http: httpx.AsyncClient, server: EngineServer, timeout: float = 30.0) -> None:
-    """SGLang `/flush_cache`, retried while it answers 400: the scheduler refuses unless it is fully idle, and its
-    own `/health` runs a one-token generation, so a health probe (the gateway's, every few seconds) queued at that
-    moment refuses the flush (seen in CI: "#queue-req: 1" right after a test). Still refused after `timeout`: a
-    request was left running in the engine, which is a failure."""
+async def flush(http: httpx.AsyncClient, server: EngineServer, timeout: float = 30.0) -> None:
+    """Empty the engine's prefix cache. vLLM: `/reset_prefix_cache`. SGLang: `/flush_cache`, retried while it
+    answers 400: the scheduler refuses unless it is fully idle, and its own `/health` runs a one-token generation,
+    so a health probe (the gateway's, every few seconds) queued at that moment refuses the flush (seen in CI:
+    "#queue-req: 1"). Still refused after `timeout`: a request was left running in the engine, a failure."""
+    if server.kind == "vllm":
+        await _post(http, f"{server.url}/reset_prefix_cache")
+        return
     deadline = time.monotonic() + timeout
     while True:
         response = await http.post(f"{server.url}/flush_cache", timeout=120.0)
@@ -100,13 +103,13 @@ async def restore(http: httpx.AsyncClient, server: EngineServer) -> None:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": model}}
         await _post(http, f"{server.url}/collective_rpc", rpc)
         await _post(http, f"{server.url}/update_weight_version", {"new_version": RESTORE_VERSION})
-        await _post(http, f"{server.url}/reset_prefix_cache")
+        await flush(http, server)
         info = await http.get(f"{server.url}/weight_info")
         assert info.json()["weight_version"] == RESTORE_VERSION
         return
     await _post(http, f"{server.url}/continue_generation", {})
     update = {"model_path": model, "weight_version": RESTORE_VERSION, "flush_cache": True}
     await _post(http, f"{server.url}/update_weights_from_disk", update)
-    await _flush_when_idle(http, server)
+    await flush(http, server)
     info = await http.get(f"{server.url}/model_info")
     assert info.json()["weight_version"] == RESTORE_VERSION
