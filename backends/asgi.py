@@ -1,9 +1,15 @@
-"""ASGI helpers shared by the gateway's routes and the simulator: noticing that an HTTP client went away."""
+"""ASGI helpers shared by the gateway's routes and the simulator: noticing that an HTTP client went away.
+
+ASGI reports a disconnect only to a pending `receive()`, so noticing one needs a task that waits there. That task
+costs as much as a short request's whole route logic, and almost every request ends long before its client could
+leave; so the watcher can start late (`watch_after_s`): a request that ends before then never makes one, and one
+that runs longer notices a disconnect at most that much later. The work itself always runs in the caller's task
+(timeouts and cancel scopes inside it keep working); the watcher cancels that task when the client is gone.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -26,60 +32,98 @@ async def watch_disconnect(request: Request, on_disconnect: Callable[[], object]
             return
 
 
-async def unless_disconnected(request: Request, awaitable: Awaitable[T], on_disconnect: Callable[[], object]) -> T:
+class _DisconnectWatch:
+    """Watches one request for a disconnect, from `watch_after_s` on, and cancels `task` while it `waiting`."""
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], object], watch_after_s: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.request = request
+        self.on_disconnect = on_disconnect
+        self.gone = False
+        self.waiting = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        if watch_after_s > 0:
+            self._timer = asyncio.get_running_loop().call_later(watch_after_s, self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(watch_disconnect(self.request, self._disconnected))
+
+    def _disconnected(self) -> None:
+        self.gone = True
+        self.on_disconnect()
+        if self.waiting:
+            self.task.cancel()
+
+    def absorb(self) -> bool:
+        """In an `except CancelledError`: True if the cancellation was this watch's (absorbed: the client left)."""
+        if not self.gone:
+            return False
+        self.task.uncancel()
+        return True
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            # Await it so that it never outlives the request: wait() neither raises nor absorbs a cancellation
+            # of the caller's own task.
+            await asyncio.wait((self._watcher,))
+
+
+async def unless_disconnected(
+    request: Request, awaitable: Awaitable[T], on_disconnect: Callable[[], object], watch_after_s: float = 0.0
+) -> T:
     """Await `awaitable`; if the client disconnects first, call `on_disconnect`, cancel the work and raise
-    `ClientDisconnected` (answer it with `disconnected_response`: nobody is there to read it)."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.create_task(watch_disconnect(request, on_disconnect))
+    `ClientDisconnected` (answer it with `disconnected_response`: nobody is there to read it). A disconnect is
+    noticed from `watch_after_s` after the call on (see the module docstring)."""
+    watch = _DisconnectWatch(request, on_disconnect, watch_after_s)
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            raise ClientDisconnected("client disconnected")
-        return work.result()
+        watch.waiting = True
+        return await awaitable
+    except asyncio.CancelledError:
+        if not watch.absorb():
+            raise
+        raise ClientDisconnected("client disconnected") from None
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        watch.waiting = False
+        await watch.close()
 
 
-async def relay_until_disconnected(request: Request, items: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+async def relay_until_disconnected(
+    request: Request, items: AsyncGenerator[T, None], watch_after_s: float = 0.0
+) -> AsyncIterator[T]:
     """Relay `items` from a streaming response body until the client disconnects.
 
     A disconnect is noticed even while no item is due (a send-free wait would never see it): the task is
     cancelled if it is waiting on `items` at that moment, the cancellation is absorbed here, and `items` is
     closed, which is how the producer (generation) learns that the caller left. Everything runs in the
-    response's own task, so timeouts and cancel scopes inside `items` keep working.
+    response's own task, so timeouts and cancel scopes inside `items` keep working. A disconnect is noticed from
+    `watch_after_s` after the first item was asked for on (see the module docstring).
     """
-    task = asyncio.current_task()
-    assert task is not None
-    state = {"waiting": False, "gone": False}
-
-    def on_disconnect() -> None:
-        state["gone"] = True
-        if state["waiting"]:
-            task.cancel()
-
-    watcher = asyncio.create_task(watch_disconnect(request, on_disconnect))
+    watch = _DisconnectWatch(request, lambda: None, watch_after_s)
     try:
-        while not state["gone"]:
-            state["waiting"] = True
+        while not watch.gone:
+            watch.waiting = True
             try:
                 item = await anext(items)
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                if not state["gone"]:
+                if not watch.absorb():
                     raise
-                task.uncancel()
                 return
             finally:
-                state["waiting"] = False
+                watch.waiting = False
             yield item
     finally:
-        watcher.cancel()
+        await watch.close()
         await items.aclose()
 
 

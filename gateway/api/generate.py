@@ -17,7 +17,7 @@ from backends.errors import GatewayError
 from backends.routed_experts import encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.limits import check_max_tokens
-from gateway.api.streaming import GuardedStreamingResponse
+from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 
@@ -126,7 +126,7 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
             pass
 
     try:
-        await unless_disconnected(raw, run(), lambda: None)
+        await unless_disconnected(raw, run(), lambda: None, DISCONNECT_WATCH_AFTER_S)
     finally:
         lease.release()
     result = _final(state, body)
@@ -138,7 +138,7 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
 async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: GenerateBody) -> AsyncIterator[bytes]:
     state = GenerationState(request)
     try:
-        async for delta in relay_until_disconnected(raw, stream(request, state)):
+        async for delta in relay_until_disconnected(raw, stream(request, state), DISCONNECT_WATCH_AFTER_S):
             yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}

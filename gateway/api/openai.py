@@ -20,7 +20,7 @@ from backends.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.api.streaming import GuardedStreamingResponse
+from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
 from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
@@ -77,7 +77,7 @@ async def _prepare(
 async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) -> None:
     """Generate every choice (aborted if the client leaves), then record the turn."""
     try:
-        await unless_disconnected(raw, runner.run(prepared), lambda: None)
+        await unless_disconnected(raw, runner.run(prepared), lambda: None, DISCONNECT_WATCH_AFTER_S)
     finally:
         await runner.close(prepared)
 
@@ -279,7 +279,7 @@ async def _relay(
     The turn is recorded before `[DONE]`, so an agent that finishes its session right after a streamed turn
     never races that turn's write (the trainer would get the trajectory without it)."""
     try:
-        async for chunk in relay_until_disconnected(raw, chunks):
+        async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
             yield chunk
         await runner.close(prepared)
         yield b"data: [DONE]\n\n"

@@ -18,6 +18,11 @@ from starlette.types import Receive, Scope, Send
 SERVER_SEND = "rollout_gateway.server_send"
 """Scope key of the ASGI server's `send`, as the server passed it to the application."""
 
+DISCONNECT_WATCH_AFTER_S = 0.25
+"""How long a request runs before the gateway starts watching for its client's disconnect (`backends.asgi`): most
+requests end sooner and never pay for a watcher task; a client that leaves is noticed at most this late, and the
+engine request it abandoned is aborted then."""
+
 
 class GatewayApp(FastAPI):
     """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`.

@@ -1,0 +1,96 @@
+"""Noticing a client's disconnect (`backends.asgi`), driven through the ASGI receive channel itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from backends.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
+
+
+class Channel:
+    """An ASGI `receive` whose client leaves when told to; counts the calls (each one is a watcher waiting)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.left = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        self.calls += 1
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    def request(self) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, self.receive)
+
+
+async def test_a_request_that_ends_before_the_watch_starts_never_waits_on_receive() -> None:
+    channel = Channel()
+
+    async def quick() -> str:
+        await asyncio.sleep(0)
+        return "done"
+
+    assert await unless_disconnected(channel.request(), quick(), lambda: None, watch_after_s=0.5) == "done"
+    await asyncio.sleep(0.6)  # past the start the watch would have had
+    assert channel.calls == 0
+
+
+async def test_a_late_watch_still_cancels_work_whose_client_left() -> None:
+    channel = Channel()
+    noticed: list[bool] = []
+    cancelled = asyncio.Event()
+
+    async def endless() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    channel.left.set()  # gone before the watch starts: noticed once it does
+    with pytest.raises(ClientDisconnected):
+        await asyncio.wait_for(
+            unless_disconnected(channel.request(), endless(), lambda: noticed.append(True), watch_after_s=0.05), 5
+        )
+    assert noticed == [True] and cancelled.is_set() and channel.calls == 1
+
+
+async def test_a_cancellation_from_elsewhere_is_not_taken_for_a_disconnect() -> None:
+    channel = Channel()
+    started = asyncio.Event()
+
+    async def endless() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(unless_disconnected(channel.request(), endless(), lambda: None, watch_after_s=0))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert channel.calls == 1
+
+
+async def test_a_relay_stops_and_closes_its_source_when_the_client_leaves_mid_stream() -> None:
+    channel = Channel()
+    closed = asyncio.Event()
+
+    async def items() -> AsyncGenerator[int, None]:
+        try:
+            yield 1
+            await asyncio.sleep(60)  # the next item never comes: only the watch can end the relay
+            yield 2
+        finally:
+            closed.set()
+
+    got = []
+    relay = relay_until_disconnected(channel.request(), items(), watch_after_s=0.05)
+    async for item in relay:
+        got.append(item)
+        channel.left.set()
+    assert got == [1] and closed.is_set()
