@@ -89,6 +89,13 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+def is_redis(pid: int) -> bool:
+    """Whether a live process is a redis-server (the embedded Redis a gateway starts)."""
+    with contextlib.suppress(OSError):
+        return "redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    return False
+
+
 def pin_process(pid: int, cpus: set[int] | None) -> None:
     """Move every thread of a live process onto `cpus` (None: leave it alone); threads it starts later inherit."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
@@ -140,6 +147,7 @@ class GatewayProcess:
     settings: dict[str, Any] = field(default_factory=dict)
     startup_timeout_s: float = 60.0
     cpus: set[int] | None = None  # pin the gateway (and so its embedded Redis) to these CPUs
+    workers: int = 1  # `serve --workers N`: a supervisor and N gateway processes (`worker_pids`)
     url: str = ""
     process: subprocess.Popen[bytes] | None = None
     _dir: Path | None = None
@@ -150,6 +158,14 @@ class GatewayProcess:
 
     def cpu_seconds(self) -> float | None:
         return cpu_seconds(self.pid)
+
+    def worker_pids(self) -> list[int]:
+        """The gateway processes: the one `serve` process, or the supervisor's workers with `workers > 1`."""
+        if self.pid is None:
+            return []
+        if self.workers == 1:
+            return [self.pid]
+        return [pid for pid in child_pids(self.pid) if not is_redis(pid)]
 
     def _config(self, port: int) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -177,6 +193,8 @@ class GatewayProcess:
         config_file = self._dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(self._config(port)))
         command = [*_gateway_command(), "serve", "--config", str(config_file), "--log-level", "warning"]
+        if self.workers > 1:
+            command += ["--workers", str(self.workers)]
         with (self._dir / "gateway.log").open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pinned(self.cpus))
         self.url = f"http://127.0.0.1:{port}"
