@@ -11,7 +11,9 @@ What runs where (written for a 2-core machine; with more cores the same split ap
   session id), `gateway` (`rollout-gateway serve`, with its embedded redis-server child, also on core 1;
   `gateway-generate` is the same process driven through its token-in/token-out `POST /generate`),
   `sglang-manual` (sglang-router `--policy manual`: sticky on `X-SMG-Routing-Key`), `vllm-consistent_hash` and
-  `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`); optional `sglang-cache_aware`. All
+  `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`), `python-relay` (`benchmarks/python_relay.py`:
+  a pass-through relay on the gateway's own stack, uvicorn + aiohttp, the floor of that stack); optional
+  `sglang-cache_aware`. All
   targets are started once and stay up (idle ones cost nothing measurable); each fronts both replicas;
 * the load generator (`python -m benchmarks.loadgen`, see there) in its own process on core 0, one per timed
   run, loopback only, bounded in requests and time (`--timeout` per run).
@@ -87,6 +89,7 @@ ALL_TARGETS = (
     "vllm-consistent_hash",
     "vllm-sticky_least_loaded",
     "sglang-cache_aware",
+    "python-relay",
 )
 DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
 
@@ -255,6 +258,8 @@ class RouterProcess:
 
 def router_command(target: str) -> list[str] | None:
     """The command line of a router target, or None where its package is not installed."""
+    if target == "python-relay":
+        return [sys.executable, str(REPO_ROOT / "benchmarks" / "python_relay.py")]
     family, policy = target.split("-", 1)
     if family == "sglang":
         if importlib.util.find_spec("sglang_router") is None:

@@ -53,3 +53,13 @@ async def test_rust_routers_end_to_end() -> None:
     for run in results["multiturn"].values():
         assert (run.ok, run.errors, sum(run.per_replica), run.pairs) == (9, 0, 9, 6)
         assert run.same == 6  # both are sticky on the session header
+
+
+async def test_python_relay_end_to_end() -> None:
+    """The stack's floor row relays every stream and turn intact (it parses nothing, so a bad relay shows here)."""
+    options = tiny_options(("python-relay",))
+    results = await run_all(options, Console(file=io.StringIO()))
+    stream, multi = (results[w.name]["python-relay"] for w in options.workloads)
+    assert (stream.ok, stream.errors, stream.tokens, stream.error_samples) == (2, 0, 16, [])
+    assert (multi.ok, multi.errors, sum(multi.per_replica), multi.pairs) == (9, 0, 9, 6)
+    assert multi.same == 6  # sticky by a hash of the session header
