@@ -9,16 +9,19 @@ throughput of the run itself says little):
 
 * **no work added per request by running N processes**: CPU per request, summed over the workers (utime +
   stime from /proc, around the timed part only), compared with one process;
-* **an even spread**: the workers share one listening socket, and the kernel hands each new connection to a
-  worker that is waiting in accept; a client keeps its connection (keep-alive), so the spread of `--agents`
-  connections at the start decides each worker's share of the run. The busiest worker's share of the CPU is
-  shown: on N dedicated cores that worker saturates first;
+* **an even spread**: on Linux each worker listens on a socket of its own on the one port (SO_REUSEPORT) and the
+  kernel hashes new connections over them; a client keeps its connection (keep-alive), so the spread of
+  `--agents` connections decides each worker's share of the run. The busiest worker's share of the CPU is shown:
+  on N dedicated cores that worker saturates first;
 * **no shared bottleneck**: the only shared component is Redis (sessions, trajectories; `/generate` does not
   use it), one single-threaded process: its CPU per request bounds the whole gateway at 1 / that.
 
-From those: **projected req/s on N dedicated cores** = 1 / (busiest share × CPU per request), capped by the Redis
-bound, and **scaling efficiency** = that ÷ (N × one process's 1 / CPU per request). Runs alternate the worker
-counts (forward, then backward) so that drift in the machine's speed falls on all of them alike.
+From those: **balance** = 1 / (N × busiest share), **projected req/s on N dedicated cores** = 1 / (busiest share ×
+CPU per request), capped by the Redis bound, and **scaling efficiency** = that ÷ (N × one process's 1 / CPU per
+request). Where the workers outnumber the free cores, CPU per request grows with N for reasons that dedicated
+cores would not have (time slicing; less work per event-loop pass), so the efficiency is then a lower bound.
+Runs alternate the worker counts (forward, then backward) so that drift in the machine's speed falls on all of
+them alike.
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ def report(console: Console, options: Options, rows: dict[tuple[str, int], Row])
         for n in options.workers:
             row = rows[(api, n)]
             if not row.cpu_ms:
-                table.append([str(n), "—", "—", "—", "—", "—", "—", "—", str(row.errors)])
+                table.append([str(n), *["—"] * 9, str(row.errors)])
                 continue
             cpu, redis, busiest = (statistics.median(v) for v in (row.cpu_ms, row.redis_ms, row.busiest))
             projected = 1e3 / (busiest * cpu)
@@ -158,6 +161,7 @@ def report(console: Console, options: Options, rows: dict[tuple[str, int], Row])
                     f"{cpu:.3f}",
                     f"{cpu / statistics.median(base.cpu_ms):.2f}",
                     f"{busiest:.0%}",
+                    f"{1 / (n * busiest):.2f}",
                     f"{redis:.3f}",
                     "—" if redis_bound == float("inf") else f"{redis_bound:,.0f}",
                     f"{capped:,.0f}",
@@ -174,6 +178,7 @@ def report(console: Console, options: Options, rows: dict[tuple[str, int], Row])
                 "CPU ms/req",
                 "÷ first",
                 "busiest worker",
+                "balance",
                 "Redis ms/req",
                 "Redis bound req/s",
                 "projected req/s",
@@ -184,11 +189,12 @@ def report(console: Console, options: Options, rows: dict[tuple[str, int], Row])
         )
     console.print(
         "[dim]How to read this:[/] medians over the rounds. CPU = all workers' utime+stime per request; ÷ first = "
-        "against the first worker count. busiest worker = its share of that CPU (1/N is even). projected req/s = "
-        "what N dedicated cores would serve, 1 / (busiest share × CPU per request), capped by the Redis bound "
-        "(1 / Redis CPU per request: one single-threaded Redis for all workers). efficiency = projected ÷ (N × one "
-        "process's 1 / CPU per request). req/s here = this machine, where the replicas and the load generator "
-        "share the cores."
+        "against the first worker count: where N workers, the replicas and the load generator share fewer cores, "
+        "it grows with N (time slicing, and less work per event-loop pass), so efficiency is a lower bound there. "
+        "busiest worker = its share of that CPU (1/N is even); balance = 1 / (N × that share), the efficiency on "
+        "dedicated cores if CPU per request stayed that of one process. projected req/s = 1 / (busiest share × CPU "
+        "per request), capped by the Redis bound (1 / Redis CPU per request: one single-threaded Redis for all "
+        "workers). efficiency = projected ÷ (N × one process's 1 / CPU per request). req/s here = this machine."
     )
 
 

@@ -1,8 +1,12 @@
 """Several gateway processes on one port and one Redis (DESIGN §13): `rollout-gateway serve --workers N`.
 
-One gateway process is one event loop, so one core. To use N cores the supervisor here binds the listening socket
-once, starts the embedded Redis once (when `redis.url` is empty) and forks N workers that all accept on that
-socket; the kernel spreads connections over them. Nothing else is shared in memory: placement is rendezvous
+One gateway process is one event loop, so one core. To use N cores the supervisor here binds the port, starts the
+embedded Redis once (when `redis.url` is empty) and forks N workers. On Linux each worker gets a listening socket
+of its own on that port (SO_REUSEPORT), and the kernel spreads new connections over them by a hash of their
+addresses: an even split, whatever each worker is doing when a burst of clients connects. (With one socket shared
+by all, whichever worker wakes first takes what is queued; agents keep their connections, so a lopsided start stays
+lopsided: `benchmarks/scaling.py` measured a worker with 8 % of the load beside one with 37 %.) Elsewhere the
+workers share one socket. Nothing else is shared in memory: placement is rendezvous
 hashing, sessions and trajectories live in Redis, and weight updates are coordinated through Redis (one process
 takes the update lock, the others follow), exactly as for gateways on separate hosts.
 
@@ -20,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from types import FrameType
@@ -29,23 +34,49 @@ from gateway.embedded_redis import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["listening_socket", "serve_workers"]
+__all__ = ["listening_socket", "listening_sockets", "serve_workers"]
+
+# Only Linux balances connections over the sockets of a SO_REUSEPORT group; BSD and macOS give them all to one.
+_REUSEPORT_BALANCES = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A bound, listening TCP socket the workers inherit (IPPROTO_TCP: asyncio then sets TCP_NODELAY on accepts)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
-def _worker(settings: Settings, sock: socket.socket, log_level: str) -> None:
+@contextlib.contextmanager
+def listening_sockets(host: str, port: int, count: int) -> Iterator[list[socket.socket]]:
+    """`count` sockets on one port, one per worker, where the kernel balances them (see the module docstring);
+    otherwise one socket for all. Port 0 picks a free port for the first; the others join it. Closed on exit."""
+    with contextlib.ExitStack() as stack:
+        if count == 1 or not _REUSEPORT_BALANCES:
+            yield [stack.enter_context(listening_socket(host, port))]
+            return
+        first = stack.enter_context(listening_socket(host, port, reuse_port=True))
+        port = first.getsockname()[1]
+        yield [first] + [stack.enter_context(listening_socket(host, port, reuse_port=True)) for _ in range(count - 1)]
+
+
+def _worker(settings: Settings, socks: Sequence[socket.socket], index: int, log_level: str) -> None:
     import uvicorn
 
+    sock = socks[index % len(socks)]
+    for other in socks:  # inherited with the fork: only the supervisor and the owner may hold a socket open
+        if other is not sock:
+            other.close()
     from gateway.app import create_app
     from gateway.server import uvicorn_config
 
@@ -74,9 +105,10 @@ def serve_workers(settings: Settings, workers: int, log_level: str = "info") -> 
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     context = multiprocessing.get_context("fork")  # before any event loop or thread exists in this process
-    with _shared_redis(settings) as shared, listening_socket(shared.server.host, shared.server.port) as sock:
+    server = settings.server
+    with _shared_redis(settings) as shared, listening_sockets(server.host, server.port, workers) as socks:
         processes = [
-            context.Process(target=_worker, args=(shared, sock, log_level), name=f"gateway-{i}", daemon=False)
+            context.Process(target=_worker, args=(shared, socks, i, log_level), name=f"gateway-{i}", daemon=False)
             for i in range(workers)
         ]
         for process in processes:
@@ -84,10 +116,15 @@ def serve_workers(settings: Settings, workers: int, log_level: str = "info") -> 
         logger.info(
             "serving on http://%s:%d with %d worker processes (pids %s)",
             shared.server.host,
-            shared.server.port,
+            socks[0].getsockname()[1],
             workers,
             ", ".join(str(p.pid) for p in processes),
         )
+        if len(socks) > 1:
+            # Each socket now lives in its worker alone: when one worker ends, its socket leaves the port's group
+            # and the kernel stops sending new connections there.
+            for sock in socks:
+                sock.close()
         stopping = False
 
         def stop(signum: int, _: FrameType | None) -> None:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,29 @@ def test_serve_starts_from_the_repository_config_yaml() -> None:
         assert "Application shutdown complete" in (process.stderr.read() if process.stderr else "")
 
 
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` (state 0A in /proc/net/tcp and tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    found.add(fields[9])
+    return found
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets a process holds open."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                found.add(target[8:-1])
+    return found
+
+
 def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
     """`serve --workers 2`: two processes answer on one port, a weight update reaches both, SIGTERM stops all."""
     admin = {"authorization": "Bearer t0k"}
@@ -168,15 +192,27 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
         with serving("--config", str(config), "--workers", "2", "--log-level", "warning") as process:
             wait_for_health(process, url)
 
+            answered: Counter[int] = Counter()
+
             def statuses(attempts: int) -> dict[int, int]:
                 """pid -> weight version, over `attempts` fresh connections (the kernel spreads them)."""
                 seen: dict[int, int] = {}
                 for _ in range(attempts):
                     status = httpx.get(f"{url}/admin/status", headers=admin, timeout=10).json()
                     seen[status["pid"]] = status["version"]
+                    answered[status["pid"]] += 1
                 return seen
 
             assert len(statuses(200)) == 2, "both workers answer on the one port"
+            assert min(answered.values()) >= 60, answered  # an even split: 100 ± 7 each
+            if sys.platform.startswith("linux"):
+                # Each worker listens on a socket of its own (SO_REUSEPORT: the kernel hashes new connections over
+                # them, whatever each worker is busy with); the supervisor holds none once they started.
+                listening = listening_inodes(port)
+                held = {pid: socket_inodes(pid) & listening for pid in [*answered, process.pid]}
+                assert len(listening) == 2 and held[process.pid] == set(), held
+                assert sorted(len(inodes) for inodes in held.values()) == [0, 1, 1], held
+                assert set().union(*held.values()) == listening, held
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
             assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] == "length"
             update = httpx.post(f"{url}/admin/weights", json={"version": 3}, headers=admin, timeout=30)
