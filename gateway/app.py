@@ -8,9 +8,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
 from gateway.api import admin, generate, health, observability, openai, sessions
 from gateway.api.errors import install_error_handlers
+from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import BodySizeLimit
 from gateway.api.openapi import install_openapi
 from gateway.api.streaming import GatewayApp
@@ -20,11 +22,17 @@ from gateway.services import BackendFactory, default_backend_factory, open_servi
 
 
 def create_app(
-    settings: Settings, backend_factory: BackendFactory = default_backend_factory, *, server_process: bool = False
+    settings: Settings,
+    backend_factory: BackendFactory = default_backend_factory,
+    *,
+    server_process: bool = False,
+    lean_routes: bool = True,
 ) -> FastAPI:
     """The gateway app; its services start with the app's lifespan and close with it. `server_process`: this
     process serves only the gateway (`rollout-gateway serve`), so its garbage collector is tuned after startup
-    (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone."""
+    (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone. `lean_routes`: serve
+    `/generate` and the OpenAI routes with `LeanRoute`'s handler (`gateway.api.lean_route`); False serves them
+    with FastAPI's own, which answers the same (tests compare the two)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -38,8 +46,9 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)
-    app.include_router(generate.router)
-    app.include_router(openai.router)
+    route_class = LeanRoute if lean_routes else APIRoute
+    app.include_router(generate.create_router(route_class))
+    app.include_router(openai.create_router(route_class))
     app.include_router(sessions.router)
     app.include_router(admin.router)
     app.include_router(observability.router)

@@ -47,15 +47,20 @@ def uvicorn_config(
 
 @contextlib.asynccontextmanager
 async def serve_gateway(
-    settings: Settings, backend_factory: BackendFactory = default_backend_factory, host: str = "127.0.0.1"
+    settings: Settings,
+    backend_factory: BackendFactory = default_backend_factory,
+    host: str = "127.0.0.1",
+    *,
+    lean_routes: bool = True,
 ) -> AsyncIterator[RunningGateway]:
-    """Run the gateway on the current event loop on a free port until the block exits."""
+    """Run the gateway on the current event loop on a free port until the block exits (`lean_routes`: see
+    `create_app`)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP;
     # without it every JSON answer (headers, then body) waits ~40 ms for the peer's delayed ACK.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, settings.server.port))
-    app = create_app(settings, backend_factory)
+    app = create_app(settings, backend_factory, lean_routes=lean_routes)
     server = uvicorn.Server(uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     try:

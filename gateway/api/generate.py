@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.asgi import relay_until_disconnected, unless_disconnected
@@ -16,12 +17,11 @@ from backends.base import SamplingParams
 from backends.errors import GatewayError
 from backends.routed_experts import encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
-
-router = APIRouter(tags=["generate"], dependencies=[Depends(require_agent)])
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -106,7 +106,13 @@ def _final(state: GenerationState, body: GenerateBody) -> dict[str, Any]:
     return out
 
 
-@router.post("/generate")
+def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
+    """The router of `POST /generate`, made per app so that `create_app` chooses its route class."""
+    router = APIRouter(tags=["generate"], dependencies=[Depends(require_agent)], route_class=route_class)
+    router.add_api_route("/generate", generate, methods=["POST"])
+    return router
+
+
 async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
     check_max_tokens(body.sampling_params.max_tokens, "sampling_params.max_tokens", svc.settings.server)
     _validate(body, svc.vocab.vocab_size, svc.settings.model.max_model_len)

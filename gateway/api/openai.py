@@ -14,18 +14,18 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
 from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
-
-router = APIRouter(tags=["openai"], dependencies=[Depends(require_agent)])
 
 
 def _json(content: Any) -> Response:
@@ -36,7 +36,15 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-@router.get("/v1/models")
+def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
+    """The router of the OpenAI-compatible routes, made per app so that `create_app` chooses its route class."""
+    router = APIRouter(tags=["openai"], dependencies=[Depends(require_agent)], route_class=route_class)
+    router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/v1/completions", completions, methods=["POST"])
+    return router
+
+
 async def models(svc: ServicesDep) -> dict[str, Any]:
     model = svc.settings.model
     card = {"id": model.name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}
@@ -121,7 +129,6 @@ def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], to
     return entries
 
 
-@router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_messages(len(body.messages), svc.settings.server)
@@ -219,7 +226,6 @@ def _completion_logprobs(
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-@router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)

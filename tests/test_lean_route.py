@@ -1,0 +1,428 @@
+"""`LeanRoute` (gateway/api/lean_route.py) answers exactly as FastAPI's own handler.
+
+The same requests go to two gateways on the same simulator replica, one serving the hot routes with `LeanRoute`
+and one with FastAPI's `APIRoute`, over real HTTP: every answer must have the same status and the same body (ids
+and timestamps aside). Property tests check the two shortcuts the lean handler takes: its content-type parse is
+FastAPI's, and pydantic's one-pass JSON validation accepts nothing the standard library's parser refuses and
+builds the same model from what it accepts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import email.message
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.routing import APIRoute, iter_route_contexts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from gateway.api import deps, generate, openai
+from gateway.api.generate import GenerateBody
+from gateway.api.lean_route import LeanRoute, is_json_content_type
+from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.errors import Forbidden
+from gateway.server import RunningGateway
+from tests.conftest import GatewayFactory, SimFactory
+
+AGENT_KEY = "sk-lean-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {AGENT_KEY}"}
+JSON = {"content-type": "application/json"}
+HOT = {"/generate": GenerateBody, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+VALID: dict[str, dict[str, Any]] = {
+    "/generate": {"input_ids": [11, 22, 33], "sampling_params": {"max_tokens": 5, "temperature": 0}},
+    "/v1/completions": {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature": 0},
+    "/v1/chat/completions": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 5,
+        "temperature": 0,
+    },
+}
+VOLATILE = {"id", "created", "request_id", "session_id"}  # random or clock-made, per request
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    content_type: str | None
+
+
+@dataclass
+class Pair:
+    """A lean gateway and a stock one over the same replica, with API keys configured."""
+
+    lean: RunningGateway
+    stock: RunningGateway
+    http: httpx.AsyncClient
+
+    async def send(self, method: str, path: str, *, chunked: bytes | None = None, **kw: Any) -> Answer:
+        """Send the same request to both; assert identical answers; return the answer. `chunked`: a body sent in
+        chunks, without a content-length."""
+        answers = []
+        for gateway in (self.lean, self.stock):
+            if chunked is not None:
+                kw["content"] = _chunks(chunked)
+            answers.append(await _answer(self.http, method, f"{gateway.url}{path}", **kw))
+        lean, stock = answers
+        assert lean == stock, f"{method} {path} {kw}"
+        return lean
+
+
+async def _chunks(body: bytes) -> AsyncIterator[bytes]:
+    for i in range(0, len(body), 16 * 1024):
+        yield body[i : i + 16 * 1024]
+
+
+async def _answer(http: httpx.AsyncClient, method: str, url: str, **kw: Any) -> Answer:
+    response = await http.request(method, url, **kw)
+    content_type = response.headers.get("content-type")
+    media_type = (content_type or "").partition(";")[0]
+    if media_type == "text/event-stream":
+        events = [e for e in response.text.split("\n\n") if e]
+        body: Any = [_normalized(orjson.loads(e[len("data: ") :])) if e != "data: [DONE]" else e for e in events]
+    elif media_type == "application/json":
+        body = _normalized(response.json())
+    else:
+        body = response.text
+    return Answer(response.status_code, body, content_type)
+
+
+def _normalized(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<volatile>" if k in VOLATILE else _normalized(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_normalized(v) for v in value]
+    return value
+
+
+@pytest.fixture
+async def pair(make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient) -> Pair:
+    sim = await make_sim("vllm")
+    server = {"api_keys": [AGENT_KEY], "max_body_bytes": 64 * 1024, "max_tokens_limit": 64}
+    lean = await make_gateway([sim], server=server)
+    stock = await make_gateway([sim], server=server, lean_routes=False)
+    return Pair(lean, stock, http)
+
+
+def _route_classes(app: FastAPI) -> dict[str, type]:
+    return {c.path: type(c.original_route) for c in iter_route_contexts(app.routes) if c.path in HOT}
+
+
+async def test_the_gateways_differ_only_in_route_class(pair: Pair) -> None:
+    assert _route_classes(pair.lean.app) == dict.fromkeys(HOT, LeanRoute)
+    assert _route_classes(pair.stock.app) == dict.fromkeys(HOT, APIRoute)
+    routes = [*generate.create_router().routes, *openai.create_router().routes]
+    handlers = {r.path: r.get_route_handler().__module__ for r in routes if isinstance(r, APIRoute)}
+    # GET /v1/models has no body: FastAPI's handler, from the same route class.
+    assert handlers == dict.fromkeys(HOT, "gateway.api.lean_route") | {"/v1/models": "fastapi.routing"}
+
+
+async def test_the_openapi_schema_is_byte_identical(pair: Pair) -> None:
+    lean, stock = [await pair.http.get(f"{gw.url}/openapi.json") for gw in (pair.lean, pair.stock)]
+    assert lean.status_code == 200 and lean.content == stock.content
+    assert set(HOT) <= set(lean.json()["paths"])
+
+
+@pytest.mark.parametrize("path", list(HOT))
+@pytest.mark.parametrize("stream", [False, True])
+async def test_valid_requests(pair: Pair, path: str, stream: bool) -> None:
+    body = VALID[path] | {"stream": stream}
+    answer = await pair.send("POST", path, json=body, headers=AUTH)
+    assert answer.status == 200
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"):
+        same = await pair.send(
+            "POST", path, content=json.dumps(body).encode(), headers=AUTH | {"content-type": content_type}
+        )
+        assert same == answer
+
+
+def _bodies(path: str) -> list[bytes]:
+    valid = VALID[path]
+    first = next(iter(valid))
+    return [
+        b"{not json",
+        b"{",
+        b'{"a": 1,}',
+        json.dumps(valid).encode() + b"x",
+        b'{"x": "\xff"}',  # invalid UTF-8: the standard library's decode error, not a JSON error
+        codecs.BOM_UTF8 + json.dumps(valid).encode(),  # pydantic refuses the BOM, the standard library accepts it
+        json.dumps(valid).encode("utf-16"),  # and UTF-16
+        json.dumps(valid).replace('"', '"\\ud800', 1).encode(),  # a lone surrogate: pydantic refuses it
+        json.dumps(valid)[:-1].encode() + b', "user": "\\udc00"}',
+        json.dumps(valid)[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}",  # over Python's 4300 digits
+        b'{"a": ' + b"[" * 300 + b"]" * 300 + b"}",  # deeper than pydantic's limit, within the standard library's
+        b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # deeper than the standard library's
+        b"null",
+        b"[]",
+        b'"text"',
+        b"1",
+        b"{}",
+        json.dumps({k: v for k, v in valid.items() if k != first}).encode(),  # a required field missing
+        json.dumps(valid | {"bogus": 1}).encode(),  # extra="forbid"
+        json.dumps(valid | {first: "not the type"}).encode(),
+        json.dumps(valid | {first: None}).encode(),
+        json.dumps(valid | {"temperature": "0"}).encode(),
+        json.dumps(valid | {"stream": "yes"}).encode(),
+        (json.dumps(valid)[:-1] + ', "temperature": NaN}').encode(),
+        (json.dumps(valid)[:-1] + ', "temperature": Infinity}').encode(),
+        (json.dumps(valid)[:-1] + ', "temperature": 0.5, "temperature": 0}').encode(),  # duplicate keys
+        json.dumps(valid | _over_the_token_limit(path)).encode(),  # refused by the route itself
+    ]
+
+
+def _over_the_token_limit(path: str) -> dict[str, Any]:
+    if path == "/generate":
+        return {"sampling_params": {"max_tokens": 10**6}}
+    return {"max_tokens": 10**6}
+
+
+@pytest.mark.parametrize("path", list(HOT))
+async def test_bodies_fastapi_refuses_or_parses_its_way(pair: Pair, path: str) -> None:
+    for body in _bodies(path):
+        await pair.send("POST", path, content=body, headers=AUTH | JSON)
+
+
+@pytest.mark.parametrize("path", list(HOT))
+async def test_content_types_and_empty_bodies(pair: Pair, path: str) -> None:
+    valid = json.dumps(VALID[path]).encode()
+    content_types = [
+        None,
+        "",
+        "text/plain",
+        "text/json",
+        "application/jsonx",
+        "application/x-json",
+        "application/json/x",
+        "application/",
+        "application/+json",
+        "application/json ; charset=utf-8",
+        "APPLICATION/VND.API+JSON; q=1",
+        "multipart/form-data; boundary=x",
+        "application/x-www-form-urlencoded",
+    ]
+    for content_type in content_types:
+        headers = AUTH if content_type is None else AUTH | {"content-type": content_type}
+        answers = [await pair.send("POST", path, content=body, headers=headers) for body in (valid, b"")]
+        assert all(a.status in (200, 400) for a in answers)
+
+
+@pytest.mark.parametrize("path", list(HOT))
+async def test_auth_is_checked_where_fastapi_checks_it(pair: Pair, path: str) -> None:
+    valid = json.dumps(VALID[path]).encode()
+    for auth in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {AGENT_KEY}"}, {"authorization": ""}):
+        # FastAPI parses the body before it runs dependencies, and validates it after them.
+        for body in (valid, b"{not json", b"{}", b""):
+            answer = await pair.send("POST", path, content=body, headers=auth | JSON)
+            assert answer.status in (400, 401, 403)
+
+
+async def test_methods_sizes_and_streamed_bodies(pair: Pair) -> None:
+    for path in HOT:
+        assert (await pair.send("GET", path, headers=AUTH)).status == 405
+        big = json.dumps(VALID[path] | {"user": "x" * 70_000}).encode()
+        assert (await pair.send("POST", path, content=big, headers=AUTH | JSON)).status == 413
+        # Without a content-length, the body limit fails the read itself (no declared size to refuse up front).
+        for body in (big, json.dumps(VALID[path]).encode()):
+            await pair.send("POST", path, chunked=body, headers=AUTH | JSON)
+    await pair.send("GET", "/v1/models", headers=AUTH)
+
+
+async def test_a_client_gone_before_its_body_arrived(pair: Pair) -> None:
+    async def call(app: Any) -> list[Any]:
+        incoming = [{"type": "http.request", "body": b'{"input_', "more_body": True}, {"type": "http.disconnect"}]
+        sent: list[Any] = []
+
+        async def receive() -> Any:
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        headers = [(b"content-type", b"application/json"), (b"authorization", AUTH["authorization"].encode())]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/generate",
+            "raw_path": b"/generate",
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        await app(scope, receive, send)
+        return sent
+
+    assert await call(pair.lean.app) == await call(pair.stock.app)
+
+
+async def test_dependency_overrides_are_honoured(pair: Pair) -> None:
+    async def deny(request: Request) -> None:
+        raise Forbidden("overridden")
+
+    for gateway in (pair.lean, pair.stock):
+        gateway.app.dependency_overrides[deps.require_agent] = deny
+    try:
+        answer = await pair.send("POST", "/generate", json=VALID["/generate"], headers=AUTH)
+        assert answer.status == 403 and answer.body["error"]["message"] == "overridden"
+    finally:
+        for gateway in (pair.lean, pair.stock):
+            gateway.app.dependency_overrides.clear()
+
+
+# -- the lean handler on other shapes and settings, in process -------------------------------------------------
+
+
+class Item(BaseModel):
+    name: str
+    size: int = 0
+
+
+async def _tag(request: Request) -> str:
+    return request.headers.get("x-tag", "none")
+
+
+def _toy_app(route_class: type[APIRoute], strict_content_type: bool) -> FastAPI:
+    """Routes of the lean shape and of others (a path parameter, a dict return, no request), on a router that
+    may or may not require a content type."""
+    router = APIRouter(route_class=route_class, strict_content_type=strict_content_type)
+
+    async def lean(item: Item, request: Request, tag: str = Depends(_tag)) -> Response:
+        return Response(f"{item.name}/{item.size}/{tag}/{request.method}")
+
+    async def with_path(item: Item, request: Request, key: int) -> Response:
+        return Response(f"{item.name}/{key}")
+
+    async def returns_dict(item: Item, request: Request) -> dict[str, Any]:
+        return {"name": item.name}
+
+    async def no_request(item: Item) -> Response:
+        return Response(item.name)
+
+    router.add_api_route("/lean", lean, methods=["POST"])
+    router.add_api_route("/path/{key}", with_path, methods=["POST"])
+    router.add_api_route("/dict", returns_dict, methods=["POST"])
+    router.add_api_route("/no-request", no_request, methods=["POST"])
+    app = FastAPI()
+    app.include_router(router)
+    return app
+
+
+@pytest.mark.parametrize("strict", [True, False])
+async def test_other_shapes_and_lax_content_types(strict: bool) -> None:
+    apps = [_toy_app(LeanRoute, strict), _toy_app(APIRoute, strict)]
+    clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://toy") for a in apps]
+    try:
+        for path in ("/lean", "/path/7", "/path/x", "/dict", "/no-request"):
+            for body in (b'{"name": "a", "size": 2}', b'{"name": 1}', b"{", b""):
+                for headers in ({}, JSON, {"content-type": "text/plain"}, {"x-tag": "t"} | JSON):
+                    lean, stock = [await c.post(path, content=body, headers=headers) for c in clients]
+                    assert (lean.status_code, lean.content) == (stock.status_code, stock.content), (path, body, headers)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+# -- the two shortcuts ------------------------------------------------------------------------------------------
+
+
+def _fastapi_json_rule(content_type: str) -> bool:
+    """FastAPI's own check, as `get_request_handler` writes it."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
+
+
+_PIECES = ["application", "APPLICATION", "Application", "json", "JSON", "/", "+", ";", "vnd.x", "charset=utf-8", " "]
+_PIECES += ["\t", "\x85", "\xa0", "\x0b", "=", '"', "x", "text", "/json", "+json", ";json", ""]
+
+
+@given(st.lists(st.sampled_from(_PIECES) | st.text(st.characters(max_codepoint=255), max_size=3), max_size=8))
+@settings(max_examples=1500, deadline=None)
+def test_content_type_rule_is_fastapis(pieces: list[str]) -> None:
+    content_type = "".join(pieces)
+    assert is_json_content_type(content_type) == _fastapi_json_rule(content_type), repr(content_type)
+
+
+_JSON_PIECES = ["{", "}", "[", "]", ",", ":", '"', "\\", "\\u", "d800", "dc00", "0041", "NaN", "Infinity", "-"]
+_JSON_PIECES += ["1", "0", "e", "E", ".", "+", "9" * 400, "true", "null", " ", "\t", "\n", "\r", "\x0c", "\x00"]
+_JSON_PIECES += ["\x1f", "\x7f", "\ufeff", "\u2028", "é", "\U0001f600", '"a"', '"a":', "1e400", "-0", "01"]
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(st.characters(codec="utf-8"), max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+    max_leaves=12,
+)
+_ANY = TypeAdapter(Any)
+
+
+def _mutated_json() -> st.SearchStrategy[bytes]:
+    """JSON texts, broken or stretched at random places with the pieces parsers disagree on."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> bytes:
+        text = json.dumps(draw(_JSON_VALUES), ensure_ascii=draw(st.booleans()))
+        for _ in range(draw(st.integers(0, 3))):
+            at = draw(st.integers(0, len(text)))
+            text = text[:at] + draw(st.sampled_from(_JSON_PIECES)) + text[at:]
+        raw = text.encode("utf-8", "surrogatepass")
+        return draw(st.sampled_from([raw, raw + b"\xff", codecs.BOM_UTF8 + raw, raw[: len(raw) // 2]]))
+
+    return build()
+
+
+@given(_mutated_json())
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_pydantic_json_accepts_nothing_the_standard_library_refuses(body: bytes) -> None:
+    try:
+        parsed = _ANY.validate_json(body)
+    except ValidationError:
+        return  # FastAPI's handler decides
+    assert repr(parsed) == repr(json.loads(body))
+
+
+def _request_bodies() -> st.SearchStrategy[tuple[type[BaseModel], bytes]]:
+    """Valid bodies of the hot routes with fields replaced or added, values of every JSON type."""
+    values = _JSON_VALUES | st.sampled_from([0, 1, 1.0, 2.5, -1, 10**20, "1", "true", "", [1, 2], [1.0], {"a": 1}])
+
+    @st.composite
+    def build(draw: st.DrawFn) -> tuple[type[BaseModel], bytes]:
+        path = draw(st.sampled_from(list(HOT)))
+        body = dict(VALID[path])
+        for _ in range(draw(st.integers(0, 3))):
+            fields = list(HOT[path].model_fields)
+            body[draw(st.sampled_from(fields))] = draw(values)
+        return HOT[path], json.dumps(body).encode()
+
+    return build()
+
+
+@given(_request_bodies())
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_json_validation_builds_the_model_fastapi_builds(case: tuple[type[BaseModel], bytes]) -> None:
+    model, body = case
+    try:
+        lean = model.model_validate_json(body)
+    except ValidationError:
+        return  # FastAPI's handler decides
+    stock = TypeAdapter(model).validate_python(json.loads(body), from_attributes=True)
+    assert repr(lean) == repr(stock)
