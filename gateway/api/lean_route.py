@@ -29,14 +29,23 @@ from fastapi import params
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.dependencies.models import Dependant
 from fastapi.dependencies.utils import get_typed_return_annotation
-from fastapi.routing import APIRoute, _effective_route_context_var
-from fastapi.telemetry import get_telemetry_data
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive
 
 __all__ = ["LeanRoute", "is_json_content_type"]
+
+# Names of recent FastAPI releases, two of them private. Where one is missing (an older or a reworked FastAPI), the
+# route class falls back to FastAPI's own handler instead of failing the import: the gateway then only runs slower.
+try:
+    from fastapi.routing import _effective_route_context_var  # type: ignore[attr-defined,unused-ignore]
+    from fastapi.telemetry import get_telemetry_data  # type: ignore[import-not-found,unused-ignore]
+
+    _FASTAPI_KNOWN = True
+except ImportError:  # pragma: no cover - depends on the installed FastAPI
+    _FASTAPI_KNOWN = False
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -46,11 +55,13 @@ class LeanRoute(APIRoute):
 
     def get_route_handler(self) -> Handler:
         stock = super().get_route_handler()
+        if not _FASTAPI_KNOWN:
+            return stock
         route = self._effective()
         shape = _shape(route.dependant)
         if shape is None or route.response_field is not None:
             return stock
-        strict = route.strict_content_type
+        strict = getattr(route, "strict_content_type", True)
         if isinstance(strict, DefaultPlaceholder):
             strict = strict.value
         return _lean_handler(
@@ -156,7 +167,12 @@ def _shape(dependant: Dependant) -> _Shape | None:
         request_param = dependency.request_param_name
         if dependency_call is None or not inspect.iscoroutinefunction(dependency_call) or request_param is None:
             return None
-        if dependency.dependencies or dependency.body_params or dependency.concurrency or _other_params(dependency):
+        if (
+            dependency.dependencies
+            or dependency.body_params
+            or getattr(dependency, "concurrency", None)
+            or _other_params(dependency)
+        ):
             return None
         dependencies.append((dependency.name, dependency_call, request_param))
     if len({id(c) for _, c, _ in dependencies}) != len(dependencies):
