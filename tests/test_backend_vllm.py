@@ -384,6 +384,36 @@ async def test_hung_replica_times_out(
     assert await backend.health() is True
 
 
+async def test_a_stream_that_stalls_midway_times_out(
+    make_sim: SimFactory, backend_for: BackendFactory, http: httpx.AsyncClient
+) -> None:
+    """The read timeout bounds every gap of a stream, not only the wait for its head."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005))
+    backend = backend_for(sim, timeouts=Timeouts(read=0.3))
+    got: list[int] = []
+    try:
+        with pytest.raises(BackendTimeout, match="nothing received for 0.3 s"):
+            async for chunk in backend.generate(PROMPT, greedy(2000), "stall"):
+                got += chunk.token_ids
+                if len(got) >= 5:
+                    await http.post(f"{sim.url}/sim/faults", json={"hang": True})  # decoding stops
+    finally:
+        await http.post(f"{sim.url}/sim/faults", json={"hang": False})
+    assert 5 <= len(got) < 2000
+
+
+async def test_a_slow_consumer_is_no_read_timeout(make_sim: SimFactory, backend_for: BackendFactory) -> None:
+    """Time the consumer spends elsewhere between chunks does not count against the replica."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.001))
+    backend = backend_for(sim, timeouts=Timeouts(read=0.2))
+    got: list[int] = []
+    async for chunk in backend.generate(PROMPT, greedy(40), "slow-reader"):
+        got += chunk.token_ids
+        if len(got) < 10:
+            await asyncio.sleep(0.3)
+    assert len(got) == 40
+
+
 async def test_load_counts_running_requests(make_sim: SimFactory, backend_for: BackendFactory) -> None:
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
     backend = backend_for(sim)
