@@ -67,6 +67,7 @@ class ReplicaClient:
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self.timeout = spec.timeouts.client()
+        self.stream_timeout = _without_read_gap(self.timeout)  # streams time their reads themselves (`sse_batches`)
 
     @property
     def is_closed(self) -> bool:
@@ -243,7 +244,10 @@ async def sse_batches(
     try:
         with translate_errors(replica):
             async with session.post(
-                path, data=orjson.dumps(json), headers=_SSE_HEADERS, timeout=_without_read_gap(limits)
+                path,
+                data=orjson.dumps(json),
+                headers=_SSE_HEADERS,
+                timeout=client.stream_timeout if timeout is None else _without_read_gap(timeout),
             ) as response:
                 if response.status >= 300:
                     raise_for_status(replica, response.status, await response.read())
