@@ -99,6 +99,11 @@ class Services:
             return  # mid-update the versions differ by design; the update itself verifies every replica
         updates = self.weights.updates
         version = await _reported_version(replica.backend)
+        if version is None:
+            # The read failed (a reset connection, a busy engine): that proves nothing about its weights. Holding
+            # the replica out on it would keep it out for good, since a later reading of the pool's version does
+            # not re-admit a stale replica (only loading the weights does).
+            return
         if not self.weights.serving or self.weights.updates != updates or version == self.weights.version:
             return  # an update began or ended meanwhile: this reading proves nothing
         if not replica.stale:

@@ -14,6 +14,7 @@ from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, publish
+from tests.scripted_server import Answer, Seen, scripted_server
 from tests.sim_helpers import wait_for
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -271,3 +272,27 @@ async def test_request_queued_during_a_keep_pause_never_reads_old_weights_kv(
     assert tokens == expected_tokens(prompt, [1] * 8, 8)
     result = (await long).json()
     assert result["finish_reason"] == "length" and len(result["output_ids"]) == 200
+
+
+async def test_a_failed_weight_version_read_does_not_hold_a_replica_out(make_gateway: GatewayFactory) -> None:
+    """Bug: the health probe also reads the replica's weight version, and a failed read (a connection reset
+    under load, in the benchmark) counted as "reports version None": the replica was held out as stale, and since
+    only loading weights re-admits a stale replica, for good. The benchmark's every session then went to the
+    other replica. A failed read now proves nothing and changes nothing."""
+    reads = {"weight_info": 0}
+
+    def engine(seen: Seen) -> Answer:
+        if seen.path == "/weight_info":
+            reads["weight_info"] += 1
+            if reads["weight_info"] in (2, 3):  # the start-up read succeeds; two probes' reads fail
+                return Answer(500, b'{"error": "busy"}')
+            return Answer(200, b'{"weight_version": "0"}')
+        if seen.path == "/health":
+            return Answer(200, b"")
+        return Answer(404, b"{}")
+
+    async with scripted_server(engine) as replica:
+        gw = await make_gateway([ReplicaConfig(url=replica.url, backend="vllm")])
+        (held,) = gw.services.pool.all()
+        await wait_for(lambda: reads["weight_info"] >= 5, what="probes past the failed reads")
+        assert not held.stale and held in gw.services.pool.candidates()
