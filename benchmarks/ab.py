@@ -34,9 +34,8 @@ from benchmarks._harness import (
     sim_replicas,
 )
 from benchmarks.compare import Bench, Target, Workload, cpu_split, workloads
+from benchmarks.scaling import APIS
 from gateway.config import DEFAULT_TOKENIZER
-
-APIS = {"generate": "gateway-generate", "completions": "gateway"}  # compare.py's target names pick the route
 
 
 @dataclass(frozen=True)
