@@ -67,14 +67,13 @@ class _DisconnectWatch:
         self.task.uncancel()
         return True
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Stop watching. Not awaited: a cleanup that waits could itself be cancelled (a disconnect while a stream
+        ends) and skip what follows it; a cancelled watcher ends at the loop's next pass, consuming nothing."""
         if self._timer is not None:
             self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
-            # Await it so that it never outlives the request: wait() neither raises nor absorbs a cancellation
-            # of the caller's own task.
-            await asyncio.wait((self._watcher,))
 
 
 async def unless_disconnected(
@@ -93,7 +92,7 @@ async def unless_disconnected(
         raise ClientDisconnected("client disconnected") from None
     finally:
         watch.waiting = False
-        await watch.close()
+        watch.close()
 
 
 async def relay_until_disconnected(
@@ -123,7 +122,7 @@ async def relay_until_disconnected(
                 watch.waiting = False
             yield item
     finally:
-        await watch.close()
+        watch.close()
         await items.aclose()
 
 
