@@ -33,9 +33,8 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
-from benchmarks.compare import Bench, Target, Workload, cpu_split, workloads
+from benchmarks.compare import GATEWAY_SETTINGS, REPLICA_ARGS, Bench, Target, Workload, cpu_split, workloads
 from benchmarks.scaling import APIS
-from gateway.config import DEFAULT_TOKENIZER
 
 
 @dataclass(frozen=True)
@@ -71,18 +70,16 @@ def python_path(checkout: Path) -> Iterator[None]:
 async def measure(options: Options, console: Console) -> list[Side]:
     chosen = options.workload
     replica_cpus, proxy_cpus = cpu_split(True)
-    args = ["--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
     sides = [Side(checkout) for checkout in options.checkouts]
-    with sim_replicas([args, args]) as replicas, contextlib.ExitStack() as stack:
+    with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas, contextlib.ExitStack() as stack:
         for replica in replicas:
             if replica.pid is not None:
                 pin_process(replica.pid, replica_cpus)
         entries = [sim_replica_entry(replica.url, "vllm") for replica in replicas]
-        settings = {"generation": {"max_connections_per_replica": 2048}}
         targets = []
         for side in sides:
             with python_path(side.checkout):
-                gateway = stack.enter_context(GatewayProcess(entries, settings, cpus=proxy_cpus))
+                gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=proxy_cpus))
             targets.append(Target(APIS[options.api], gateway.url, gateway.pid))
         bench = Bench(replicas, replica_cpus, options.timeout_s)
         try:

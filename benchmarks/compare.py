@@ -92,6 +92,10 @@ ALL_TARGETS = (
     "python-relay",
 )
 DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
+REPLICA_ARGS = ("--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER))
+"""Each simulator replica's command line (the benchmarks set the token delay per workload, `POST /sim/speed`)."""
+GATEWAY_SETTINGS = {"generation": {"max_connections_per_replica": 2048}}
+"""Config sections of the benchmarked gateways: a connection pool per replica that never makes a request wait."""
 
 
 # -- workloads ---------------------------------------------------------------------------------------------------
@@ -443,8 +447,7 @@ def targets_up(options: Options, replicas: list[SimProcess], proxy_cpus: set[int
             elif name.startswith("gateway"):
                 if gateway is None:  # one gateway process serves both of its rows (/v1/completions, /generate)
                     entries = [sim_replica_entry(url, "vllm") for url in urls]
-                    settings = {"generation": {"max_connections_per_replica": 2048}}
-                    gateway = stack.enter_context(GatewayProcess(entries, settings, cpus=proxy_cpus))
+                    gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=proxy_cpus))
                 targets.append(Target(name, gateway.url, gateway.pid))
             else:
                 command = router_command(name)
@@ -467,9 +470,8 @@ def _tmpdir() -> Iterator[str]:
 
 async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
     replica_cpus, proxy_cpus = cpu_split(options.pin)
-    args = ["--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
     results: dict[str, dict[str, RunResult]] = {}
-    with sim_replicas([args, args]) as replicas:
+    with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas:
         for replica in replicas:
             if replica.pid is not None:
                 pin_process(replica.pid, replica_cpus)

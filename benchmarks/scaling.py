@@ -46,8 +46,7 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
-from benchmarks.compare import Bench, Target, Workload
-from gateway.config import DEFAULT_TOKENIZER
+from benchmarks.compare import GATEWAY_SETTINGS, REPLICA_ARGS, Bench, Target, Workload
 
 APIS = {"generate": "gateway-generate", "completions": "gateway"}  # compare.py's target names pick the route
 
@@ -103,12 +102,12 @@ def workload(options: Options) -> Workload:
 
 
 async def measure(options: Options, console: Console) -> dict[tuple[str, int], Row]:
-    args = ["--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
     rows = {(api, n): Row(api, n) for api in options.apis for n in options.workers}
-    with sim_replicas([args, args]) as replicas, contextlib.ExitStack() as stack:
+    with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas, contextlib.ExitStack() as stack:
         entries = [sim_replica_entry(replica.url, "vllm") for replica in replicas]
-        settings = {"generation": {"max_connections_per_replica": 2048}}
-        gateways = {n: stack.enter_context(GatewayProcess(entries, settings, workers=n)) for n in options.workers}
+        gateways = {
+            n: stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, workers=n)) for n in options.workers
+        }
         console.print(f"2 replicas up; gateways with {', '.join(map(str, options.workers))} worker processes")
         bench = Bench(replicas, None, options.timeout_s)
         try:
