@@ -21,11 +21,18 @@ class RunningGateway:
     url: str
     app: FastAPI
     server: uvicorn.Server
+    task: asyncio.Task[None]
 
     @property
     def services(self) -> Services:
         services: Services = self.app.state.services
         return services
+
+    async def stop(self) -> None:
+        """Shut down gracefully now (also what leaving `serve_gateway` does; a second call is a no-op)."""
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
 
 
 def uvicorn_config(
@@ -69,7 +76,8 @@ async def serve_gateway(
                 task.result()  # startup failed: raise its error
                 raise RuntimeError("gateway stopped during startup")
             await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the task ending
-        yield RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server)
+        running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
+        yield running
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -47,6 +47,11 @@ class SoakOptions:
     duration_s: float = 150.0  # hard bound on the agents' phase; the check after it has its own
     update_every_s: tuple[float, float] = (1.0, 2.0)
     kill_every_s: tuple[float, float] = (2.0, 4.0)
+    # The least chaos a soak must go through: agents past their planned turns go on with more until it happened
+    # (within `duration_s`). A fast machine finished every episode after one weight update (a `wait` update
+    # lasts until the in-flight turns end, seconds under this load); the test then had nothing to judge.
+    min_updates: int = 3
+    min_kills: int = 2
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
@@ -172,11 +177,13 @@ class Soak:
         rng = random.Random(seed)
         session = f"chaos-{self.o.seed}-{index}"
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {index}: {rng.random():.6f}"}]
-        for turn in range(rng.randint(*self.o.turns)):
+        planned, turn = rng.randint(*self.o.turns), 0
+        while turn < planned or self._chaos_pending():
             reply = await self._turn(api, session, messages, rng)
             if reply is None:
                 return  # gave up inside the bound: the session is simply never finished
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"go on {turn}"}]
+            turn += 1
         if await self._finish(http, session, rng.random()):
             self.acked.add(session)
             self.report.sessions_acked += 1
@@ -212,6 +219,13 @@ class Soak:
             return content
         self.report.violations.append(f"{session}: turn not done within the soak's bound")
         return None
+
+    def _chaos_pending(self) -> bool:
+        """Whether the soak's least chaos (`min_updates`, `min_kills`, the Redis restart) is still to come while
+        there is time for it: the agents keep the gateway busy until then."""
+        r = self.report
+        done = r.updates >= self.o.min_updates and r.kills >= self.o.min_kills and r.redis_restarts >= 1
+        return not done and time.monotonic() < self.deadline - self.o.duration_s / 5
 
     def _retryable_status(self, exc: openai.APIStatusError) -> bool:
         if exc.status_code == 503 and "no replica can serve" in exc.message:

@@ -42,5 +42,6 @@ async def test_chaos_soak(tmp_path: Path) -> None:
     assert not report.violations, report.figures()
     assert report.lost == 0 and report.duplicated == 0
     assert report.sessions_acked == options.sessions  # every episode finished within the bound
-    assert report.updates >= 3 and report.kills >= 2 and report.redis_restarts == 1 and report.disconnects >= 1
+    assert report.updates >= options.min_updates and report.kills >= options.min_kills
+    assert report.redis_restarts == 1 and report.disconnects >= 1
     assert report.resumes >= 1 and report.samples_spanning_updates >= 1

@@ -32,14 +32,18 @@ async def make(
 ) -> AsyncIterator[MakeGateway]:
     """Gateways over the session's SGLang server (`keep_mode` = retract | in_place), from a restored engine."""
     await restore(http, sglang_server)
+    made: list[RunningGateway] = []
 
     async def make_one(**replica: Any) -> RunningGateway:
         if sglang_server.routed_experts:
             layers, top_k, _ = checks.experts_shape(sglang_server)
             replica |= {"routed_experts": True, "routed_experts_shape": (layers, top_k)}
-        return await gateway_over(make_gateway, sglang_server, **replica)
+        made.append(await gateway_over(make_gateway, sglang_server, **replica))
+        return made[-1]
 
     yield make_one
+    for gateway in made:  # a live gateway's health probe would see the restore and load its weights back
+        await gateway.stop()
     await restore(http, sglang_server)
     assert_stand_in_unused(sglang_server)
 
