@@ -76,8 +76,7 @@ async def serve_gateway(
                 task.result()  # startup failed: raise its error
                 raise RuntimeError("gateway stopped during startup")
             await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the task ending
-        running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
-        yield running
+        yield RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

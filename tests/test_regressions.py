@@ -296,3 +296,30 @@ async def test_a_failed_weight_version_read_does_not_hold_a_replica_out(make_gat
         (held,) = gw.services.pool.all()
         await wait_for(lambda: reads["weight_info"] >= 5, what="probes past the failed reads")
         assert not held.stale and held in gw.services.pool.candidates()
+
+
+async def test_a_stopped_gateway_probes_its_replicas_no_more(make_gateway: GatewayFactory) -> None:
+    """Bug (CI, the vLLM tier): a test restored the engine while its gateway still ran; the gateway's health probe
+    read the restored label, held the replica out and loaded the test's weights back onto it. The tiers now stop
+    their gateway first: after `RunningGateway.stop()` nothing reaches the replica and nothing answers."""
+    reads = {"weight_info": 0}
+
+    def engine(seen: Seen) -> Answer:
+        if seen.path == "/weight_info":
+            reads["weight_info"] += 1
+            return Answer(200, b'{"weight_version": "0"}')
+        if seen.path == "/health":
+            return Answer(200, b"")
+        return Answer(404, b"{}")
+
+    async with scripted_server(engine) as replica:
+        gw = await make_gateway([ReplicaConfig(url=replica.url, backend="vllm")])
+        await wait_for(lambda: reads["weight_info"] >= 3, what="a few health probes")
+        await gw.stop()
+        stopped_at = reads["weight_info"]
+        await asyncio.sleep(1.0)  # five probe intervals (0.2 s in tests)
+        assert reads["weight_info"] == stopped_at
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get(f"{gw.url}/health")
+        await gw.stop()  # a second stop (and leaving serve_gateway afterwards) is a no-op
