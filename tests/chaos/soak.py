@@ -153,12 +153,20 @@ class Soak:
         api = openai.AsyncOpenAI(
             base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120, http_client=http
         )
-        async with http, TrajectoryConsumer(self.redis.url, "chaos", "trainer-0", claim_idle_s=5) as consumer:
+        # The trainer's calls go through a client of their own, as a trainer's would. Sent on the agents' shared
+        # pool (hundreds of connections), `POST /admin/weights` reached the gateway 4-5 s later and returned after
+        # 4-11 s, for updates the gateway did in 0.1-0.6 s; from a client of its own it arrives within 0.15 s.
+        trainer_http = httpx.AsyncClient(base_url=gw.url, timeout=120)
+        async with (
+            http,
+            trainer_http,
+            TrajectoryConsumer(self.redis.url, "chaos", "trainer-0", claim_idle_s=5) as consumer,
+        ):
             delivered: Counter[str] = Counter()
             trajectories: list[Trajectory] = []
             trainer = asyncio.create_task(self._trainer(consumer, delivered, trajectories))
             chaos = [
-                asyncio.create_task(self._updates(http)),
+                asyncio.create_task(self._updates(trainer_http)),
                 asyncio.create_task(self._kills()),
                 asyncio.create_task(self._redis_restart()),
             ]
