@@ -48,8 +48,8 @@ class SoakOptions:
     update_every_s: tuple[float, float] = (1.0, 2.0)
     kill_every_s: tuple[float, float] = (2.0, 4.0)
     # The least chaos a soak must go through: agents past their planned turns go on with more until it happened
-    # (within `duration_s`). A fast machine finished every episode after one weight update (a `wait` update
-    # lasts until the in-flight turns end, seconds under this load); the test then had nothing to judge.
+    # (within 80 % of `duration_s`). A fast machine finished every episode after one weight update (each admin
+    # call then waited seconds on the agents' client pool, see `_run`); the test had nothing to judge.
     min_updates: int = 3
     min_kills: int = 2
     disconnect_rate: float = 0.05
