@@ -76,7 +76,7 @@ async def interrupted(
                 break
             await asyncio.sleep(0.1)  # not faster: scraping /metrics costs the engine's API server CPU
         await freeze(http, server, keep_mode)
-        if await held_in_engine(http, server, task):
+        if await held_in_engine(http, server):
             break
         await unfreeze(http, server)  # it finished before the freeze landed: try again
         await task
@@ -108,17 +108,13 @@ async def unfreeze(http: httpx.AsyncClient, server: EngineServer) -> None:
     assert response.status_code == 200, response.text
 
 
-async def held_in_engine(
-    http: httpx.AsyncClient, server: EngineServer, stream: asyncio.Task[Any] | None = None, timeout: float = 5.0
-) -> bool:
+async def held_in_engine(http: httpx.AsyncClient, server: EngineServer, timeout: float = 5.0) -> bool:
     """Whether the frozen engine holds our one request. Its gauges can lag (the API server publishes the
-    engine's stats as it catches up with its backlog), so a request counts as gone only if they never show it
-    and, where the client's `stream` is given, that stream ended too: a stream still open after `timeout` while
-    the engine is frozen is a request the engine holds, whatever its gauges say."""
+    engine's stats as it catches up with its backlog), so a request counts as gone only if they never show it."""
     deadline = asyncio.get_running_loop().time() + timeout
     while await in_engine(http, server) != 1:
         if asyncio.get_running_loop().time() > deadline:
-            return stream is not None and not stream.done()
+            return False
         await asyncio.sleep(0.2)
     return True
 
