@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -274,22 +275,30 @@ async def test_request_queued_during_a_keep_pause_never_reads_old_weights_kv(
     assert result["finish_reason"] == "length" and len(result["output_ids"]) == 200
 
 
+def version_zero_engine(reads: dict[str, int], failing: tuple[int, ...] = ()) -> Callable[[Seen], Answer]:
+    """A scripted vLLM replica at weight version 0 that counts its `/weight_info` reads in `reads`; the reads
+    numbered in `failing` (from 1) answer 500."""
+
+    def engine(seen: Seen) -> Answer:
+        if seen.path == "/weight_info":
+            reads["weight_info"] += 1
+            if reads["weight_info"] in failing:
+                return Answer(500, b'{"error": "busy"}')
+            return Answer(200, b'{"weight_version": "0"}')
+        if seen.path == "/health":
+            return Answer(200, b"")
+        return Answer(404, b"{}")
+
+    return engine
+
+
 async def test_a_failed_weight_version_read_does_not_hold_a_replica_out(make_gateway: GatewayFactory) -> None:
     """Bug: the health probe also reads the replica's weight version, and a failed read (a connection reset
     under load, in the benchmark) counted as "reports version None": the replica was held out as stale, and since
     only loading weights re-admits a stale replica, for good. The benchmark's every session then went to the
     other replica. A failed read now proves nothing and changes nothing."""
     reads = {"weight_info": 0}
-
-    def engine(seen: Seen) -> Answer:
-        if seen.path == "/weight_info":
-            reads["weight_info"] += 1
-            if reads["weight_info"] in (2, 3):  # the start-up read succeeds; two probes' reads fail
-                return Answer(500, b'{"error": "busy"}')
-            return Answer(200, b'{"weight_version": "0"}')
-        if seen.path == "/health":
-            return Answer(200, b"")
-        return Answer(404, b"{}")
+    engine = version_zero_engine(reads, failing=(2, 3))  # the start-up read succeeds; two probes' reads fail
 
     async with scripted_server(engine) as replica:
         gw = await make_gateway([ReplicaConfig(url=replica.url, backend="vllm")])
@@ -304,15 +313,7 @@ async def test_a_stopped_gateway_probes_its_replicas_no_more(make_gateway: Gatew
     their gateway first: after `RunningGateway.stop()` nothing reaches the replica and nothing answers."""
     reads = {"weight_info": 0}
 
-    def engine(seen: Seen) -> Answer:
-        if seen.path == "/weight_info":
-            reads["weight_info"] += 1
-            return Answer(200, b'{"weight_version": "0"}')
-        if seen.path == "/health":
-            return Answer(200, b"")
-        return Answer(404, b"{}")
-
-    async with scripted_server(engine) as replica:
+    async with scripted_server(version_zero_engine(reads)) as replica:
         gw = await make_gateway([ReplicaConfig(url=replica.url, backend="vllm")])
         await wait_for(lambda: reads["weight_info"] >= 3, what="a few health probes")
         await gw.stop()
