@@ -70,15 +70,14 @@ async def serve_gateway(
     app = create_app(settings, backend_factory, lean_routes=lean_routes)
     server = uvicorn.Server(uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
+    running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
     try:
         while not server.started:
             if task.done():
                 task.result()  # startup failed: raise its error
                 raise RuntimeError("gateway stopped during startup")
             await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the task ending
-        yield RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
+        yield running
     finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await running.stop()
         sock.close()
