@@ -19,19 +19,25 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.routing import APIRoute, iter_route_contexts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from backends.asgi import ClientDisconnected
 from gateway.api import deps, generate, openai
+from gateway.api.errors import install_error_handlers
 from gateway.api.generate import GenerateBody
 from gateway.api.lean_route import LeanRoute, is_json_content_type
+from gateway.api.limits import BodySizeLimit
+from gateway.api.observability import RequestMetrics
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.errors import Forbidden
+from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
+from gateway.errors import Forbidden, InvalidRequest
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
+from tests.test_metrics import scrape
 
 AGENT_KEY = "sk-lean-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {AGENT_KEY}"}
@@ -125,6 +131,34 @@ async def test_the_gateways_differ_only_in_route_class(pair: Pair) -> None:
     handlers = {r.path: r.get_route_handler().__module__ for r in routes if isinstance(r, APIRoute)}
     # GET /v1/models has no body: FastAPI's handler, from the same route class.
     assert handlers == dict.fromkeys(HOT, "gateway.api.lean_route") | {"/v1/models": "fastapi.routing"}
+
+
+async def test_the_lean_gateway_serves_its_hot_routes_in_the_fast_lane(pair: Pair) -> None:
+    await pair.send("POST", "/generate", json=VALID["/generate"], headers=AUTH)
+    lean, stock = (gateway.app for gateway in (pair.lean, pair.stock))
+    assert isinstance(lean, GatewayApp) and isinstance(stock, GatewayApp)
+    assert lean.fast_lane is not None and lean.fast_lane.paths == set(HOT)
+    assert stock.fast_lane is None  # no LeanRoute, no lane: FastAPI serves everything
+
+
+async def test_requests_are_counted_alike(pair: Pair) -> None:
+    """`RequestMetrics` counts each request once, by route and status, whichever way the gateway served it."""
+    for path in HOT:
+        await pair.send("POST", path, json=VALID[path], headers=AUTH)
+        await pair.send("POST", path, json=VALID[path] | {"stream": True}, headers=AUTH)
+        await pair.send("POST", path, json=VALID[path], headers={})
+        await pair.send("POST", path, content=b"{not json", headers=AUTH | JSON)
+        await pair.send("POST", path, json=VALID[path] | _over_the_token_limit(path), headers=AUTH)
+        await pair.send("POST", path, json=VALID[path] | {"user": "x" * 70_000}, headers=AUTH)
+        await pair.send("POST", path, chunked=json.dumps(VALID[path]).encode(), headers=AUTH | JSON)
+        await pair.send("GET", path, headers=AUTH)
+    counts = []
+    for gateway in (pair.lean, pair.stock):
+        samples = await scrape(pair.http, gateway.url)
+        counts.append({labels: v for (name, labels), v in samples.items() if name == "rollout_gateway_requests_total"})
+    lean, stock = counts
+    assert lean == stock
+    assert {dict(labels)["status"] for labels in lean} >= {"200", "400", "401", "405", "413"}
 
 
 async def test_the_openapi_schema_is_byte_identical(pair: Pair) -> None:
@@ -237,7 +271,8 @@ async def test_methods_sizes_and_streamed_bodies(pair: Pair) -> None:
     await pair.send("GET", "/v1/models", headers=AUTH)
 
 
-async def test_a_client_gone_before_its_body_arrived(pair: Pair) -> None:
+@pytest.mark.parametrize("declared", [False, True])
+async def test_a_client_gone_before_its_body_arrived(pair: Pair, declared: bool) -> None:
     async def call(app: Any) -> list[Any]:
         incoming = [{"type": "http.request", "body": b'{"input_', "more_body": True}, {"type": "http.disconnect"}]
         sent: list[Any] = []
@@ -249,6 +284,8 @@ async def test_a_client_gone_before_its_body_arrived(pair: Pair) -> None:
             sent.append(message)
 
         headers = [(b"content-type", b"application/json"), (b"authorization", AUTH["authorization"].encode())]
+        if declared:  # the fast lane reads the body itself
+            headers.append((b"content-length", b"100"))
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
@@ -334,6 +371,73 @@ async def test_other_shapes_and_lax_content_types(strict: bool) -> None:
     finally:
         for client in clients:
             await client.aclose()
+
+
+class Outcome(BaseModel):
+    outcome: str
+
+
+async def _outcome(body: Outcome, request: Request) -> Response:
+    """Each way an endpoint can end, by name."""
+    match body.outcome:
+        case "crash":
+            raise RuntimeError("an unexpected error")
+        case "invalid":
+            raise InvalidRequest("not like that", param="outcome")
+        case "http":
+            raise HTTPException(409, "taken")
+        case "gone":
+            raise ClientDisconnected("client disconnected")
+        case "stream-crash":
+
+            async def events() -> AsyncIterator[bytes]:
+                yield b"data: 1\n\n"
+                raise RuntimeError("failed while streaming")
+
+            async def nothing() -> None:
+                pass
+
+            return GuardedStreamingResponse(events(), nothing, media_type="text/event-stream")
+    return Response(body.outcome)
+
+
+def _toy_gateway(route_class: type[APIRoute]) -> GatewayApp:
+    """The gateway's app shape (its middlewares and error handlers) around one endpoint that ends as asked."""
+    app = GatewayApp()
+    install_error_handlers(app)
+    router = APIRouter(route_class=route_class)
+    router.add_api_route("/outcome", _outcome, methods=["POST"])
+    app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=1024)
+    app.add_middleware(RequestMetrics)
+    return app
+
+
+async def test_errors_end_requests_alike_in_and_out_of_the_fast_lane(caplog: pytest.LogCaptureFixture) -> None:
+    lane_app, stock_app = _toy_gateway(LeanRoute), _toy_gateway(APIRoute)
+    for raising in (False, True):
+        clients = [
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=a, raise_app_exceptions=raising), base_url="http://t")
+            for a in (lane_app, stock_app)
+        ]
+        try:
+            for outcome in ("fine", "crash", "invalid", "http", "gone", "stream-crash"):
+                answers: list[Any] = []
+                for client in clients:
+                    try:
+                        response = await client.post("/outcome", json={"outcome": outcome})
+                        answers.append((response.status_code, response.headers.get("content-type"), response.content))
+                    except RuntimeError as exc:  # the app re-raised it to the server, after answering 500
+                        answers.append(("raised", str(exc)))
+                assert answers[0] == answers[1], (outcome, raising)
+                assert raising or answers[0][0] == {"fine": 200, "invalid": 400, "http": 409, "gone": 499}.get(
+                    outcome, answers[0][0]
+                )
+        finally:
+            for client in clients:
+                await client.aclose()
+    assert lane_app.fast_lane is not None and lane_app.fast_lane.paths == {"/outcome"}
+    assert stock_app.fast_lane is None
 
 
 # -- the two shortcuts ------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive
 
-__all__ = ["LeanRoute", "is_json_content_type"]
+__all__ = ["LeanCall", "LeanRoute", "is_json_content_type", "lean_call"]
 
 # Names of recent FastAPI releases, two of them private. Where one is missing (an older or a reworked FastAPI), the
 # route class falls back to FastAPI's own handler instead of failing the import: the gateway then only runs slower.
@@ -55,27 +55,34 @@ class LeanRoute(APIRoute):
 
     def get_route_handler(self) -> Handler:
         stock = super().get_route_handler()
-        if not _FASTAPI_KNOWN:
-            return stock
-        route = self._effective()
-        shape = _shape(route.dependant)
-        if shape is None or route.response_field is not None:
-            return stock
-        strict = getattr(route, "strict_content_type", True)
-        if isinstance(strict, DefaultPlaceholder):
-            strict = strict.value
-        return _lean_handler(
-            stock, shape, json_without_content_type=not strict, overrides=route.dependency_overrides_provider
-        )
+        call = lean_call(self._effective())
+        return stock if call is None else _lean_handler(stock, call)
 
     def _effective(self) -> Any:
         """The route as served: FastAPI builds an included route's handler with the inclusion's settings (its
         dependencies, its app for dependency overrides) in a context variable, read here as
         `APIRoute.get_route_handler` reads it (a private name of FastAPI's: a rename fails the import)."""
+        if not _FASTAPI_KNOWN:
+            return self
         context = _effective_route_context_var.get()
         if context is not None and context.original_route is self:
             return context
         return self
+
+
+def lean_call(route: Any) -> LeanCall | None:
+    """The lean path of `route` (an `APIRoute` or FastAPI's effective context of an included one), or None where
+    FastAPI's own handler must serve it: a shape the lean path does not cover, a response model, or a FastAPI
+    without the names it relies on."""
+    if not _FASTAPI_KNOWN:
+        return None
+    shape = _shape(route.dependant)
+    if shape is None or route.response_field is not None:
+        return None
+    strict = getattr(route, "strict_content_type", True)
+    if isinstance(strict, DefaultPlaceholder):
+        strict = strict.value
+    return LeanCall(shape, json_without_content_type=not strict, overrides=route.dependency_overrides_provider)
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,48 @@ class _Shape:
     dependencies: tuple[tuple[str | None, Callable[..., Awaitable[Any]], str], ...]
 
 
-def _lean_handler(stock: Handler, shape: _Shape, *, json_without_content_type: bool, overrides: Any) -> Handler:
-    endpoint, model, dependencies = shape.endpoint, shape.model, shape.dependencies
-    body_param, request_param = shape.body_param, shape.request_param
+class LeanCall:
+    """The lean path of one route, in the three steps that `LeanRoute`'s handler and the gateway's fast lane
+    (`gateway.api.fast_lane`) both take: whether FastAPI must serve the request anyway (`bypassed`), the body
+    parsed and validated or None (`parse`), and the dependencies and endpoint run on the parsed body (`respond`).
+    """
 
+    def __init__(self, shape: _Shape, *, json_without_content_type: bool, overrides: Any) -> None:
+        self._shape = shape
+        self._json_without_content_type = json_without_content_type
+        self._overrides = overrides
+
+    def bypassed(self) -> bool:
+        """FastAPI serves the request itself: dependency overrides are set, or its OpenTelemetry support traces."""
+        overrides = self._overrides
+        return (overrides is not None and bool(overrides.dependency_overrides)) or get_telemetry_data() is not None
+
+    def parse(self, body: bytes, content_type: str | None) -> BaseModel | None:
+        """The body validated into the route's model, or None where FastAPI must decide: an empty body, a content
+        type FastAPI would not parse as JSON, a body that does not validate (pydantic is stricter than the standard
+        library on a UTF-8 BOM, lone surrogates and nesting deeper than 200: FastAPI parses those again and decides;
+        its validation error comes after the dependencies ran, so an auth failure comes first)."""
+        if not body or not (is_json_content_type(content_type) if content_type else self._json_without_content_type):
+            return None
+        try:
+            return self._shape.model.model_validate_json(body)
+        except Exception:
+            return None
+
+    async def respond(self, request: Request, value: BaseModel) -> Response:
+        """Await the dependencies in FastAPI's order, then the endpoint."""
+        shape = self._shape
+        values: dict[str, Any] = {shape.body_param: value, shape.request_param: request}
+        for name, call, call_request_param in shape.dependencies:
+            solved = await call(**{call_request_param: request})
+            if name is not None:
+                values[name] = solved
+        return await shape.endpoint(**values)
+
+
+def _lean_handler(stock: Handler, call: LeanCall) -> Handler:
     async def handler(request: Request) -> Response:
-        if (overrides is not None and overrides.dependency_overrides) or get_telemetry_data() is not None:
+        if call.bypassed():
             return await stock(request)
         try:
             body = await request.body()
@@ -104,21 +147,10 @@ def _lean_handler(stock: Handler, shape: _Shape, *, json_without_content_type: b
             # FastAPI maps a failed read to its answer (400; 413 for a body limit of its own): let it, on a
             # request whose read fails the same way.
             return await stock(Request(request.scope, _failing_receive(exc)))
-        content_type = request.headers.get("content-type")
-        if not body or not (is_json_content_type(content_type) if content_type else json_without_content_type):
+        value = call.parse(body, request.headers.get("content-type"))
+        if value is None:
             return await stock(request)
-        try:
-            value = model.model_validate_json(body)
-        except Exception:
-            # FastAPI parses and validates again and answers as it always does: a validation error after the
-            # dependencies ran (an auth failure comes first), anything a validator raises at the same point.
-            return await stock(request)
-        values: dict[str, Any] = {body_param: value, request_param: request}
-        for name, call, call_request_param in dependencies:
-            solved = await call(**{call_request_param: request})
-            if name is not None:
-                values[name] = solved
-        return await endpoint(**values)
+        return await call.respond(request, value)
 
     return handler
 

@@ -10,10 +10,13 @@ scope. Flow control is the server's (uvicorn waits for the socket to drain insid
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from gateway.api.fast_lane import FastLane
 
 SERVER_SEND = "rollout_gateway.server_send"
 """Scope key of the ASGI server's `send`, as the server passed it to the application."""
@@ -25,15 +28,35 @@ engine request it abandoned is aborted then."""
 
 
 class GatewayApp(FastAPI):
-    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`.
+    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`, and
+    serves the ordinary requests of its `LeanRoute` routes through a `FastLane` (`gateway.api.fast_lane`, built at
+    the first request, when the routes, middlewares and handlers are final).
 
     The `send` kept is the one this app was called with, so middlewares *around* the app still see every
     message; middlewares added *to* it (`add_middleware`) see only the head of a stream, and so must not
     transform response bodies (compression, say): none of the gateway's does.
     """
 
+    _lane: FastLane | None | Literal[False] = False  # False: not built yet
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
+        if scope["type"] == "http":
+            lane = self._lane
+            if lane is False:
+                lane = self._lane = FastLane.of(self, self._stack)
+            if lane is not None and lane.serves(scope):
+                await lane(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    @property
+    def fast_lane(self) -> FastLane | None:
+        """The lane, once the first request built it (None before, and for an app without one)."""
+        return self._lane or None
+
+    async def _stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app as FastAPI serves it: every middleware, the router, the route's own handler."""
         await super().__call__(scope, receive, send)
 
 

@@ -1,0 +1,195 @@
+"""`FastLane`: the hot routes' ordinary requests served from the app's entry, past FastAPI's router and wrappers.
+
+A short `POST /generate` went through eleven ASGI layers before its handler: Starlette's and FastAPI's app calls,
+the error, telemetry and body-limit middlewares, the gateway's two, the exception middleware, an exit stack, the
+router's matching over every route, and FastAPI's per-route wrappers; together about a tenth of the gateway's CPU
+on that request. For a request to one of the `LeanRoute` routes (`gateway.api.lean_route`) that declares a
+content-length within the body limit and whose body the lean path accepts, the lane keeps only the layers that
+decide anything for such a request, the same middleware classes the app stack is built from, in the same order:
+
+* Starlette's `ServerErrorMiddleware` with the app's 500 handler (an unhandled error answers 500, then re-raises),
+* the gateway's `RequestMetrics` (every request counted once, by route template and status),
+* Starlette's `ExceptionMiddleware` with the app's other handlers (a `GatewayError` becomes its OpenAI-style answer),
+
+and calls the route's dependencies and endpoint (`LeanCall.respond`). What it leaves out cannot act on such a
+request: the body limit refuses only bodies over it (the declared length is within it, and HTTP/1.1 framing holds
+the body to it); FastAPI's own body limit, form limits and OpenTelemetry are off; the router would pick this very
+route (checked when the lane is built). Everything else goes to the full stack: another method or path, no or an
+oversized content-length, a body the lean path leaves to FastAPI (the body read so far is replayed), dependency
+overrides, an app whose middlewares or settings differ from what `create_app` builds (then no lane at all).
+`tests/test_lean_route.py` compares the answers and the request counts with an app served by FastAPI alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.middleware.errors import ServerErrorMiddleware
+from starlette.middleware.exceptions import ExceptionMiddleware
+from starlette.requests import Request
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.api.lean_route import LeanCall, LeanRoute, lean_call
+from gateway.api.limits import BodySizeLimit
+from gateway.api.observability import RequestMetrics
+
+try:
+    from fastapi.routing import iter_route_contexts
+
+    _ROUTE_CONTEXTS = True
+except ImportError:  # pragma: no cover - an older FastAPI: no lane, the full stack serves every request
+    _ROUTE_CONTEXTS = False
+
+__all__ = ["FastLane"]
+
+_PARSED = "rollout_gateway.lane_body"
+"""Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._respond`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Lane:
+    """One hot route: what the router would put in the scope for it, and its lean path."""
+
+    route: LeanRoute
+    call: LeanCall
+
+
+class FastLane:
+    """Serves the ordinary requests of the app's `LeanRoute` routes (see the module docstring); `full` serves the
+    rest. Build it with `FastLane.of(app, full)`, once the app's routes, middlewares and handlers are final."""
+
+    def __init__(
+        self, app: FastAPI, lanes: Mapping[str, _Lane], max_body_bytes: int, full: ASGIApp, *, debug: bool
+    ) -> None:
+        self._app = app
+        self._lanes = dict(lanes)
+        self._max_body_bytes = max_body_bytes
+        self._full = full
+        error_handler, handlers = _split_handlers(app)
+        self._serve: ASGIApp = ServerErrorMiddleware(
+            RequestMetrics(ExceptionMiddleware(self._respond, handlers=handlers, debug=debug)),
+            handler=error_handler,
+            debug=debug,
+        )
+
+    @classmethod
+    def of(cls, app: FastAPI, full: ASGIApp) -> FastLane | None:
+        """The lane of `app` (as `create_app` builds it), or None if the app is not built that way."""
+        max_body_bytes = _body_limit(app)
+        if max_body_bytes is None or not _ROUTE_CONTEXTS:
+            return None
+        if getattr(app, "max_body_size", None) is not None or app.root_path:
+            return None
+        try:
+            lanes = _lanes(app)
+        except Exception:  # a FastAPI whose routes look otherwise: serve everything the usual way
+            return None
+        return cls(app, lanes, max_body_bytes, full, debug=app.debug) if lanes else None
+
+    @property
+    def paths(self) -> frozenset[str]:
+        """The paths the lane serves (POST only)."""
+        return frozenset(self._lanes)
+
+    def serves(self, scope: Scope) -> bool:
+        """Whether the request may take the lane, on its method and path alone (the lane may still hand it on)."""
+        return scope["method"] == "POST" and scope["path"] in self._lanes and not scope.get("root_path")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lane = self._lanes[scope["path"]]
+        length = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value if length is None else length
+            elif name == b"content-type":
+                content_type = value if content_type is None else content_type
+        if length is None or not length.isdigit() or int(length) > self._max_body_bytes or lane.call.bypassed():
+            await self._full(scope, receive, send)
+            return
+        messages: list[Message] = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client left: the full stack answers as it does
+                await self._full(scope, _replaying(messages, receive), send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = messages[0].get("body", b"") if len(messages) == 1 else b"".join(m.get("body", b"") for m in messages)
+        value = lane.call.parse(body, None if content_type is None else content_type.decode("latin-1"))
+        if value is None:
+            await self._full(scope, _replaying(messages, receive), send)
+            return
+        scope["app"] = self._app
+        scope["route"] = lane.route
+        scope["endpoint"] = lane.route.endpoint
+        scope["path_params"] = {}
+        scope[_PARSED] = (lane.call, value)
+        await self._serve(scope, receive, send)
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call, value = scope.pop(_PARSED)
+        request = Request(scope, receive, send)
+        response = await call.respond(request, value)
+        await response(scope, receive, send)
+
+
+def _body_limit(app: FastAPI) -> int | None:
+    """The body limit of an app whose middlewares are exactly the gateway's (`create_app`), else None."""
+    stack: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = [(m.cls, m.args, m.kwargs) for m in app.user_middleware]
+    if len(stack) != 2 or stack[0] != (RequestMetrics, (), {}):
+        return None
+    cls, args, kwargs = stack[1]
+    if cls is not BodySizeLimit or args or set(kwargs) != {"max_bytes"}:
+        return None
+    max_bytes = kwargs["max_bytes"]
+    return max_bytes if isinstance(max_bytes, int) else None
+
+
+def _split_handlers(app: FastAPI) -> tuple[Any, dict[Any, Any]]:
+    """The app's exception handlers as FastAPI's stack splits them: the 500 one (for `ServerErrorMiddleware`) and
+    the others (for `ExceptionMiddleware`)."""
+    error_handler = None
+    handlers: dict[Any, Any] = {}
+    for key, value in app.exception_handlers.items():
+        if key in (500, Exception):
+            error_handler = value
+        else:
+            handlers[key] = value
+    return error_handler, handlers
+
+
+def _lanes(app: FastAPI) -> dict[str, _Lane]:
+    """The app's `LeanRoute` routes of one method (POST) and a fixed path, with a lean path, that the router would
+    pick for a POST to their path (no earlier route matches it)."""
+    contexts = list(iter_route_contexts(app.routes))
+    lanes: dict[str, _Lane] = {}
+    for index, context in enumerate(contexts):
+        route = context.original_route
+        if not isinstance(route, LeanRoute) or context.methods != {"POST"}:
+            continue
+        path = context.path
+        if not isinstance(path, str) or "{" in path or getattr(context, "max_body_size", None) is not None:
+            continue
+        call = lean_call(context._route_context or route)
+        if call is None:
+            continue
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}
+        first = next((c for c in contexts if c.matches(scope)[0] != Match.NONE), None)
+        if first is contexts[index] and context.matches(scope)[0] == Match.FULL:
+            lanes[path] = _Lane(route, call)
+    return lanes
+
+
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    """`receive` that first hands out `messages` again (what the lane read of the request)."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
