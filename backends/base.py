@@ -145,9 +145,15 @@ class EngineBackend(Protocol):
         request_id: str,
         routed_experts: ExpertArray | None = None,
         experts_start: int = 0,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[Chunk, None]:
         """Stream the new tokens of one request. Ends with a chunk whose `finish_reason` is set; an engine-side
-        abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure."""
+        abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure.
+
+        `stream=False`: the caller needs the tokens only once the request ends, so the engine may answer once (one
+        chunk with every token); an abort still answers with the partial tokens, but a failure mid-request loses
+        what the engine had generated (the caller generates it again)."""
         ...
 
     async def abort(self, request_id: str) -> None:

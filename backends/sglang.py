@@ -4,7 +4,9 @@ Behaviour follows ../shared/contracts (SGLang 0.5.23 from source and observed on
 `POST /generate` with token ids; SGLang 0.5.23 rejects unknown fields with a 400, so the body carries only the
 fields the server declares, and optional ones only when they are used. Stream chunks are cumulative by default
 and deltas when the server runs with `--incremental-streaming-output`; both become delta `Chunk`s. Routed experts
-(R3) arrive on the final chunk as shapeless raw int32, reshaped with the configured (layers, top_k).
+(R3) arrive on the final chunk as shapeless raw int32, reshaped with the configured (layers, top_k). A caller that
+needs the tokens only at the end (`generate(stream=False)`) gets one non-streaming answer with the same fields (an
+abort answers 200 with the partial output, as a stream's last chunk does).
 
 Control maps onto the native routes: `/abort_request`, `/pause_generation` (the gateway's `keep` is the spec's
 `keep_mode`: retract or in_place; SGLang has no drain-then-pause, the gateway emulates `wait`),
@@ -80,17 +82,42 @@ class SglangBackend(HttpEngineBackend):
 
     # -- generation ----------------------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self,
         token_ids: Sequence[int],
         sampling: SamplingParams,
         request_id: str,
         routed_experts: ExpertArray | None = None,
         experts_start: int = 0,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[Chunk, None]:
         """Stream the new tokens of one request; the last chunk carries the finish reason, version spans and
-        (with R3) the routed experts of positions [experts_start, prompt + output - 1)."""
+        (with R3) the routed experts of positions [experts_start, prompt + output - 1). `stream=False`: one
+        answer at the end, with the same fields (`EngineBackend.generate`)."""
         body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
+        if not stream:
+            body["stream"] = False
+            return self._complete_once(body, sampling, len(token_ids), experts_start)
+        return self._stream(body, sampling, len(token_ids), experts_start)
+
+    async def _complete_once(
+        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+    ) -> AsyncGenerator[Chunk, None]:
+        # A long read timeout: the whole generation happens before the first byte of the answer. An abort answers
+        # 200 with the partial output (one with status_code >= 400 answers that status: `raise_for_status`).
+        answer = await request_json(self._client, self.id, "POST", GENERATE, json=body, timeout=self._long)
+        with translate_errors(self.id):
+            if not isinstance(answer, dict):
+                raise TypeError(f"the answer is not an object: {answer!r}")
+            chunk, _ = self._chunk(answer, sampling, prompt_len, experts_start, 0)
+        if chunk.finish_reason is None:
+            raise BackendProtocolError(f"replica {self.id}: a finished request without finish_reason", replica=self.id)
+        yield chunk
+
+    async def _stream(
+        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+    ) -> AsyncGenerator[Chunk, None]:
         seen = 0
         finished = False
         async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body)) as batches:
@@ -101,7 +128,7 @@ class SglangBackend(HttpEngineBackend):
                     if finished:
                         break  # read on to [DONE] so the connection goes back to the pool
                     with translate_errors(self.id):
-                        chunk, seen = self._chunk(event, sampling, len(token_ids), experts_start, seen)
+                        chunk, seen = self._chunk(event, sampling, prompt_len, experts_start, seen)
                     finished = chunk.finish_reason is not None
                     if finished:
                         final = chunk

@@ -11,6 +11,9 @@ handled. Transport per request:
 - otherwise, with R3: non-streaming `POST /v1/completions`, the only completions transport that carries
   `routed_experts` (streaming completion chunks have no such field); the tokens then arrive in one chunk.
 
+A caller that needs the tokens only at the end (`generate(stream=False)`) gets the same endpoint without streaming:
+one answer instead of an event per token (an abort still answers with the partial tokens, in both modes).
+
 Per-token versions across a `keep` pause need the engine's spans. `capabilities.version_spans` is True with
 scale-out, and on the completions transport once `GET /version` says >= 0.33 or a finished request came back
 with spans; where it stays False, `pause("keep")` pauses with `abort` instead, and the gateway resumes the
@@ -108,20 +111,25 @@ class VllmBackend(HttpEngineBackend):
         request_id: str,
         routed_experts: ExpertArray | None = None,
         experts_start: int = 0,
+        *,
+        stream: bool = True,
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream the new tokens of one request (see the module docstring for the transport)."""
+        """Stream the new tokens of one request (see the module docstring for the transport); `stream=False`: one
+        answer at the end (`EngineBackend.generate`)."""
         replay = (
             encode_npy_b64(routed_experts) if routed_experts is not None and self.spec.routed_experts_input else None
         )
         if self._generate_endpoint:
-            body = self._generate_body(token_ids, sampling, request_id, experts_start, replay)
-            return self._stream(GENERATE, body, sampling, len(token_ids), experts_start)
-        body = self._completion_body(token_ids, sampling, request_id, experts_start, replay)
-        if self.spec.routed_experts:
-            return self._complete_once(body, sampling, len(token_ids), experts_start)
+            path, body = GENERATE, self._generate_body(token_ids, sampling, request_id, experts_start, replay)
+        else:
+            path, body = COMPLETIONS, self._completion_body(token_ids, sampling, request_id, experts_start, replay)
+            # Routed experts come only in whole answers of /v1/completions.
+            stream = stream and not self.spec.routed_experts
+        if not stream:
+            return self._complete_once(path, body, sampling, len(token_ids), experts_start)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return self._stream(COMPLETIONS, body, sampling, len(token_ids), experts_start)
+        return self._stream(path, body, sampling, len(token_ids), experts_start)
 
     def _sampling_fields(self, sampling: SamplingParams) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -182,8 +190,6 @@ class VllmBackend(HttpEngineBackend):
             "token_ids": list(token_ids),
             "sampling_params": params,
             "request_id": request_id,
-            "stream": True,
-            "stream_options": {"include_usage": True},
         }
         if replay is not None:
             body["replay_routed_experts"] = replay
@@ -223,12 +229,12 @@ class VllmBackend(HttpEngineBackend):
         yield final
 
     async def _complete_once(
-        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+        self, path: str, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         # A long read timeout: the whole generation happens before the first byte of the answer.
-        answer = await request_json(self._client, self.id, "POST", COMPLETIONS, json=body, timeout=self._long)
+        answer = await request_json(self._client, self.id, "POST", path, json=body, timeout=self._long)
         with translate_errors(self.id):
-            chunk = self._chunk(answer["choices"][0], COMPLETIONS, sampling, prompt_len, experts_start)
+            chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
             chunk.cached_tokens = _cached_tokens(answer.get("usage"))
         if chunk.finish_reason is None:
             raise BackendProtocolError(

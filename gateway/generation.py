@@ -50,6 +50,11 @@ class GenerationRequest:
     `experts_start`: the first position whose routed experts the caller wants (a later turn of a session
     already holds the experts of its earlier positions); `routed_experts` are those earlier positions' experts,
     replayed to engines that accept routing input. `on_partial` runs at every segment boundary.
+
+    `stream`: the caller takes tokens as they come. A caller that takes only the finished completion, without stop
+    strings to watch, gets each segment in one answer from its engine instead of an event per token (far less
+    work per token; an abort still returns the segment's tokens, a replica failure loses them, and the
+    continuation generates them again).
     """
 
     request_id: str
@@ -61,6 +66,7 @@ class GenerationRequest:
     experts_start: int = 0
     routed_experts: ExpertArray | None = None
     on_partial: PartialHook | None = None
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -243,9 +249,10 @@ class Generator:
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         engine_request_id = f"{request.request_id}-{len(state.segments)}"
         engine_done = False
+        stream = request.stream or request.stop is not None  # stop strings are watched token by token
         async with self.pool.lease(run.replica):
             try:
-                chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start)
+                chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start, stream=stream)
                 if run.preempted_at is not None:
                     self._dispatched(run.preempted_at)
                 async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):

@@ -222,6 +222,7 @@ class TurnRunner:
             experts_start=turn.experts_start,
             routed_experts=turn.sample.routed_experts,
             on_partial=on_partial,
+            stream=body.stream,
         )
 
     # -- running ---------------------------------------------------------------------------------

@@ -58,6 +58,68 @@ async def test_abort_invisibility_across_k_updates(
     assert final["num_resumes"] == updates
 
 
+@pytest.mark.parametrize("replica", ["vllm", "vllm-scale-out", "sglang"])
+async def test_a_caller_of_the_whole_answer_gets_one_engine_answer_per_segment(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, replica: str
+) -> None:
+    """A non-streamed `/generate` takes each segment from its engine in one answer (no event per token), and the
+    resume invariants hold as for a stream: an aborted answer carries the partial tokens, which are kept."""
+    dialect, scale_out = replica.removesuffix("-scale-out"), replica.endswith("-scale-out")
+    d, engine = slow(dialect)
+    sim = await make_sim(d, engine=engine, enable_scale_out=scale_out)
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect=d, scale_out=scale_out)])
+    total, updates = 300, 2
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body(PROMPT, total)))
+    for version in range(1, updates + 1):
+        await wait_for(
+            lambda v=version: sim.engine.counters["generation_tokens"] >= v * total // (updates + 1),
+            what=f"progress before v{version}",
+        )
+        assert (await publish(http, gw.url, version)).status_code == 200
+    answer = (await task).json()
+    assert answer["finish_reason"] == "length" and answer["num_resumes"] == updates
+    assert set(answer["versions"]) == set(range(updates + 1)) and answer["versions"] == sorted(answer["versions"])
+    assert answer["output_ids"] == expected_tokens(PROMPT, answer["versions"], total)
+    assert len(answer["logprobs"]) == total
+    counters = sim.engine.counters
+    assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 0)
+    await stream_generate(http, gw.url, generate_body(PROMPT, 20))  # a streaming caller: a streamed engine request
+    assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 1)
+
+
+async def test_a_replica_killed_under_a_whole_answer_caller(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """The tokens of a non-streamed segment die with its replica; the continuation generates them again, and the
+    answer is the same."""
+    from backends.sim.server import SimProcess
+
+    procs = [SimProcess(["--token-delay", "0.003"]) for _ in range(2)]
+    for proc in procs:
+        await asyncio.to_thread(proc.start)
+    try:
+        gw = await make_gateway([ReplicaConfig(url=p.url, backend="sim", dialect="vllm") for p in procs])
+        body = generate_body(PROMPT, 400, session_id="crash-me")
+        task = asyncio.create_task(http.post(f"{gw.url}/generate", json=body))
+        await wait_for(lambda: "crash-me" in gw.services.pool.placements, what="placement")
+        victim = gw.services.pool.placements["crash-me"]
+        proc = next(p for p in procs if p.url.endswith(victim.split(":")[-1]))
+        await wait_for(lambda: _generated(http, proc.url, 50), what="tokens before the kill")
+        await asyncio.to_thread(proc.kill)
+        answer = (await task).json()
+        assert answer["finish_reason"] == "length" and answer["num_resumes"] >= 1
+        assert answer["output_ids"] == expected_tokens(PROMPT, answer["versions"], 400)
+        assert len(set(answer["replicas"])) == 2  # finished on the other replica
+    finally:
+        for proc in procs:
+            await asyncio.to_thread(proc.stop)
+
+
+async def _generated(http: httpx.AsyncClient, url: str, at_least: int) -> bool:
+    state = (await http.get(f"{url}/sim/state")).json()
+    return bool(state["counters"].get("generation_tokens", 0) >= at_least)
+
+
 async def test_concurrent_streams_while_updates_fire(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

@@ -400,3 +400,30 @@ async def test_partial_sample_is_written_at_a_segment_boundary(
     stored = await gw.services.store.load_samples("partial")
     assert int(stored[0].loss_mask.sum()) == 400
     await api.close()
+
+
+async def test_engine_transport_follows_the_callers_need(make_sim: SimFactory, make_gateway: GatewayFactory) -> None:
+    """A non-streamed turn takes its engine's answer whole, unless stop strings must be watched token by token (the
+    gateway applies them, and stops the engine at the first match); a streamed turn streams."""
+    sim, gw = await gateway_on(make_sim, make_gateway)
+    api = client(gw)
+    counters = sim.engine.counters
+
+    def transports() -> tuple[int, int]:
+        return counters["requests_whole"], counters["requests_streamed"]
+
+    plain = await api.completions.create(model="tiny", prompt="hello there", max_tokens=8, temperature=0)
+    assert plain.choices[0].finish_reason in ("stop", "length") and transports() == (1, 0)
+    stopped = await api.completions.create(
+        model="tiny", prompt="hello there", max_tokens=40, temperature=0, stop=[plain.choices[0].text[-2:]]
+    )
+    assert stopped.choices[0].text and transports() == (1, 1)
+    stream = await api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True
+    )
+    assert [chunk async for chunk in stream] and transports() == (1, 2)
+    chat = await api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content is not None and transports() == (2, 2)
+    await api.close()

@@ -252,6 +252,12 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def count_transport(engine: SimEngine, stream: bool) -> None:
+    """Count a generation request by how it is answered (`counters` of `GET /sim/state`: `requests_streamed`,
+    `requests_whole`), so that tests see which transport a client chose."""
+    engine.counters["requests_streamed" if stream else "requests_whole"] += 1
+
+
 def build_app(
     title: str,
     settings: SimServerSettings,

@@ -31,6 +31,7 @@ from backends.sim.common import (
     SimServerSettings,
     TextDecoder,
     build_app,
+    count_transport,
     json_response,
     sse,
     unless_disconnected,
@@ -394,6 +395,7 @@ class SglangDialect:
             self.engine.submit(engine_id, prompt, spec, replay),
             lambda: self.engine.abort(engine_id, "client disconnected"),
         )
+        count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(self._stream(body, raw, request, started), media_type="text/event-stream")
         await unless_disconnected(

@@ -27,6 +27,7 @@ from backends.sim.common import (
     SimServerSettings,
     TextDecoder,
     build_app,
+    count_transport,
     json_response,
     sse,
     unless_disconnected,
@@ -310,6 +311,7 @@ class VllmDialect:
         base_id = raw.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex[:16]
         response_id = f"cmpl-{base_id}"
         request = await self._submit(raw, f"{response_id}-0", prompt, spec, self._replay(body.replay_routed_experts))
+        count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(
                 self._completion_stream(body, raw, request, response_id), media_type="text/event-stream"
@@ -418,6 +420,7 @@ class VllmDialect:
         )
         engine_id = f"generate-tokens-{body.request_id or uuid.uuid4().hex[:16]}"
         request = await self._submit(raw, engine_id, body.token_ids, spec, self._replay(body.replay_routed_experts))
+        count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(self._generate_stream(body, raw, request), media_type="text/event-stream")
         await self._finished(raw, request)

@@ -88,6 +88,7 @@ def _request(body: GenerateBody) -> GenerationRequest:
         sampling=sampling,
         session_id=body.session_id,
         want_routed_experts=body.return_routed_experts,
+        stream=body.stream,
     )
 
 

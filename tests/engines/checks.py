@@ -29,6 +29,9 @@ LONG = {"vllm": 3000, "sglang": 600}
 _references: dict[tuple[str, str], list[int]] = {}
 PAUSE_AFTER = 100  # tokens streamed before the interruption
 ATTEMPTS = 6  # tries of `interrupted` to catch its request in the engine
+SGLANG_WHOLE_RUN_S = (
+    0.2  # a non-streamed SGLang request runs this long before `interrupted` freezes it (~1 s for 600 here)
+)
 
 RUNNING = {"vllm": "vllm:num_requests_running", "sglang": "sglang:num_running_reqs"}
 WAITING = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs"}
@@ -49,9 +52,11 @@ async def interrupted(
     interrupt: Any,
     prompt: list[int] = PROMPT,
     keep_mode: str = "retract",
+    whole: bool = False,
     **extra: Any,
 ) -> Streamed:
-    """Stream `total` greedy tokens through the gateway; once the engine generated PAUSE_AFTER of them, await
+    """Stream `total` greedy tokens through the gateway (`whole`: ask for them in one answer, which the gateway
+    takes from the engine in one answer per segment); once the engine generated PAUSE_AFTER of them, await
     `interrupt()` (a gateway pause or update).
 
     On this two-core machine the test process (which also runs the gateway) can be descheduled for seconds
@@ -68,11 +73,19 @@ async def interrupted(
     for _attempt in range(ATTEMPTS):
         before = await metric(http, server, GENERATED[server.kind])
         progress = [0]
-        task = asyncio.create_task(stream_generate(http, gw.url, generate_body(prompt, total, **extra), progress))
+        body = generate_body(prompt, total, **extra)
+        task = asyncio.create_task(
+            whole_answer(http, gw, body) if whole else stream_generate(http, gw.url, body, progress)
+        )
         # Whichever says first that generation is under way: the engine's counter (vLLM counts every step;
         # SGLang only when a request finishes) or the tokens that reached the client.
         while not task.done() and progress[0] < PAUSE_AFTER:
             if await metric(http, server, GENERATED[server.kind]) - before >= PAUSE_AFTER:
+                break
+            if whole and server.kind == "sglang" and await in_engine(http, server) == 1:
+                # Nothing counts SGLang's tokens before the answer: let it run a while, then check (below) that
+                # the tokens from before the interruption came back (SGLANG_WHOLE_RUN_S bounds no synchronisation).
+                await asyncio.sleep(SGLANG_WHOLE_RUN_S)
                 break
             await asyncio.sleep(0.1)  # not faster: scraping /metrics costs the engine's API server CPU
         await freeze(http, server, keep_mode)
@@ -88,6 +101,14 @@ async def interrupted(
     assert result.final["finish_reason"] == "length"
     assert len(result.output_ids) == total == len(result.logprobs) == len(result.final["versions"])
     return result
+
+
+async def whole_answer(http: httpx.AsyncClient, gw: RunningGateway, body: dict[str, Any]) -> Streamed:
+    """A non-streamed `/generate`, as `stream_generate` reports a stream."""
+    response = await http.post(f"{gw.url}/generate", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return Streamed(answer.pop("output_ids"), answer.pop("logprobs"), answer)
 
 
 async def freeze(http: httpx.AsyncClient, server: EngineServer, keep_mode: str = "retract") -> None:
@@ -159,9 +180,11 @@ async def generate_matches_engine(http: httpx.AsyncClient, gw: RunningGateway, s
     assert streamed.output_ids == ref_ids and streamed.final["finish_reason"] == "length"
 
 
-async def abort_pause_resumes_transparently(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
-    """An abort pause mid-generation (the engine ends the request with its partial tokens) is invisible: the
-    resumed completion equals an uninterrupted one, token for token."""
+async def abort_pause_resumes_transparently(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, whole: bool = False
+) -> None:
+    """An abort pause mid-generation (the engine ends the request with its partial tokens, streamed or in its one
+    answer: `whole`) is invisible: the resumed completion equals an uninterrupted one, token for token."""
     reference = await long_reference(http, server)
 
     async def pause_and_resume() -> None:
@@ -169,10 +192,11 @@ async def abort_pause_resumes_transparently(http: httpx.AsyncClient, gw: Running
         await asyncio.sleep(0.5)
         await admin(http, gw, "resume", {"version": 1})  # same weights, new label: shows where it resumed
 
-    result = await interrupted(http, gw, server, pause_and_resume)
+    result = await interrupted(http, gw, server, pause_and_resume, whole=whole)
     assert result.final["num_resumes"] >= 1, summary(result)
     k = split(result.final["versions"])
-    assert PAUSE_AFTER <= k < len(reference)
+    # A non-streamed SGLang request is frozen after a time, not a token count: its partial tokens came back (k > 0).
+    assert (1 if whole and server.kind == "sglang" else PAUSE_AFTER) <= k < len(reference), summary(result)
     assert result.output_ids == reference
 
 

@@ -59,10 +59,11 @@ async def test_generate_by_token_ids_with_logprobs(
     await checks.generate_matches_engine(http, await make(), sglang_server)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["streamed", "whole-answer"])
 async def test_abort_pause_resumes_with_the_uninterrupted_greedy_tokens(
-    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient, whole: bool
 ) -> None:
-    await checks.abort_pause_resumes_transparently(http, await make(), sglang_server)
+    await checks.abort_pause_resumes_transparently(http, await make(), sglang_server, whole)
 
 
 @pytest.mark.parametrize("keep_mode", ["retract", "in_place"])

@@ -48,10 +48,11 @@ async def test_generate_by_token_ids_with_logprobs(
     await checks.generate_matches_engine(http, gw, vllm_server)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["streamed", "whole-answer"])
 async def test_abort_pause_resumes_with_the_uninterrupted_greedy_tokens(
-    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient, whole: bool
 ) -> None:
-    await checks.abort_pause_resumes_transparently(http, gw, vllm_server)
+    await checks.abort_pause_resumes_transparently(http, gw, vllm_server, whole)
 
 
 async def test_keep_pause_continues_in_the_engine(
