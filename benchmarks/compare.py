@@ -1,7 +1,7 @@
 """This gateway side by side with direct access and the two Rust routers, on the same simulator replicas, in one run.
 
     python -m benchmarks.compare              # the real figures: 10-15 minutes on a busy 2-core machine
-    python -m benchmarks.compare --quick      # about 2-3 minutes, for development
+    python -m benchmarks.compare --quick      # about 3 minutes, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
 
 What runs where (written for a 2-core machine; with more cores the same split applies):
@@ -20,7 +20,8 @@ What runs where (written for a 2-core machine; with more cores the same split ap
 
 Workloads (`--workloads`): `short-c1` and `short-c64` (1-8 tokens, not streamed: pure proxy cost, at concurrency
 1 and 64), `stream` (256 tokens streamed, no token delay: relay cost), `rl` (many concurrent sessions, one long
-stream each with a per-token delay: RL-shaped), `multiturn` (sessions × turns whose prompts grow: affinity,
+stream each with a per-token delay: RL-shaped), `rl-whole` (the same, not streamed: an agent loop that waits for
+the whole answer), `multiturn` (sessions × turns whose prompts grow: affinity,
 balance, prefix-cache hits). Each workload runs every target `--rounds` times in ABBA order (targets forward,
 then backward, ...), so drift in the shared machine's speed falls on all of them alike.
 
@@ -139,7 +140,7 @@ class Workload:
 
 
 def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | None, rl_delay: float) -> list[Workload]:
-    """The five workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
+    """The six workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
     q = quick
     rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
     short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 6.0}
@@ -185,6 +186,19 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
             columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
             what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens each, "
             f"{rl_delay * 1000:g} ms per token",
+        ),
+        Workload(
+            "rl-whole",
+            sessions=rl_sessions or (32 if q else 256),
+            turns=1,
+            requests=0,
+            min_tokens=rl_lo,
+            max_tokens=rl_hi,
+            stream=False,
+            token_delay_s=rl_delay,
+            columns=("tok/s", "x direct", "p50", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
+            what=f"RL-shaped, not streamed (an agent loop that waits for the whole answer): all sessions at once, "
+            f"{rl_lo}-{rl_hi} tokens each, {rl_delay * 1000:g} ms per token",
         ),
         Workload(
             "multiturn",
@@ -626,9 +640,10 @@ def write_json(path: Path, options: Options, results: dict[str, dict[str, RunRes
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small counts and one round: about 2-3 minutes")
+    p.add_argument("--quick", action="store_true", help="small counts and one round: about 3 minutes")
     p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=list(DEFAULT_TARGETS))
-    p.add_argument("--workloads", nargs="+", default=None, help="short-c1 short-c64 stream rl multiturn (default all)")
+    names = "short-c1 short-c64 stream rl rl-whole multiturn"
+    p.add_argument("--workloads", nargs="+", default=None, help=f"{names} (default all)")
     p.add_argument("--rounds", type=int, default=None, help="timed runs per target and workload, ABBA (default 2)")
     p.add_argument("--rl-sessions", type=int, default=None, help="concurrent sessions of `rl` (default 256; quick 32)")
     p.add_argument("--rl-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="tokens per rl stream")

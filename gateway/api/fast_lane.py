@@ -22,6 +22,7 @@ overrides, an app whose middlewares or settings differ from what `create_app` bu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ except ImportError:  # pragma: no cover - an older FastAPI: no lane, the full st
     _ROUTE_CONTEXTS = False
 
 __all__ = ["FastLane"]
+
+logger = logging.getLogger(__name__)
 
 _PARSED = "rollout_gateway.lane_body"
 """Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._respond`."""
@@ -86,9 +89,10 @@ class FastLane:
             return None
         try:
             lanes = _lanes(app)
-        except Exception:  # a FastAPI whose routes look otherwise: serve everything the usual way
+            return cls(app, lanes, max_body_bytes, full, debug=app.debug) if lanes else None
+        except Exception:  # a FastAPI or Starlette whose internals look otherwise: serve everything the usual way
+            logger.warning("the fast lane is off: this FastAPI's routes or middlewares look otherwise", exc_info=True)
             return None
-        return cls(app, lanes, max_body_bytes, full, debug=app.debug) if lanes else None
 
     @property
     def paths(self) -> frozenset[str]:
