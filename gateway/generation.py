@@ -148,8 +148,9 @@ class Generator:
     """Runs completions over the pool, resuming across weight updates and replica failures.
 
     The counters are plain integers that metrics read at scrape time (nothing is pushed per token); `on_resume`
-    gets the resume latency of each continuation: seconds from the moment its predecessor segment broke off
-    (abort or failure) to the continuation's first token, waiting for a weight update included. `on_dispatch`
+    gets the resume latency of each streamed continuation: seconds from the moment its predecessor segment broke
+    off (abort or failure) to the continuation's first token, waiting for a weight update included (a whole answer
+    brings its first token with its last, so it reports none). `on_dispatch`
     gets, once per continuation of a preempted segment, the seconds from the coordinator's release of waiters
     (or from the preemption, if that came later) to the continuation being sent to the engine.
     """
@@ -261,7 +262,7 @@ class Generator:
                         engine_done = chunk.finish_reason is not None
                         if delta is not None:
                             if run.interrupted_at is not None:
-                                self._resumed(run)
+                                self._resumed(run, observe=stream)
                             self.completion_tokens_total += len(delta.token_ids)
                             yield delta
                         if run.finish is not None:
@@ -287,10 +288,11 @@ class Generator:
         if self.on_dispatch is not None:
             self.on_dispatch(time.monotonic() - max(preempted_at, self.weights.released_at))
 
-    def _resumed(self, run: _SegmentRun) -> None:
-        """The first token of a continuation arrived: report how long the caller waited for it."""
+    def _resumed(self, run: _SegmentRun, observe: bool) -> None:
+        """The first token of a continuation arrived: report how long the caller waited for it (`observe`: the
+        continuation streams, so this is its first token and not the whole answer)."""
         started, run.interrupted_at = run.interrupted_at, None
-        if started is not None and self.on_resume is not None:
+        if observe and started is not None and self.on_resume is not None:
             self.on_resume(time.monotonic() - started)
 
     def _replay(self, request: GenerationRequest, state: GenerationState) -> ExpertArray | None:

@@ -10,7 +10,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_replica_healthy`        | gauge     | replica       | read at scrape from the pool              |
 | `rollout_gateway_resumes_total`          | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_preemptions_total`      | counter   |               | read at scrape from `Generator`           |
-| `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, once per resume    |
+| `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, per streamed resume|
 | `rollout_gateway_resume_dispatch_seconds`| histogram |               | `Generator.on_dispatch`, per preemption   |
 | `rollout_gateway_weight_version`         | gauge     |               | read at scrape from the coordinator       |
 | `rollout_gateway_weight_update_seconds`  | histogram |               | `WeightCoordinator.on_update`, per update |
@@ -136,7 +136,7 @@ class GatewayMetrics:
         )
         self.resume_latency = Histogram(
             f"{PREFIX}_resume_latency_seconds",
-            "From a segment's abort or failure to the first token of its continuation.",
+            "From a segment's abort or failure to the first token of its continuation (streamed continuations).",
             buckets=RESUME_BUCKETS,
             registry=self.registry,
         )

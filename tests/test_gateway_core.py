@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.routed_experts import decode_npy_b64
@@ -83,8 +84,15 @@ async def test_a_caller_of_the_whole_answer_gets_one_engine_answer_per_segment(
     assert len(answer["logprobs"]) == total
     counters = sim.engine.counters
     assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 0)
+    # Each continuation was dispatched (and timed); none reports a first-token latency, which would be its whole run.
+    metrics = gw.services.metrics
+    assert (_observations(metrics.resume_dispatch), _observations(metrics.resume_latency)) == (updates, 0)
     await stream_generate(http, gw.url, generate_body(PROMPT, 20))  # a streaming caller: a streamed engine request
     assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 1)
+
+
+def _observations(histogram: Histogram) -> float:
+    return next(s.value for s in histogram.collect()[0].samples if s.name.endswith("_count"))
 
 
 async def test_a_replica_killed_under_a_whole_answer_caller(
