@@ -53,7 +53,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,19 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
     rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
     short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 6.0}
     latency_columns = ("req/s", "p50", "p99", "+p50", "+p99", "cpu/req")
+    rl = Workload(
+        "rl",
+        sessions=rl_sessions or (32 if q else 256),
+        turns=1,
+        requests=0,
+        min_tokens=rl_lo,
+        max_tokens=rl_hi,
+        stream=True,
+        token_delay_s=rl_delay,
+        columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
+        what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens each, "
+        f"{rl_delay * 1000:g} ms per token",
+    )
     return [
         Workload(
             "short-c1",
@@ -174,28 +187,11 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
             columns=("tok/s", "ttft50", "p50", "p99", "+p50", "cpu/ktok", "redis/ktok", "errors"),
             what="256 tokens streamed, no token delay, 16 agents: relay cost per token",
         ),
-        Workload(
-            "rl",
-            sessions=rl_sessions or (32 if q else 256),
-            turns=1,
-            requests=0,
-            min_tokens=rl_lo,
-            max_tokens=rl_hi,
-            stream=True,
-            token_delay_s=rl_delay,
-            columns=("tok/s", "x direct", "ttft50", "ttft99", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
-            what=f"RL-shaped: all sessions at once, one stream of {rl_lo}-{rl_hi} tokens each, "
-            f"{rl_delay * 1000:g} ms per token",
-        ),
-        Workload(
-            "rl-whole",
-            sessions=rl_sessions or (32 if q else 256),
-            turns=1,
-            requests=0,
-            min_tokens=rl_lo,
-            max_tokens=rl_hi,
+        rl,
+        replace(
+            rl,
+            name="rl-whole",
             stream=False,
-            token_delay_s=rl_delay,
             columns=("tok/s", "x direct", "p50", "p99", "cpu/ktok", "redis/ktok", "balance", "errors"),
             what=f"RL-shaped, not streamed (an agent loop that waits for the whole answer): all sessions at once, "
             f"{rl_lo}-{rl_hi} tokens each, {rl_delay * 1000:g} ms per token",
