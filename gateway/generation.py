@@ -251,6 +251,8 @@ class Generator:
         engine_request_id = f"{request.request_id}-{len(state.segments)}"
         engine_done = False
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
+        caps = backend.capabilities  # an engine with routed experts only in whole answers answers whole anyway
+        streamed = stream and (caps.streams_routed_experts or not caps.routed_experts_out)
         async with self.pool.lease(run.replica):
             try:
                 chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start, stream=stream)
@@ -262,7 +264,7 @@ class Generator:
                         engine_done = chunk.finish_reason is not None
                         if delta is not None:
                             if run.interrupted_at is not None:
-                                self._resumed(run, observe=stream)
+                                self._resumed(run, observe=streamed)
                             self.completion_tokens_total += len(delta.token_ids)
                             yield delta
                         if run.finish is not None:

@@ -258,6 +258,22 @@ async def test_routed_experts_splice_and_replace(
     assert np.array_equal(experts, _expected_experts(PROMPT, output, wkeys))
 
 
+async def test_a_whole_engine_answer_reports_no_first_token_latency(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """vLLM without scale-out sends routed experts only in whole answers, so even a streaming caller's segments
+    come whole: the resume-latency histogram (first token after a break) gets nothing from them."""
+    sim = await make_sim(*slow("vllm", routed_experts_output=True))
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", routed_experts=True)])
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200)))
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 60, what="tokens")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    result = await task
+    assert result.final["num_resumes"] == 1 and sim.engine.counters["requests_whole"] == 2
+    metrics = gw.services.metrics
+    assert (_observations(metrics.resume_dispatch), _observations(metrics.resume_latency)) == (1, 0)
+
+
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 async def test_keep_mode_versions_come_from_engine_spans(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str
