@@ -29,9 +29,8 @@ LONG = {"vllm": 3000, "sglang": 600}
 _references: dict[tuple[str, str], list[int]] = {}
 PAUSE_AFTER = 100  # tokens streamed before the interruption
 ATTEMPTS = 6  # tries of `interrupted` to catch its request in the engine
-SGLANG_WHOLE_RUN_S = (
-    0.2  # a non-streamed SGLang request runs this long before `interrupted` freezes it (~1 s for 600 here)
-)
+# A non-streamed SGLang request runs this long before `interrupted` freezes it (its 600 tokens take ~1 s here).
+SGLANG_WHOLE_RUN_S = 0.2
 
 RUNNING = {"vllm": "vllm:num_requests_running", "sglang": "sglang:num_running_reqs"}
 WAITING = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs"}
