@@ -102,6 +102,11 @@ class Capabilities:
     token_endpoint: str = "/v1/completions"
     new_requests_while_paused: NewRequestsWhilePaused = "unknown"
 
+    def streams(self, wanted: bool) -> bool:
+        """Whether a request that `wanted` a stream gets one: an engine that sends routed experts only in whole
+        answers (vLLM's completions transport) answers whole whenever it sends them."""
+        return wanted and (self.streams_routed_experts or not self.routed_experts_out)
+
 
 @dataclass(frozen=True, slots=True)
 class Load:

@@ -123,9 +123,7 @@ class VllmBackend(HttpEngineBackend):
             path, body = GENERATE, self._generate_body(token_ids, sampling, request_id, experts_start, replay)
         else:
             path, body = COMPLETIONS, self._completion_body(token_ids, sampling, request_id, experts_start, replay)
-            # Routed experts come only in whole answers of /v1/completions.
-            stream = stream and not self.spec.routed_experts
-        if not stream:
+        if not self.capabilities.streams(stream):  # routed experts come only in whole answers of /v1/completions
             return self._complete_once(path, body, sampling, len(token_ids), experts_start)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}

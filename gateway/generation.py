@@ -251,8 +251,7 @@ class Generator:
         engine_request_id = f"{request.request_id}-{len(state.segments)}"
         engine_done = False
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
-        caps = backend.capabilities  # an engine with routed experts only in whole answers answers whole anyway
-        streamed = stream and (caps.streams_routed_experts or not caps.routed_experts_out)
+        streamed = backend.capabilities.streams(stream)  # what the engine will send: a whole answer has no first token
         async with self.pool.lease(run.replica):
             try:
                 chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start, stream=stream)

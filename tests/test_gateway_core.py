@@ -9,7 +9,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from prometheus_client import Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.routed_experts import decode_npy_b64
@@ -25,7 +24,8 @@ from tests.gateway_helpers import (
     stream_generate,
     weights_of,
 )
-from tests.sim_helpers import wait_for
+from tests.sim_helpers import sim_state, wait_for
+from tests.test_metrics import scrape, value
 
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -85,14 +85,16 @@ async def test_a_caller_of_the_whole_answer_gets_one_engine_answer_per_segment(
     counters = sim.engine.counters
     assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 0)
     # Each continuation was dispatched (and timed); none reports a first-token latency, which would be its whole run.
-    metrics = gw.services.metrics
-    assert (_observations(metrics.resume_dispatch), _observations(metrics.resume_latency)) == (updates, 0)
+    assert await _resume_observations(http, gw.url) == (updates, 0)
     await stream_generate(http, gw.url, generate_body(PROMPT, 20))  # a streaming caller: a streamed engine request
     assert (counters["requests_whole"], counters["requests_streamed"]) == (updates + 1, 1)
 
 
-def _observations(histogram: Histogram) -> float:
-    return next(s.value for s in histogram.collect()[0].samples if s.name.endswith("_count"))
+async def _resume_observations(http: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """(dispatch, first-token latency) observations of the gateway's resume histograms."""
+    samples = await scrape(http, url)
+    dispatch, latency = (f"rollout_gateway_resume_{name}_seconds_count" for name in ("dispatch", "latency"))
+    return value(samples, dispatch), value(samples, latency)
 
 
 async def test_a_replica_killed_under_a_whole_answer_caller(
@@ -124,8 +126,7 @@ async def test_a_replica_killed_under_a_whole_answer_caller(
 
 
 async def _generated(http: httpx.AsyncClient, url: str, at_least: int) -> bool:
-    state = (await http.get(f"{url}/sim/state")).json()
-    return bool(state["counters"].get("generation_tokens", 0) >= at_least)
+    return bool((await sim_state(http, url))["counters"].get("generation_tokens", 0) >= at_least)
 
 
 async def test_concurrent_streams_while_updates_fire(
@@ -270,8 +271,7 @@ async def test_a_whole_engine_answer_reports_no_first_token_latency(
     assert (await publish(http, gw.url, 1)).status_code == 200
     result = await task
     assert result.final["num_resumes"] == 1 and sim.engine.counters["requests_whole"] == 2
-    metrics = gw.services.metrics
-    assert (_observations(metrics.resume_dispatch), _observations(metrics.resume_latency)) == (1, 0)
+    assert await _resume_observations(http, gw.url) == (1, 0)
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
