@@ -16,11 +16,16 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_weight_update_seconds`  | histogram |               | `WeightCoordinator.on_update`, per update |
 | `rollout_gateway_store_pending`          | gauge     |               | `rg:pending`, read from Redis per scrape  |
 | `rollout_gateway_affinity_ratio`         | gauge     |               | read at scrape from the pool              |
+| `rollout_gateway_store_pipelines_total`  | counter   |               | read at scrape from the store's batcher   |
+| `rollout_gateway_store_calls_total`      | counter   |               | read at scrape from the store's batcher   |
 
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
 nothing for them. What is pushed is pushed rarely: one counter increment per HTTP request, one histogram
 observation per resumed segment (two after a preemption: dispatch and first token) and per weight update.
+
+`store_calls_total / store_pipelines_total` is the mean number of the turns' Redis round trips that shared one
+pipeline (`gateway.redis_batch`): 1 at low load, more as concurrent turns queue behind the pipeline in flight.
 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
@@ -115,6 +120,11 @@ class _LiveCollector:
         yield GaugeMetricFamily(f"{PREFIX}_weight_version", "Weight version the pool serves.", src.weights.version)
         yield GaugeMetricFamily(
             f"{PREFIX}_affinity_ratio", "Turns that reached their previous turn's replica.", src.pool.affinity.ratio
+        )
+        batcher = src.store.batcher
+        yield CounterMetricFamily(f"{PREFIX}_store_pipelines", "Pipelines the store sent to Redis.", batcher.pipelines)
+        yield CounterMetricFamily(
+            f"{PREFIX}_store_calls", "Round trips the store asked for, several per pipeline under load.", batcher.calls
         )
         if self.pending is not None:
             yield GaugeMetricFamily(

@@ -68,6 +68,7 @@ from redis.exceptions import NoScriptError, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import Conflict, GatewayError, InvalidRequest, Overloaded, SessionNotFound, StoreError
+from gateway.redis_batch import PipelineBatcher
 from gateway.trajectory import Sample, SessionMeta
 
 if TYPE_CHECKING:
@@ -400,6 +401,8 @@ class TrajectoryStore:
         self.repair_grace_s = repair_grace_s
         self.retry_after_s = retry_after_s
         self.stats = StoreStats()
+        # The per-turn round trips (read a session, write a sample, create one) of concurrent turns share pipelines.
+        self.batcher = PipelineBatcher(client)
         # Sample writes waiting for Redis, oldest first; a newer version of a sample replaces the older in place.
         self._buffer: dict[tuple[str, int], _SampleWrite] = {}
         self._outage = False  # the last write failed: buffer new writes at once instead of waiting on retries
@@ -460,6 +463,7 @@ class TrajectoryStore:
                 await asyncio.wait_for(self._flush_buffered(), drain_timeout_s)
             except (StoreError, TimeoutError) as exc:
                 logger.error("closing with %d sample writes Redis never took; they are lost: %s", self.buffered, exc)
+        await self.batcher.aclose()
 
     def _background(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -509,14 +513,17 @@ class TrajectoryStore:
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
         key = self.keys.meta(session_id)
-        try:
+        meta_fields = meta.to_redis()
+
+        def build(pipe: Pipeline) -> None:
             # In order on one connection, not a transaction (the index and the meta live in different slots of a
             # cluster): index first, data second, as `create_session` does.
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.keys.active_sessions, {session_id: now}, nx=True)
-                pipe.hset(key, mapping=meta.to_redis())  # type: ignore[arg-type]
-                pipe.expire(key, self._active_ttl_s)
-                await pipe.execute()
+            pipe.zadd(self.keys.active_sessions, {session_id: now}, nx=True)
+            pipe.hset(key, mapping=meta_fields)  # type: ignore[arg-type]
+            pipe.expire(key, self._active_ttl_s)
+
+        try:
+            _raise_first_error(await self.batcher.execute(build))
         except RedisError as exc:
             raise StoreError(f"redis: create session failed: {exc}") from exc
         return meta
@@ -531,7 +538,16 @@ class TrajectoryStore:
 
     async def pending(self) -> int:
         """Finished sessions delivered to the stream and not yet acknowledged by a trainer."""
-        value = await _call(self.client.get(self.keys.pending), "read pending")
+        key = self.keys.pending
+
+        def build(pipe: Pipeline) -> None:
+            pipe.get(key)
+
+        try:  # every new session asks: batched with the other turns' round trips
+            (value,) = await self.batcher.execute(build)
+            _raise_first_error([value])
+        except RedisError as exc:
+            raise StoreError(f"redis: read pending failed: {exc}") from exc
         return int(value) if value is not None else 0
 
     async def _read_and_touch(self, session_id: str) -> SessionMeta | None:
@@ -541,11 +557,13 @@ class TrajectoryStore:
         key, now = self.keys.meta(session_id), time.time()
         touch_args = (_TOUCH.sha, 1, key, now, self._active_ttl_s)
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
+
+            def build(pipe: Pipeline) -> None:
                 pipe.hgetall(key)
                 pipe.evalsha(*touch_args)
                 pipe.zadd(self.keys.active_sessions, {session_id: now}, xx=True, gt=True)
-                raw, touched, indexed = await pipe.execute(raise_on_error=False)
+
+            raw, touched, indexed = await self.batcher.execute(build)
             if isinstance(touched, NoScriptError):  # a restarted server forgot the script
                 touched = await self.client.eval(_TOUCH.source, 1, key, now, self._active_ttl_s)
             for result in (raw, touched, indexed):
@@ -667,11 +685,13 @@ class TrajectoryStore:
         for name, value in write.fields.items():
             args += [name, value]
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
+
+            def build(pipe: Pipeline) -> None:
                 pipe.evalsha(_SAVE_SAMPLE.sha, len(keys), *keys, *args)
                 # XX: only sessions still indexed as active; GT: a late write never moves the score back.
                 pipe.zadd(self.keys.active_sessions, {write.session_id: write.at}, xx=True, gt=True)
-                verdict, _ = await pipe.execute(raise_on_error=False)
+
+            verdict, _ = await self.batcher.execute(build)
             if isinstance(verdict, NoScriptError):  # a restarted server forgot the script
                 verdict = await self.client.eval(_SAVE_SAMPLE.source, len(keys), *keys, *args)
             if isinstance(verdict, Exception):
@@ -1003,6 +1023,13 @@ class TrajectoryStore:
                 return await self.client.eval(lua.source, len(keys), *keys, *args)
         except RedisError as exc:
             raise StoreError(f"redis: {what} failed: {exc}") from exc
+
+
+def _raise_first_error(replies: list[Any]) -> None:
+    """Raise the first command error among a pipeline's replies (`PipelineBatcher.execute` returns them)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

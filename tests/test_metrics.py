@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,9 @@ async def test_metrics_after_generation_and_an_update(
     assert pending == 1 and value(m, "rollout_gateway_store_pending") == pending
     affinity = value(m, "rollout_gateway_affinity_ratio")
     assert affinity == gw.services.pool.affinity.ratio and 0 < affinity <= 1
+    # The chat turn's Redis round trips (session, sample, finish's pending check...) went through the batcher.
+    pipelines, calls = value(m, "rollout_gateway_store_pipelines_total"), value(m, "rollout_gateway_store_calls_total")
+    assert 1 <= pipelines <= calls <= gw.services.store.batcher.calls
 
     status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
     assert status["resumes_total"] == resumes and status["store_pending"] == pending
@@ -161,6 +165,7 @@ class _Store:
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
+        self.batcher = types.SimpleNamespace(pipelines=0, calls=0)  # nothing sent: the counters `collect` reads
 
     async def pending(self) -> int:
         if self.behaviour == "fail":
