@@ -83,6 +83,24 @@ async def test_a_cancelled_caller_waiting_for_its_batch_sends_nothing(redis: Red
     assert batcher.calls == 2
 
 
+async def test_the_callers_queued_behind_a_cancelled_caller_still_get_their_replies(redis: Redis) -> None:
+    batcher = PipelineBatcher(redis)
+
+    def blocking(pipe: Pipeline) -> None:
+        pipe.blpop(["never-pushed"], timeout=30)  # holds its pipeline in flight until cancelled
+
+    first = asyncio.create_task(batcher.execute(blocking))
+    await asyncio.sleep(0.05)
+    queued = [asyncio.create_task(batcher.execute(set_and_get(f"q{i}", str(i)))) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert not any(task.done() for task in queued)  # they wait behind it
+    first.cancel()
+    replies = await asyncio.wait_for(asyncio.gather(*queued), 10)
+    assert [r[1] for r in replies] == [b"0", b"1", b"2"]
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
 async def test_a_transport_failure_fails_every_caller_of_the_batch_and_the_next_call_is_not_stuck() -> None:
     with EmbeddedRedis() as server:
         client = Redis.from_url(server.url, socket_timeout=2, retry_on_error=[])
