@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -136,11 +137,16 @@ class SessionManager:
         self.cache_size = cache_size
         self.history_rewrites = 0
         self._cache: OrderedDict[str, list[WorkingSample]] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        # A session's lock lives while a turn holds it or waits for it (they keep the reference), whether or not
+        # the session's samples are still cached.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def lock(self, session_id: str) -> asyncio.Lock:
-        """Turns of one session run one at a time in this process."""
-        return self._locks.setdefault(session_id, asyncio.Lock())
+        """Turns of one session run one at a time in this process (a turn keeps the lock until it is recorded)."""
+        lock = self._locks.get(session_id)
+        if lock is None:
+            lock = self._locks[session_id] = asyncio.Lock()
+        return lock
 
     async def samples(self, session_id: str) -> list[WorkingSample]:
         cached = self._cache.get(session_id)
@@ -154,8 +160,7 @@ class SessionManager:
     def _remember(self, session_id: str, samples: list[WorkingSample]) -> None:
         self._cache[session_id] = samples
         while len(self._cache) > self.cache_size:
-            evicted, _ = self._cache.popitem(last=False)
-            self._locks.pop(evicted, None)
+            self._cache.popitem(last=False)  # a turn in flight keeps its lock and, once recorded, the store has all
 
     async def begin_chat_turn(self, session_id: str, messages: list[Message], tools: list[Tool] | None) -> Turn:
         """Find the sample these messages extend (most recent first) or start a new one."""
@@ -217,8 +222,8 @@ class SessionManager:
         sample.cancelled = state.cancelled
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
-        samples = self._cache.setdefault(turn.session_id, [])
-        if turn.new_sample:
+        samples = self._cache.get(turn.session_id)
+        if turn.new_sample and samples is not None:  # evicted during the turn: the next one reads the store
             samples.append(sample)
         return sample.to_sample()
 
