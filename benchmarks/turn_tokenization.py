@@ -4,7 +4,7 @@ Every chat turn of a session needs the ids the new messages add after the previo
 (`ChatTokenizer.render_delta`). The reference way renders and tokenizes the previous conversation and the new
 one and takes the difference: its cost grows with the conversation, so an episode costs O(turns²). The text
 way renders both conversations' text (cheap) and tokenizes only the new tail, where that provably gives the
-same ids (see `ChatTokenizer._render_delta_by_text`). Each row checks that both ways agree before timing them.
+same ids (see `ConversationMatch` in gateway/tokenization.py). Each row checks that both ways agree before timing them.
 
     python -m benchmarks.turn_tokenization               # 2, 10, 40 and 80 turns of ~200 words per message
     python -m benchmarks.turn_tokenization --quick
@@ -59,14 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         previous = conversation(turns, options.words)
         new = [*previous, {"role": "user", "content": "and now? " + " ".join(WORDS)}]
         by_text = tokenizer.render_delta(previous, new)
-        by_ids = tokenizer._render_delta_by_ids(previous, new, None, None, None)
+        by_ids = tokenizer.extension_of(new).by_ids(previous, None)
         if by_text != by_ids:
             console.print(f"[red]{turns} turns: the two ways disagree[/]")
             return 1
         text_s = seconds_per_call(lambda p=previous, n=new: tokenizer.render_delta(p, n), options.repeat)
-        ids_s = seconds_per_call(
-            lambda p=previous, n=new: tokenizer._render_delta_by_ids(p, n, None, None, None), options.repeat
-        )
+        ids_s = seconds_per_call(lambda p=previous, n=new: tokenizer.extension_of(n).by_ids(p, None), options.repeat)
         size = len(tokenizer.render(new))
         rows.append(
             [

@@ -23,7 +23,7 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
-from gateway.tokenization import ChatTokenizer, NotAPrefix
+from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SessionMeta
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class WorkingSample:
     tools: list[Tool] | None = None
     num_turns: int = 0
     cancelled: bool = False
+    # The template's rendering of `conversation`, kept for matching later turns against it (a new one whenever
+    # `conversation` changes).
+    rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
 
     @property
     def ids(self) -> list[int]:
@@ -108,6 +111,7 @@ class WorkingSample:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             conversation=list(self.conversation),
+            rendering=Rendering(),
         )
 
 
@@ -136,7 +140,7 @@ class SessionManager:
         self.store = store
         self.cache_size = cache_size
         self.history_rewrites = 0
-        self._cache: OrderedDict[str, list[WorkingSample]] = OrderedDict()
+        self._cache: OrderedDict[str, list[WorkingSample]] = OrderedDict()  # each list in index order
         # A session's lock lives while a turn holds it or waits for it (they keep the reference), whether or not
         # the session's samples are still cached.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -163,17 +167,30 @@ class SessionManager:
             self._cache.popitem(last=False)  # a turn in flight keeps its lock and, once recorded, the store has all
 
     async def begin_chat_turn(self, session_id: str, messages: list[Message], tools: list[Tool] | None) -> Turn:
-        """Find the sample these messages extend (most recent first) or start a new one."""
+        """Find the sample these messages extend (most recent first) or start a new one.
+
+        A session can hold many samples (n > 1 branches, rewritten histories, a session id shared by unrelated
+        conversations), so the candidates are first compared by the templates' texts, which is cheap; tokenizing
+        whole conversations (`ConversationMatch.by_ids`) is left for those the text cannot decide, and for those
+        whose text differs only if no other sample matched (their ids differ too, unless the tokenizer normalizes
+        two different texts to the same ids).
+        """
         samples = await self.samples(session_id)
-        for sample in sorted(samples, key=lambda s: s.num_turns and s.index, reverse=True):
+        match = self.tokenizer.extension_of(messages, tools)
+        different: list[WorkingSample] = []
+        for sample in reversed(samples):  # the cached list is in index order
             if not sample.num_turns or sample.cancelled or sample.tools != tools:
                 continue
-            try:
-                delta = self.tokenizer.render_delta(sample.conversation, messages, tools)
-            except NotAPrefix:
+            by_text = match.by_text(sample.conversation, sample.tools, sample.rendering)
+            if by_text is TextCheck.DIFFERENT:
+                different.append(sample)
                 continue
-            env = self._close_turn(sample) + delta
-            return Turn(session_id, sample, sample.ids + env, env, messages, new_sample=False)
+            delta = by_text if isinstance(by_text, list) else self._delta_by_ids(match, sample)
+            if delta is not None:
+                return self._extend(session_id, sample, delta, messages)
+        for sample in different:
+            if (delta := self._delta_by_ids(match, sample)) is not None:
+                return self._extend(session_id, sample, delta, messages)
         if any(s.num_turns for s in samples):
             self.history_rewrites += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
@@ -181,11 +198,23 @@ class SessionManager:
         fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools)
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 
+    @staticmethod
+    def _delta_by_ids(match: ConversationMatch, sample: WorkingSample) -> list[int] | None:
+        try:
+            return match.by_ids(sample.conversation, sample.tools, sample.rendering)
+        except NotAPrefix:
+            return None
+
+    def _extend(self, session_id: str, sample: WorkingSample, delta: list[int], messages: list[Message]) -> Turn:
+        env = self._close_turn(sample) + delta
+        return Turn(session_id, sample, sample.ids + env, env, messages, new_sample=False)
+
     async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
         """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
         samples = await self.samples(session_id)
-        for sample in sorted(samples, key=lambda s: s.index, reverse=True):
-            if not sample.num_turns or sample.cancelled or len(prompt_ids) <= sample.length:
+        size = len(prompt_ids)
+        for sample in reversed(samples):  # most recent first (the cached list is in index order)
+            if not sample.num_turns or sample.cancelled or size <= len(sample.prompt_ids) + len(sample.response_ids):
                 continue  # cheap checks first: a session can hold many samples
             ids = sample.ids
             if prompt_ids[: len(ids)] == ids:
@@ -222,6 +251,7 @@ class SessionManager:
         sample.cancelled = state.cancelled
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
+            sample.rendering = Rendering()
         samples = self._cache.get(turn.session_id)
         if turn.new_sample and samples is not None:  # evicted during the turn: the next one reads the store
             samples.append(sample)

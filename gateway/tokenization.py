@@ -15,9 +15,11 @@ engines, turns output ids back into text as they stream, and parses tool calls o
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import uuid
+from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,16 +48,19 @@ Tool = Mapping[str, Any]
 __all__ = [
     "ChatTokenizer",
     "ContentDelta",
+    "ConversationMatch",
     "HermesStreamingToolParser",
     "HermesToolParser",
     "IncrementalDetokenizer",
     "Message",
     "NotAPrefix",
     "ParsedOutput",
+    "Rendering",
     "StopMatch",
     "StopMatcher",
     "StopStringChecker",
     "StreamingToolParser",
+    "TextCheck",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
@@ -123,7 +128,7 @@ class ChatTokenizer:
         added = self._backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         self._end_of_turn = self._probe_end_of_turn()
-        # What `_render_delta_by_text` needs: the texts of every added token, and of the stop tokens that can
+        # What `ConversationMatch.by_text` needs: the texts of every added token, and of the stop tokens that can
         # end a turn's rendering, provided none of those strips whitespace around it (else: no text path).
         self._added_texts = tuple(token.content for token in added.values() if token.content)
         stops = [added.get(i) for i in self.stop_token_ids]
@@ -267,65 +272,22 @@ class ChatTokenizer:
         `max_tokens`), the caller appends `end_of_turn_id` itself; the delta never contains the reply's tokens.
         """
         tools_before = tools if isinstance(previous_tools, EllipsisType) else previous_tools
-        delta = self._render_delta_by_text(previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
-        if delta is not None:
+        match = self.extension_of(new_messages, tools, chat_template_kwargs=chat_template_kwargs)
+        delta = match.by_text(previous_messages, tools_before)
+        if isinstance(delta, list):
             return delta
-        return self._render_delta_by_ids(previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
+        return match.by_ids(previous_messages, tools_before)
 
-    def _render_delta_by_ids(
+    def extension_of(
         self,
-        previous_messages: Sequence[Message],
         new_messages: Sequence[Message],
-        tools_before: Sequence[Tool] | None,
-        tools: Sequence[Tool] | None,
-        chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> list[int]:
-        """`render_delta` by tokenizing both whole conversations: the reference, and the fallback of the text path."""
-        prefix = self.render_prefix(previous_messages, tools_before, chat_template_kwargs=chat_template_kwargs)
-        full = self.render(new_messages, tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs)
-        if full[: len(prefix)] != prefix:
-            position = _first_difference(prefix, full)
-            raise NotAPrefix(
-                f"the new conversation does not extend the previous one (ids differ at {position} of {len(prefix)})",
-                position=position,
-            )
-        return full[len(prefix) :]
-
-    def _render_delta_by_text(
-        self,
-        previous_messages: Sequence[Message],
-        new_messages: Sequence[Message],
-        tools_before: Sequence[Tool] | None,
-        tools: Sequence[Tool] | None,
-        chat_template_kwargs: Mapping[str, Any] | None,
-    ) -> list[int] | None:
-        """`render_delta` tokenizing only the new tail, or None where that is not provably the same ids.
-
-        Tokenizing dominates rendering (a 40-turn, 47k-token conversation: ~0.5 ms to render the template's text,
-        ~27 ms to tokenize it), and tokenizing the whole conversation at every turn makes an episode quadratic.
-        The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
-        an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
-        previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
-        here) the stop tokens strip nothing, the previous rendering ends with one, and no message, tool or
-        template argument contains the text of an added token (which sanitization would encode as plain text,
-        and which could fake the boundary). Otherwise the caller tokenizes both conversations.
-        """
-        if not previous_messages or not self._stop_texts:
-            return None
-        if _contains_any(
-            self._added_texts, (previous_messages, new_messages, tools_before, tools, chat_template_kwargs)
-        ):
-            return None
-        prefix_text = self.render_text(
-            previous_messages, tools_before, False, chat_template_kwargs=chat_template_kwargs
-        )
-        cut = max(prefix_text.rfind(stop) + len(stop) if stop in prefix_text else -1 for stop in self._stop_texts)
-        if cut < 0:
-            return None
-        full_text = self.render_text(new_messages, tools, True, chat_template_kwargs=chat_template_kwargs)
-        if not full_text.startswith(prefix_text[:cut]):
-            return None  # the slow path says where the ids differ (NotAPrefix)
-        return self.encode(full_text[cut:])
+        tools: Sequence[Tool] | None = None,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ConversationMatch:
+        """`render_delta` of `new_messages` against one previous conversation or several (a session's samples,
+        newest first): the new conversation is rendered at most once as text and once as ids."""
+        return ConversationMatch(self, new_messages, tools, chat_template_kwargs)
 
     def _apply(
         self,
@@ -358,6 +320,114 @@ class ChatTokenizer:
         except InvalidRequest:  # a template with unusual demands: fall back to the EOS alone
             return self._eos
         return next((i for i in reversed(ids) if i in self._special_ids), self._eos)
+
+
+class TextCheck(enum.Enum):
+    """Why `ConversationMatch.by_text` gave no delta."""
+
+    UNDECIDED = "the text path does not apply; only the ids can tell"
+    DIFFERENT = "the new text does not extend the previous text"
+
+
+class ConversationMatch:
+    """One new conversation, matched against previous ones (`ChatTokenizer.extension_of`).
+
+    `by_text` tokenizes only the new tail where that provably gives the same ids as tokenizing both whole
+    conversations, and `by_ids` is the reference that does tokenize both (`ChatTokenizer.render_delta` tries the
+    first, then the second). The new conversation's text and ids are each rendered once, on first use.
+
+    Tokenizing dominates rendering (a 40-turn, 47k-token conversation: ~0.5 ms to render the template's text,
+    ~27 ms to tokenize it), and tokenizing the whole conversation at every turn makes an episode quadratic.
+    The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
+    an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
+    previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
+    here) the stop tokens strip nothing, the previous rendering ends with one, and no message, tool or
+    template argument contains the text of an added token (which sanitization would encode as plain text,
+    and which could fake the boundary).
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.messages = messages
+        self.tools = tools
+        self._kwargs = chat_template_kwargs
+        self._text: str | None = None
+        self._ids: array[int] | None = None
+        self._text_path = bool(tokenizer._stop_texts) and not _contains_any(
+            tokenizer._added_texts, (messages, tools, chat_template_kwargs)
+        )
+
+    def by_text(
+        self,
+        previous_messages: Sequence[Message],
+        previous_tools: Sequence[Tool] | None,
+        memo: Rendering | None = None,
+    ) -> list[int] | TextCheck:
+        """The delta, tokenizing only the new tail; or why not (`DIFFERENT`: then the ids differ too, unless the
+        tokenizer normalizes two different texts to the same ids). `memo`: see `Rendering`."""
+        tok = self._tokenizer
+        if not previous_messages or not self._text_path:
+            return TextCheck.UNDECIDED
+        memo = self._memo(memo)
+        if memo.prefix_text is None:
+            memo.prefix_text = ""  # the text path does not apply to this conversation
+            if not _contains_any(tok._added_texts, (previous_messages, previous_tools)):
+                text = tok.render_text(previous_messages, previous_tools, False, chat_template_kwargs=self._kwargs)
+                cut = max(text.rfind(stop) + len(stop) if stop in text else -1 for stop in tok._stop_texts)
+                if cut >= 0:
+                    memo.prefix_text = text[:cut]
+        if not memo.prefix_text:
+            return TextCheck.UNDECIDED
+        if self._text is None:
+            self._text = tok.render_text(self.messages, self.tools, True, chat_template_kwargs=self._kwargs)
+        if not self._text.startswith(memo.prefix_text):
+            return TextCheck.DIFFERENT
+        return tok.encode(self._text[len(memo.prefix_text) :])
+
+    def by_ids(
+        self,
+        previous_messages: Sequence[Message],
+        previous_tools: Sequence[Tool] | None,
+        memo: Rendering | None = None,
+    ) -> list[int]:
+        """The delta by tokenizing both whole conversations, or `NotAPrefix`. `memo`: see `Rendering`."""
+        tok = self._tokenizer
+        memo = self._memo(memo)
+        if memo.prefix_ids is None:
+            memo.prefix_ids = array(
+                "i", tok.render_prefix(previous_messages, previous_tools, chat_template_kwargs=self._kwargs)
+            )
+        if self._ids is None:
+            ids = tok.render(self.messages, self.tools, add_generation_prompt=True, chat_template_kwargs=self._kwargs)
+            self._ids = array("i", ids)
+        prefix, full = memo.prefix_ids, self._ids
+        if full[: len(prefix)] != prefix:
+            position = _first_difference(prefix, full)
+            raise NotAPrefix(
+                f"the new conversation does not extend the previous one (ids differ at {position} of {len(prefix)})",
+                position=position,
+            )
+        return full[len(prefix) :].tolist()
+
+    def _memo(self, memo: Rendering | None) -> Rendering:
+        # A memo holds renderings without template arguments: with them, render afresh.
+        return memo if memo is not None and self._kwargs is None else Rendering()
+
+
+@dataclass(slots=True)
+class Rendering:
+    """What `ConversationMatch` rendered of one previous conversation with its own tools, kept by the owner of
+    that conversation for the next matches (a session's sample between its turns); a new one whenever the
+    conversation changes. Ids as 32-bit integers: a few bytes a token."""
+
+    prefix_text: str | None = None  # up to its last stop token; "" where the text path does not apply
+    prefix_ids: array[int] | None = None  # `ChatTokenizer.render_prefix`
 
 
 def _contains_any(needles: Sequence[str], value: object) -> bool:

@@ -14,7 +14,7 @@ from gateway.config import DEFAULT_TOKENIZER
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.sessions import SessionManager, Turn
 from gateway.store import Keys, TrajectoryStore
-from gateway.tokenization import ChatTokenizer
+from gateway.tokenization import ChatTokenizer, TextCheck
 
 TOKENIZER = ChatTokenizer.load(DEFAULT_TOKENIZER)
 
@@ -69,3 +69,88 @@ async def test_a_session_with_a_turn_in_flight_keeps_its_lock_when_evicted(redis
         await sessions.begin_completion_turn("a", [1, 2, 3])
         await one_turn(sessions, store, "b", [9, 9])
         assert sessions.lock("a") is lock  # a second turn of "a" would wait for this one
+
+
+# -- which sample a chat turn extends ---------------------------------------------------------------------------
+
+SYSTEM = {"role": "system", "content": "You are a careful agent."}
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def reply_ids(tokenizer: ChatTokenizer, text: str) -> list[int]:
+    return [*tokenizer.encode(text), tokenizer.end_of_turn_id]
+
+
+def record_reply(sessions: SessionManager, turn: Turn, text: str) -> None:
+    """The turn ends with the model's reply `text` (its end-of-turn token sampled)."""
+    assistant = {"role": "assistant", "content": text}
+    sessions.record(turn, sampled(turn, reply_ids(sessions.tokenizer, text)), assistant)
+
+
+def assert_extends(tokenizer: ChatTokenizer, turn: Turn, sample_index: int, messages: list[dict[str, str]]) -> None:
+    """The turn extends that sample by exactly the template's delta (the reference: both whole renderings)."""
+    assert not turn.new_sample and turn.sample.index == sample_index
+    previous = turn.sample.conversation
+    assert turn.env_ids == tokenizer.extension_of(messages).by_ids(previous, None)
+    assert turn.prompt_ids == turn.sample.ids + turn.env_ids
+
+
+async def test_a_turn_continues_the_branch_whose_reply_its_messages_hold(redis: Redis) -> None:
+    sessions = SessionManager(TOKENIZER, TrajectoryStore(redis, Keys(), sweep_interval_s=None))
+    first = [SYSTEM, user("Pick a number.")]
+    turn = await sessions.begin_chat_turn("g", first, None)
+    branches = sessions.branch(turn, 4)  # n=4: samples 0-3, the same prompt, different replies
+    for index, branch in enumerate(branches):
+        record_reply(sessions, branch, f"I pick {index}.")
+
+    for chosen in (1, 3, 0):
+        messages = [*first, {"role": "assistant", "content": f"I pick {chosen}."}, user("Why?")]
+        assert_extends(TOKENIZER, await sessions.begin_chat_turn("g", messages, None), chosen, messages)
+
+
+async def test_a_session_shared_by_conversations_starts_one_sample_each_and_continues_the_older(redis: Redis) -> None:
+    sessions = SessionManager(TOKENIZER, TrajectoryStore(redis, Keys(), sweep_interval_s=None))
+    conversations = [[SYSTEM, user(f"Task {i}: sort these.")] for i in range(3)]
+    for index, messages in enumerate(conversations):
+        turn = await sessions.begin_chat_turn("shared", messages, None)
+        assert turn.new_sample and turn.sample.index == index
+        record_reply(sessions, turn, f"Sorted {index}.")
+
+    older = [*conversations[0], {"role": "assistant", "content": "Sorted 0."}, user("Now reverse them.")]
+    turn = await sessions.begin_chat_turn("shared", older, None)
+    assert_extends(TOKENIZER, turn, 0, older)
+    record_reply(sessions, turn, "Reversed.")  # sample 0 was matched against before: its conversation changed
+    oldest = [*older, {"role": "assistant", "content": "Reversed."}, user("Thanks.")]
+    assert_extends(TOKENIZER, await sessions.begin_chat_turn("shared", oldest, None), 0, oldest)
+    rewritten = [*conversations[1], {"role": "assistant", "content": "Unsorted."}, user("Now reverse them.")]
+    fresh = await sessions.begin_chat_turn("shared", rewritten, None)
+    assert fresh.new_sample and fresh.sample.index == 3
+    assert fresh.prompt_ids == TOKENIZER.render(rewritten)
+
+
+def normalizing_tokenizer() -> ChatTokenizer:
+    """The tiny tokenizer with an NFC normalizer: two texts that differ (é composed or not) give the same ids."""
+    from tokenizers.normalizers import NFC
+    from transformers import AutoTokenizer
+
+    fast = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER), local_files_only=True)
+    fast.backend_tokenizer.normalizer = NFC()
+    return ChatTokenizer(fast)
+
+
+async def test_a_conversation_whose_text_differs_but_whose_ids_extend_a_sample_extends_it(redis: Redis) -> None:
+    tokenizer = normalizing_tokenizer()
+    sessions = SessionManager(tokenizer, TrajectoryStore(redis, Keys(), sweep_interval_s=None))
+    decomposed, composed = [SYSTEM, user("Un cafe\u0301.")], [SYSTEM, user("Un caf\u00e9.")]
+    assert tokenizer.render(decomposed) == tokenizer.render(composed)
+    turn = await sessions.begin_chat_turn("nfc", decomposed, None)
+    record_reply(sessions, turn, "Voilà.")
+    later = await sessions.begin_chat_turn("nfc", [SYSTEM, user("Autre chose.")], None)  # a newer, unrelated sample
+    record_reply(sessions, later, "Bien sûr.")
+
+    messages = [*composed, {"role": "assistant", "content": "Voilà."}, user("Merci.")]
+    assert tokenizer.extension_of(messages).by_text(turn.sample.conversation, None) is TextCheck.DIFFERENT
+    assert_extends(tokenizer, await sessions.begin_chat_turn("nfc", messages, None), 0, messages)

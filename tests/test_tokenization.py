@@ -26,6 +26,7 @@ from gateway.tokenization import (
     ParsedOutput,
     StopMatcher,
     StopStringChecker,
+    TextCheck,
     ToolCall,
     ToolCallDelta,
     ToolStreamDelta,
@@ -326,9 +327,9 @@ def delta_pairs(messages: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any
 def test_the_tail_is_tokenized_alone_and_equals_the_whole_conversations_tail(tok: ChatTokenizer) -> None:
     """The text path (only the new tail is tokenized) is taken, and gives exactly the ids of the reference."""
     for previous, new in delta_pairs(CONVERSATION):
-        by_text = tok._render_delta_by_text(previous, new, TOOLS, TOOLS, None)
-        assert by_text is not None
-        assert by_text == tok._render_delta_by_ids(previous, new, TOOLS, TOOLS, None)
+        by_text = tok.extension_of(new, TOOLS).by_text(previous, TOOLS)
+        assert isinstance(by_text, list)
+        assert by_text == tok.extension_of(new, TOOLS).by_ids(previous, TOOLS)
 
 
 @pytest.mark.parametrize(
@@ -343,8 +344,8 @@ def test_a_message_holding_a_token_text_takes_the_reference_path(tok: ChatTokeni
     """Sanitization encodes control-token text inside messages as plain text; only the whole rendering knows."""
     previous = [SYSTEM, {"role": "user", "content": content}, ASSISTANT_ANSWER]
     new = [*previous, USER_2]
-    assert tok._render_delta_by_text(previous, new, TOOLS, TOOLS, None) is None
-    assert tok.render_delta(previous, new, TOOLS) == tok._render_delta_by_ids(previous, new, TOOLS, TOOLS, None)
+    assert tok.extension_of(new, TOOLS).by_text(previous, TOOLS) is TextCheck.UNDECIDED
+    assert tok.render_delta(previous, new, TOOLS) == tok.extension_of(new, TOOLS).by_ids(previous, TOOLS)
 
 
 @settings(max_examples=150, deadline=None)
@@ -362,7 +363,7 @@ def test_text_path_equals_the_reference_for_any_contents(tok: ChatTokenizer, tex
     previous = [SYSTEM, {"role": "user", "content": user}, {"role": "assistant", "content": reply}]
     new = [*previous, {"role": "user", "content": user_2}]
     try:
-        reference = tok._render_delta_by_ids(previous, new, None, None, None)
+        reference = tok.extension_of(new).by_ids(previous, None)
     except NotAPrefix:
         with pytest.raises(NotAPrefix):
             tok.render_delta(previous, new)
