@@ -6,6 +6,11 @@ one and takes the difference: its cost grows with the conversation, so an episod
 way renders both conversations' text (cheap) and tokenizes only the new tail, where that provably gives the
 same ids (see `ConversationMatch` in gateway/tokenization.py). Each row checks that both ways agree before timing them.
 
+A second table times the choice of the sample a chat turn extends, in a session that holds many (the n samples
+of one request, or unrelated conversations under one session id): the session manager's matching (texts first,
+the new conversation rendered once, each sample's rendering kept between turns) against the reference way (both
+whole conversations rendered and tokenized for every sample, newest first, until one is a prefix).
+
     python -m benchmarks.turn_tokenization               # 2, 10, 40 and 80 turns of ~200 words per message
     python -m benchmarks.turn_tokenization --quick
 """
@@ -13,6 +18,7 @@ same ids (see `ConversationMatch` in gateway/tokenization.py). Each row checks t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +26,9 @@ from typing import Any
 
 from benchmarks._harness import machine_line, make_console, print_table
 from gateway.assets import TINY_TOKENIZER_DIR
-from gateway.tokenization import ChatTokenizer
+from gateway.sessions import SessionManager, WorkingSample
+from gateway.tokenization import ChatTokenizer, NotAPrefix
+from gateway.trajectory import Sample, SessionMeta
 
 WORDS = "alpha beta gamma delta river stone cloud forest — 你好 🙂".split()
 
@@ -33,6 +41,104 @@ def conversation(turns: int, words: int) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": f"question {turn}: {text}"})
         messages.append({"role": "assistant", "content": f"answer {turn}: {text}"})
     return messages
+
+
+def session_of(tokenizer: ChatTokenizer, conversations: list[list[dict[str, Any]]]) -> list[Sample]:
+    """One finished turn per conversation, each its own sample (the reply's ids are its template rendering)."""
+    samples = []
+    for index, messages in enumerate(conversations):
+        prompt = tokenizer.render(messages[:-1])
+        reply = tokenizer.render_prefix(messages)[len(prompt) :]
+        working = WorkingSample(index, prompt, reply, [1] * len(reply), [0.0] * len(reply), [0] * len(reply))
+        working.conversation, working.num_turns = messages, 1
+        samples.append(working.to_sample())
+    return samples
+
+
+class StoredSamples:
+    """The samples a session manager reads back for a session it has not cached (no Redis: nothing is timed there)."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+
+    async def load_samples(self, session_id: str) -> list[Sample]:
+        return self.samples
+
+    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None:
+        raise NotImplementedError
+
+    async def ensure_session(self, session_id: str, metadata: dict[str, Any]) -> SessionMeta:
+        raise NotImplementedError
+
+
+def reference_choice(tokenizer: ChatTokenizer, samples: list[Sample], messages: list[dict[str, Any]]) -> int | None:
+    """The sample the messages extend, newest first, each tried with both whole conversations tokenized."""
+    for index in range(len(samples) - 1, -1, -1):
+        try:
+            tokenizer.extension_of(messages).by_ids(samples[index].conversation or [], None)
+        except NotAPrefix:
+            continue
+        return index
+    return None
+
+
+def matched_choice(manager: SessionManager, messages: list[dict[str, Any]]) -> int | None:
+    turn = asyncio.run(manager.begin_chat_turn("s", messages, None))
+    return None if turn.new_sample else turn.sample.index
+
+
+def sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int) -> list[list[str]] | None:
+    """Per session size: (case, reference ms, session manager ms); None if the two choose differently."""
+    rows = []
+    for count in counts:
+        branches = [
+            [*conversation(4, words)[:-1], {"role": "assistant", "content": f"reply {i}"}] for i in range(count)
+        ]
+        unrelated = [
+            [
+                *conversation(4, words)[:-2],
+                {"role": "user", "content": f"task {i}"},
+                {"role": "assistant", "content": "ok"},
+            ]
+            for i in range(count)
+        ]
+        cases = [
+            (
+                f"n={count}: continue the first reply",
+                branches,
+                [*branches[0], {"role": "user", "content": "why?"}],
+                False,
+            ),
+            (
+                f"{count} conversations: a new one",
+                unrelated,
+                [*conversation(4, words)[:-2], {"role": "user", "content": "new"}],
+                False,
+            ),
+            (
+                f"{count} conversations: a new one, again",
+                unrelated,
+                [*conversation(4, words)[:-2], {"role": "user", "content": "newer"}],
+                True,
+            ),
+        ]
+        for label, conversations, messages, warm in cases:
+            samples = session_of(tokenizer, conversations)
+            started = time.perf_counter()
+            expected = reference_choice(tokenizer, samples, messages)
+            reference_s = time.perf_counter() - started
+            manager = SessionManager(tokenizer, StoredSamples(samples))
+            if warm:  # the samples were matched against once before (their renderings kept)
+                matched_choice(manager, [*messages[:-1], {"role": "user", "content": "warm-up"}])
+            started = time.perf_counter()
+            chosen = matched_choice(manager, messages)
+            matched_s = time.perf_counter() - started
+            if chosen != expected:
+                return None
+            rows.append(
+                [label, f"{reference_s * 1e3:.1f}", f"{matched_s * 1e3:.1f}", f"{reference_s / matched_s:.1f}×"]
+            )
+    return rows
 
 
 def seconds_per_call(call: Callable[[], object], repeat: int) -> float:
@@ -48,10 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, nargs="+", default=[2, 10, 40, 80])
     parser.add_argument("--words", type=int, default=200, help="words per message")
     parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="2 and 10 turns, 5 repeats")
+    parser.add_argument("--samples", type=int, nargs="+", default=[10, 100], help="samples of the session (table 2)")
+    parser.add_argument("--quick", action="store_true", help="2 and 10 turns, 5 repeats, 10 samples")
     options = parser.parse_args(argv)
     if options.quick:
-        options.turns, options.repeat = [2, 10], 5
+        options.turns, options.repeat, options.samples = [2, 10], 5, [10]
     console = make_console()
     tokenizer = ChatTokenizer.load(TINY_TOKENIZER_DIR)
     rows = []
@@ -82,6 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["turns before", "conversation ids", "new ids", "whole conversation ms", "new tail only ms", "speed-up"],
         rows,
         "ms per turn on one core; the gateway does this once per chat turn of a session (per candidate sample).",
+    )
+    matches = sample_rows(tokenizer, options.samples, options.words)
+    if matches is None:
+        console.print("[red]the session manager and the reference chose different samples[/]")
+        return 1
+    print_table(
+        console,
+        "Choosing the sample a chat turn extends, in a session of many (4-turn conversations)",
+        ["case", "reference ms", "session manager ms", "speed-up"],
+        matches,
+        "ms for one turn's choice, one run each; the reference tokenizes both whole conversations for every sample "
+        "tried; the session manager's figure also holds the rendering of a new sample's prompt.",
     )
     return 0
 
