@@ -9,6 +9,7 @@ builds the same model from what it accepts.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import email.message
 import json
@@ -304,6 +305,53 @@ async def test_a_client_gone_before_its_body_arrived(pair: Pair, declared: bool)
         return sent
 
     assert await call(pair.lean.app) == await call(pair.stock.app)
+
+
+async def test_a_request_cancelled_while_its_body_is_read_is_counted_alike(pair: Pair) -> None:
+    """A server shutting down past its grace period cancels requests wherever they are, the body read included."""
+
+    async def cancelled_mid_body(app: Any) -> None:
+        started = asyncio.Event()
+
+        async def receive() -> Any:
+            if not started.is_set():
+                started.set()
+                return {"type": "http.request", "body": b'{"input_', "more_body": True}
+            await asyncio.Event().wait()  # the rest of the body never comes
+
+        async def send(message: Any) -> None:
+            raise AssertionError(f"nothing is sent: {message}")
+
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        headers.append((b"authorization", AUTH["authorization"].encode()))
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/generate",
+            "raw_path": b"/generate",
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        task = asyncio.create_task(app(scope, receive, send))
+        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    counts = []
+    for gateway in (pair.lean, pair.stock):
+        await cancelled_mid_body(gateway.app)
+        samples = await scrape(pair.http, gateway.url)
+        counts.append({labels: v for (name, labels), v in samples.items() if name == "rollout_gateway_requests_total"})
+    assert counts[0] == counts[1]
+    assert counts[0][(("route", "/generate"), ("status", "499"))] == 1
 
 
 async def test_dependency_overrides_are_honoured(pair: Pair) -> None:

@@ -22,6 +22,7 @@ overrides, an app whose middlewares or settings differ from what `create_app` bu
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.lean_route import LeanCall, LeanRoute, lean_call
 from gateway.api.limits import BodySizeLimit
-from gateway.api.observability import RequestMetrics
+from gateway.api.observability import DISCONNECTED, RequestMetrics, count_request
 
 try:
     from fastapi.routing import iter_route_contexts
@@ -116,7 +117,12 @@ class FastLane:
             return
         messages: list[Message] = []
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except asyncio.CancelledError:  # a shutdown past its grace period: counted as the stack counts it
+                scope["app"], scope["route"] = self._app, lane.route
+                count_request(scope, DISCONNECTED)
+                raise
             messages.append(message)
             if message["type"] != "http.request":  # the client left: the full stack answers as it does
                 await self._full(scope, _replaying(messages, receive), send)

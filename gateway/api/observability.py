@@ -60,10 +60,11 @@ class RequestMetrics:
             status = status or 500
             raise
         finally:
-            _count(scope, status or DISCONNECTED)
+            count_request(scope, status or DISCONNECTED)
 
 
-def _count(scope: Scope, status: int) -> None:
+def count_request(scope: Scope, status: int) -> None:
+    """Count one request of `scope` (its app and matched route set) with `status`, as `RequestMetrics` does."""
     # The services appear with the lifespan; a request served without one (a bare ASGI test) is not counted.
     services: Services | None = getattr(scope["app"].state, "services", None)
     if services is None:
