@@ -272,6 +272,24 @@ async def test_methods_sizes_and_streamed_bodies(pair: Pair) -> None:
     await pair.send("GET", "/v1/models", headers=AUTH)
 
 
+def generate_scope(headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """The ASGI scope of a `POST /generate` with these headers, for calling a gateway's app directly."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/generate",
+        "raw_path": b"/generate",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+
 @pytest.mark.parametrize("declared", [False, True])
 async def test_a_client_gone_before_its_body_arrived(pair: Pair, declared: bool) -> None:
     async def call(app: Any) -> list[Any]:
@@ -287,20 +305,7 @@ async def test_a_client_gone_before_its_body_arrived(pair: Pair, declared: bool)
         headers = [(b"content-type", b"application/json"), (b"authorization", AUTH["authorization"].encode())]
         if declared:  # the fast lane reads the body itself
             headers.append((b"content-length", b"100"))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/generate",
-            "raw_path": b"/generate",
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
+        scope = generate_scope(headers)
         await app(scope, receive, send)
         return sent
 
@@ -324,20 +329,7 @@ async def test_a_request_cancelled_while_its_body_is_read_is_counted_alike(pair:
 
         headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
         headers.append((b"authorization", AUTH["authorization"].encode()))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/generate",
-            "raw_path": b"/generate",
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
+        scope = generate_scope(headers)
         task = asyncio.create_task(app(scope, receive, send))
         await asyncio.wait_for(started.wait(), 5)
         await asyncio.sleep(0.01)
