@@ -14,8 +14,10 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+from backends.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.fast_lane import FastLane
 
 SERVER_SEND = "rollout_gateway.server_send"
@@ -63,26 +65,37 @@ class GatewayApp(FastAPI):
 class GuardedStreamingResponse(StreamingResponse):
     """`StreamingResponse` + `on_close`, awaited however the response ends; body chunks bypass the middlewares.
 
-    Starlette cancels the body task when the client disconnects; if that happens while the response head is
-    being sent, the body generator has not started, so its own `finally` never runs. Cleanup that must happen
-    (releasing a session's turn lock, recording the turn) therefore lives here, not only in the generator.
+    A client that leaves ends the response: while the head is sent, a watcher (from `DISCONNECT_WATCH_AFTER_S` on)
+    cancels a send that never returns; while the body streams, its relay (`backends.asgi.relay_until_disconnected`)
+    notices the disconnect and closes the generation. Starlette's own watch (for servers of ASGI spec < 2.4,
+    uvicorn's included) would run the body in an anyio task group beside a task that waits for the disconnect from
+    the start, and cancel it at the end: about 40 µs more per streamed response.
+
+    If the response ends before its body generator started (a client gone while the head was sent), the
+    generator's own `finally` never runs: cleanup that must happen (releasing a session's turn lock, recording the
+    turn) therefore lives here, not only in the generator.
     """
 
     def __init__(self, content: AsyncIterable[bytes], on_close: Callable[[], Awaitable[None]], media_type: str) -> None:
         super().__init__(content, media_type=media_type)
         self.on_close = on_close
-        self._body_send: Send | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._body_send = scope.get(SERVER_SEND)
+        head = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                await unless_disconnected(Request(scope, receive), send(head), _nothing, DISCONNECT_WATCH_AFTER_S)
+            except ClientDisconnected:
+                return  # nobody is left to read the body
+            body_send = scope.get(SERVER_SEND) or send
+            async for chunk in self.body_iterator:
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.background is not None:
+                await self.background()
         finally:
             await self.on_close()
 
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body_send = self._body_send or send
-        async for chunk in self.body_iterator:
-            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+def _nothing() -> None:
+    """What a response does at the moment its client leaves: nothing more than stop sending."""
