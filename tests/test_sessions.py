@@ -1,7 +1,8 @@
-"""The session manager's cache of samples, over the real trajectory store (embedded Redis).
+"""The session manager over the real trajectory store (embedded Redis): its cache of samples, and the choice of
+the sample a turn extends.
 
 A turn runs as `TurnRunner` runs it: take the session's lock, `begin_*_turn`, generate, `record`, save the
-sample, release the lock. The cache is LRU-bounded; these tests make it tiny so that other sessions evict one
+sample, release the lock. The cache is LRU-bounded; the first tests make it tiny so that other sessions evict one
 while its turn is in flight.
 """
 
