@@ -232,7 +232,7 @@ async def open_services(
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
-        sessions = SessionManager(tokenizer, trajectories)
+        sessions = SessionManager(tokenizer, trajectories, cache_size=s.session_cache_size)
         turns = TurnRunner(
             generator,
             sessions,

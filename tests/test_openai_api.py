@@ -228,6 +228,35 @@ async def test_history_rewrite_starts_a_new_sample(
     await api.close()
 
 
+async def test_sessions_evicted_between_and_during_their_turns_keep_exact_multi_turn_samples(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A cache of one session: three sessions' turns interleave, each turn reads its session back from Redis (or
+    finds it evicted by the time it records), and every turn still extends its session's one sample."""
+    _, gw = await gateway_on(make_sim, make_gateway, token_delay=0.01, store={"session_cache_size": 1})
+    names = ["evict-a", "evict-b", "evict-c"]
+    apis = {name: client(gw, **{"X-Session-ID": name}) for name in names}
+
+    async def episode(name: str) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"{name}: count to three"}]
+        rollouts = []
+        for turn in range(3):
+            reply = await apis[name].chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+            rollouts.append(reply.model_extra["rollout"]["choices"][0])
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"{turn}"}]
+        return rollouts
+
+    try:
+        results = await asyncio.gather(*(episode(name) for name in names))
+    finally:
+        for api in apis.values():
+            await api.close()
+    for name, rollouts in zip(names, results, strict=True):
+        assert [(r["sample_index"], r["new_sample"]) for r in rollouts] == [(0, True), (0, False), (0, False)]
+        session = (await http.get(f"{gw.url}/v1/sessions/{name}")).json()
+        assert [s["num_turns"] for s in session["samples"]] == [3]
+
+
 async def test_sessions_finish_is_idempotent(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis: Redis
 ) -> None:
