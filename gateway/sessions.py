@@ -172,8 +172,8 @@ class SessionManager:
         A session can hold many samples (n > 1 branches, rewritten histories, a session id shared by unrelated
         conversations), so the candidates are first compared by the templates' texts, which is cheap; tokenizing
         whole conversations (`ConversationMatch.by_ids`) is left for those the text cannot decide, and for those
-        whose text differs only if no other sample matched (their ids differ too, unless the tokenizer normalizes
-        two different texts to the same ids).
+        whose text differs only if no other sample matched and the tokenizer could give two different texts the
+        same ids (one that normalizes, say; not byte-level BPE without a normalizer: `texts_decide`).
         """
         samples = await self.samples(session_id)
         match = self.tokenizer.extension_of(messages, tools)
@@ -188,9 +188,10 @@ class SessionManager:
             delta = by_text if isinstance(by_text, list) else self._delta_by_ids(match, sample)
             if delta is not None:
                 return self._extend(session_id, sample, delta, messages)
-        for sample in different:
-            if (delta := self._delta_by_ids(match, sample)) is not None:
-                return self._extend(session_id, sample, delta, messages)
+        if not match.texts_decide:  # a tokenizer that normalizes can give two different texts the same ids
+            for sample in different:
+                if (delta := self._delta_by_ids(match, sample)) is not None:
+                    return self._extend(session_id, sample, delta, messages)
         if any(s.num_turns for s in samples):
             self.history_rewrites += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from jinja2 import TemplateError
 from tokenizers import Tokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from tokenizers.decoders import DecodeStream
+from tokenizers.models import BPE
 
 from gateway.errors import ConfigError, GatewayError, InvalidRequest
 
@@ -134,6 +136,7 @@ class ChatTokenizer:
         stops = [added.get(i) for i in self.stop_token_ids]
         exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
         self._stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
+        self._exact_decoding = _decodes_exactly(self._backend)
 
     @classmethod
     def load(cls, path: Path | str, *, sanitize_control_tokens: bool = True) -> ChatTokenizer:
@@ -363,6 +366,12 @@ class ConversationMatch:
             tokenizer._added_texts, (messages, tools, chat_template_kwargs)
         )
 
+    @property
+    def texts_decide(self) -> bool:
+        """Whether `by_text`'s `DIFFERENT` is final: with a byte-level tokenizer that normalizes nothing (no unknown
+        token either), ids are the text's bytes, so ids that extend the previous ones mean text that does."""
+        return self._tokenizer._exact_decoding
+
     def by_text(
         self,
         previous_messages: Sequence[Message],
@@ -428,6 +437,17 @@ class Rendering:
 
     prefix_text: str | None = None  # up to its last stop token; "" where the text path does not apply
     prefix_ids: array[int] | None = None  # `ChatTokenizer.render_prefix`
+
+
+def _decodes_exactly(backend: Tokenizer) -> bool:
+    """Whether the tokenizer's ids spell their text exactly: byte-level BPE, no normalizer, no unknown token."""
+    model = backend.model
+    return (
+        backend.normalizer is None
+        and isinstance(backend.decoder, ByteLevelDecoder)
+        and isinstance(model, BPE)
+        and model.unk_token is None
+    )
 
 
 def _contains_any(needles: Sequence[str], value: object) -> bool:

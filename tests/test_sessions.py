@@ -130,6 +130,9 @@ async def test_a_session_shared_by_conversations_starts_one_sample_each_and_cont
     fresh = await sessions.begin_chat_turn("shared", rewritten, None)
     assert fresh.new_sample and fresh.sample.index == 3
     assert fresh.prompt_ids == TOKENIZER.render(rewritten)
+    # Byte-level BPE without a normalizer: a text that does not extend is final, no conversation was tokenized whole.
+    assert TOKENIZER.extension_of(rewritten).texts_decide
+    assert all(sample.rendering.prefix_ids is None for sample in await sessions.samples("shared"))
 
 
 def normalizing_tokenizer() -> ChatTokenizer:
@@ -154,4 +157,5 @@ async def test_a_conversation_whose_text_differs_but_whose_ids_extend_a_sample_e
 
     messages = [*composed, {"role": "assistant", "content": "Voilà."}, user("Merci.")]
     assert tokenizer.extension_of(messages).by_text(turn.sample.conversation, None) is TextCheck.DIFFERENT
+    assert not tokenizer.extension_of(messages).texts_decide  # the ids decide
     assert_extends(tokenizer, await sessions.begin_chat_turn("nfc", messages, None), 0, messages)
