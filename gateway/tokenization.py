@@ -368,8 +368,9 @@ class ConversationMatch:
 
     @property
     def texts_decide(self) -> bool:
-        """Whether `by_text`'s `DIFFERENT` is final: with a byte-level tokenizer that normalizes nothing (no unknown
-        token either), ids are the text's bytes, so ids that extend the previous ones mean text that does."""
+        """Whether `by_text`'s `DIFFERENT` is final: with byte-level BPE that normalizes nothing, adds no prefix space
+        and has no unknown token, ids spell the text's bytes, so ids that extend the previous ones mean text that
+        does (`_decodes_exactly`)."""
         return self._tokenizer._exact_decoding
 
     def by_text(
@@ -440,14 +441,17 @@ class Rendering:
 
 
 def _decodes_exactly(backend: Tokenizer) -> bool:
-    """Whether the tokenizer's ids spell their text exactly: byte-level BPE, no normalizer, no unknown token."""
-    model = backend.model
-    return (
-        backend.normalizer is None
-        and isinstance(backend.decoder, ByteLevelDecoder)
-        and isinstance(model, BPE)
-        and model.unk_token is None
-    )
+    """Whether different texts always give different ids: byte-level BPE (every byte its own symbol) that normalizes
+    nothing, adds no prefix space (which would give "x" and " x" the same ids) and has no unknown token."""
+    model, pre_tokenizer = backend.model, backend.pre_tokenizer
+    if backend.normalizer is not None or pre_tokenizer is None:
+        return False
+    if not isinstance(backend.decoder, ByteLevelDecoder) or not isinstance(model, BPE) or model.unk_token is not None:
+        return False
+    steps = json.loads(pre_tokenizer.__getstate__())
+    steps = steps.get("pretokenizers", [steps]) if steps.get("type") == "Sequence" else [steps]
+    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
+    return bool(byte_level) and not any(step.get("add_prefix_space") for step in steps)
 
 
 def _contains_any(needles: Sequence[str], value: object) -> bool:

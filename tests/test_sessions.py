@@ -8,7 +8,12 @@ while its turn is in flight.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from redis.asyncio import Redis
+from tokenizers import pre_tokenizers
+from tokenizers.normalizers import NFC
 
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
@@ -135,14 +140,43 @@ async def test_a_session_shared_by_conversations_starts_one_sample_each_and_cont
     assert all(sample.rendering.prefix_ids is None for sample in await sessions.samples("shared"))
 
 
-def normalizing_tokenizer() -> ChatTokenizer:
-    """The tiny tokenizer with an NFC normalizer: two texts that differ (é composed or not) give the same ids."""
-    from tokenizers.normalizers import NFC
+def tiny_tokenizer_with(**parts: Any) -> ChatTokenizer:
+    """The tiny tokenizer with some parts of its pipeline replaced (`normalizer`, `pre_tokenizer`)."""
     from transformers import AutoTokenizer
 
     fast = AutoTokenizer.from_pretrained(str(DEFAULT_TOKENIZER), local_files_only=True)
-    fast.backend_tokenizer.normalizer = NFC()
+    for name, part in parts.items():
+        setattr(fast.backend_tokenizer, name, part)
     return ChatTokenizer(fast)
+
+
+def normalizing_tokenizer() -> ChatTokenizer:
+    """The tiny tokenizer with an NFC normalizer: two texts that differ (é composed or not) give the same ids."""
+    return tiny_tokenizer_with(normalizer=NFC())
+
+
+@pytest.mark.parametrize(
+    ("parts", "decides"),
+    [
+        pytest.param({}, True, id="byte-level"),
+        pytest.param({"normalizer": NFC()}, False, id="nfc"),
+        pytest.param({"pre_tokenizer": pre_tokenizers.ByteLevel(add_prefix_space=True)}, False, id="prefix-space"),
+        pytest.param({"pre_tokenizer": pre_tokenizers.Whitespace()}, False, id="not-byte-level"),
+        pytest.param(
+            {
+                "pre_tokenizer": pre_tokenizers.Sequence(
+                    [pre_tokenizers.Digits(), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+                )
+            },
+            True,
+            id="sequence",
+        ),
+    ],
+)
+def test_texts_decide_only_where_different_texts_always_give_different_ids(
+    parts: dict[str, Any], decides: bool
+) -> None:
+    assert tiny_tokenizer_with(**parts).extension_of([user("hi")]).texts_decide is decides
 
 
 async def test_a_conversation_whose_text_differs_but_whose_ids_extend_a_sample_extends_it(redis: Redis) -> None:
