@@ -24,11 +24,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from redis.asyncio import Redis
+
 from benchmarks._harness import machine_line, make_console, print_table
 from gateway.assets import TINY_TOKENIZER_DIR
+from gateway.embedded_redis import EmbeddedRedis
 from gateway.sessions import SessionManager, WorkingSample
+from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, NotAPrefix
-from gateway.trajectory import Sample, SessionMeta
+from gateway.trajectory import Sample
 
 WORDS = "alpha beta gamma delta river stone cloud forest — 你好 🙂".split()
 
@@ -55,22 +59,6 @@ def session_of(tokenizer: ChatTokenizer, conversations: list[list[dict[str, Any]
     return samples
 
 
-class StoredSamples:
-    """The samples a session manager reads back for a session it has not cached (no Redis: nothing is timed there)."""
-
-    def __init__(self, samples: list[Sample]) -> None:
-        self.samples = samples
-
-    async def load_samples(self, session_id: str) -> list[Sample]:
-        return self.samples
-
-    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None:
-        raise NotImplementedError
-
-    async def ensure_session(self, session_id: str, metadata: dict[str, Any]) -> SessionMeta:
-        raise NotImplementedError
-
-
 def reference_choice(tokenizer: ChatTokenizer, samples: list[Sample], messages: list[dict[str, Any]]) -> int | None:
     """The sample the messages extend, newest first, each tried with both whole conversations tokenized."""
     for index in range(len(samples) - 1, -1, -1):
@@ -82,13 +70,37 @@ def reference_choice(tokenizer: ChatTokenizer, samples: list[Sample], messages: 
     return None
 
 
-def matched_choice(manager: SessionManager, messages: list[dict[str, Any]]) -> int | None:
-    turn = asyncio.run(manager.begin_chat_turn("s", messages, None))
+async def matched_choice(manager: SessionManager, session_id: str, messages: list[dict[str, Any]]) -> int | None:
+    turn = await manager.begin_chat_turn(session_id, messages, None)
     return None if turn.new_sample else turn.sample.index
 
 
+async def stored_session(store: TrajectoryStore, session_id: str, samples: list[Sample]) -> None:
+    await store.ensure_session(session_id, {})
+    for index, sample in enumerate(samples):
+        await store.save_sample(session_id, index, sample)
+
+
 def sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int) -> list[list[str]] | None:
-    """Per session size: (case, reference ms, session manager ms); None if the two choose differently."""
+    """Per session size: (case, reference ms, session manager ms); None if the two choose differently. The
+    sessions live in the real store (an embedded Redis); reading them back is not timed."""
+    with EmbeddedRedis() as server:
+        return asyncio.run(_sample_rows(tokenizer, counts, words, server.url))
+
+
+async def _sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int, url: str) -> list[list[str]] | None:
+    client = Redis.from_url(url)
+    store = TrajectoryStore(client, Keys(), sweep_interval_s=None)
+    try:
+        return await _timed_rows(tokenizer, store, counts, words)
+    finally:
+        await store.aclose()
+        await client.aclose()
+
+
+async def _timed_rows(
+    tokenizer: ChatTokenizer, store: TrajectoryStore, counts: Sequence[int], words: int
+) -> list[list[str]] | None:
     rows = []
     for count in counts:
         branches = [
@@ -122,16 +134,19 @@ def sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int) -> 
                 True,
             ),
         ]
-        for label, conversations, messages, warm in cases:
+        for case, (label, conversations, messages, warm) in enumerate(cases):
             samples = session_of(tokenizer, conversations)
             started = time.perf_counter()
             expected = reference_choice(tokenizer, samples, messages)
             reference_s = time.perf_counter() - started
-            manager = SessionManager(tokenizer, StoredSamples(samples))
+            session_id = f"bench-{count}-{case}"
+            await stored_session(store, session_id, samples)
+            manager = SessionManager(tokenizer, store)
+            await manager.samples(session_id)  # read back from Redis before the clock starts
             if warm:  # the samples were matched against once before (their renderings kept)
-                matched_choice(manager, [*messages[:-1], {"role": "user", "content": "warm-up"}])
+                await matched_choice(manager, session_id, [*messages[:-1], {"role": "user", "content": "warm-up"}])
             started = time.perf_counter()
-            chosen = matched_choice(manager, messages)
+            chosen = await matched_choice(manager, session_id, messages)
             matched_s = time.perf_counter() - started
             if chosen != expected:
                 return None

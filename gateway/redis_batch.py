@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +25,6 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 __all__ = ["Build", "PipelineBatcher"]
-
-logger = logging.getLogger(__name__)
 
 Build = Callable[[Pipeline], None]
 """Queues one caller's commands on a pipeline (and does nothing else: it may run in another caller's task)."""

@@ -68,7 +68,7 @@ from redis.exceptions import NoScriptError, RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import Conflict, GatewayError, InvalidRequest, Overloaded, SessionNotFound, StoreError
-from gateway.redis_batch import PipelineBatcher
+from gateway.redis_batch import Build, PipelineBatcher
 from gateway.trajectory import Sample, SessionMeta
 
 if TYPE_CHECKING:
@@ -522,10 +522,7 @@ class TrajectoryStore:
             pipe.hset(key, mapping=meta_fields)  # type: ignore[arg-type]
             pipe.expire(key, self._active_ttl_s)
 
-        try:
-            _raise_first_error(await self.batcher.execute(build))
-        except RedisError as exc:
-            raise StoreError(f"redis: create session failed: {exc}") from exc
+        await self._batched(build, "create session")
         return meta
 
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
@@ -543,12 +540,17 @@ class TrajectoryStore:
         def build(pipe: Pipeline) -> None:
             pipe.get(key)
 
-        try:  # every new session asks: batched with the other turns' round trips
-            (value,) = await self.batcher.execute(build)
-            _raise_first_error([value])
-        except RedisError as exc:
-            raise StoreError(f"redis: read pending failed: {exc}") from exc
+        (value,) = await self._batched(build, "read pending")  # every new session asks
         return int(value) if value is not None else 0
+
+    async def _batched(self, build: Build, what: str) -> list[Any]:
+        """The replies to `build`'s commands, sent with the other turns' (`PipelineBatcher`); a transport failure
+        or a command's error is a `StoreError`."""
+        replies = await _call(self.batcher.execute(build), what)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise StoreError(f"redis: {what} failed: {reply}") from reply
+        return replies
 
     async def _read_and_touch(self, session_id: str) -> SessionMeta | None:
         """The session's meta as it was, and activity recorded if it is active, in one round trip (every turn of a
@@ -1023,13 +1025,6 @@ class TrajectoryStore:
                 return await self.client.eval(lua.source, len(keys), *keys, *args)
         except RedisError as exc:
             raise StoreError(f"redis: {what} failed: {exc}") from exc
-
-
-def _raise_first_error(replies: list[Any]) -> None:
-    """Raise the first command error among a pipeline's replies (`PipelineBatcher.execute` returns them)."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

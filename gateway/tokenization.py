@@ -450,8 +450,8 @@ def _decodes_exactly(backend: Tokenizer) -> bool:
         return False
     steps = json.loads(pre_tokenizer.__getstate__())
     steps = steps.get("pretokenizers", [steps]) if steps.get("type") == "Sequence" else [steps]
-    byte_level = [step for step in steps if step.get("type") == "ByteLevel"]
-    return bool(byte_level) and not any(step.get("add_prefix_space") for step in steps)
+    byte_level = any(step.get("type") == "ByteLevel" for step in steps)
+    return byte_level and not any(step.get("add_prefix_space") for step in steps)
 
 
 def _contains_any(needles: Sequence[str], value: object) -> bool:

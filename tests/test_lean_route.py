@@ -331,8 +331,7 @@ async def test_a_request_cancelled_while_its_body_is_read_is_counted_alike(pair:
         headers.append((b"authorization", AUTH["authorization"].encode()))
         scope = generate_scope(headers)
         task = asyncio.create_task(app(scope, receive, send))
-        await asyncio.wait_for(started.wait(), 5)
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(started.wait(), 5)  # set in the first receive: the app now waits in the second
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

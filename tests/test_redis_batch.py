@@ -90,9 +90,12 @@ async def test_the_callers_queued_behind_a_cancelled_caller_still_get_their_repl
         pipe.blpop(["never-pushed"], timeout=30)  # holds its pipeline in flight until cancelled
 
     first = asyncio.create_task(batcher.execute(blocking))
-    await asyncio.sleep(0.05)
+    # Cancelled while it waits on Redis (redis-py lets a command cancelled during its connection setup run on).
+    async with asyncio.timeout(10):
+        while not any(client.get("cmd") == "blpop" for client in await redis.client_list()):
+            await asyncio.sleep(0.01)
     queued = [asyncio.create_task(batcher.execute(set_and_get(f"q{i}", str(i)))) for i in range(3)]
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # all three queued behind it
     assert not any(task.done() for task in queued)  # they wait behind it
     first.cancel()
     replies = await asyncio.wait_for(asyncio.gather(*queued), 10)
