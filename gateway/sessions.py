@@ -6,7 +6,10 @@ model produced is never re-tokenized. When the new messages do not extend any sa
 rewritten, system prompt or tools changed) a new sample starts, and the session counts it.
 
 A session's samples live in Redis (`TrajectoryStore`); this process keeps a bounded cache of the ones it
-served, so another gateway process can serve the next turn by reading them back.
+served, so another gateway process can serve the next turn by reading them back. The cache is trusted only at
+the session's revision it was read or written at: every sample write bumps the stored revision, so a turn that
+finds it moved (another process served the session meanwhile, or a write of ours did not land) reads the
+samples back first (`SessionManager.open`).
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ class SampleStore(Protocol):
 
     async def load_samples(self, session_id: str) -> list[Sample]: ...
 
-    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None: ...
+    async def save_sample(
+        self, session_id: str, index: int, sample: Sample, *, replica: str | None = None
+    ) -> int | None: ...
 
-    async def ensure_session(self, session_id: str, metadata: dict[str, Any]) -> SessionMeta: ...
+    async def touch_session(self, session_id: str) -> SessionMeta | None: ...
 
 
 @dataclass
@@ -132,6 +137,17 @@ class Turn:
         return max(0, len(self.sample.ids) - 1) if self.sample.routed_experts is not None else 0
 
 
+_UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a stored revision)
+
+
+@dataclass(slots=True)
+class _Known:
+    """What this process knows of a session: its samples in index order, as of the stored `revision`."""
+
+    samples: list[WorkingSample]
+    revision: int
+
+
 class SessionManager:
     """Prepares and records the turns of sessions."""
 
@@ -140,7 +156,8 @@ class SessionManager:
         self.store = store
         self.cache_size = cache_size
         self.history_rewrites = 0
-        self._cache: OrderedDict[str, list[WorkingSample]] = OrderedDict()  # each list in index order
+        self.reloads = 0  # sessions read back because the stored revision had moved past this process's copy
+        self._cache: OrderedDict[str, _Known] = OrderedDict()
         # A session's lock lives while a turn holds it or waits for it (they keep the reference), whether or not
         # the session's samples are still cached.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -152,17 +169,60 @@ class SessionManager:
             lock = self._locks[session_id] = asyncio.Lock()
         return lock
 
-    async def samples(self, session_id: str) -> list[WorkingSample]:
-        cached = self._cache.get(session_id)
-        if cached is None:
-            stored = await self.store.load_samples(session_id)
-            cached = [WorkingSample.from_sample(i, s) for i, s in enumerate(stored)]
-            self._remember(session_id, cached)
-        self._cache.move_to_end(session_id)
-        return cached
+    async def open(self, session_id: str, *, new: bool = False) -> SessionMeta | None:
+        """Begin a turn of the session (under its lock): its stored meta, with activity recorded, or None if it has
+        none yet; a finished or abandoned session is a `Conflict`. `new`: the id was just made up, so there is
+        nothing to read. The samples this process remembers are checked against the stored revision here, and
+        read back if it moved."""
+        if new:
+            self._remember(session_id, _Known([], 0))
+            return None
+        meta = await self.store.touch_session(session_id)
+        revision = meta.revision if meta is not None else 0
+        known = self._cache.get(session_id)
+        if known is None or known.revision != revision:
+            if known is not None:
+                self.reloads += 1
+                logger.debug("session %s: changed since this process served it; reading it back", session_id)
+            stored = await self.store.load_samples(session_id) if meta is not None else []
+            samples = [WorkingSample.from_sample(i, s) for i, s in enumerate(stored)]
+            self._remember(session_id, _Known(samples, revision))
+        return meta
 
-    def _remember(self, session_id: str, samples: list[WorkingSample]) -> None:
-        self._cache[session_id] = samples
+    async def samples(self, session_id: str) -> list[WorkingSample]:
+        """The session's samples in index order: this process's copy, read from the store if it has none."""
+        known = self._cache.get(session_id)
+        if known is None:
+            stored = await self.store.load_samples(session_id)
+            known = _Known([WorkingSample.from_sample(i, s) for i, s in enumerate(stored)], _UNKNOWN)
+            self._remember(session_id, known)
+        self._cache.move_to_end(session_id)
+        return known.samples
+
+    async def save(self, turn: Turn, sample: Sample, *, replica: str | None = None) -> None:
+        """Store the turn's sample (`SampleStore.save_sample`). The copy here stays trusted only while the writes
+        of the session are all this process's, each one revision after the last."""
+        try:
+            revision = await self.store.save_sample(turn.session_id, turn.sample.index, sample, replica=replica)
+        except BaseException:
+            self._distrust(turn.session_id)
+            raise
+        known = self._cache.get(turn.session_id)
+        if known is not None:
+            known.revision = revision if revision is not None and revision == known.revision + 1 else _UNKNOWN
+
+    def forget(self, session_id: str) -> None:
+        """Drop the session from the cache (a one-turn session, finished with its turn)."""
+        self._cache.pop(session_id, None)
+
+    def _distrust(self, session_id: str) -> None:
+        known = self._cache.get(session_id)
+        if known is not None:
+            known.revision = _UNKNOWN
+
+    def _remember(self, session_id: str, known: _Known) -> None:
+        self._cache[session_id] = known
+        self._cache.move_to_end(session_id)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)  # a turn in flight keeps its lock and, once recorded, the store has all
 
@@ -234,7 +294,8 @@ class SessionManager:
     def branch(self, turn: Turn, count: int) -> list[Turn]:
         """`count` turns from one prompt (n > 1): the first extends the sample, the others are new samples."""
         turns = [turn]
-        base = len(self._cache.get(turn.session_id, [])) + (1 if turn.new_sample else 0)
+        known = self._cache.get(turn.session_id)
+        base = (len(known.samples) if known is not None else 0) + (1 if turn.new_sample else 0)
         for i in range(1, count):
             sample = turn.sample.copy_as(base + i - 1)
             turns.append(replace(turn, sample=sample, new_sample=True))
@@ -253,9 +314,9 @@ class SessionManager:
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
             sample.rendering = Rendering()
-        samples = self._cache.get(turn.session_id)
-        if turn.new_sample and samples is not None:  # evicted during the turn: the next one reads the store
-            samples.append(sample)
+        known = self._cache.get(turn.session_id)
+        if turn.new_sample and known is not None:  # evicted during the turn: the next one reads the store
+            known.samples.append(sample)
         return sample.to_sample()
 
     @staticmethod

@@ -4,7 +4,8 @@ Keys (prefix configurable, default `rg:`). Every key of one session shares the h
 session's multi-key writes stay in one Redis Cluster slot; what crosses slots is idempotent (DESIGN §8):
 
 - `rg:{id}:meta` (hash): `SessionMeta.to_redis()` — status, metadata JSON, reward, sample_count, timestamps,
-  replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first.
+  replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first, and
+  `revision`, counted up by every sample write (a process's copy of the samples is current while it matches).
 - `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py).
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
@@ -250,6 +251,7 @@ class _Lua:
 # refused when the session is no longer active (a finished trajectory never changes after delivery) and
 # `sample_count` must only grow; MULTI cannot branch on what it reads, and WATCH costs a read round trip plus
 # retries under contention, while the script does read, check and write in one round trip.
+# Every write bumps the meta's `revision` and answers it (an integer; a refusal answers the status, a string).
 # KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, field, value, ...
 _SAVE_SAMPLE = _Lua(
     """
@@ -265,7 +267,7 @@ end
 redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'replica', ARGV[3]) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 'active'
+return redis.call('HINCRBY', KEYS[1], 'revision', 1)
 """
 )
 
@@ -480,7 +482,12 @@ class TrajectoryStore:
     # -- sessions -------------------------------------------------------------------------------------------
 
     async def create_session(
-        self, metadata: dict[str, Any] | None = None, session_id: str | None = None, *, fresh: bool = False
+        self,
+        metadata: dict[str, Any] | None = None,
+        session_id: str | None = None,
+        *,
+        fresh: bool = False,
+        absent: bool = False,
     ) -> SessionMeta:
         """A new active session (a fresh uuid unless `session_id` is given).
 
@@ -490,15 +497,16 @@ class TrajectoryStore:
 
         `fresh`: the caller has just made `session_id` up from a uuid, so no one else can know it; the session is
         written without looking for an existing one (two round trips instead of six). A generated id is fresh.
+        `absent`: the caller has just found no session `session_id` (`touch_session`), so that read is not
+        repeated; a creation of the same id meanwhile is still caught, as for any other.
         """
         if session_id is None or fresh:
             return await self._create_fresh(metadata, uuid.uuid4().hex if session_id is None else session_id)
         session_id = _check_session_id(session_id)
-        existing = await self._read_and_touch(session_id)
-        if existing is not None:
-            if existing.status != "active":
-                raise Conflict(f"session {existing.id} is {existing.status}", param="session_id")
-            return existing
+        if not absent:
+            existing = await self.touch_session(session_id)
+            if existing is not None:
+                return existing
         await self._check_backpressure()
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
@@ -528,6 +536,14 @@ class TrajectoryStore:
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
         """The session named by a client (header or body), created on first use; see `create_session`."""
         return await self.create_session(metadata, session_id)
+
+    async def touch_session(self, session_id: str) -> SessionMeta | None:
+        """An active session's meta, with activity recorded (one round trip: every turn of a session starts here);
+        None if there is no such session. A finished or abandoned one is a `Conflict`."""
+        meta = await self._read_and_touch(_check_session_id(session_id))
+        if meta is not None and meta.status != "active":
+            raise Conflict(f"session {meta.id} is {meta.status}", param="session_id")
+        return meta
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         raw = await _call(self.client.hgetall(self.keys.meta(session_id)), "read session")
@@ -606,8 +622,11 @@ class TrajectoryStore:
 
     # -- samples --------------------------------------------------------------------------------------------
 
-    async def save_sample(self, session_id: str, index: int, sample: Sample, *, replica: str | None = None) -> None:
+    async def save_sample(
+        self, session_id: str, index: int, sample: Sample, *, replica: str | None = None
+    ) -> int | None:
         """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
+        Returns the session's `revision` this write made, or None when the write waits in the buffer.
 
         If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
         flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
@@ -619,27 +638,28 @@ class TrajectoryStore:
             raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
         write = _SampleWrite(session_id, index, _encode_sample(sample), replica or "", time.time())
         if self._replace_buffered(write):
-            return
+            return None
         async with self._session_lock(session_id):
             if self._replace_buffered(write):
-                return
+                return None
             if self._outage and self._flusher is not None:  # Redis is known down: no need to wait on retries
                 self._buffer_write(write)
-                return
+                return None
             try:
-                status = await self._write_sample(write)
+                verdict = await self._write_sample(write)
             except StoreError as exc:
                 logger.warning(
                     "session=%s sample=%d: buffering the write, redis unavailable: %s", session_id, index, exc
                 )
                 self._outage = True
                 self._buffer_write(write)
-                return
+                return None
             self._outage = False
-        if status == "missing":
+        if isinstance(verdict, int):
+            return verdict
+        if verdict == "missing":
             raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
-        if status != "active":
-            raise Conflict(f"session {session_id} is {status}; its samples can no longer change", param="session_id")
+        raise Conflict(f"session {session_id} is {verdict}; its samples can no longer change", param="session_id")
 
     async def load_samples(self, session_id: str) -> list[Sample]:
         """The session's samples in index order (gaps skipped), including writes still buffered here."""
@@ -680,8 +700,9 @@ class TrajectoryStore:
         self.stats.writes_buffered += 1
         self._wake.set()
 
-    async def _write_sample(self, write: _SampleWrite) -> str:
-        """The sample script and the activity score, pipelined in one round trip; the script's verdict."""
+    async def _write_sample(self, write: _SampleWrite) -> int | str:
+        """The sample script and the activity score, pipelined in one round trip; the script's verdict: the
+        session's new revision, or the status that refused the write."""
         keys = [self.keys.meta(write.session_id), self.keys.sample(write.session_id, write.index)]
         args: list[bytes | str | int | float] = [write.index + 1, write.at, write.replica, self._active_ttl_s]
         for name, value in write.fields.items():
@@ -700,7 +721,7 @@ class TrajectoryStore:
                 raise verdict
         except RedisError as exc:
             raise StoreError(f"redis: save sample failed: {exc}") from exc
-        return _text(verdict)
+        return verdict if isinstance(verdict, int) else _text(verdict)
 
     # -- the buffered-write flusher -------------------------------------------------------------------------
 
@@ -728,15 +749,15 @@ class TrajectoryStore:
                 write = self._buffer.get(key)
                 if write is None:
                     continue
-                status = await self._write_sample(write)
+                verdict = await self._write_sample(write)
                 self._outage = False
                 if self._buffer.get(key) is write:  # else a newer version arrived meanwhile: it goes next round
                     del self._buffer[key]
             self.stats.writes_flushed += 1
-            if status != "active":
+            if not isinstance(verdict, int):
                 self.stats.writes_refused += 1
                 logger.error(
-                    "session=%s sample=%d: buffered write refused, session %s", write.session_id, write.index, status
+                    "session=%s sample=%d: buffered write refused, session %s", write.session_id, write.index, verdict
                 )
 
     # -- finish ---------------------------------------------------------------------------------------------

@@ -143,6 +143,9 @@ class SessionMeta:
     finished_at: float | None = None
     replica: str | None = None
     stream_id: str | None = None
+    # Sample writes so far: every write bumps it in Redis (never set from here), so a process that remembers a
+    # session's samples at revision r knows them current exactly when the stored revision is still r.
+    revision: int = 0
 
     @property
     def group_id(self) -> str | None:
@@ -150,6 +153,8 @@ class SessionMeta:
         return None if group is None else str(group)
 
     def to_redis(self) -> dict[str, bytes | int | float | str]:
+        """The fields a meta write sets: neither `stream_id` (set once, by delivery) nor `revision` (counted by the
+        sample writes themselves), which a write of these must leave as they are."""
         return {
             "status": self.status,
             "metadata": orjson.dumps(self.metadata),
@@ -176,6 +181,7 @@ class SessionMeta:
                 finished_at=float(fields["finished_at"]) if fields.get("finished_at") else None,
                 replica=fields.get("replica") or None,
                 stream_id=fields.get("stream_id") or None,
+                revision=int(fields.get("revision") or 0),
             )
         except (ValueError, orjson.JSONDecodeError) as exc:
             raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc

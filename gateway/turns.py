@@ -29,6 +29,7 @@ from gateway.tokenization import (
     ToolParser,
     make_stop_checker,
 )
+from gateway.trajectory import SessionMeta
 
 MAX_RANDOM_SEED = 2**31 - 1
 
@@ -110,13 +111,19 @@ class TurnRunner:
                 f"The model `{model}` does not exist; this gateway serves `{self.model_name}`", param="model"
             )
 
-    async def _open_session(self, session_id: str, one_turn: bool) -> None:
-        """Record the session in Redis, after the request was validated (a refused request stores nothing).
-        A new session is refused with 429 while the trainer lags (backpressure)."""
+    def _refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
+        if one_turn:
+            self.sessions.forget(session_id)  # nothing of it was stored, and nobody will send its id again
+        self._release(lock)
+
+    async def _open_session(self, session_id: str, one_turn: bool, meta: SessionMeta | None) -> None:
+        """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
+        request stores nothing). A new session is refused with 429 while the trainer lags (backpressure)."""
         if one_turn:
             await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # a uuid we just made
             return
-        meta = await self.store.ensure_session(session_id, {})
+        if meta is None:
+            meta = await self.store.create_session({}, session_id, absent=True)
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.generator.pool.remember(session_id, meta.replica)
 
@@ -131,13 +138,14 @@ class TurnRunner:
         lock = self.sessions.lock(sid)
         await self._acquire(lock)
         try:
+            meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             top = body.top_logprobs or 0
             prepared = self._prepare(sid, one_turn, turn, body, body.budget, top, tools is not None, lock)
-            await self._open_session(sid, one_turn)
+            await self._open_session(sid, one_turn, meta)
             return prepared
         except BaseException:
-            self._release(lock)
+            self._refused(sid, one_turn, lock)
             raise
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
@@ -154,13 +162,14 @@ class TurnRunner:
         lock = self.sessions.lock(sid)
         await self._acquire(lock)
         try:
+            meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             budget, top = body.max_tokens or 16, body.logprobs or 0
             prepared = self._prepare(sid, one_turn, turn, body, budget, top, False, lock)
-            await self._open_session(sid, one_turn)
+            await self._open_session(sid, one_turn, meta)
             return prepared
         except BaseException:
-            self._release(lock)
+            self._refused(sid, one_turn, lock)
             raise
 
     def _prepare(
@@ -210,7 +219,7 @@ class TurnRunner:
         )
 
         async def on_partial(state: GenerationState) -> None:
-            await self.store.save_sample(session_id, turn.sample.index, self.sessions.partial(turn, state))
+            await self.sessions.save(turn, self.sessions.partial(turn, state))
 
         return GenerationRequest(
             request_id=f"{session_id}-{turn.sample.index}-{uuid.uuid4().hex[:8]}",
@@ -324,9 +333,9 @@ class TurnRunner:
             assistant = None if choice.state.cancelled else assistant_message(choice)
             sample = self.sessions.record(choice.turn, choice.state, assistant)
             replicas = choice.state.replica_ids
-            await self.store.save_sample(
-                prepared.session_id, choice.turn.sample.index, sample, replica=replicas[-1] if replicas else None
-            )
+            await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
+        if prepared.one_turn:
+            self.sessions.forget(prepared.session_id)  # it ends with this turn
         cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
         if prepared.one_turn and not cancelled:
             await self.store.finish(prepared.session_id, None, None)

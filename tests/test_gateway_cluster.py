@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 
@@ -10,6 +11,7 @@ from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
 from tests.test_gateway_core import PROMPT, slow
+from tests.test_openai_api import client
 
 
 async def test_follower_resumes_its_requests_under_the_new_version(
@@ -62,3 +64,36 @@ async def test_followers_hold_new_requests_during_an_out_of_band_sync(
     assert resumed.status_code == 200
     body = (await task).json()
     assert body["versions"] == [3] * 4 and body["finish_reason"] == "length"
+
+
+async def test_a_sessions_turns_may_alternate_between_gateway_processes(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Each process keeps the sessions it served in memory; a turn that another process served since must not be
+    lost or recorded as environment tokens, and a new sample must not take the index of one stored meanwhile."""
+    sims = [await make_sim("vllm")]
+    a, b = await make_gateway(sims), await make_gateway(sims)
+    apis = {gw.url: client(gw, **{"X-Session-ID": "roaming"}) for gw in (a, b)}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "count to three"}]
+    rollouts, replies = [], []
+    try:
+        for gw in (a, b, a):  # the third turn finds `a`'s memory of the session one turn behind
+            reply = await apis[gw.url].chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+            rollouts.append(reply.model_extra["rollout"]["choices"][0])
+            replies.append(rollouts[-1]["output_ids"])
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        for gw, text in ((a, "another story"), (b, "a third story")):  # history rewrites: new samples, one each
+            reply = await apis[gw.url].chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": text}], max_tokens=4
+            )
+            rollouts.append(reply.model_extra["rollout"]["choices"][0])
+    finally:
+        for api in apis.values():
+            await api.close()
+    expected = [(0, True), (0, False), (0, False), (1, True), (2, True)]
+    assert [(r["sample_index"], r["new_sample"]) for r in rollouts] == expected
+    session = (await http.get(f"{b.url}/v1/sessions/roaming")).json()
+    assert [s["num_turns"] for s in session["samples"]] == [3, 1, 1]
+    sample = (await b.services.store.load_samples("roaming"))[0]
+    sampled = sample.response_ids[sample.loss_mask == 1].tolist()
+    assert sampled == [token for reply in replies for token in reply]

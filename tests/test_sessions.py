@@ -77,6 +77,42 @@ async def test_a_session_with_a_turn_in_flight_keeps_its_lock_when_evicted(redis
         assert sessions.lock("a") is lock  # a second turn of "a" would wait for this one
 
 
+async def served_turn(sessions: SessionManager, session_id: str, prompt: list[int], output_ids: list[int]) -> Turn:
+    """A turn as `TurnRunner` serves it: open the session, begin, record, save."""
+    store = sessions.store
+    assert isinstance(store, TrajectoryStore)
+    async with sessions.lock(session_id):
+        if await sessions.open(session_id) is None:
+            await store.create_session({}, session_id, absent=True)
+        turn = await sessions.begin_completion_turn(session_id, prompt)
+        await sessions.save(turn, sessions.record(turn, sampled(turn, output_ids), None))
+    return turn
+
+
+async def test_a_process_reads_a_session_back_once_another_one_served_it(redis: Redis) -> None:
+    """Two gateway processes on one Redis: each keeps the sessions it served, and trusts that copy only at the
+    revision it last saw; in between, its own turns read nothing back."""
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    here, there = SessionManager(TOKENIZER, store), SessionManager(TOKENIZER, store)
+    first = await served_turn(here, "roam", [1, 2, 3], [4, 5])
+    second = await served_turn(here, "roam", [1, 2, 3, 4, 5, 6], [7])
+    assert here.reloads == 0 and not second.new_sample  # the process's own turns: its copy is current
+    third = await served_turn(there, "roam", [*second.prompt_ids, 7, 8], [9])  # never served "roam": reads it
+    assert not third.new_sample and third.env_ids == [8] and there.reloads == 0
+    fourth = await served_turn(here, "roam", [*third.prompt_ids, 9, 10], [11])  # one turn behind: reads it back
+    assert here.reloads == 1 and not fourth.new_sample and fourth.env_ids == [10]
+    fifth = await served_turn(there, "elsewhere", [20], [21])  # another session: nothing to read back
+    assert fifth.new_sample and there.reloads == 0
+    unrelated = await served_turn(there, "roam", [30, 31], [32])  # a new sample after one `there` did not see
+    assert there.reloads == 1 and unrelated.new_sample and unrelated.sample.index == 1
+
+    [sample, other] = await store.load_samples("roam")
+    assert sample.num_turns == 4 and first.sample.index == 0
+    assert sample.response_ids.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert sample.loss_mask.tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
+    assert other.prompt_ids.tolist() == [30, 31]
+
+
 # -- which sample a chat turn extends ---------------------------------------------------------------------------
 
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
