@@ -70,7 +70,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import Conflict, GatewayError, InvalidRequest, Overloaded, SessionNotFound, StoreError
 from gateway.redis_batch import Build, PipelineBatcher
-from gateway.trajectory import Sample, SessionMeta
+from gateway.trajectory import Sample, SampleSaved, SessionMeta, StoredExperts
 
 if TYPE_CHECKING:
     from gateway.config import RedisConfig, StoreConfig
@@ -252,14 +252,27 @@ class _Lua:
 # `sample_count` must only grow; MULTI cannot branch on what it reads, and WATCH costs a read round trip plus
 # retries under contention, while the script does read, check and write in one round trip.
 # Every write bumps the meta's `revision` and answers it (an integer; a refusal answers the status, a string).
-# KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, field, value, ...
+# A write either replaces the sample (kept = 0) or keeps its first `kept` chunks of routed experts, which it
+# expects to end at the rows `ends` (`Sample.to_redis_extending`); if they do not, it writes nothing and
+# answers 'rewrite' (the caller then sends the whole sample).
+# KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, kept, ends, field, value, ...
 _SAVE_SAMPLE = _Lua(
     """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status ~= 'active' then return status end
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+local kept = tonumber(ARGV[5])
+if kept == 0 then
+    redis.call('DEL', KEYS[2])
+else
+    local stored = redis.call('HGET', KEYS[2], 'experts_ends')
+    local ends = ARGV[6]
+    if not stored or (stored ~= ends and string.sub(stored, 1, #ends + 1) ~= ends .. ',') then return 'rewrite' end
+    local _, commas = string.gsub(stored, ',', '')
+    for chunk = kept, commas do redis.call('HDEL', KEYS[2], 'experts.' .. chunk) end
+    redis.call('HDEL', KEYS[2], 'conversation', 'tools')
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 if tonumber(ARGV[1]) > tonumber(redis.call('HGET', KEYS[1], 'sample_count') or '0') then
     redis.call('HSET', KEYS[1], 'sample_count', ARGV[1])
@@ -312,7 +325,11 @@ def _backoff_s(attempt: int) -> float:
 
 def _encode_sample(sample: Sample) -> _Fields:
     """The sample's hash fields exactly as Redis stores and returns them (so a buffered copy decodes alike)."""
-    return {name: v if isinstance(v, bytes) else str(v).encode() for name, v in sample.to_redis().items()}
+    return _as_stored(sample.to_redis())
+
+
+def _as_stored(fields: dict[str, bytes | int | str]) -> _Fields:
+    return {name: v if isinstance(v, bytes) else str(v).encode() for name, v in fields.items()}
 
 
 def _check_session_id(session_id: str) -> str:
@@ -343,17 +360,31 @@ class StoreStats:
 
 @dataclass(slots=True)
 class _SampleWrite:
-    """One sample write, kept until it reached Redis."""
+    """One sample write, kept until it reached Redis: the sample, and the routed experts its hash holds already
+    (None: the write replaces the whole sample; so does every buffered write)."""
 
     session_id: str
     index: int
-    fields: _Fields
+    sample: Sample
     replica: str
     at: float
+    experts_stored: StoredExperts | None = None
 
     @property
     def key(self) -> tuple[str, int]:
         return self.session_id, self.index
+
+    def encode(self) -> tuple[int, str, _Fields, StoredExperts | None]:
+        """(experts chunks kept, the rows they end at, the fields to set, the experts the hash holds after)."""
+        if self.experts_stored is not None:
+            extending = self.sample.to_redis_extending(self.experts_stored)
+            if extending is not None:
+                fields, extended = extending
+                return len(self.experts_stored.ends), self.experts_stored.ends_field, _as_stored(fields), extended
+        whole = _encode_sample(self.sample)
+        experts = self.sample.routed_experts
+        after = None if experts is None else StoredExperts((len(experts),), _text(whole["experts_dtype"]))
+        return 0, "", whole, after
 
 
 class TrajectoryStore:
@@ -623,10 +654,20 @@ class TrajectoryStore:
     # -- samples --------------------------------------------------------------------------------------------
 
     async def save_sample(
-        self, session_id: str, index: int, sample: Sample, *, replica: str | None = None
-    ) -> int | None:
+        self,
+        session_id: str,
+        index: int,
+        sample: Sample,
+        *,
+        replica: str | None = None,
+        experts_stored: StoredExperts | None = None,
+    ) -> SampleSaved | None:
         """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
-        Returns the session's `revision` this write made, or None when the write waits in the buffer.
+        Returns what the write made (`SampleSaved`), or None when the write waits in the buffer.
+
+        `experts_stored`: the sample's hash holds these first rows of the sample's routed experts already (what
+        the last write of it answered), so only the rows after them are sent; should the hash hold anything else,
+        the whole sample is written instead.
 
         If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
         flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
@@ -636,7 +677,7 @@ class TrajectoryStore:
         """
         if index < 0:
             raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
-        write = _SampleWrite(session_id, index, _encode_sample(sample), replica or "", time.time())
+        write = _SampleWrite(session_id, index, sample, replica or "", time.time(), experts_stored)
         if self._replace_buffered(write):
             return None
         async with self._session_lock(session_id):
@@ -655,7 +696,7 @@ class TrajectoryStore:
                 self._buffer_write(write)
                 return None
             self._outage = False
-        if isinstance(verdict, int):
+        if isinstance(verdict, SampleSaved):
             return verdict
         if verdict == "missing":
             raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
@@ -672,7 +713,7 @@ class TrajectoryStore:
                     pipe.hgetall(self.keys.sample(session_id, index))
                 rows = await _call(pipe.execute(), "read samples")
             found = {index: row for index, row in enumerate(rows) if row}
-        found |= {w.index: w.fields for w in self._buffer.values() if w.session_id == session_id}
+        found |= {w.index: _encode_sample(w.sample) for w in self._buffer.values() if w.session_id == session_id}
         return [Sample.from_redis(found[index]) for index in sorted(found)]
 
     def _session_lock(self, session_id: str) -> asyncio.Lock:
@@ -685,6 +726,7 @@ class TrajectoryStore:
         """While a version of this sample waits in the buffer, a newer one takes its place (keeps order)."""
         if write.key not in self._buffer:
             return False
+        write.experts_stored = None  # a buffered write replaces the whole sample
         self._buffer[write.key] = write
         self.stats.writes_buffered += 1
         return True
@@ -696,16 +738,26 @@ class TrajectoryStore:
                 f"(max_buffered_writes); refusing sample {write.index} of session {write.session_id} "
                 "rather than dropping a write"
             )
+        write.experts_stored = None
         self._buffer[write.key] = write
         self.stats.writes_buffered += 1
         self._wake.set()
 
-    async def _write_sample(self, write: _SampleWrite) -> int | str:
-        """The sample script and the activity score, pipelined in one round trip; the script's verdict: the
-        session's new revision, or the status that refused the write."""
+    async def _write_sample(self, write: _SampleWrite) -> SampleSaved | str:
+        """The sample script and the activity score, pipelined in one round trip; the script's verdict: what the
+        write made, or the status that refused it. A write that extends what the hash no longer holds is sent
+        again, whole."""
         keys = [self.keys.meta(write.session_id), self.keys.sample(write.session_id, write.index)]
-        args: list[bytes | str | int | float] = [write.index + 1, write.at, write.replica, self._active_ttl_s]
-        for name, value in write.fields.items():
+        kept, ends, fields, after = write.encode()
+        args: list[bytes | str | int | float] = [
+            write.index + 1,
+            write.at,
+            write.replica,
+            self._active_ttl_s,
+            kept,
+            ends,
+        ]
+        for name, value in fields.items():
             args += [name, value]
         try:
 
@@ -721,7 +773,15 @@ class TrajectoryStore:
                 raise verdict
         except RedisError as exc:
             raise StoreError(f"redis: save sample failed: {exc}") from exc
-        return verdict if isinstance(verdict, int) else _text(verdict)
+        if isinstance(verdict, int):
+            return SampleSaved(verdict, after)
+        if _text(verdict) == "rewrite" and kept:
+            logger.info(
+                "session=%s sample=%d: the stored experts differ; writing it whole", write.session_id, write.index
+            )
+            write.experts_stored = None
+            return await self._write_sample(write)
+        return _text(verdict)
 
     # -- the buffered-write flusher -------------------------------------------------------------------------
 
@@ -754,7 +814,7 @@ class TrajectoryStore:
                 if self._buffer.get(key) is write:  # else a newer version arrived meanwhile: it goes next round
                     del self._buffer[key]
             self.stats.writes_flushed += 1
-            if not isinstance(verdict, int):
+            if not isinstance(verdict, SampleSaved):
                 self.stats.writes_refused += 1
                 logger.error(
                     "session=%s sample=%d: buffered write refused, session %s", write.session_id, write.index, verdict

@@ -8,6 +8,11 @@ multi-turn episode whose messages extend the previous turn is ONE sample; a rewr
 Arrays travel as little-endian numpy bytes, never JSON lists: ids and versions int32, mask uint8, logprobs
 float32, routed experts in the smallest unsigned dtype with their shape beside them. Routed experts cover
 every position that went through the model: `len(prompt_ids) + len(response_ids) - 1` rows.
+
+Routed experts are by far the largest part of a sample (layers × top-k ids per position against 13 bytes for
+everything else), so a turn that extends a sample sends only its new rows: the hash holds them in chunks,
+`experts`, `experts.1`, `experts.2`, ..., with `experts_ends` the row at which each chunk ends
+(`Sample.to_redis_extending`). The other arrays are rewritten whole at every write.
 """
 
 from __future__ import annotations
@@ -33,6 +38,36 @@ U8 = np.dtype("u1")
 
 class TrajectoryFormatError(ValueError):
     """Stored bytes that do not decode to a consistent sample."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredExperts:
+    """The routed experts a sample's hash holds: chunks ending at rows `ends`, all of dtype `dtype`."""
+
+    ends: tuple[int, ...]
+    dtype: str
+
+    @property
+    def rows(self) -> int:
+        return self.ends[-1]
+
+    @property
+    def ends_field(self) -> str:
+        return ",".join(str(end) for end in self.ends)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSaved:
+    """A sample write that reached Redis: the session's revision it made, and the routed experts the sample's hash
+    holds now (what the next write of that sample may extend)."""
+
+    revision: int
+    experts: StoredExperts | None
+
+
+def experts_field(chunk: int) -> str:
+    """The hash field of chunk `chunk` of a sample's routed experts."""
+    return "experts" if chunk == 0 else f"experts.{chunk}"
 
 
 @dataclass
@@ -82,6 +117,16 @@ class Sample:
 
     def to_redis(self) -> dict[str, bytes | int | str]:
         """The fields of the sample's Redis hash."""
+        fields = self._fields_but_experts()
+        if self.routed_experts is not None:
+            experts = smallest_unsigned(self.routed_experts)
+            fields["experts"] = experts.tobytes()
+            fields["experts_dtype"] = experts.dtype.str
+            fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
+            fields["experts_ends"] = str(len(experts))
+        return fields
+
+    def _fields_but_experts(self) -> dict[str, bytes | int | str]:
         fields: dict[str, bytes | int | str] = {
             "prompt_ids": self.prompt_ids.astype(I32).tobytes(),
             "response_ids": self.response_ids.astype(I32).tobytes(),
@@ -97,12 +142,26 @@ class Sample:
             fields["conversation"] = orjson.dumps(self.conversation)
         if self.tools is not None:
             fields["tools"] = orjson.dumps(self.tools)
-        if self.routed_experts is not None:
-            experts = smallest_unsigned(self.routed_experts)
-            fields["experts"] = experts.tobytes()
-            fields["experts_dtype"] = experts.dtype.str
-            fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
         return fields
+
+    def to_redis_extending(self, stored: StoredExperts) -> tuple[dict[str, bytes | int | str], StoredExperts] | None:
+        """The fields of a write over a hash that holds `stored` (this sample's first experts rows), sending only
+        the rows after them, as one more chunk; and what the hash holds then. None when the experts cannot extend
+        `stored`: fewer rows, or ids its dtype cannot hold. The caller vouches that the rows stored are these."""
+        experts = self.routed_experts
+        if experts is None or len(experts) < stored.rows:
+            return None
+        dtype = np.dtype(stored.dtype)
+        new = experts[stored.rows :]
+        if new.size and (int(new.min()) < 0 or int(new.max()) > np.iinfo(dtype).max):
+            return None
+        after = StoredExperts((*stored.ends, len(experts)), stored.dtype)
+        fields = self._fields_but_experts()
+        fields[experts_field(len(stored.ends))] = new.astype(dtype, copy=False).tobytes()
+        fields["experts_dtype"] = stored.dtype
+        fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
+        fields["experts_ends"] = after.ends_field
+        return fields, after
 
     @classmethod
     def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> Sample:
@@ -111,8 +170,9 @@ class Sample:
             experts = None
             if "experts" in fields:
                 shape = tuple(int(d) for d in _text(fields["experts_shape"]).split(","))
-                experts = np.frombuffer(_bytes(fields["experts"]), dtype=np.dtype(_text(fields["experts_dtype"])))
-                experts = experts.reshape(shape)
+                chunks = len(_text(fields["experts_ends"]).split(",")) if "experts_ends" in fields else 1
+                data = b"".join(_bytes(fields[experts_field(k)]) for k in range(chunks))
+                experts = np.frombuffer(data, dtype=np.dtype(_text(fields["experts_dtype"]))).reshape(shape)
             return cls(
                 prompt_ids=np.frombuffer(_bytes(fields["prompt_ids"]), I32),
                 response_ids=np.frombuffer(_bytes(fields["response_ids"]), I32),

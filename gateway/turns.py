@@ -219,7 +219,7 @@ class TurnRunner:
         )
 
         async def on_partial(state: GenerationState) -> None:
-            await self.sessions.save(turn, self.sessions.partial(turn, state))
+            await self.sessions.save(turn, self.sessions.partial(turn, state), final=False)
 
         return GenerationRequest(
             request_id=f"{session_id}-{turn.sample.index}-{uuid.uuid4().hex[:8]}",

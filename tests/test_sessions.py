@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from redis.asyncio import Redis
 from tokenizers import pre_tokenizers
@@ -111,6 +112,37 @@ async def test_a_process_reads_a_session_back_once_another_one_served_it(redis: 
     assert sample.response_ids.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert sample.loss_mask.tolist() == [1, 1, 0, 1, 0, 1, 0, 1]
     assert other.prompt_ids.tolist() == [30, 31]
+
+
+async def experts_turn(sessions: SessionManager, store: TrajectoryStore, prompt: list[int], output: list[int]) -> Turn:
+    """A completion turn of session "r3" whose engine reported the routed experts of every new position."""
+    async with sessions.lock("r3"):
+        if await sessions.open("r3") is None:
+            await store.create_session({}, "r3", absent=True)
+        turn = await sessions.begin_completion_turn("r3", prompt)
+        state = sampled(turn, output)
+        rows = len(turn.prompt_ids) + len(output) - 1 - turn.experts_start  # position p's ids: 2p, 2p + 1 (mod 50)
+        state.routed_experts = (np.arange(rows * 2).reshape(rows, 1, 2) + 2 * turn.experts_start) % 50
+        await sessions.save(turn, sessions.record(turn, state, None))
+    return turn
+
+
+async def test_each_turn_stores_only_the_routed_experts_it_added(redis: Redis) -> None:
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    here, there = SessionManager(TOKENIZER, store), SessionManager(TOKENIZER, store)
+    await experts_turn(here, store, [1, 2, 3], [4, 5])  # positions 0-3
+    await experts_turn(here, store, [1, 2, 3, 4, 5, 6], [7])  # 4-5: a second chunk
+    key = Keys().sample("r3", 0)
+    assert await redis.hget(key, "experts_ends") == b"4,6"
+    await experts_turn(there, store, [1, 2, 3, 4, 5, 6, 7, 8], [9])  # read back by another process: written whole
+    assert await redis.hget(key, "experts_ends") == b"8"
+    await experts_turn(there, store, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11])
+    assert await redis.hget(key, "experts_ends") == b"8,10"
+
+    [sample] = await store.load_samples("r3")
+    rows = len(sample.prompt_ids) + len(sample.response_ids) - 1
+    assert sample.routed_experts is not None and sample.routed_experts.shape == (rows, 1, 2)
+    assert sample.routed_experts.reshape(-1).tolist() == [i % 50 for i in range(rows * 2)]
 
 
 # -- which sample a chat turn extends ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ start their own `EmbeddedRedis` (AOF fsynced on every write) so they can kill an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from redis.asyncio import Redis
 from gateway.config import Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest, Overloaded, SessionNotFound, StoreError
-from gateway.store import Keys, TrajectoryStore, _encode_sample, _SampleWrite, connect
+from gateway.store import Keys, TrajectoryStore, _SampleWrite, connect
 from gateway.trajectory import F32, I32, U8, Sample
 
 KEYS = Keys()
@@ -207,7 +208,7 @@ async def test_a_buffered_write_for_a_session_that_ended_is_refused_loudly(
     meta = await store.create_session()
     await store.finish(meta.id)
     # As if written during an outage, while another gateway process finished the session.
-    store._buffer_write(_SampleWrite(meta.id, 0, _encode_sample(make_sample()), "", time.time()))
+    store._buffer_write(_SampleWrite(meta.id, 0, make_sample(), "", time.time()))
 
     store.start()
     await wait_for(lambda: _true(store.buffered == 0))
@@ -528,3 +529,64 @@ async def test_finish_gives_up_after_the_retry_budget(
     entry_id = await later.finish(meta.id)  # nothing was half-done that a later finish cannot complete
     assert await real_entries(own_client, later) == {meta.id: entry_id}
     await later.aclose()
+
+
+def extended(sample: Sample, more: int, *, experts_max: int, seed: int) -> Sample:
+    """`sample` with `more` response tokens and their routed experts appended (a later turn of it)."""
+    rng = np.random.default_rng(seed)
+    assert sample.routed_experts is not None
+    rows = rng.integers(0, experts_max + 1, (more, *sample.routed_experts.shape[1:]))
+    return Sample(
+        prompt_ids=sample.prompt_ids,
+        response_ids=np.concatenate([sample.response_ids, rng.integers(0, 50_000, more).astype(I32)]),
+        loss_mask=np.concatenate([sample.loss_mask, np.ones(more, U8)]),
+        logprobs=np.concatenate([sample.logprobs, -rng.random(more).astype(F32)]),
+        versions=np.concatenate([sample.versions, np.full(more, 4, I32)]),
+        routed_experts=np.concatenate([sample.routed_experts, rows]),
+        num_turns=sample.num_turns + 1,
+    )
+
+
+async def test_a_sample_extended_turn_after_turn_sends_only_its_new_routed_experts(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    meta = await store.create_session()
+    key = KEYS.sample(meta.id, 0)
+    first = make_sample(prompt=6, response=10, experts_max=100)
+    saved = await store.save_sample(meta.id, 0, first)
+    assert saved is not None and saved.experts is not None and saved.experts.ends == (15,)
+    second = extended(first, 7, experts_max=100, seed=1)
+    partial = extended(first, 3, experts_max=100, seed=2)  # a segment boundary of the second turn, first
+    assert (await store.save_sample(meta.id, 0, partial, experts_stored=saved.experts)) is not None
+    again = await store.save_sample(meta.id, 0, second, experts_stored=saved.experts)
+    assert again is not None and again.experts is not None and again.experts.ends == (15, 22)
+    assert again.revision == saved.revision + 2
+    row = 4 * 2  # bytes of one position's experts (uint8)
+    assert await redis.hstrlen(key, "experts") == 15 * row and await redis.hstrlen(key, "experts.1") == 7 * row
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, second)
+
+    third = extended(second, 5, experts_max=100, seed=3)
+    done = await store.save_sample(meta.id, 0, third, experts_stored=again.experts)
+    assert done is not None and done.experts is not None and done.experts.ends == (15, 22, 27)
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, third)
+
+    # What the hash holds is not what the writer believes (another writer, a lost write): the sample goes whole.
+    fourth = extended(third, 2, experts_max=100, seed=4)
+    believed = dataclasses.replace(done.experts, ends=(15, 23))
+    whole = await store.save_sample(meta.id, 0, fourth, experts_stored=believed)
+    assert whole is not None and whole.experts is not None and whole.experts.ends == (29,)
+    assert not await redis.hexists(key, "experts.1")
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, fourth)
+
+    # New ids the stored dtype cannot hold: the sample goes whole, in the wider dtype.
+    wider = extended(fourth, 2, experts_max=300, seed=5)
+    assert wider.routed_experts is not None
+    wider.routed_experts[-1, 0, 0] = 300
+    widened = await store.save_sample(meta.id, 0, wider, experts_stored=whole.experts)
+    assert widened is not None and widened.experts is not None
+    assert widened.experts.ends == (31,) and widened.experts.dtype == np.dtype(np.uint16).str
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, wider)
