@@ -6,7 +6,8 @@ session's multi-key writes stay in one Redis Cluster slot; what crosses slots is
 - `rg:{id}:meta` (hash): `SessionMeta.to_redis()` — status, metadata JSON, reward, sample_count, timestamps,
   replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first, and
   `revision`, counted up by every sample write (a process's copy of the samples is current while it matches).
-- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py).
+- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py); its routed experts
+  in chunks, so that a write extending the sample adds its new rows instead of rewriting them all.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).

@@ -329,13 +329,15 @@ class TurnRunner:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
 
     async def _record(self, prepared: PreparedTurn) -> None:
-        for choice in prepared.choices:
-            assistant = None if choice.state.cancelled else assistant_message(choice)
-            sample = self.sessions.record(choice.turn, choice.state, assistant)
-            replicas = choice.state.replica_ids
-            await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
-        if prepared.one_turn:
-            self.sessions.forget(prepared.session_id)  # it ends with this turn
+        try:
+            for choice in prepared.choices:
+                assistant = None if choice.state.cancelled else assistant_message(choice)
+                sample = self.sessions.record(choice.turn, choice.state, assistant)
+                replicas = choice.state.replica_ids
+                await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
+        finally:
+            if prepared.one_turn:
+                self.sessions.forget(prepared.session_id)  # it ends with this turn
         cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
         if prepared.one_turn and not cancelled:
             await self.store.finish(prepared.session_id, None, None)
