@@ -99,6 +99,9 @@ class GenerationState:
     versions: list[int] = field(default_factory=list)
     routed_experts: ExpertArray | None = None
     routed_experts_complete: bool = True
+    # The position of the first row of `routed_experts`: the request's `experts_start` when they are spliced, 0
+    # when the engine's whole view replaces them (policy "replace").
+    routed_experts_start: int = 0
     segments: list[Segment] = field(default_factory=list)
     num_resumes: int = 0
     num_failures: int = 0
@@ -389,6 +392,9 @@ class Generator:
         if self.settings.routed_experts == "replace" or run.start == 0:
             if new is not None:
                 state.routed_experts = new
+                state.routed_experts_start = (
+                    0 if self.settings.routed_experts == "replace" else state.request.experts_start
+                )
             elif count:
                 state.routed_experts_complete = False
             return

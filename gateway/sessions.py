@@ -340,12 +340,14 @@ class SessionManager:
 
     @staticmethod
     def _merge_experts(sample: WorkingSample, turn: Turn, state: GenerationState) -> ExpertArray | None:
-        """The sample's experts after the turn: the turn's appended to the sample's (which `turn.experts_base`
-        counts on), or the turn's alone when the sample had none, or none if the turn's are incomplete."""
+        """The sample's experts after the turn: the turn's appended to the sample's, or the turn's alone when they
+        cover every position (the sample had none, or the engine's whole view replaces them), or none if the
+        turn's are incomplete. Only an append keeps what `turn.experts_base` says is stored."""
         new = state.routed_experts if state.routed_experts_complete else None
         if new is None:
             return None
-        if sample.routed_experts is None or turn.experts_start == 0:
+        if sample.routed_experts is None or state.routed_experts_start == 0:
+            turn.experts_base = None
             return new
         return np.concatenate([sample.routed_experts, new.astype(sample.routed_experts.dtype)])
 

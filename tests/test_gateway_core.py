@@ -259,6 +259,39 @@ async def test_routed_experts_splice_and_replace(
     assert np.array_equal(experts, _expected_experts(PROMPT, output, wkeys))
 
 
+@pytest.mark.parametrize("policy", ["splice", "replace"])
+async def test_a_session_sample_keeps_one_experts_row_per_position_across_turns_and_updates(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, policy: str
+) -> None:
+    """Turns of one session, a weight update between them: "splice" keeps each position's experts from the turn
+    that ran it; "replace" keeps the engine's latest view of every position. Either way one row per position."""
+    sim = await make_sim("vllm", engine=EngineSettings(routed_experts_output=True))
+    config = ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", routed_experts=True)
+    gw = await make_gateway([config], generation={"routed_experts": policy})
+    prompt, ran_before_update = list(PROMPT), 0
+    for turn in range(3):
+        if turn == 1:
+            assert (await publish(http, gw.url, 1)).status_code == 200
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0}
+        reply = await http.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-ID": f"r3-{policy}"})
+        assert reply.status_code == 200, reply.text
+        ids = [*prompt, *reply.json()["rollout"]["choices"][0]["output_ids"]]
+        if turn == 0:
+            ran_before_update = len(ids) - 1  # every position but the last sampled token's ran under v0
+        prompt = [*ids, 9, 10]
+    [sample] = await gw.services.store.load_samples(f"r3-{policy}")
+    ids = [*sample.prompt_ids.tolist(), *sample.response_ids.tolist()]
+    old, new = weights_key(*weights_of(0)), weights_key(*weights_of(1))
+    rows = len(ids) - 1
+    if policy == "splice":
+        wkeys = [old] * ran_before_update + [new] * (rows - ran_before_update)
+    else:
+        wkeys = [new] * rows
+    assert sample.routed_experts is not None and sample.routed_experts.shape == (rows, SHAPE.num_layers, SHAPE.top_k)
+    expected = _expected_experts(ids[: len(PROMPT)], ids[len(PROMPT) :], wkeys)
+    assert np.array_equal(sample.routed_experts, expected)
+
+
 async def test_a_whole_engine_answer_reports_no_first_token_latency(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

@@ -123,6 +123,7 @@ async def experts_turn(sessions: SessionManager, store: TrajectoryStore, prompt:
         state = sampled(turn, output)
         rows = len(turn.prompt_ids) + len(output) - 1 - turn.experts_start  # position p's ids: 2p, 2p + 1 (mod 50)
         state.routed_experts = (np.arange(rows * 2).reshape(rows, 1, 2) + 2 * turn.experts_start) % 50
+        state.routed_experts_start = turn.experts_start
         await sessions.save(turn, sessions.record(turn, state, None))
     return turn
 
