@@ -482,6 +482,28 @@ async def test_writes_during_an_outage_are_buffered_then_flushed(own_redis: Embe
     await store.aclose()
 
 
+async def test_an_extending_write_buffered_in_an_outage_is_flushed_whole(
+    own_redis: EmbeddedRedis, own_client: Redis
+) -> None:
+    """A buffered write may land on a server that lost what it extended (a restart without the last second of
+    AOF), or after other writes of the sample: it is kept and sent as the whole sample."""
+    store = make_store(own_client)
+    store.start()
+    meta = await store.create_session()
+    first = make_sample(prompt=6, response=10, experts_max=100)
+    saved = await store.save_sample(meta.id, 0, first)
+    assert saved is not None
+
+    own_redis.kill()
+    later = extended(first, 7, experts_max=100, seed=1)
+    assert await store.save_sample(meta.id, 0, later, experts_stored=saved.experts) is None  # buffered
+    await own_redis.arestart()
+    await wait_for(lambda: _true(store.buffered == 0))
+    assert await own_client.hget(KEYS.sample(meta.id, 0), "experts_ends") == b"22"
+    assert_same((await store.load_samples(meta.id))[0], later)
+    await store.aclose()
+
+
 async def test_finish_during_an_outage_waits_for_redis_and_flushes_first(
     own_redis: EmbeddedRedis, own_client: Redis
 ) -> None:
