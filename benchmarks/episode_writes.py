@@ -1,10 +1,10 @@
-"""Storing a long episode with routed experts (R3): each turn's write whole vs extending, side by side.
+"""Storing a long episode: each turn's write whole vs extending, with and without routed experts, side by side.
 
 A multi-turn episode is one sample that grows turn after turn, and the gateway writes it to Redis at the end of
-every turn (and at segment boundaries). Routed experts are most of it: layers × top-k expert ids per position
-(48 × 8 bytes for a 30B-A3B-like MoE) against 13 bytes for the ids, mask, logprobs and version. Written whole,
-an episode of T turns sends O(T × length) bytes; extending (`TrajectoryStore.save_sample(experts_stored=...)`,
-what the session manager does) sends each turn's new expert rows once, and rewrites only the small arrays.
+every turn (and at segment boundaries). Written whole, an episode of T turns sends O(T × length) bytes: 13 bytes
+a token for the ids, mask, logprob and version, plus layers × top-k bytes a position for routed experts (R3;
+48 × 8 for a 30B-A3B-like MoE). Extending (`TrajectoryStore.save_sample(stored=...)`, what the session manager
+does) sends each turn's new tokens and expert rows once; the scalars and the conversation are still sent whole.
 
 Both variants write the same episodes, built before any timing, through the real `TrajectoryStore` into an
 `EmbeddedRedis` (AOF `appendfsync everysec`, as the gateway runs it), episodes alternating A B B A. Measured per
@@ -12,7 +12,7 @@ episode: redis-server's CPU (/proc), this process's CPU (the gateway's share: en
 `total_net_input_bytes`, wall time, and the last turn's write. Each variant's stored sample is read back and
 compared with the episode's final sample (exit status 1 on any difference).
 
-    python -m benchmarks.episode_writes                      # 20 turns growing to ~32k tokens, 48 × 8 experts
+    python -m benchmarks.episode_writes                      # 20 turns up to ~32k tokens; 48 × 8 experts, and none
     python -m benchmarks.episode_writes --quick
     python -m benchmarks.episode_writes --turns 50 --tokens-per-turn 1300 --layers 94 --top-k 8
 """
@@ -50,7 +50,8 @@ class Totals:
 
 def episode(turns: int, prompt: int, per_turn: int, layers: int, top_k: int, seed: int) -> list[Sample]:
     """The sample as stored after each turn: a prompt, then per turn a tenth of environment tokens and the rest
-    sampled, with the routed experts of every position the model ran (ids below 128: one byte each)."""
+    sampled, with the routed experts of every position the model ran (ids below 128: one byte each; none when
+    `layers` is 0)."""
     rng = np.random.default_rng(seed)
     total = prompt + turns * per_turn
     ids = rng.integers(0, 50_000, total).astype(I32)
@@ -69,7 +70,7 @@ def episode(turns: int, prompt: int, per_turn: int, layers: int, top_k: int, see
                 loss_mask=mask[:length],
                 logprobs=logprobs[:length],
                 versions=versions[:length],
-                routed_experts=experts[: prompt + length - 1],
+                routed_experts=experts[: prompt + length - 1] if layers else None,
                 num_turns=turn,
             )
         )
@@ -86,9 +87,9 @@ async def write_episode(
     saved: SampleSaved | None = None
     last = 0.0
     for sample in samples:
-        stored = saved.experts if saved is not None and variant == "extending" else None
+        stored = saved.stored if saved is not None and variant == "extending" else None
         began = time.perf_counter()
-        saved = await store.save_sample(meta.id, 0, sample, experts_stored=stored)
+        saved = await store.save_sample(meta.id, 0, sample, stored=stored)
         last = time.perf_counter() - began
     totals.wall_s += time.perf_counter() - started
     totals.client_cpu_s += time.process_time() - client_before
@@ -100,17 +101,23 @@ async def write_episode(
     [loaded] = await store.load_samples(meta.id)
     await client.delete(store.keys.meta(meta.id), store.keys.sample(meta.id, 0))
     want = samples[-1]
-    assert want.routed_experts is not None and loaded.routed_experts is not None
+    same_experts = (
+        loaded.routed_experts is None
+        if want.routed_experts is None
+        else loaded.routed_experts is not None and np.array_equal(loaded.routed_experts, want.routed_experts)
+    )
     return bool(
         np.array_equal(loaded.response_ids, want.response_ids)
+        and np.array_equal(loaded.loss_mask, want.loss_mask)
         and np.array_equal(loaded.logprobs, want.logprobs)
-        and np.array_equal(loaded.routed_experts, want.routed_experts)
+        and np.array_equal(loaded.versions, want.versions)
+        and same_experts
     )
 
 
-async def run(options: argparse.Namespace) -> tuple[dict[str, Totals], bool]:
+async def run(options: argparse.Namespace, layers: int) -> tuple[dict[str, Totals], bool]:
     episodes = [
-        episode(options.turns, options.prompt, options.tokens_per_turn, options.layers, options.top_k, seed)
+        episode(options.turns, options.prompt, options.tokens_per_turn, layers, options.top_k, seed)
         for seed in range(options.episodes)
     ]
     totals = {variant: Totals() for variant in VARIANTS}
@@ -136,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--prompt", type=int, default=500, help="prompt tokens")
     parser.add_argument("--tokens-per-turn", type=int, default=1_600, help="tokens each turn adds")
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers of the routed experts (0: none)")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--episodes", type=int, default=4, help="episodes per variant")
     parser.add_argument("--quick", action="store_true", help="8 turns of 400 tokens, 2 episodes")
@@ -144,41 +151,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.quick:
         options.turns, options.tokens_per_turn, options.episodes = 8, 400, 2
     console = make_console()
-    totals, ok = asyncio.run(run(options))
     n = options.episodes
     length = options.prompt + options.turns * options.tokens_per_turn
-    rows = []
-    for variant in VARIANTS:
-        t = totals[variant]
+    rows, ok = [], True
+    for layers in dict.fromkeys([options.layers, 0]):
+        case = f"experts {layers} × {options.top_k}" if layers else "no experts"
+        totals, case_ok = asyncio.run(run(options, layers))
+        ok = ok and case_ok
+        for variant in VARIANTS:
+            t = totals[variant]
+            rows.append(
+                [
+                    f"{case}, {variant}",
+                    f"{t.net_in_bytes / n / 1e6:,.2f}",
+                    f"{t.redis_cpu_s / n * 1e3:,.0f}",
+                    f"{t.client_cpu_s / n * 1e3:,.0f}",
+                    f"{t.wall_s / n * 1e3:,.0f}",
+                    f"{float(np.median(t.last_write_s)) * 1e3:,.2f}",
+                ]
+            )
+        whole, extending = totals["whole"], totals["extending"]
         rows.append(
             [
-                variant,
-                f"{t.net_in_bytes / n / 1e6:,.1f}",
-                f"{t.redis_cpu_s / n * 1e3:,.0f}",
-                f"{t.client_cpu_s / n * 1e3:,.0f}",
-                f"{t.wall_s / n * 1e3:,.0f}",
-                f"{float(np.median(t.last_write_s)) * 1e3:,.1f}",
+                f"{case}, whole ÷ extending",
+                _ratio(whole.net_in_bytes, extending.net_in_bytes),
+                _ratio(whole.redis_cpu_s, extending.redis_cpu_s),
+                _ratio(whole.client_cpu_s, extending.client_cpu_s),
+                _ratio(whole.wall_s, extending.wall_s),
+                _ratio(float(np.median(whole.last_write_s)), float(np.median(extending.last_write_s))),
             ]
         )
-    whole, extending = totals["whole"], totals["extending"]
-    rows.append(
-        [
-            "whole ÷ extending",
-            _ratio(whole.net_in_bytes, extending.net_in_bytes),
-            _ratio(whole.redis_cpu_s, extending.redis_cpu_s),
-            _ratio(whole.client_cpu_s, extending.client_cpu_s),
-            _ratio(whole.wall_s, extending.wall_s),
-            _ratio(float(np.median(whole.last_write_s)), float(np.median(extending.last_write_s))),
-        ]
-    )
     print_table(
         console,
-        f"One episode of {options.turns} turns growing to {length:,} tokens, routed experts "
-        f"{options.layers} × {options.top_k} — {machine_line()}",
-        ["variant", "MB sent to Redis", "redis CPU ms", "gateway CPU ms", "wall ms", "last turn's write ms"],
+        f"One episode of {options.turns} turns growing to {length:,} tokens — {machine_line()}",
+        ["case, variant", "MB sent to Redis", "redis CPU ms", "gateway CPU ms", "wall ms", "last turn's write ms"],
         rows,
         f"per episode, mean of {n}; 'gateway CPU' is this process (encoding and sending); the last turn's write is "
-        "the median over episodes.",
+        "the median over episodes; /proc counts CPU in 10 ms ticks.",
     )
     if not ok:
         console.print("[red]a stored sample differs from the episode's last sample[/]")

@@ -27,7 +27,7 @@ import numpy as np
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
-from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SampleSaved, SessionMeta, StoredExperts
+from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SampleSaved, SessionMeta, StoredChunks
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class SampleStore(Protocol):
         sample: Sample,
         *,
         replica: str | None = None,
-        experts_stored: StoredExperts | None = None,
+        stored: StoredChunks | None = None,
     ) -> SampleSaved | None: ...
 
     async def touch_session(self, session_id: str) -> SessionMeta | None: ...
@@ -71,8 +71,8 @@ class WorkingSample:
     # The template's rendering of `conversation`, kept for matching later turns against it (a new one whenever
     # `conversation` changes).
     rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
-    # The routed experts this sample's hash in Redis holds, as the last write of it answered (None: unknown).
-    stored_experts: StoredExperts | None = field(default=None, repr=False, compare=False)
+    # What this sample's hash in Redis holds, as the last write of it answered (None: unknown).
+    stored: StoredChunks | None = field(default=None, repr=False, compare=False)
 
     @property
     def ids(self) -> list[int]:
@@ -125,7 +125,7 @@ class WorkingSample:
             versions=list(self.versions),
             conversation=list(self.conversation),
             rendering=Rendering(),
-            stored_experts=None,
+            stored=None,
         )
 
 
@@ -139,8 +139,8 @@ class Turn:
     env_ids: list[int]
     messages: list[Message]
     new_sample: bool
-    # The routed experts stored for `sample` when the turn began, which its writes extend (they only append rows).
-    experts_base: StoredExperts | None = None
+    # What was stored of `sample` when the turn began, which the turn's writes extend (None: they write it whole).
+    stored_base: StoredChunks | None = None
 
     @property
     def experts_start(self) -> int:
@@ -212,19 +212,19 @@ class SessionManager:
 
     async def save(self, turn: Turn, sample: Sample, *, replica: str | None = None, final: bool = True) -> None:
         """Store the turn's sample (`SampleStore.save_sample`): `final`, as `record` made it; else `partial`.
-        Only the routed experts the turn added are sent. The copy here stays trusted only while the writes of the
-        session are all this process's, each one revision after the last."""
+        Only what the turn added is sent. The copy here stays trusted only while the writes of the session are all
+        this process's, each one revision after the last."""
         if final:
-            turn.sample.stored_experts = None  # unknown until this write answers
+            turn.sample.stored = None  # unknown until this write answers
         try:
             saved = await self.store.save_sample(
-                turn.session_id, turn.sample.index, sample, replica=replica, experts_stored=turn.experts_base
+                turn.session_id, turn.sample.index, sample, replica=replica, stored=turn.stored_base
             )
         except BaseException:
             self._distrust(turn.session_id)
             raise
         if final and saved is not None:
-            turn.sample.stored_experts = saved.experts
+            turn.sample.stored = saved.stored
         known = self._cache.get(turn.session_id)
         if known is not None:
             fresh = saved is not None and saved.revision == known.revision + 1
@@ -287,7 +287,7 @@ class SessionManager:
 
     def _extend(self, session_id: str, sample: WorkingSample, delta: list[int], messages: list[Message]) -> Turn:
         env = self._close_turn(sample) + delta
-        return Turn(session_id, sample, sample.ids + env, env, messages, False, _experts_base(sample))
+        return Turn(session_id, sample, sample.ids + env, env, messages, False, sample.stored)
 
     async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
         """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
@@ -299,7 +299,7 @@ class SessionManager:
             ids = sample.ids
             if prompt_ids[: len(ids)] == ids:
                 env = prompt_ids[len(ids) :]
-                return Turn(session_id, sample, list(prompt_ids), env, [], False, _experts_base(sample))
+                return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored)
         fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
 
@@ -317,7 +317,7 @@ class SessionManager:
         base = (len(known.samples) if known is not None else 0) + (1 if turn.new_sample else 0)
         for i in range(1, count):
             sample = turn.sample.copy_as(base + i - 1)
-            turns.append(replace(turn, sample=sample, new_sample=True, experts_base=None))
+            turns.append(replace(turn, sample=sample, new_sample=True, stored_base=None))
         return turns
 
     def record(self, turn: Turn, state: GenerationState, assistant: Message | None) -> Sample:
@@ -342,12 +342,12 @@ class SessionManager:
     def _merge_experts(sample: WorkingSample, turn: Turn, state: GenerationState) -> ExpertArray | None:
         """The sample's experts after the turn: the turn's appended to the sample's, or the turn's alone when they
         cover every position (the sample had none, or the engine's whole view replaces them), or none if the
-        turn's are incomplete. Only an append keeps what `turn.experts_base` says is stored."""
+        turn's are incomplete. Only an append keeps what `turn.stored_base` says is stored."""
         new = state.routed_experts if state.routed_experts_complete else None
         if new is None:
             return None
         if sample.routed_experts is None or state.routed_experts_start == 0:
-            turn.experts_base = None
+            turn.stored_base = None
             return new
         return np.concatenate([sample.routed_experts, new.astype(sample.routed_experts.dtype)])
 
@@ -367,14 +367,6 @@ class SessionManager:
             num_turns=sample.num_turns,
         )
         return ws.to_sample()
-
-
-def _experts_base(sample: WorkingSample) -> StoredExperts | None:
-    """What a turn extending `sample` may count on being stored of its experts (they are extended, never replaced,
-    once the sample has some: `experts_start` is past the prompt)."""
-    if sample.routed_experts is None or sample.length < 2:
-        return None
-    return sample.stored_experts
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

@@ -6,8 +6,8 @@ session's multi-key writes stay in one Redis Cluster slot; what crosses slots is
 - `rg:{id}:meta` (hash): `SessionMeta.to_redis()` — status, metadata JSON, reward, sample_count, timestamps,
   replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first, and
   `revision`, counted up by every sample write (a process's copy of the samples is current while it matches).
-- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py); its routed experts
-  in chunks, so that a write extending the sample adds its new rows instead of rewriting them all.
+- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py), in chunks, so
+  that a write extending the sample adds what is new instead of rewriting it all.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
@@ -71,7 +71,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import Conflict, GatewayError, InvalidRequest, Overloaded, SessionNotFound, StoreError
 from gateway.redis_batch import Build, PipelineBatcher
-from gateway.trajectory import Sample, SampleSaved, SessionMeta, StoredExperts
+from gateway.trajectory import CHUNKED, Sample, SampleSaved, SessionMeta, StoredChunks
 
 if TYPE_CHECKING:
     from gateway.config import RedisConfig, StoreConfig
@@ -253,9 +253,9 @@ class _Lua:
 # `sample_count` must only grow; MULTI cannot branch on what it reads, and WATCH costs a read round trip plus
 # retries under contention, while the script does read, check and write in one round trip.
 # Every write bumps the meta's `revision` and answers it (an integer; a refusal answers the status, a string).
-# A write either replaces the sample (kept = 0) or keeps its first `kept` chunks of routed experts, which it
-# expects to end at the rows `ends` (`Sample.to_redis_extending`); if they do not, it writes nothing and
-# answers 'rewrite' (the caller then sends the whole sample).
+# A write either replaces the sample (kept = 0) or keeps its first `kept` chunks (gateway/trajectory.py), which
+# it expects to end where `ends` says (`Sample.to_redis_extending`), and sets chunk `kept`; if the stored chunks
+# are not those, it writes nothing and answers 'rewrite' (the caller then sends the whole sample).
 # KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, kept, ends, field, value, ...
 _SAVE_SAMPLE = _Lua(
     """
@@ -266,11 +266,13 @@ local kept = tonumber(ARGV[5])
 if kept == 0 then
     redis.call('DEL', KEYS[2])
 else
-    local stored = redis.call('HGET', KEYS[2], 'experts_ends')
+    local stored = redis.call('HGET', KEYS[2], 'chunk_ends')
     local ends = ARGV[6]
     if not stored or (stored ~= ends and string.sub(stored, 1, #ends + 1) ~= ends .. ',') then return 'rewrite' end
     local _, commas = string.gsub(stored, ',', '')
-    for chunk = kept, commas do redis.call('HDEL', KEYS[2], 'experts.' .. chunk) end
+    for chunk = kept + 1, commas do
+        for _, name in ipairs({CHUNKED_NAMES}) do redis.call('HDEL', KEYS[2], name .. '.' .. chunk) end
+    end
     redis.call('HDEL', KEYS[2], 'conversation', 'tools')
 end
 redis.call('HSET', KEYS[2], unpack(ARGV, 7))
@@ -282,7 +284,7 @@ redis.call('HSET', KEYS[1], 'updated_at', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'replica', ARGV[3]) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return redis.call('HINCRBY', KEYS[1], 'revision', 1)
-"""
+""".replace("CHUNKED_NAMES", ", ".join(f"'{name}'" for name in CHUNKED))
 )
 
 # Activity on an active session without a sample write (a new turn begins). Never creates a meta.
@@ -361,31 +363,29 @@ class StoreStats:
 
 @dataclass(slots=True)
 class _SampleWrite:
-    """One sample write, kept until it reached Redis: the sample, and the routed experts its hash holds already
-    (None: the write replaces the whole sample; so does every buffered write)."""
+    """One sample write, kept until it reached Redis: the sample, and what its hash holds of it already (None: the
+    write replaces the whole sample; so does every buffered write)."""
 
     session_id: str
     index: int
     sample: Sample
     replica: str
     at: float
-    experts_stored: StoredExperts | None = None
+    stored: StoredChunks | None = None
 
     @property
     def key(self) -> tuple[str, int]:
         return self.session_id, self.index
 
-    def encode(self) -> tuple[int, str, _Fields, StoredExperts | None]:
-        """(experts chunks kept, the rows they end at, the fields to set, the experts the hash holds after)."""
-        if self.experts_stored is not None:
-            extending = self.sample.to_redis_extending(self.experts_stored)
+    def encode(self) -> tuple[int, str, _Fields, StoredChunks]:
+        """(chunks kept, where they end, the fields to set, what the hash holds after)."""
+        if self.stored is not None:
+            extending = self.sample.to_redis_extending(self.stored)
             if extending is not None:
-                fields, extended = extending
-                return len(self.experts_stored.ends), self.experts_stored.ends_field, _as_stored(fields), extended
-        whole = _encode_sample(self.sample)
-        experts = self.sample.routed_experts
-        after = None if experts is None else StoredExperts((len(experts),), _text(whole["experts_dtype"]))
-        return 0, "", whole, after
+                fields, after = extending
+                return len(self.stored.ends), self.stored.ends_field, _as_stored(fields), after
+        whole, after = self.sample.to_redis_whole()
+        return 0, "", _as_stored(whole), after
 
 
 class TrajectoryStore:
@@ -661,14 +661,13 @@ class TrajectoryStore:
         sample: Sample,
         *,
         replica: str | None = None,
-        experts_stored: StoredExperts | None = None,
+        stored: StoredChunks | None = None,
     ) -> SampleSaved | None:
         """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
         Returns what the write made (`SampleSaved`), or None when the write waits in the buffer.
 
-        `experts_stored`: the sample's hash holds these first rows of the sample's routed experts already (what
-        the last write of it answered), so only the rows after them are sent; should the hash hold anything else,
-        the whole sample is written instead.
+        `stored`: what the sample's hash holds of this sample already (what the last write of it answered), so
+        only what came after it is sent; should the hash hold anything else, the whole sample is written instead.
 
         If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
         flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
@@ -678,7 +677,7 @@ class TrajectoryStore:
         """
         if index < 0:
             raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
-        write = _SampleWrite(session_id, index, sample, replica or "", time.time(), experts_stored)
+        write = _SampleWrite(session_id, index, sample, replica or "", time.time(), stored)
         if self._replace_buffered(write):
             return None
         async with self._session_lock(session_id):
@@ -727,7 +726,7 @@ class TrajectoryStore:
         """While a version of this sample waits in the buffer, a newer one takes its place (keeps order)."""
         if write.key not in self._buffer:
             return False
-        write.experts_stored = None  # a buffered write replaces the whole sample
+        write.stored = None  # a buffered write replaces the whole sample
         self._buffer[write.key] = write
         self.stats.writes_buffered += 1
         return True
@@ -739,7 +738,7 @@ class TrajectoryStore:
                 f"(max_buffered_writes); refusing sample {write.index} of session {write.session_id} "
                 "rather than dropping a write"
             )
-        write.experts_stored = None
+        write.stored = None
         self._buffer[write.key] = write
         self.stats.writes_buffered += 1
         self._wake.set()
@@ -778,9 +777,11 @@ class TrajectoryStore:
             return SampleSaved(verdict, after)
         if _text(verdict) == "rewrite" and kept:
             logger.info(
-                "session=%s sample=%d: the stored experts differ; writing it whole", write.session_id, write.index
+                "session=%s sample=%d: not stored as the writer believed; writing it whole",
+                write.session_id,
+                write.index,
             )
-            write.experts_stored = None
+            write.stored = None
             return await self._write_sample(write)
         return _text(verdict)
 

@@ -9,10 +9,12 @@ Arrays travel as little-endian numpy bytes, never JSON lists: ids and versions i
 float32, routed experts in the smallest unsigned dtype with their shape beside them. Routed experts cover
 every position that went through the model: `len(prompt_ids) + len(response_ids) - 1` rows.
 
-Routed experts are by far the largest part of a sample (layers × top-k ids per position against 13 bytes for
-everything else), so a turn that extends a sample sends only its new rows: the hash holds them in chunks,
-`experts`, `experts.1`, `experts.2`, ..., with `experts_ends` the row at which each chunk ends
-(`Sample.to_redis_extending`). The other arrays are rewritten whole at every write.
+A sample grows turn after turn and is written at every turn's end, so its arrays are stored in chunks: a write
+that extends a sample sends only what it added (`Sample.to_redis_extending`), and an episode costs Redis
+O(length) instead of O(turns × length) (routed experts alone are layers × top-k bytes per position). Chunk 0 is
+`response_ids`, `loss_mask`, `logprobs`, `versions`, `experts`; chunk k ≥ 1 the same names with `.k`;
+`chunk_ends` says where each chunk ends, as `response tokens:experts rows` pairs. `prompt_ids`, the scalars and
+the conversation are written whole.
 """
 
 from __future__ import annotations
@@ -40,34 +42,43 @@ class TrajectoryFormatError(ValueError):
     """Stored bytes that do not decode to a consistent sample."""
 
 
-@dataclass(frozen=True, slots=True)
-class StoredExperts:
-    """The routed experts a sample's hash holds: chunks ending at rows `ends`, all of dtype `dtype`."""
+CHUNKED = ("response_ids", "loss_mask", "logprobs", "versions", "experts")
+"""The sample's fields stored in chunks (`experts` only when the sample has routed experts)."""
 
-    ends: tuple[int, ...]
-    dtype: str
+
+def chunk_field(name: str, chunk: int) -> str:
+    """The hash field of chunk `chunk` of a chunked field."""
+    return name if chunk == 0 else f"{name}.{chunk}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunks:
+    """What a sample's hash holds of its chunked arrays: per chunk, the response tokens and the routed experts rows
+    it ends at; and the dtype of the experts (None: the sample has none)."""
+
+    ends: tuple[tuple[int, int], ...]
+    experts_dtype: str | None
 
     @property
-    def rows(self) -> int:
-        return self.ends[-1]
+    def response_tokens(self) -> int:
+        return self.ends[-1][0]
+
+    @property
+    def experts_rows(self) -> int:
+        return self.ends[-1][1]
 
     @property
     def ends_field(self) -> str:
-        return ",".join(str(end) for end in self.ends)
+        return ",".join(f"{tokens}:{rows}" for tokens, rows in self.ends)
 
 
 @dataclass(frozen=True, slots=True)
 class SampleSaved:
-    """A sample write that reached Redis: the session's revision it made, and the routed experts the sample's hash
-    holds now (what the next write of that sample may extend)."""
+    """A sample write that reached Redis: the session's revision it made, and what the sample's hash holds now
+    (what the next write of that sample may extend)."""
 
     revision: int
-    experts: StoredExperts | None
-
-
-def experts_field(chunk: int) -> str:
-    """The hash field of chunk `chunk` of a sample's routed experts."""
-    return "experts" if chunk == 0 else f"experts.{chunk}"
+    stored: StoredChunks
 
 
 @dataclass
@@ -116,23 +127,63 @@ class Sample:
         return int(v.max()) if v.size else None
 
     def to_redis(self) -> dict[str, bytes | int | str]:
-        """The fields of the sample's Redis hash."""
-        fields = self._fields_but_experts()
-        if self.routed_experts is not None:
-            experts = smallest_unsigned(self.routed_experts)
-            fields["experts"] = experts.tobytes()
+        """The fields of the sample's Redis hash, as one chunk."""
+        return self.to_redis_whole()[0]
+
+    def to_redis_whole(self) -> tuple[dict[str, bytes | int | str], StoredChunks]:
+        """The fields of the sample's Redis hash, as one chunk, and what the hash holds then."""
+        fields = self._scalar_fields()
+        fields["prompt_ids"] = self.prompt_ids.astype(I32).tobytes()
+        experts = None if self.routed_experts is None else smallest_unsigned(self.routed_experts)
+        if experts is not None:
             fields["experts_dtype"] = experts.dtype.str
             fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
-            fields["experts_ends"] = str(len(experts))
+        fields.update(self._chunk(0, 0, experts))
+        rows = 0 if experts is None else len(experts)
+        stored = StoredChunks(((len(self.response_ids), rows),), None if experts is None else experts.dtype.str)
+        fields["chunk_ends"] = stored.ends_field
+        return fields, stored
+
+    def to_redis_extending(self, stored: StoredChunks) -> tuple[dict[str, bytes | int | str], StoredChunks] | None:
+        """The fields of a write over a hash that holds `stored` of this sample, sending what came after it as one
+        more chunk (and not `prompt_ids`, which never change), and what the hash holds then. None when the sample
+        does not extend `stored`: fewer tokens or rows, experts gained or lost, or new ids their dtype cannot
+        hold. The caller vouches that what is stored is this sample's beginning."""
+        experts, tokens, rows = self.routed_experts, stored.response_tokens, stored.experts_rows
+        if (experts is None) != (stored.experts_dtype is None) or len(self.response_ids) < tokens:
+            return None
+        new = None
+        if experts is not None and stored.experts_dtype is not None:
+            if len(experts) < rows:
+                return None
+            new, dtype = experts[rows:], np.dtype(stored.experts_dtype)
+            if new.size and (int(new.min()) < 0 or int(new.max()) > np.iinfo(dtype).max):
+                return None
+            new = new.astype(dtype, copy=False)
+        fields = self._scalar_fields()
+        fields.update(self._chunk(len(stored.ends), tokens, new))
+        if experts is not None:
+            fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
+        after = StoredChunks(
+            (*stored.ends, (len(self.response_ids), rows + (0 if new is None else len(new)))), stored.experts_dtype
+        )
+        fields["chunk_ends"] = after.ends_field
+        return fields, after
+
+    def _chunk(self, chunk: int, tokens: int, experts: ExpertArray | None) -> dict[str, bytes | int | str]:
+        """Chunk `chunk`: the response arrays from token `tokens` on, and `experts` (the rows it holds, typed)."""
+        fields: dict[str, bytes | int | str] = {
+            chunk_field("response_ids", chunk): self.response_ids[tokens:].astype(I32).tobytes(),
+            chunk_field("loss_mask", chunk): self.loss_mask[tokens:].astype(U8).tobytes(),
+            chunk_field("logprobs", chunk): self.logprobs[tokens:].astype(F32).tobytes(),
+            chunk_field("versions", chunk): self.versions[tokens:].astype(I32).tobytes(),
+        }
+        if experts is not None:
+            fields[chunk_field("experts", chunk)] = experts.tobytes()
         return fields
 
-    def _fields_but_experts(self) -> dict[str, bytes | int | str]:
+    def _scalar_fields(self) -> dict[str, bytes | int | str]:
         fields: dict[str, bytes | int | str] = {
-            "prompt_ids": self.prompt_ids.astype(I32).tobytes(),
-            "response_ids": self.response_ids.astype(I32).tobytes(),
-            "loss_mask": self.loss_mask.astype(U8).tobytes(),
-            "logprobs": self.logprobs.astype(F32).tobytes(),
-            "versions": self.versions.astype(I32).tobytes(),
             "num_turns": self.num_turns,
             "cancelled": int(self.cancelled),
             "min_version": "" if self.min_version is None else self.min_version,
@@ -144,41 +195,28 @@ class Sample:
             fields["tools"] = orjson.dumps(self.tools)
         return fields
 
-    def to_redis_extending(self, stored: StoredExperts) -> tuple[dict[str, bytes | int | str], StoredExperts] | None:
-        """The fields of a write over a hash that holds `stored` (this sample's first experts rows), sending only
-        the rows after them, as one more chunk; and what the hash holds then. None when the experts cannot extend
-        `stored`: fewer rows, or ids its dtype cannot hold. The caller vouches that the rows stored are these."""
-        experts = self.routed_experts
-        if experts is None or len(experts) < stored.rows:
-            return None
-        dtype = np.dtype(stored.dtype)
-        new = experts[stored.rows :]
-        if new.size and (int(new.min()) < 0 or int(new.max()) > np.iinfo(dtype).max):
-            return None
-        after = StoredExperts((*stored.ends, len(experts)), stored.dtype)
-        fields = self._fields_but_experts()
-        fields[experts_field(len(stored.ends))] = new.astype(dtype, copy=False).tobytes()
-        fields["experts_dtype"] = stored.dtype
-        fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
-        fields["experts_ends"] = after.ends_field
-        return fields, after
-
     @classmethod
     def from_redis(cls, raw: Mapping[bytes | str, bytes | str]) -> Sample:
         fields = {_text(k): v for k, v in raw.items()}
         try:
+            chunks = len(_text(fields["chunk_ends"]).split(",")) if "chunk_ends" in fields else 1
+
+            def joined(name: str) -> bytes:
+                if chunks == 1:
+                    return _bytes(fields[name])
+                return b"".join(_bytes(fields[chunk_field(name, k)]) for k in range(chunks))
+
             experts = None
             if "experts" in fields:
                 shape = tuple(int(d) for d in _text(fields["experts_shape"]).split(","))
-                chunks = len(_text(fields["experts_ends"]).split(",")) if "experts_ends" in fields else 1
-                data = b"".join(_bytes(fields[experts_field(k)]) for k in range(chunks))
-                experts = np.frombuffer(data, dtype=np.dtype(_text(fields["experts_dtype"]))).reshape(shape)
+                experts = np.frombuffer(joined("experts"), dtype=np.dtype(_text(fields["experts_dtype"])))
+                experts = experts.reshape(shape)
             return cls(
                 prompt_ids=np.frombuffer(_bytes(fields["prompt_ids"]), I32),
-                response_ids=np.frombuffer(_bytes(fields["response_ids"]), I32),
-                loss_mask=np.frombuffer(_bytes(fields["loss_mask"]), U8),
-                logprobs=np.frombuffer(_bytes(fields["logprobs"]), F32),
-                versions=np.frombuffer(_bytes(fields["versions"]), I32),
+                response_ids=np.frombuffer(joined("response_ids"), I32),
+                loss_mask=np.frombuffer(joined("loss_mask"), U8),
+                logprobs=np.frombuffer(joined("logprobs"), F32),
+                versions=np.frombuffer(joined("versions"), I32),
                 routed_experts=experts,
                 num_turns=int(fields.get("num_turns", 0)),
                 cancelled=_text(fields.get("cancelled", "0")) == "1",

@@ -134,11 +134,11 @@ async def test_each_turn_stores_only_the_routed_experts_it_added(redis: Redis) -
     await experts_turn(here, store, [1, 2, 3], [4, 5])  # positions 0-3
     await experts_turn(here, store, [1, 2, 3, 4, 5, 6], [7])  # 4-5: a second chunk
     key = Keys().sample("r3", 0)
-    assert await redis.hget(key, "experts_ends") == b"4,6"
+    assert await redis.hget(key, "chunk_ends") == b"2:4,4:6"
     await experts_turn(there, store, [1, 2, 3, 4, 5, 6, 7, 8], [9])  # read back by another process: written whole
-    assert await redis.hget(key, "experts_ends") == b"8"
+    assert await redis.hget(key, "chunk_ends") == b"6:8"
     await experts_turn(there, store, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11])
-    assert await redis.hget(key, "experts_ends") == b"8,10"
+    assert await redis.hget(key, "chunk_ends") == b"6:8,8:10"
 
     [sample] = await store.load_samples("r3")
     rows = len(sample.prompt_ids) + len(sample.response_ids) - 1

@@ -22,7 +22,7 @@ from gateway.config import Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest, Overloaded, SessionNotFound, StoreError
 from gateway.store import Keys, TrajectoryStore, _SampleWrite, connect
-from gateway.trajectory import F32, I32, U8, Sample
+from gateway.trajectory import F32, I32, U8, Sample, StoredChunks
 
 KEYS = Keys()
 TTL_S = 3_600
@@ -496,10 +496,10 @@ async def test_an_extending_write_buffered_in_an_outage_is_flushed_whole(
 
     own_redis.kill()
     later = extended(first, 7, experts_max=100, seed=1)
-    assert await store.save_sample(meta.id, 0, later, experts_stored=saved.experts) is None  # buffered
+    assert await store.save_sample(meta.id, 0, later, stored=saved.stored) is None  # buffered
     await own_redis.arestart()
     await wait_for(lambda: _true(store.buffered == 0))
-    assert await own_client.hget(KEYS.sample(meta.id, 0), "experts_ends") == b"22"
+    assert await own_client.hget(KEYS.sample(meta.id, 0), "chunk_ends") == b"17:22"
     assert_same((await store.load_samples(meta.id))[0], later)
     await store.aclose()
 
@@ -569,37 +569,36 @@ def extended(sample: Sample, more: int, *, experts_max: int, seed: int) -> Sampl
     )
 
 
-async def test_a_sample_extended_turn_after_turn_sends_only_its_new_routed_experts(
-    store: TrajectoryStore, redis: Redis
-) -> None:
+async def test_a_sample_extended_turn_after_turn_sends_only_what_it_added(store: TrajectoryStore, redis: Redis) -> None:
     meta = await store.create_session()
     key = KEYS.sample(meta.id, 0)
     first = make_sample(prompt=6, response=10, experts_max=100)
     saved = await store.save_sample(meta.id, 0, first)
-    assert saved is not None and saved.experts is not None and saved.experts.ends == (15,)
+    assert saved is not None and saved.stored.ends == ((10, 15),)
     second = extended(first, 7, experts_max=100, seed=1)
     partial = extended(first, 3, experts_max=100, seed=2)  # a segment boundary of the second turn, first
-    assert (await store.save_sample(meta.id, 0, partial, experts_stored=saved.experts)) is not None
-    again = await store.save_sample(meta.id, 0, second, experts_stored=saved.experts)
-    assert again is not None and again.experts is not None and again.experts.ends == (15, 22)
+    assert (await store.save_sample(meta.id, 0, partial, stored=saved.stored)) is not None
+    again = await store.save_sample(meta.id, 0, second, stored=saved.stored)
+    assert again is not None and again.stored.ends == ((10, 15), (17, 22))
     assert again.revision == saved.revision + 2
     row = 4 * 2  # bytes of one position's experts (uint8)
     assert await redis.hstrlen(key, "experts") == 15 * row and await redis.hstrlen(key, "experts.1") == 7 * row
+    assert await redis.hstrlen(key, "response_ids") == 10 * 4 and await redis.hstrlen(key, "response_ids.1") == 7 * 4
     [loaded] = await store.load_samples(meta.id)
     assert_same(loaded, second)
 
     third = extended(second, 5, experts_max=100, seed=3)
-    done = await store.save_sample(meta.id, 0, third, experts_stored=again.experts)
-    assert done is not None and done.experts is not None and done.experts.ends == (15, 22, 27)
+    done = await store.save_sample(meta.id, 0, third, stored=again.stored)
+    assert done is not None and done.stored.ends == ((10, 15), (17, 22), (22, 27))
     [loaded] = await store.load_samples(meta.id)
     assert_same(loaded, third)
 
     # What the hash holds is not what the writer believes (another writer, a lost write): the sample goes whole.
     fourth = extended(third, 2, experts_max=100, seed=4)
-    believed = dataclasses.replace(done.experts, ends=(15, 23))
-    whole = await store.save_sample(meta.id, 0, fourth, experts_stored=believed)
-    assert whole is not None and whole.experts is not None and whole.experts.ends == (29,)
-    assert not await redis.hexists(key, "experts.1")
+    believed = dataclasses.replace(done.stored, ends=((10, 15), (17, 23)))
+    whole = await store.save_sample(meta.id, 0, fourth, stored=believed)
+    assert whole is not None and whole.stored.ends == ((24, 29),)
+    assert not await redis.hexists(key, "experts.1") and not await redis.hexists(key, "logprobs.2")
     [loaded] = await store.load_samples(meta.id)
     assert_same(loaded, fourth)
 
@@ -607,8 +606,31 @@ async def test_a_sample_extended_turn_after_turn_sends_only_its_new_routed_exper
     wider = extended(fourth, 2, experts_max=300, seed=5)
     assert wider.routed_experts is not None
     wider.routed_experts[-1, 0, 0] = 300
-    widened = await store.save_sample(meta.id, 0, wider, experts_stored=whole.experts)
-    assert widened is not None and widened.experts is not None
-    assert widened.experts.ends == (31,) and widened.experts.dtype == np.dtype(np.uint16).str
+    widened = await store.save_sample(meta.id, 0, wider, stored=whole.stored)
+    assert widened is not None
+    assert widened.stored.ends == ((26, 31),) and widened.stored.experts_dtype == np.dtype(np.uint16).str
     [loaded] = await store.load_samples(meta.id)
     assert_same(loaded, wider)
+
+
+async def test_a_sample_without_routed_experts_is_extended_too_until_it_gains_them(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    meta = await store.create_session()
+    key = KEYS.sample(meta.id, 0)
+    first = make_sample(prompt=6, response=10, experts_max=100)
+    plain = dataclasses.replace(first, routed_experts=None)
+    saved = await store.save_sample(meta.id, 0, plain)
+    assert saved is not None and saved.stored == StoredChunks(((10, 0),), None)
+    longer = dataclasses.replace(extended(first, 4, experts_max=100, seed=1), routed_experts=None)
+    again = await store.save_sample(meta.id, 0, longer, stored=saved.stored)
+    assert again is not None and again.stored.ends == ((10, 0), (14, 0))
+    assert await redis.hstrlen(key, "loss_mask.1") == 4 and not await redis.hexists(key, "experts")
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, longer)
+
+    gained = extended(first, 4, experts_max=100, seed=1)  # the same tokens, now with their experts: whole
+    whole = await store.save_sample(meta.id, 0, gained, stored=again.stored)
+    assert whole is not None and whole.stored.ends == ((14, 19),) and not await redis.hexists(key, "loss_mask.1")
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, gained)
