@@ -195,8 +195,7 @@ class SessionManager:
             if known is not None:
                 self.reloads += 1
                 logger.debug("session %s: changed since this process served it; reading it back", session_id)
-            stored = await self.store.load_samples(session_id) if meta is not None else []
-            samples = [WorkingSample.from_sample(i, s) for i, s in enumerate(stored)]
+            samples = await self._read(session_id) if meta is not None else []
             self._remember(session_id, _Known(samples, revision))
         return meta
 
@@ -204,11 +203,13 @@ class SessionManager:
         """The session's samples in index order: this process's copy, read from the store if it has none."""
         known = self._cache.get(session_id)
         if known is None:
-            stored = await self.store.load_samples(session_id)
-            known = _Known([WorkingSample.from_sample(i, s) for i, s in enumerate(stored)], _UNKNOWN)
+            known = _Known(await self._read(session_id), _UNKNOWN)
             self._remember(session_id, known)
         self._cache.move_to_end(session_id)
         return known.samples
+
+    async def _read(self, session_id: str) -> list[WorkingSample]:
+        return [WorkingSample.from_sample(i, s) for i, s in enumerate(await self.store.load_samples(session_id))]
 
     async def save(self, turn: Turn, sample: Sample, *, replica: str | None = None, final: bool = True) -> None:
         """Store the turn's sample (`SampleStore.save_sample`): `final`, as `record` made it; else `partial`.
@@ -227,8 +228,8 @@ class SessionManager:
             turn.sample.stored = saved.stored
         known = self._cache.get(turn.session_id)
         if known is not None:
-            fresh = saved is not None and saved.revision == known.revision + 1
-            known.revision = saved.revision if saved is not None and fresh else _UNKNOWN
+            next_one = saved is not None and saved.revision == known.revision + 1
+            known.revision = known.revision + 1 if next_one else _UNKNOWN
 
     def forget(self, session_id: str) -> None:
         """Drop the session from the cache (a one-turn session, finished with its turn)."""

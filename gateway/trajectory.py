@@ -165,7 +165,7 @@ class Sample:
         if experts is not None:
             fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
         after = StoredChunks(
-            (*stored.ends, (len(self.response_ids), rows + (0 if new is None else len(new)))), stored.experts_dtype
+            (*stored.ends, (len(self.response_ids), len(experts) if experts is not None else 0)), stored.experts_dtype
         )
         fields["chunk_ends"] = after.ends_field
         return fields, after
