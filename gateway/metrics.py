@@ -18,6 +18,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_affinity_ratio`         | gauge     |               | read at scrape from the pool              |
 | `rollout_gateway_store_pipelines_total`  | counter   |               | read at scrape from the store's batcher   |
 | `rollout_gateway_store_calls_total`      | counter   |               | read at scrape from the store's batcher   |
+| `rollout_gateway_samples_moved_total`    | counter   |               | read at scrape from the store's stats     |
 
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
@@ -26,6 +27,10 @@ observation per resumed segment (two after a preemption: dispatch and first toke
 
 `store_calls_total / store_pipelines_total` is the mean number of the turns' Redis round trips that shared one
 pipeline (`gateway.redis_batch`): 1 at low load, more as concurrent turns queue behind the pipeline in flight.
+
+`samples_moved_total` counts sample writes that found their index taken by another turn of the same session on
+another process (parallel requests of one session across gateways): both samples are kept, the later one at the
+session's next free index (`TrajectoryStore.save_sample`).
 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
@@ -125,6 +130,11 @@ class _LiveCollector:
         yield CounterMetricFamily(f"{PREFIX}_store_pipelines", "Pipelines the store sent to Redis.", batcher.pipelines)
         yield CounterMetricFamily(
             f"{PREFIX}_store_calls", "Round trips the store asked for, several per pipeline under load.", batcher.calls
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_samples_moved",
+            "Sample writes that found their index taken by another process's turn, and moved to a free one.",
+            src.store.stats.samples_moved,
         )
         if self.pending is not None:
             yield GaugeMetricFamily(

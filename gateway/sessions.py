@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ class SampleStore(Protocol):
         *,
         replica: str | None = None,
         stored: StoredChunks | None = None,
+        writer: str | None = None,
+        base: str | None = None,
     ) -> SampleSaved | None: ...
 
     async def touch_session(self, session_id: str) -> SessionMeta | None: ...
@@ -73,6 +76,8 @@ class WorkingSample:
     rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
     # What this sample's hash in Redis holds, as the last write of it answered (None: unknown).
     stored: StoredChunks | None = field(default=None, repr=False, compare=False)
+    # The turn that wrote it last, as far as this process knows (None: a new sample, or written without one).
+    writer: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def ids(self) -> list[int]:
@@ -111,6 +116,7 @@ class WorkingSample:
             tools=sample.tools,
             num_turns=sample.num_turns,
             cancelled=sample.cancelled,
+            writer=sample.writer,
         )
 
     def copy_as(self, index: int) -> WorkingSample:
@@ -126,6 +132,7 @@ class WorkingSample:
             conversation=list(self.conversation),
             rendering=Rendering(),
             stored=None,
+            writer=None,
         )
 
 
@@ -141,6 +148,17 @@ class Turn:
     new_sample: bool
     # What was stored of `sample` when the turn began, which the turn's writes extend (None: they write it whole).
     stored_base: StoredChunks | None = None
+    # The turn that wrote `sample` last when this one began (None: a new sample), and this turn's own id: its
+    # writes replace only what one of the two wrote (`TrajectoryStore.save_sample`).
+    base_writer: str | None = None
+    writer: str = field(default_factory=lambda: secrets.token_hex(8))
+    # Where the sample went instead of `sample.index`, that index having been taken by another process's turn.
+    moved_to: int | None = None
+
+    @property
+    def stored_index(self) -> int:
+        """The index the turn's sample is stored at (as its last write that reached Redis answered)."""
+        return self.sample.index if self.moved_to is None else self.moved_to
 
     @property
     def experts_start(self) -> int:
@@ -219,16 +237,25 @@ class SessionManager:
             turn.sample.stored = None  # unknown until this write answers
         try:
             saved = await self.store.save_sample(
-                turn.session_id, turn.sample.index, sample, replica=replica, stored=turn.stored_base
+                turn.session_id,
+                turn.sample.index,
+                sample,
+                replica=replica,
+                stored=turn.stored_base,
+                writer=turn.writer,
+                base=turn.base_writer,
             )
         except BaseException:
             self._distrust(turn.session_id)
             raise
         if final and saved is not None:
             turn.sample.stored = saved.stored
+            turn.sample.writer = turn.writer
+        if saved is not None and saved.index != turn.sample.index:
+            turn.moved_to = saved.index  # the copy here no longer says where the sample is: read it back next turn
         known = self._cache.get(turn.session_id)
         if known is not None:
-            next_one = saved is not None and saved.revision == known.revision + 1
+            next_one = turn.moved_to is None and saved is not None and saved.revision == known.revision + 1
             known.revision = known.revision + 1 if next_one else _UNKNOWN
 
     def forget(self, session_id: str) -> None:
@@ -288,7 +315,7 @@ class SessionManager:
 
     def _extend(self, session_id: str, sample: WorkingSample, delta: list[int], messages: list[Message]) -> Turn:
         env = self._close_turn(sample) + delta
-        return Turn(session_id, sample, sample.ids + env, env, messages, False, sample.stored)
+        return Turn(session_id, sample, sample.ids + env, env, messages, False, sample.stored, sample.writer)
 
     async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
         """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
@@ -300,7 +327,7 @@ class SessionManager:
             ids = sample.ids
             if prompt_ids[: len(ids)] == ids:
                 env = prompt_ids[len(ids) :]
-                return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored)
+                return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
         fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
 
@@ -318,7 +345,7 @@ class SessionManager:
         base = (len(known.samples) if known is not None else 0) + (1 if turn.new_sample else 0)
         for i in range(1, count):
             sample = turn.sample.copy_as(base + i - 1)
-            turns.append(replace(turn, sample=sample, new_sample=True, stored_base=None))
+            turns.append(replace(turn, sample=sample, new_sample=True, stored_base=None, base_writer=None))
         return turns
 
     def record(self, turn: Turn, state: GenerationState, assistant: Message | None) -> Sample:

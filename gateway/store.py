@@ -56,6 +56,7 @@ import random
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -256,12 +257,22 @@ class _Lua:
 # A write either replaces the sample (kept = 0) or keeps its first `kept` chunks (gateway/trajectory.py), which
 # it expects to end where `ends` says (`Sample.to_redis_extending`), and sets chunk `kept`; if the stored chunks
 # are not those, it writes nothing and answers 'rewrite' (the caller then sends the whole sample).
-# KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, kept, ends, field, value, ...
+# A write that names its `writer` (the turn writing) replaces only what that writer or its `base` (the writer of
+# what it extends; "" for a new sample) wrote last: a sample another turn wrote meanwhile (another process serving
+# the same session) is left as it is, and the answer is 'taken N' with N the session's first free index.
+# KEYS: meta, sample. ARGV: index + 1, now, replica ("" keeps the recorded one), TTL, kept, ends, writer, base,
+# field, value, ...
 _SAVE_SAMPLE = _Lua(
     """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'missing' end
 if status ~= 'active' then return status end
+if ARGV[7] ~= '' then
+    local last = redis.call('HGET', KEYS[2], 'writer') or ''
+    if last ~= ARGV[7] and last ~= ARGV[8] then
+        return 'taken ' .. (redis.call('HGET', KEYS[1], 'sample_count') or '0')
+    end
+end
 local kept = tonumber(ARGV[5])
 if kept == 0 then
     redis.call('DEL', KEYS[2])
@@ -275,7 +286,7 @@ else
     end
     redis.call('HDEL', KEYS[2], 'conversation', 'tools')
 end
-redis.call('HSET', KEYS[2], unpack(ARGV, 7))
+redis.call('HSET', KEYS[2], unpack(ARGV, 9))
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 if tonumber(ARGV[1]) > tonumber(redis.call('HGET', KEYS[1], 'sample_count') or '0') then
     redis.call('HSET', KEYS[1], 'sample_count', ARGV[1])
@@ -311,6 +322,8 @@ return redis.call('HGET', KEYS[1], 'stream_id')
 )
 
 _MAX_WATCH_ATTEMPTS = 16  # optimistic transactions rerun on conflict; a session's meta is rarely contended
+_MAX_SAMPLE_MOVES = 16  # a sample write finding its index taken moves to the first free one, and again if raced
+_MOVES_KEPT = 10_000  # the moved samples remembered, so the later writes of their turns follow them
 _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 2.0
 _ABANDONED_MAXLEN = 100_000
@@ -326,9 +339,12 @@ def _backoff_s(attempt: int) -> float:
     return step / 2 + random.uniform(0, step / 2)
 
 
-def _encode_sample(sample: Sample) -> _Fields:
+def _encode_sample(sample: Sample, writer: str = "") -> _Fields:
     """The sample's hash fields exactly as Redis stores and returns them (so a buffered copy decodes alike)."""
-    return _as_stored(sample.to_redis())
+    fields = sample.to_redis()
+    if writer:
+        fields["writer"] = writer
+    return _as_stored(fields)
 
 
 def _as_stored(fields: dict[str, bytes | int | str]) -> _Fields:
@@ -359,12 +375,14 @@ class StoreStats:
     duplicate_entries: int = 0  # stream entries that lost the `stream_id` arbitration and were deleted
     repaired: int = 0  # sessions delivered by `repair_undelivered`
     abandoned: int = 0  # sessions closed by `abandon_idle`
+    samples_moved: int = 0  # sample writes that found their index taken by another turn, and moved (logged)
 
 
 @dataclass(slots=True)
 class _SampleWrite:
     """One sample write, kept until it reached Redis: the sample, and what its hash holds of it already (None: the
-    write replaces the whole sample; so does every buffered write)."""
+    write replaces the whole sample; so does every buffered write); the turn writing it and the writer of what it
+    extends ("": not arbitrated, and a new sample, see `TrajectoryStore.save_sample`)."""
 
     session_id: str
     index: int
@@ -372,10 +390,17 @@ class _SampleWrite:
     replica: str
     at: float
     stored: StoredChunks | None = None
+    writer: str = ""
+    base: str = ""
 
     @property
     def key(self) -> tuple[str, int]:
         return self.session_id, self.index
+
+    @property
+    def moves_key(self) -> tuple[str, int, str]:
+        """What names this turn's sample in `TrajectoryStore._moved`."""
+        return self.session_id, self.index, self.writer
 
     def encode(self) -> tuple[int, str, _Fields, StoredChunks]:
         """(chunks kept, where they end, the fields to set, what the hash holds after)."""
@@ -383,9 +408,15 @@ class _SampleWrite:
             extending = self.sample.to_redis_extending(self.stored)
             if extending is not None:
                 fields, after = extending
-                return len(self.stored.ends), self.stored.ends_field, _as_stored(fields), after
+                kept, ends = len(self.stored.ends), self.stored.ends_field
+                return kept, ends, self._with_writer(_as_stored(fields)), after
         whole, after = self.sample.to_redis_whole()
-        return 0, "", _as_stored(whole), after
+        return 0, "", self._with_writer(_as_stored(whole)), after
+
+    def _with_writer(self, fields: _Fields) -> _Fields:
+        if self.writer:
+            fields["writer"] = self.writer.encode()
+        return fields
 
 
 class TrajectoryStore:
@@ -439,6 +470,8 @@ class TrajectoryStore:
         self.batcher = PipelineBatcher(client)
         # Sample writes waiting for Redis, oldest first; a newer version of a sample replaces the older in place.
         self._buffer: dict[tuple[str, int], _SampleWrite] = {}
+        # Samples whose index another process's turn took first: (session, index, writer) -> where they went.
+        self._moved: OrderedDict[tuple[str, int, str], int] = OrderedDict()
         self._outage = False  # the last write failed: buffer new writes at once instead of waiting on retries
         self._wake = asyncio.Event()
         # One lock per session serialises its sample writes (direct and flushed), so an older version can never
@@ -662,12 +695,21 @@ class TrajectoryStore:
         *,
         replica: str | None = None,
         stored: StoredChunks | None = None,
+        writer: str | None = None,
+        base: str | None = None,
     ) -> SampleSaved | None:
         """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
         Returns what the write made (`SampleSaved`), or None when the write waits in the buffer.
 
         `stored`: what the sample's hash holds of this sample already (what the last write of it answered), so
         only what came after it is sent; should the hash hold anything else, the whole sample is written instead.
+
+        `writer` (the id of the turn writing; every write of one turn names the same) and `base` (the writer of
+        the sample this turn extends, as last read or written; None for a new sample) arbitrate between processes
+        serving one session at once (DESIGN §13): the write replaces what `writer` or `base` wrote last, and
+        nothing else. If another turn wrote the sample meanwhile, both are kept: this turn's sample moves, whole,
+        to the session's first free index, where the turn's later writes follow it (`SampleSaved.index`). A
+        write without `writer` replaces whatever is stored.
 
         If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
         flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
@@ -677,7 +719,7 @@ class TrajectoryStore:
         """
         if index < 0:
             raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
-        write = _SampleWrite(session_id, index, sample, replica or "", time.time(), stored)
+        write = _SampleWrite(session_id, index, sample, replica or "", time.time(), stored, writer or "", base or "")
         if self._replace_buffered(write):
             return None
         async with self._session_lock(session_id):
@@ -713,7 +755,11 @@ class TrajectoryStore:
                     pipe.hgetall(self.keys.sample(session_id, index))
                 rows = await _call(pipe.execute(), "read samples")
             found = {index: row for index, row in enumerate(rows) if row}
-        found |= {w.index: _encode_sample(w.sample) for w in self._buffer.values() if w.session_id == session_id}
+        found |= {
+            self._moved.get(w.moves_key, w.index): _encode_sample(w.sample, w.writer)
+            for w in self._buffer.values()
+            if w.session_id == session_id
+        }
         return [Sample.from_redis(found[index]) for index in sorted(found)]
 
     def _session_lock(self, session_id: str) -> asyncio.Lock:
@@ -724,9 +770,12 @@ class TrajectoryStore:
 
     def _replace_buffered(self, write: _SampleWrite) -> bool:
         """While a version of this sample waits in the buffer, a newer one takes its place (keeps order)."""
-        if write.key not in self._buffer:
+        waiting = self._buffer.get(write.key)
+        if waiting is None:
             return False
         write.stored = None  # a buffered write replaces the whole sample
+        if write.base == waiting.writer and write.writer != waiting.writer:
+            write.base = waiting.base  # it extends the waiting write, which never reached Redis: extend its base
         self._buffer[write.key] = write
         self.stats.writes_buffered += 1
         return True
@@ -744,18 +793,46 @@ class TrajectoryStore:
         self._wake.set()
 
     async def _write_sample(self, write: _SampleWrite) -> SampleSaved | str:
-        """The sample script and the activity score, pipelined in one round trip; the script's verdict: what the
-        write made, or the status that refused it. A write that extends what the hash no longer holds is sent
-        again, whole."""
-        keys = [self.keys.meta(write.session_id), self.keys.sample(write.session_id, write.index)]
+        """Write the sample where its turn's writes go; the script's verdict: what the write made, or the status
+        that refused it. A sample another turn took meanwhile moves to the first free index, whole."""
+        for _ in range(_MAX_SAMPLE_MOVES):
+            index = self._moved.get(write.moves_key, write.index)
+            # At the index it moved to, the turn's own write is the only one it may replace.
+            verdict = await self._write_sample_at(write, index, write.base if index == write.index else "")
+            if isinstance(verdict, SampleSaved) or not verdict.startswith("taken "):
+                return verdict
+            free = int(verdict.split()[1])
+            logger.warning(
+                "session=%s sample=%d: written meanwhile by another turn (another process); this turn's sample "
+                "goes to index %d, whole, and both are kept",
+                write.session_id,
+                index,
+                free,
+            )
+            self.stats.samples_moved += 1
+            self._moved[write.moves_key] = free
+            self._moved.move_to_end(write.moves_key)
+            while len(self._moved) > _MOVES_KEPT:
+                self._moved.popitem(last=False)
+            write.stored = None
+        raise StoreError(
+            f"session {write.session_id}: sample {write.index} found its index taken {_MAX_SAMPLE_MOVES} times"
+        )
+
+    async def _write_sample_at(self, write: _SampleWrite, index: int, base: str) -> SampleSaved | str:
+        """The sample script and the activity score, pipelined in one round trip. A write that extends what the
+        hash no longer holds is sent again, whole."""
+        keys = [self.keys.meta(write.session_id), self.keys.sample(write.session_id, index)]
         kept, ends, fields, after = write.encode()
         args: list[bytes | str | int | float] = [
-            write.index + 1,
+            index + 1,
             write.at,
             write.replica,
             self._active_ttl_s,
             kept,
             ends,
+            write.writer,
+            base,
         ]
         for name, value in fields.items():
             args += [name, value]
@@ -774,15 +851,13 @@ class TrajectoryStore:
         except RedisError as exc:
             raise StoreError(f"redis: save sample failed: {exc}") from exc
         if isinstance(verdict, int):
-            return SampleSaved(verdict, after)
+            return SampleSaved(verdict, after, index)
         if _text(verdict) == "rewrite" and kept:
             logger.info(
-                "session=%s sample=%d: not stored as the writer believed; writing it whole",
-                write.session_id,
-                write.index,
+                "session=%s sample=%d: not stored as the writer believed; writing it whole", write.session_id, index
             )
             write.stored = None
-            return await self._write_sample(write)
+            return await self._write_sample_at(write, index, base)
         return _text(verdict)
 
     # -- the buffered-write flusher -------------------------------------------------------------------------

@@ -74,11 +74,13 @@ class StoredChunks:
 
 @dataclass(frozen=True, slots=True)
 class SampleSaved:
-    """A sample write that reached Redis: the session's revision it made, and what the sample's hash holds now
-    (what the next write of that sample may extend)."""
+    """A sample write that reached Redis: the session's revision it made, what the sample's hash holds now (what
+    the next write of that sample may extend), and the index it went to (another than asked when another turn
+    took that one first: `TrajectoryStore.save_sample`)."""
 
     revision: int
     stored: StoredChunks
+    index: int
 
 
 @dataclass
@@ -97,6 +99,10 @@ class Sample:
     # what the next turn of the session must extend to continue this sample.
     conversation: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    # The turn that wrote the sample last (None: unknown, or written without one), which lets turns of one session
+    # on several processes see each other's writes (`TrajectoryStore.save_sample`). Not training data, and never
+    # part of `to_redis`: each write names its own.
+    writer: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -222,6 +228,7 @@ class Sample:
                 cancelled=_text(fields.get("cancelled", "0")) == "1",
                 conversation=orjson.loads(fields["conversation"]) if "conversation" in fields else None,
                 tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
+                writer=_text(fields["writer"]) if "writer" in fields else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc

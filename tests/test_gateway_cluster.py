@@ -11,6 +11,7 @@ from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
 from tests.test_gateway_core import PROMPT, slow
+from tests.test_metrics import scrape, value
 from tests.test_openai_api import client
 
 
@@ -97,3 +98,39 @@ async def test_a_sessions_turns_may_alternate_between_gateway_processes(
     sample = (await b.services.store.load_samples("roaming"))[0]
     sampled = sample.response_ids[sample.loss_mask == 1].tolist()
     assert sampled == [token for reply in replies for token in reply]
+
+
+async def test_turns_of_one_session_on_two_processes_at_once_are_both_kept(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Two turns continuing the same conversation reach two processes at once (an agent's parallel requests behind
+    a load balancer): neither overwrites the other; the one recorded second becomes a sample of its own."""
+    sims = [await make_sim(*slow("vllm", delay=0.02))]  # the turns overlap: both begin before either is recorded
+    a, b = await make_gateway(sims), await make_gateway(sims)
+    apis = {gw.url: client(gw, **{"X-Session-ID": "forked"}) for gw in (a, b)}
+    opening: list[dict[str, Any]] = [{"role": "user", "content": "pick a door"}]
+    try:
+        first = await apis[a.url].chat.completions.create(model="tiny", messages=opening, max_tokens=4)
+        opening.append(first.choices[0].message.model_dump(exclude_none=True))
+        replies = await asyncio.gather(
+            *(
+                apis[gw.url].chat.completions.create(
+                    model="tiny", messages=[*opening, {"role": "user", "content": door}], max_tokens=6
+                )
+                for gw, door in ((a, "the left one"), (b, "the right one"))
+            )
+        )
+    finally:
+        for api in apis.values():
+            await api.close()
+    rollouts = [reply.model_extra["rollout"]["choices"][0] for reply in replies]
+    assert not any(r["new_sample"] for r in rollouts)  # both continued sample 0 when they began
+    assert sorted(r["sample_index"] for r in rollouts) == [0, 1]
+    moved = [value(await scrape(http, gw.url), "rollout_gateway_samples_moved_total") for gw in (a, b)]
+    assert sorted(moved) == [0, 1]
+    first_ids = first.model_extra["rollout"]["choices"][0]["output_ids"]
+    samples = await a.services.store.load_samples("forked")
+    assert [s.num_turns for s in samples] == [2, 2]
+    for rollout in rollouts:
+        sample = samples[rollout["sample_index"]]
+        assert sample.response_ids[sample.loss_mask == 1].tolist() == first_ids + rollout["output_ids"]

@@ -23,7 +23,7 @@ from gateway.generation import Generator
 from gateway.metrics import ContextFormatter, GatewayMetrics
 from gateway.routing import ReplicaPool
 from gateway.server import RunningGateway
-from gateway.store import Keys
+from gateway.store import Keys, StoreStats
 from gateway.weights import UpdateReport, WeightCoordinator
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body, publish, stream_generate
@@ -166,6 +166,7 @@ class _Store:
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
         self.batcher = types.SimpleNamespace(pipelines=0, calls=0)  # nothing sent: the counters `collect` reads
+        self.stats = StoreStats()
 
     async def pending(self) -> int:
         if self.behaviour == "fail":

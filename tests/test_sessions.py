@@ -114,6 +114,32 @@ async def test_a_process_reads_a_session_back_once_another_one_served_it(redis: 
     assert other.prompt_ids.tolist() == [30, 31]
 
 
+async def test_turns_of_one_session_served_at_once_by_two_processes_are_both_kept(redis: Redis) -> None:
+    """Two processes begin a turn extending the same sample before either records it: the later write moves to a
+    new sample instead of replacing the other turn, and its process reads the session back next turn."""
+    here = SessionManager(TOKENIZER, TrajectoryStore(redis, Keys(), sweep_interval_s=None))
+    there = SessionManager(TOKENIZER, TrajectoryStore(redis, Keys(), sweep_interval_s=None))
+    await served_turn(here, "twice", [1, 2, 3], [4, 5])
+    async with here.lock("twice"), there.lock("twice"):  # one lock per process: nothing orders the two
+        await here.open("twice")
+        await there.open("twice")
+        mine = await here.begin_completion_turn("twice", [1, 2, 3, 4, 5, 6])
+        theirs = await there.begin_completion_turn("twice", [1, 2, 3, 4, 5, 7])
+        assert mine.sample.index == theirs.sample.index == 0
+        await there.save(theirs, there.record(theirs, sampled(theirs, [8]), None))
+        await here.save(mine, here.record(mine, sampled(mine, [9]), None))
+    assert (theirs.stored_index, mine.stored_index) == (0, 1)
+
+    store = here.store
+    assert isinstance(store, TrajectoryStore)
+    kept, moved = await store.load_samples("twice")
+    assert kept.response_ids.tolist() == [4, 5, 7, 8] and kept.loss_mask.tolist() == [1, 1, 0, 1]
+    assert moved.response_ids.tolist() == [4, 5, 6, 9] and moved.loss_mask.tolist() == [1, 1, 0, 1]
+    following = await served_turn(here, "twice", [1, 2, 3, 4, 5, 6, 9, 10], [11])  # continues its own reply
+    assert here.reloads == 1 and not following.new_sample and following.stored_index == 1
+    assert [s.num_turns for s in await store.load_samples("twice")] == [2, 3]
+
+
 async def experts_turn(sessions: SessionManager, store: TrajectoryStore, prompt: list[int], output: list[int]) -> Turn:
     """A completion turn of session "r3" whose engine reported the routed experts of every new position."""
     async with sessions.lock("r3"):

@@ -634,3 +634,64 @@ async def test_a_sample_without_routed_experts_is_extended_too_until_it_gains_th
     assert whole is not None and whole.stored.ends == ((14, 19),) and not await redis.hexists(key, "loss_mask.1")
     [loaded] = await store.load_samples(meta.id)
     assert_same(loaded, gained)
+
+
+async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_turn_moves(client: Redis) -> None:
+    """Turns of one session on two processes at once: each write replaces only what its own turn or the turn it
+    extends wrote; the later one moves to the first free index, and the rest of its turn's writes follow it."""
+    here, there = make_store(client), make_store(client)  # one store per process
+    meta = await here.create_session()
+    first = make_sample(prompt=6, response=10, experts_max=100)
+    saved = await here.save_sample(meta.id, 0, first, writer="t1")
+    assert saved is not None and saved.index == 0
+    theirs = extended(first, 3, experts_max=100, seed=1)
+    partial = extended(first, 2, experts_max=100, seed=2)  # a segment boundary of this process's turn
+    mine = extended(partial, 2, experts_max=100, seed=3)
+
+    won = await there.save_sample(meta.id, 0, theirs, stored=saved.stored, writer="t2", base="t1")
+    assert won is not None and won.index == 0
+    moved = await here.save_sample(meta.id, 0, partial, stored=saved.stored, writer="t3", base="t1")
+    assert moved is not None and moved.index == 1 and moved.stored.ends == ((12, 17),)  # whole, at the free index
+    last = await here.save_sample(meta.id, 0, mine, stored=saved.stored, writer="t3", base="t1")
+    assert last is not None and last.index == 1 and last.revision == won.revision + 2
+    kept, branch = await there.load_samples(meta.id)
+    assert_same(kept, theirs)
+    assert_same(branch, mine)
+    assert (kept.writer, branch.writer) == ("t2", "t3")
+    assert (here.stats.samples_moved, there.stats.samples_moved) == (1, 0)
+
+    # Two new samples at once: the second goes to the next free index.
+    a = await here.save_sample(meta.id, 2, make_sample(seed=7), writer="t4")
+    b = await there.save_sample(meta.id, 2, make_sample(seed=8), writer="t5")
+    assert a is not None and b is not None and (a.index, b.index) == (2, 3)
+    # A turn extends what it read: a base that is not the last writer moves it too (t4 wrote sample 2 last).
+    c = await there.save_sample(meta.id, 2, make_sample(seed=9), writer="t6", base="t5")
+    assert c is not None and c.index == 4
+    samples = await here.load_samples(meta.id)
+    assert [s.writer for s in samples] == ["t2", "t3", "t4", "t5", "t6"]
+    await here.aclose()
+    await there.aclose()
+
+
+async def test_consecutive_turns_buffered_in_an_outage_land_in_place(
+    own_redis: EmbeddedRedis, own_client: Redis
+) -> None:
+    """A buffered write that replaces its buffered predecessor extends what that one extended: no false move."""
+    store = make_store(own_client)
+    store.start()
+    meta = await store.create_session()
+    first = make_sample(prompt=6, response=10, experts_max=100)
+    saved = await store.save_sample(meta.id, 0, first, writer="t1")
+    assert saved is not None
+
+    own_redis.kill()
+    second = extended(first, 3, experts_max=100, seed=1)
+    third = extended(second, 2, experts_max=100, seed=2)
+    assert await store.save_sample(meta.id, 0, second, stored=saved.stored, writer="t2", base="t1") is None
+    assert await store.save_sample(meta.id, 0, third, writer="t3", base="t2") is None  # replaces it, unsent
+    await own_redis.arestart()
+    await wait_for(lambda: _true(store.buffered == 0))
+    [stored] = await store.load_samples(meta.id)
+    assert_same(stored, third)
+    assert stored.writer == "t3" and store.stats.samples_moved == 0
+    await store.aclose()

@@ -57,7 +57,7 @@ def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
         "choices": [
             {
                 "index": c.index,
-                "sample_index": c.turn.sample.index,
+                "sample_index": c.turn.stored_index,
                 "new_sample": c.turn.new_sample,
                 "versions": c.state.versions,
                 "num_resumes": c.state.num_resumes,
