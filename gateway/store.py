@@ -797,6 +797,8 @@ class TrajectoryStore:
         that refused it. A sample another turn took meanwhile moves to the first free index, whole."""
         for _ in range(_MAX_SAMPLE_MOVES):
             index = self._moved.get(write.moves_key, write.index)
+            if index != write.index:  # what the turn extends is not stored there: the sample goes whole
+                write.stored = None
             # At the index it moved to, the turn's own write is the only one it may replace.
             verdict = await self._write_sample_at(write, index, write.base if index == write.index else "")
             if isinstance(verdict, SampleSaved) or not verdict.startswith("taken "):

@@ -636,9 +636,12 @@ async def test_a_sample_without_routed_experts_is_extended_too_until_it_gains_th
     assert_same(loaded, gained)
 
 
-async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_turn_moves(client: Redis) -> None:
+async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_turn_moves(
+    client: Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     """Turns of one session on two processes at once: each write replaces only what its own turn or the turn it
     extends wrote; the later one moves to the first free index, and the rest of its turn's writes follow it."""
+    caplog.set_level(logging.INFO, logger="gateway.store")
     here, there = make_store(client), make_store(client)  # one store per process
     meta = await here.create_session()
     first = make_sample(prompt=6, response=10, experts_max=100)
@@ -654,6 +657,7 @@ async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_tu
     assert moved is not None and moved.index == 1 and moved.stored.ends == ((12, 17),)  # whole, at the free index
     last = await here.save_sample(meta.id, 0, mine, stored=saved.stored, writer="t3", base="t1")
     assert last is not None and last.index == 1 and last.revision == won.revision + 2
+    assert "not stored as the writer believed" not in caplog.text  # written whole at once, not tried extending
     kept, branch = await there.load_samples(meta.id)
     assert_same(kept, theirs)
     assert_same(branch, mine)
