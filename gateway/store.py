@@ -7,7 +7,8 @@ session's multi-key writes stay in one Redis Cluster slot; what crosses slots is
   replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first, and
   `revision`, counted up by every sample write (a process's copy of the samples is current while it matches).
 - `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py), in chunks, so
-  that a write extending the sample adds what is new instead of rewriting it all.
+  that a write extending the sample adds what is new instead of rewriting it all; and `writer`, the turn that
+  wrote it last, so that turns of one session on two processes at once never replace each other's (`save_sample`).
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
