@@ -817,7 +817,6 @@ class TrajectoryStore:
             self._moved.move_to_end(write.moves_key)
             while len(self._moved) > _MOVES_KEPT:
                 self._moved.popitem(last=False)
-            write.stored = None
         raise StoreError(
             f"session {write.session_id}: sample {write.index} found its index taken {_MAX_SAMPLE_MOVES} times"
         )
