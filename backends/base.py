@@ -158,7 +158,10 @@ class EngineBackend(Protocol):
 
         `stream=False`: the caller needs the tokens only once the request ends, so the engine may answer once (one
         chunk with every token); an abort still answers with the partial tokens, but a failure mid-request loses
-        what the engine had generated (the caller generates it again)."""
+        what the engine had generated (the caller generates it again).
+
+        The call itself builds the request (its body encoded); nothing is sent before the first iteration. So a
+        caller may build a request ahead, while it cannot be sent yet, and drop it unstarted."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -101,15 +101,17 @@ async def request(
     path: str,
     *,
     json: Any = None,
+    data: bytes | None = None,
     params: Mapping[str, str] | None = None,
     timeout: aiohttp.ClientTimeout | None = None,
     check: bool = True,
 ) -> Reply:
     """One request/response call: the answer with its body read, or the matching `BackendError` (any non-2xx
-    status too, unless `check=False`)."""
+    status too, unless `check=False`). The JSON body is `json`, or `data` already encoded."""
     session = client.session()
     with translate_errors(replica):
-        data = None if json is None else orjson.dumps(json)
+        if json is not None:
+            data = orjson.dumps(json)
         headers = None if data is None else _JSON_HEADERS
         async with session.request(
             method, path, data=data, headers=headers, params=params, timeout=timeout or client.timeout
@@ -127,12 +129,13 @@ async def request_json(
     path: str,
     *,
     json: Any = None,
+    data: bytes | None = None,
     params: Mapping[str, str] | None = None,
     timeout: aiohttp.ClientTimeout | None = None,
 ) -> Any:
     """`request`, then the decoded JSON body: None when empty (some engine versions answer control calls with a
     bare 200); undecodable JSON is a `BackendProtocolError`."""
-    reply = await request(client, replica, method, path, json=json, params=params, timeout=timeout)
+    reply = await request(client, replica, method, path, json=json, data=data, params=params, timeout=timeout)
     with translate_errors(replica):
         return orjson.loads(reply.content) if reply.content.strip() else None
 
@@ -224,11 +227,11 @@ def _without_read_gap(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
 
 
 async def sse_batches(
-    client: ReplicaClient, replica: str, path: str, json: Any, *, timeout: aiohttp.ClientTimeout | None = None
+    client: ReplicaClient, replica: str, path: str, body: bytes, *, timeout: aiohttp.ClientTimeout | None = None
 ) -> AsyncGenerator[list[Any], None]:
-    """POST `json` and yield the decoded `data:` payloads of the server-sent-event answer until `[DONE]`, in
-    batches: all the complete events one socket read delivered (a busy gateway reads several at once, and the
-    layers above handle them as one delta).
+    """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
+    `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
+    and the layers above handle them as one delta).
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
@@ -245,7 +248,7 @@ async def sse_batches(
         with translate_errors(replica):
             async with session.post(
                 path,
-                data=orjson.dumps(json),
+                data=body,
                 headers=_SSE_HEADERS,
                 timeout=client.stream_timeout if timeout is None else _without_read_gap(timeout),
             ) as response:

@@ -94,19 +94,20 @@ class SglangBackend(HttpEngineBackend):
     ) -> AsyncGenerator[Chunk, None]:
         """Stream the new tokens of one request; the last chunk carries the finish reason, version spans and
         (with R3) the routed experts of positions [experts_start, prompt + output - 1). `stream=False`: one
-        answer at the end, with the same fields (`EngineBackend.generate`)."""
+        answer at the end, with the same fields (`EngineBackend.generate`). The body is encoded here, before the first
+        iteration sends it."""
         body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         if not stream:
             body["stream"] = False
-            return self._complete_once(body, sampling, len(token_ids), experts_start)
-        return self._stream(body, sampling, len(token_ids), experts_start)
+            return self._complete_once(orjson.dumps(body), sampling, len(token_ids), experts_start)
+        return self._stream(orjson.dumps(body), sampling, len(token_ids), experts_start)
 
     async def _complete_once(
-        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         # A long read timeout: the whole generation happens before the first byte of the answer. An abort answers
         # 200 with the partial output (one with status_code >= 400 answers that status: `raise_for_status`).
-        answer = await request_json(self._client, self.id, "POST", GENERATE, json=body, timeout=self._long)
+        answer = await request_json(self._client, self.id, "POST", GENERATE, data=body, timeout=self._long)
         with translate_errors(self.id):
             if not isinstance(answer, dict):
                 raise TypeError(f"the answer is not an object: {answer!r}")
@@ -116,7 +117,7 @@ class SglangBackend(HttpEngineBackend):
         yield chunk
 
     async def _stream(
-        self, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         seen = 0
         finished = False

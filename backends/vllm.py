@@ -33,6 +33,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 
 from backends.base import (
     Capabilities,
@@ -115,7 +116,7 @@ class VllmBackend(HttpEngineBackend):
         stream: bool = True,
     ) -> AsyncGenerator[Chunk, None]:
         """Stream the new tokens of one request (see the module docstring for the transport); `stream=False`: one
-        answer at the end (`EngineBackend.generate`)."""
+        answer at the end (`EngineBackend.generate`). The body is encoded here, before the first iteration sends it."""
         replay = (
             encode_npy_b64(routed_experts) if routed_experts is not None and self.spec.routed_experts_input else None
         )
@@ -124,10 +125,10 @@ class VllmBackend(HttpEngineBackend):
         else:
             path, body = COMPLETIONS, self._completion_body(token_ids, sampling, request_id, experts_start, replay)
         if not self.capabilities.streams(stream):  # routed experts come only in whole answers of /v1/completions
-            return self._complete_once(path, body, sampling, len(token_ids), experts_start)
+            return self._complete_once(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return self._stream(path, body, sampling, len(token_ids), experts_start)
+        return self._stream(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
 
     def _sampling_fields(self, sampling: SamplingParams) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -194,7 +195,7 @@ class VllmBackend(HttpEngineBackend):
         return body
 
     async def _stream(
-        self, path: str, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+        self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         # The finishing chunk is held back until the stream ends: the usage event (cached tokens) follows it.
         final: Chunk | None = None
@@ -227,10 +228,10 @@ class VllmBackend(HttpEngineBackend):
         yield final
 
     async def _complete_once(
-        self, path: str, body: dict[str, Any], sampling: SamplingParams, prompt_len: int, experts_start: int
+        self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         # A long read timeout: the whole generation happens before the first byte of the answer.
-        answer = await request_json(self._client, self.id, "POST", path, json=body, timeout=self._long)
+        answer = await request_json(self._client, self.id, "POST", path, data=body, timeout=self._long)
         with translate_errors(self.id):
             chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
             chunk.cached_tokens = _cached_tokens(answer.get("usage"))

@@ -45,6 +45,8 @@ the weights that sampled it (nothing lost or duplicated across the resume).
     python -m benchmarks.resume_latency               # 100 and 1,000 in flight
     python -m benchmarks.resume_latency --quick       # 100 and 300 in flight (well under a minute)
     python -m benchmarks.resume_latency --requests 10 100 1000 --replicas 4 --dialect mixed
+    python -m benchmarks.resume_latency --requests 1000 --prompt-tokens 2048   # RL-sized prompts: each
+                                                      # continuation carries its prompt again
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ CHECKPOINT = "bench-ckpt-1"  # the simulator's weights identity after the update
 WEIGHTS = {0: ("init", "default"), NEW_VERSION: (CHECKPOINT, str(NEW_VERSION))}
 RAMP_S_PER_REQUEST = 0.05
 UPDATE_MARGIN_S = 3.0
-MAX_TOKENS_CAP = 4000  # the simulator's context is 4,096 tokens, prompt included
-PROMPT_LEN = 5  # `prompt_of`; a longer prompt at a replica is a continuation (prompt + tokens so far)
+SIM_CONTEXT = 4096  # the simulator's context (its `--max-model-len` default), prompt included
+PROMPT_HEAD = 5  # `prompt_of`'s distinct head; `--prompt-tokens` pads after it
 DISPATCH_METRIC = "rollout_gateway_resume_dispatch_seconds"
 DISPATCH_BUDGET_S = 0.1
 
@@ -104,6 +106,7 @@ class Options:
     warm_tokens: int
     verify_tokens: bool
     timeout_s: float
+    prompt_tokens: int = PROMPT_HEAD
 
     def tokens_for(self, requests: int) -> int:
         """Tokens per request: the earliest request must still be generating when the last one has streamed its
@@ -113,7 +116,12 @@ class Options:
         if self.max_tokens is not None:
             return self.max_tokens
         seconds = RAMP_S_PER_REQUEST * requests + UPDATE_MARGIN_S
-        return min(MAX_TOKENS_CAP, self.warm_tokens + math.ceil(seconds / self.token_delay_s))
+        return min(self.max_tokens_cap, self.warm_tokens + math.ceil(seconds / self.token_delay_s))
+
+    @property
+    def max_tokens_cap(self) -> int:
+        """What the simulator's context leaves after the prompt (a little spare)."""
+        return SIM_CONTEXT - self.prompt_tokens - 96
 
 
 @dataclass
@@ -204,8 +212,11 @@ class Histogram:
         return within / self.count if self.count else math.nan
 
 
-def prompt_of(index: int) -> list[int]:
-    return [10 + index % 50, 20 + index % 7, 30 + index % 997, 40, 50 + index % 13]
+def prompt_of(index: int, length: int = PROMPT_HEAD) -> list[int]:
+    """A prompt of `length` tokens (at least the head), distinct per index in its head: an RL prompt is usually
+    hundreds to thousands of tokens, and every continuation carries it again."""
+    head = [10 + index % 50, 20 + index % 7, 30 + index % 997, 40, 50 + index % 13]
+    return head + [100 + (index + i) % 900 for i in range(length - len(head))]
 
 
 async def log_arrivals(admin: httpx.AsyncClient, urls: Sequence[str]) -> None:
@@ -215,13 +226,16 @@ async def log_arrivals(admin: httpx.AsyncClient, urls: Sequence[str]) -> None:
         response.raise_for_status()
 
 
-async def continuation_arrivals(admin: httpx.AsyncClient, urls: Sequence[str], since: float) -> list[float]:
-    """Monotonic arrival times of the continuations the replicas received after `since`."""
+async def continuation_arrivals(
+    admin: httpx.AsyncClient, urls: Sequence[str], since: float, prompt_tokens: int
+) -> list[float]:
+    """Monotonic arrival times of the continuations (prompts longer than the agents' own) the replicas received
+    after `since`."""
     found: list[float] = []
     for url in urls:
         response = await admin.get(f"{url}/sim/prompt_log")
         response.raise_for_status()
-        found += [at for _head, length, at in response.json()["requests"] if length > PROMPT_LEN and at >= since]
+        found += [at for _head, length, at in response.json()["requests"] if length > prompt_tokens and at >= since]
     return found
 
 
@@ -320,7 +334,7 @@ async def run_once(requests: int, options: Options, console: Console) -> RunResu
         entries = [sim_replica_entry(s.url, d) for s, d in zip(sims, dialects, strict=True)]
         with GatewayProcess(entries, {"generation": {"max_connections_per_replica": requests + 64}}) as gateway:
             console.print(f"  {requests} streams → gateway {gateway.url} → {options.replicas} replicas ({dialects})")
-            streams = [Stream(i, prompt_of(i)) for i in range(requests)]
+            streams = [Stream(i, prompt_of(i, options.prompt_tokens)) for i in range(requests)]
             ready = Readiness(requests, options.warm_tokens)
             started = time.monotonic()
             async with loopback_client(4, options.timeout_s) as admin:
@@ -332,7 +346,7 @@ async def run_once(requests: int, options: Options, console: Console) -> RunResu
                     result.ramp_s = time.monotonic() - started
                     sent, returned, report = await publish(admin, gateway.url)
                 result.wall_s = time.monotonic() - started
-                arrivals = await continuation_arrivals(admin, [s.url for s in sims], sent)
+                arrivals = await continuation_arrivals(admin, [s.url for s in sims], sent, options.prompt_tokens)
                 result.arrivals = [at - returned for at in arrivals]
                 metrics = await admin.get(f"{gateway.url}/metrics")
                 result.dispatch = Histogram.scrape(metrics.text, DISPATCH_METRIC)
@@ -386,7 +400,8 @@ def report(console: Console, options: Options, results: Sequence[RunResult]) -> 
     rows = [[label, *(column[label] for column in columns)] for label in columns[0]]
     title = (
         f"Resume latency across one weight update (abort): {options.replicas} sim replicas ({options.dialect}), "
-        f"token delay {options.token_delay_s * 1000:g} ms; {machine_line()}"
+        f"token delay {options.token_delay_s * 1000:g} ms, prompts of {options.prompt_tokens:,} tokens; "
+        f"{machine_line()}"
     )
     note = (
         "'dispatch (gateway)' is the gateway's histogram: release of the held requests → continuation sent to "
@@ -424,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=None, help="tokens per request (default: enough to outlast the ramp)"
     )
     p.add_argument("--warm-tokens", type=int, default=4, help="tokens every request streams before the update")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=PROMPT_HEAD,
+        help=f"tokens per agent prompt (default {PROMPT_HEAD}; each continuation carries them again)",
+    )
     p.add_argument("--no-verify-tokens", action="store_true", help="skip the check against the reference tokens")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the whole run, s (default 600; quick 120)")
     p.add_argument("--quick", action="store_true", help="100 and 300 in flight: well under a minute")
@@ -437,6 +458,8 @@ def options_from(args: argparse.Namespace) -> Options:
         raise SystemExit("--max-tokens must exceed --warm-tokens, or requests end before the update")
     if args.requests is not None and min(args.requests) < 1:
         raise SystemExit("--requests must be ≥ 1")
+    if not PROMPT_HEAD <= args.prompt_tokens <= SIM_CONTEXT // 2:
+        raise SystemExit(f"--prompt-tokens must be between {PROMPT_HEAD} and {SIM_CONTEXT // 2}")
     return Options(
         requests=tuple(args.requests or ((100, 300) if args.quick else (100, 1000))),
         replicas=args.replicas,
@@ -446,6 +469,7 @@ def options_from(args: argparse.Namespace) -> Options:
         warm_tokens=args.warm_tokens,
         verify_tokens=not args.no_verify_tokens,
         timeout_s=args.timeout or (120.0 if args.quick else 600.0),
+        prompt_tokens=args.prompt_tokens,
     )
 
 

@@ -140,6 +140,16 @@ class _SegmentRun:
         self.preempted_at: float | None = None  # the same, when a weight update aborted it (dispatch latency)
 
 
+@dataclass(slots=True)
+class _EngineCall:
+    """One engine request, built (its body encoded) but not yet sent: the first iteration of `chunks` sends it."""
+
+    replica: Replica
+    request_id: str
+    chunks: AsyncGenerator[Chunk, None]
+    streamed: bool  # the engine streams its tokens (a whole answer has no first token of its own)
+
+
 def _version_or_none(label: str) -> int | None:
     try:
         return parse_version(label)
@@ -200,6 +210,7 @@ class Generator:
         avoid: tuple[str, ...] = ()
         interrupted_at: float | None = None
         preempted_at: float | None = None
+        ahead: _EngineCall | None = None  # a continuation built while the weight update runs
         while state.finish_reason is None:
             remaining = request.sampling.max_tokens - len(state.output_ids)
             if remaining <= 0:
@@ -208,12 +219,16 @@ class Generator:
             await self._until_serving(deadline)
             wait_until = min(deadline, time.monotonic() + self.settings.max_wait_s)
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
+            call = ahead if ahead is not None and ahead.replica is replica else None
+            ahead = None
+            if call is None:
+                call = self._engine_call(request, state, replica, remaining)
             dispatch_version = replica.version if replica.version is not None else self.weights.version
             run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
             run.interrupted_at, run.preempted_at = interrupted_at, preempted_at
             failed = False
             try:
-                async for delta in self._segment(request, state, run, remaining, deadline):
+                async for delta in self._segment(request, state, run, call, deadline):
                     yield delta
             except BackendError as exc:
                 if not exc.retryable:
@@ -230,6 +245,13 @@ class Generator:
                 interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
                 preempted_at = None if failed else time.monotonic()
                 await self._prepare_resume(state, failed)
+                if not failed and request.sampling.max_tokens > len(state.output_ids):
+                    # Preempted: the replica most likely serves the continuation too, once the update is done.
+                    # Building it now (prompt plus tokens so far, encoded) takes that work off the moment every
+                    # held request is released at once; another replica then gets a call of its own.
+                    ahead = self._engine_call(
+                        request, state, replica, request.sampling.max_tokens - len(state.output_ids)
+                    )
 
     async def _until_serving(self, deadline: float) -> None:
         try:
@@ -237,10 +259,11 @@ class Generator:
         except TimeoutError:
             raise BackendUnavailable("request deadline passed while waiting for a weight update") from None
 
-    async def _segment(
-        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, remaining: int, deadline: float
-    ) -> AsyncIterator[Delta]:
-        backend = run.replica.backend
+    def _engine_call(
+        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int
+    ) -> _EngineCall:
+        """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go."""
+        backend = replica.backend
         prompt = request.prompt_ids + state.output_ids
         sampling = dataclasses.replace(
             request.sampling,
@@ -251,13 +274,18 @@ class Generator:
         splice = self.settings.routed_experts == "splice"
         experts_start = len(prompt) - 1 if continuing and splice else (request.experts_start if splice else 0)
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
-        engine_request_id = f"{request.request_id}-{len(state.segments)}"
-        engine_done = False
+        request_id = f"{request.request_id}-{len(state.segments)}"
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
-        streamed = backend.capabilities.streams(stream)  # what the engine will send: a whole answer has no first token
+        chunks = backend.generate(prompt, sampling, request_id, replay, experts_start, stream=stream)
+        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream))
+
+    async def _segment(
+        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
+    ) -> AsyncIterator[Delta]:
+        engine_done = False
         async with self.pool.lease(run.replica):
             try:
-                chunks = backend.generate(prompt, sampling, engine_request_id, replay, experts_start, stream=stream)
+                chunks = call.chunks
                 if run.preempted_at is not None:
                     self._dispatched(run.preempted_at)
                 async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):
@@ -266,7 +294,7 @@ class Generator:
                         engine_done = chunk.finish_reason is not None
                         if delta is not None:
                             if run.interrupted_at is not None:
-                                self._resumed(run, observe=streamed)
+                                self._resumed(run, observe=call.streamed)
                             self.completion_tokens_total += len(delta.token_ids)
                             yield delta
                         if run.finish is not None:
@@ -275,7 +303,7 @@ class Generator:
                 raise BackendUnavailable(f"request deadline of {self.settings.request_timeout_s}s passed") from None
             finally:
                 if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
-                    self._abort_in_background(run.replica, engine_request_id)
+                    self._abort_in_background(run.replica, call.request_id)
         self.pool.report_success(run.replica)
 
     def _dispatched(self, preempted_at: float) -> None:

@@ -72,7 +72,7 @@ UNMATCHED_ROUTE = "unmatched"  # a path no route matched: one label value, never
 RESUME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Dispatch after a weight update is gateway work only (the budget is 100 ms p99): fine buckets around it.
 DISPATCH_BUCKETS = (
-    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25),
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1, 0.125, 0.15, 0.2, 0.25),
     *(0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -542,6 +542,42 @@ async def test_stale_replica_is_held_out_until_a_later_update(
     assert {r["id"]: r["stale"] for r in status["replicas"]}[bad_id] is True
 
 
+async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_another(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A preempted request builds its continuation for the replica it ran on before it waits to resume; when that
+    replica is out of the pool by then, the continuation goes to another replica, built for that one."""
+    sims = [await make_sim(*slow("vllm", 0.005)) for _ in range(2)]
+    gw = await make_gateway(sims, routing={"balance_factor": 0.0})
+    n, total = 6, 200
+    streams = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n))
+    prompts = [[7, i, 5] for i in range(n)]
+    progress = [0]
+    tasks = [
+        asyncio.create_task(stream_generate(streams, gw.url, generate_body(p, total, session_id=f"m{i}"), progress))
+        for i, p in enumerate(prompts)
+    ]
+    pool = gw.services.pool
+    await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="n streams under way")
+    assert all(r.in_flight for r in pool.all())  # both replicas hold some
+    bad, good = sims
+    bad_id, good_id = bad.url.removeprefix("http://"), good.url.removeprefix("http://")
+    await http.post(f"{bad.url}/sim/faults", json={"ready": False})  # /health answers 503: ejected
+    await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")
+    await http.post(f"{bad.url}/sim/faults", json={"abort_all": True})  # its streams end in abort: preempted
+    results = await asyncio.gather(*tasks)
+    await streams.aclose()
+    moved = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.error is None and result.final["finish_reason"] == "length"
+        assert result.output_ids == expected_tokens(prompt, result.final["versions"], total)
+        assert result.final["replicas"] in ([good_id], [bad_id, good_id])
+        moved += result.final["replicas"] == [bad_id, good_id]
+        assert result.final["num_resumes"] == (1 if result.final["replicas"] == [bad_id, good_id] else 0)
+    assert moved >= 1
+    assert gw.services.generator.preemptions_total == moved
+
+
 async def test_replicas_added_and_removed_at_run_time(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
