@@ -322,11 +322,14 @@ class SessionManager:
         samples = await self.samples(session_id)
         size = len(prompt_ids)
         for sample in reversed(samples):  # most recent first (the cached list is in index order)
-            if not sample.num_turns or sample.cancelled or size <= len(sample.prompt_ids) + len(sample.response_ids):
+            length = sample.length
+            if not sample.num_turns or sample.cancelled or size <= length:
                 continue  # cheap checks first: a session can hold many samples
-            ids = sample.ids
-            if prompt_ids[: len(ids)] == ids:
-                env = prompt_ids[len(ids) :]
+            if length and prompt_ids[length - 1] != (sample.response_ids or sample.prompt_ids)[-1]:
+                continue  # its last token is not there: no need to compare (or build) all of its ids
+            start = len(sample.prompt_ids)
+            if prompt_ids[:start] == sample.prompt_ids and prompt_ids[start:length] == sample.response_ids:
+                env = prompt_ids[length:]
                 return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
         fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)

@@ -66,6 +66,25 @@ async def test_a_session_evicted_from_the_cache_during_its_turn_keeps_every_samp
     assert [s.prompt_ids.tolist() for s in stored] == [[1, 2, 3], [4, 5, 6], [12, 13]]
 
 
+async def test_a_raw_completion_extends_only_a_sample_whose_every_id_it_repeats(redis: Redis) -> None:
+    """The match checks a sample's last id first (cheap, in a session of many samples), then all of them."""
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    sessions = SessionManager(TOKENIZER, store)
+    await store.ensure_session("p", {})
+    await one_turn(sessions, store, "p", [1, 2, 3])  # sample 0: [1, 2, 3] + [7, 8]
+    same_end = await one_turn(sessions, store, "p", [1, 9, 3, 7, 8, 4])  # sample 0's last id in place, not its 2nd
+    assert same_end.new_sample and same_end.sample.index == 1
+    other_end = await one_turn(sessions, store, "p", [1, 2, 3, 7, 6, 4])
+    assert other_end.new_sample and other_end.sample.index == 2
+    extends = await one_turn(sessions, store, "p", [1, 2, 3, 7, 8, 5])
+    assert not extends.new_sample and extends.sample.index == 0 and extends.env_ids == [5]
+    assert [s.prompt_ids.tolist() + s.response_ids.tolist() for s in await store.load_samples("p")] == [
+        [1, 2, 3, 7, 8, 5, 7, 8],
+        [1, 9, 3, 7, 8, 4, 7, 8],
+        [1, 2, 3, 7, 6, 4, 7, 8],
+    ]
+
+
 async def test_a_session_with_a_turn_in_flight_keeps_its_lock_when_evicted(redis: Redis) -> None:
     store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
     sessions = SessionManager(TOKENIZER, store, cache_size=1)
