@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
@@ -56,9 +57,68 @@ class SampleStore(Protocol):
     async def touch_session(self, session_id: str) -> SessionMeta | None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class SampleArrays:
+    """A working sample's token lists as the arrays a `Sample` holds (read-only: samples share them)."""
+
+    prompt_ids: npt.NDArray[np.int32]
+    response_ids: npt.NDArray[np.int32]
+    loss_mask: npt.NDArray[np.uint8]
+    logprobs: npt.NDArray[np.float32]
+    versions: npt.NDArray[np.int32]
+
+    @classmethod
+    def of(
+        cls,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        loss_mask: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+    ) -> SampleArrays:
+        return cls(
+            _frozen(np.asarray(prompt_ids, I32)),
+            _frozen(np.asarray(response_ids, I32)),
+            _frozen(np.asarray(loss_mask, U8)),
+            _frozen(np.asarray(logprobs, F32)),
+            _frozen(np.asarray(versions, I32)),
+        )
+
+    def extended(
+        self, response_ids: Sequence[int], loss_mask: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+    ) -> SampleArrays:
+        """These arrays with the given response entries appended: only those are converted."""
+        if not response_ids:
+            return self
+        return SampleArrays(
+            self.prompt_ids,
+            _appended(self.response_ids, response_ids),
+            _appended(self.loss_mask, loss_mask),
+            _appended(self.logprobs, logprobs),
+            _appended(self.versions, versions),
+        )
+
+
+def _frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    array.flags.writeable = False
+    return array
+
+
+def _read_only(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """`array` itself when it is read-only already (a sample read from Redis), else a read-only copy."""
+    if array.dtype == dtype and not array.flags.writeable:
+        return array
+    return _frozen(array.astype(dtype))
+
+
+def _appended(array: npt.NDArray[Any], tail: Sequence[Any]) -> npt.NDArray[Any]:
+    return _frozen(np.concatenate([array, np.asarray(tail, array.dtype)]))
+
+
 @dataclass
 class WorkingSample:
-    """A sample as python lists, cheap to extend turn after turn."""
+    """A sample as python lists, cheap to extend turn after turn. The lists only ever grow at their end (`record`),
+    so their arrays are converted once per entry (`arrays`), not at every write of the sample."""
 
     index: int
     prompt_ids: list[int]
@@ -78,6 +138,8 @@ class WorkingSample:
     stored: StoredChunks | None = field(default=None, repr=False, compare=False)
     # The turn that wrote it last, as far as this process knows (None: a new sample, or written without one).
     writer: str | None = field(default=None, repr=False, compare=False)
+    # The lists as arrays, up to the length they had when last converted (`arrays`).
+    converted: SampleArrays | None = field(default=None, repr=False, compare=False)
 
     @property
     def ids(self) -> list[int]:
@@ -88,13 +150,27 @@ class WorkingSample:
         """len(ids), without building them."""
         return len(self.prompt_ids) + len(self.response_ids)
 
+    def arrays(self) -> SampleArrays:
+        """The lists as arrays, converting only what was appended since the last call."""
+        done, size = self.converted, len(self.response_ids)
+        if done is None or len(done.prompt_ids) != len(self.prompt_ids) or len(done.response_ids) > size:
+            done = SampleArrays.of(self.prompt_ids, self.response_ids, self.loss_mask, self.logprobs, self.versions)
+        elif len(done.response_ids) < size:
+            start = len(done.response_ids)
+            done = done.extended(
+                self.response_ids[start:], self.loss_mask[start:], self.logprobs[start:], self.versions[start:]
+            )
+        self.converted = done
+        return done
+
     def to_sample(self) -> Sample:
+        arrays = self.arrays()
         return Sample(
-            prompt_ids=np.asarray(self.prompt_ids, I32),
-            response_ids=np.asarray(self.response_ids, I32),
-            loss_mask=np.asarray(self.loss_mask, U8),
-            logprobs=np.asarray(self.logprobs, F32),
-            versions=np.asarray(self.versions, I32),
+            prompt_ids=arrays.prompt_ids,
+            response_ids=arrays.response_ids,
+            loss_mask=arrays.loss_mask,
+            logprobs=arrays.logprobs,
+            versions=arrays.versions,
             routed_experts=self.routed_experts,
             num_turns=self.num_turns,
             cancelled=self.cancelled,
@@ -117,6 +193,13 @@ class WorkingSample:
             num_turns=sample.num_turns,
             cancelled=sample.cancelled,
             writer=sample.writer,
+            converted=SampleArrays(
+                _read_only(sample.prompt_ids, I32),
+                _read_only(sample.response_ids, I32),
+                _read_only(sample.loss_mask, U8),
+                _read_only(sample.logprobs, F32),
+                _read_only(sample.versions, I32),
+            ),
         )
 
     def copy_as(self, index: int) -> WorkingSample:
@@ -383,21 +466,27 @@ class SessionManager:
         return np.concatenate([sample.routed_experts, new.astype(sample.routed_experts.dtype)])
 
     def partial(self, turn: Turn, state: GenerationState) -> Sample:
-        """The sample as it would be stored if the turn ended now (written at segment boundaries)."""
+        """The sample as it would be stored if the turn ended now (written at segment boundaries): the sample's
+        arrays with the turn's tokens so far appended, the sample itself unchanged."""
         sample = turn.sample
-        ws = WorkingSample(
-            index=sample.index,
-            prompt_ids=sample.prompt_ids,
-            response_ids=sample.response_ids + turn.env_ids + state.output_ids,
-            loss_mask=sample.loss_mask + [0] * len(turn.env_ids) + [1] * len(state.output_ids),
-            logprobs=sample.logprobs + [0.0] * len(turn.env_ids) + state.logprobs,
-            versions=sample.versions + [ENV_VERSION] * len(turn.env_ids) + state.versions,
+        env, out = turn.env_ids, state.output_ids
+        arrays = sample.arrays().extended(
+            env + out,
+            [0] * len(env) + [1] * len(out),
+            [0.0] * len(env) + state.logprobs,
+            [ENV_VERSION] * len(env) + state.versions,
+        )
+        return Sample(
+            prompt_ids=arrays.prompt_ids,
+            response_ids=arrays.response_ids,
+            loss_mask=arrays.loss_mask,
+            logprobs=arrays.logprobs,
+            versions=arrays.versions,
             routed_experts=self._merge_experts(sample, turn, state),
+            num_turns=sample.num_turns,
             conversation=sample.conversation,
             tools=sample.tools,
-            num_turns=sample.num_turns,
         )
-        return ws.to_sample()
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

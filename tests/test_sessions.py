@@ -307,3 +307,47 @@ async def test_a_conversation_whose_text_differs_but_whose_ids_extend_a_sample_e
     assert tokenizer.extension_of(messages).by_text(turn.sample.conversation, None) is TextCheck.DIFFERENT
     assert not tokenizer.extension_of(messages).texts_decide  # the ids decide
     assert_extends(tokenizer, await sessions.begin_chat_turn("nfc", messages, None), 0, messages)
+
+
+def lists_of(turn: Turn) -> list[list[Any]]:
+    sample = turn.sample
+    return [sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.logprobs, sample.versions]
+
+
+def arrays_of(stored: Any) -> list[list[Any]]:
+    fields = ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions")
+    return [getattr(stored, name).tolist() for name in fields]
+
+
+async def test_a_growing_sample_converts_only_what_each_turn_appends(redis: Redis) -> None:
+    """A sample's arrays are converted once per entry, not at every write: each turn's write holds exactly the
+    sample's lists, whether this process made the sample or read it back, and a partial write (a segment
+    boundary) changes nothing of the sample."""
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    sessions = SessionManager(TOKENIZER, store)
+    prompt, prompt_array = [1, 2, 3], None
+    for turn_no in range(3):
+        turn = await served_turn(sessions, "grow", prompt, [40 + turn_no, 50 + turn_no])
+        converted = turn.sample.converted
+        assert converted is not None and arrays_of(converted) == lists_of(turn)
+        assert not converted.response_ids.flags.writeable  # shared by the samples written: never changed in place
+        assert prompt_array is None or converted.prompt_ids is prompt_array  # the prompt was converted once
+        prompt_array = converted.prompt_ids
+        prompt = turn.sample.ids + [60 + turn_no]
+    (stored,) = await store.load_samples("grow")
+    assert arrays_of(stored) == lists_of(turn)
+
+    async with sessions.lock("grow"):
+        turn = await sessions.begin_completion_turn("grow", prompt)
+        before = lists_of(turn)
+        state = sampled(turn, [70, 71])
+        partial = sessions.partial(turn, state)
+        assert arrays_of(partial)[1] == before[1] + turn.env_ids + [70, 71]
+        assert arrays_of(partial)[2] == before[2] + [0] * len(turn.env_ids) + [1, 1]
+        assert lists_of(turn) == before and arrays_of(turn.sample.converted) == before  # the sample is untouched
+
+    elsewhere = SessionManager(TOKENIZER, store)  # another process: reads the sample back, then extends it
+    turn = await served_turn(elsewhere, "grow", prompt, [80])
+    assert not turn.new_sample
+    (stored,) = await store.load_samples("grow")
+    assert arrays_of(stored) == lists_of(turn) == arrays_of(turn.sample.converted)
