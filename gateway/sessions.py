@@ -98,6 +98,28 @@ class SampleArrays:
             _appended(self.versions, versions),
         )
 
+    def sample(
+        self,
+        routed_experts: ExpertArray | None,
+        num_turns: int,
+        cancelled: bool,
+        conversation: list[Message],
+        tools: list[Tool] | None,
+    ) -> Sample:
+        """The sample these arrays are the token arrays of."""
+        return Sample(
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            routed_experts=routed_experts,
+            num_turns=num_turns,
+            cancelled=cancelled,
+            conversation=conversation,
+            tools=tools,
+        )
+
 
 def _frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
     array.flags.writeable = False
@@ -164,19 +186,7 @@ class WorkingSample:
         return done
 
     def to_sample(self) -> Sample:
-        arrays = self.arrays()
-        return Sample(
-            prompt_ids=arrays.prompt_ids,
-            response_ids=arrays.response_ids,
-            loss_mask=arrays.loss_mask,
-            logprobs=arrays.logprobs,
-            versions=arrays.versions,
-            routed_experts=self.routed_experts,
-            num_turns=self.num_turns,
-            cancelled=self.cancelled,
-            conversation=self.conversation,
-            tools=self.tools,
-        )
+        return self.arrays().sample(self.routed_experts, self.num_turns, self.cancelled, self.conversation, self.tools)
 
     @classmethod
     def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
@@ -476,17 +486,8 @@ class SessionManager:
             [0.0] * len(env) + state.logprobs,
             [ENV_VERSION] * len(env) + state.versions,
         )
-        return Sample(
-            prompt_ids=arrays.prompt_ids,
-            response_ids=arrays.response_ids,
-            loss_mask=arrays.loss_mask,
-            logprobs=arrays.logprobs,
-            versions=arrays.versions,
-            routed_experts=self._merge_experts(sample, turn, state),
-            num_turns=sample.num_turns,
-            conversation=sample.conversation,
-            tools=sample.tools,
-        )
+        experts = self._merge_experts(sample, turn, state)
+        return arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools)
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -15,9 +17,11 @@ from backends.routed_experts import decode_npy_b64
 from backends.sim.engine import EngineSettings
 from backends.sim.model import PREFIX_HASH_START, TokenModel, extend_prefix_hash, weights_key
 from gateway.config import ReplicaConfig
+from gateway.server import RunningGateway
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import (
     SHAPE,
+    Streamed,
     expected_tokens,
     generate_body,
     publish,
@@ -32,6 +36,30 @@ PROMPT = [11, 22, 33, 44, 55]
 
 def slow(dialect: str, delay: float = 0.002, **engine: Any) -> tuple[str, EngineSettings]:
     return dialect, EngineSettings(token_delay_s=delay, block_size=16 if dialect == "vllm" else 1, **engine)
+
+
+@contextlib.asynccontextmanager
+async def streams_under_way(
+    gw: RunningGateway, prompts: list[list[int]], total: int, session_prefix: str
+) -> AsyncIterator[list[asyncio.Task[Streamed]]]:
+    """One streamed `/generate` of `total` tokens per prompt (session `session_prefix` + its index), every one in
+    flight and past its first token on entry; those still running on exit are cancelled."""
+    n = len(prompts)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+        progress = [0]
+        tasks = [
+            asyncio.create_task(
+                stream_generate(client, gw.url, generate_body(p, total, session_id=f"{session_prefix}{i}"), progress)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            pool = gw.services.pool
+            await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="streams")
+            yield tasks
+        finally:
+            for task in tasks:
+                task.cancel()
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
@@ -169,18 +197,10 @@ async def test_each_preempted_request_reports_its_dispatch_once(
     sims = [await make_sim(*slow("vllm", 0.005)), await make_sim(*slow("sglang", 0.005))]
     gw = await make_gateway(sims)
     n, total = 30, 200
-    streams = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n))
     prompts = [[9, i, 4] for i in range(n)]
-    progress = [0]
-    tasks = [
-        asyncio.create_task(stream_generate(streams, gw.url, generate_body(p, total, session_id=f"d{i}"), progress))
-        for i, p in enumerate(prompts)
-    ]
-    pool = gw.services.pool
-    await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="n streams under way")
-    assert (await publish(http, gw.url, 1)).status_code == 200
-    results = await asyncio.gather(*tasks)
-    await streams.aclose()
+    async with streams_under_way(gw, prompts, total, "d") as tasks:
+        assert (await publish(http, gw.url, 1)).status_code == 200
+        results = await asyncio.gather(*tasks)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.error is None and result.final["num_resumes"] == 1
         assert result.output_ids == expected_tokens(prompt, result.final["versions"], total)
@@ -550,23 +570,16 @@ async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_anoth
     sims = [await make_sim(*slow("vllm", 0.005)) for _ in range(2)]
     gw = await make_gateway(sims, routing={"balance_factor": 0.0})
     n, total = 6, 200
-    streams = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n))
     prompts = [[7, i, 5] for i in range(n)]
-    progress = [0]
-    tasks = [
-        asyncio.create_task(stream_generate(streams, gw.url, generate_body(p, total, session_id=f"m{i}"), progress))
-        for i, p in enumerate(prompts)
-    ]
-    pool = gw.services.pool
-    await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="n streams under way")
-    assert all(r.in_flight for r in pool.all())  # both replicas hold some
     bad, good = sims
     bad_id, good_id = bad.url.removeprefix("http://"), good.url.removeprefix("http://")
-    await http.post(f"{bad.url}/sim/faults", json={"ready": False})  # /health answers 503: ejected
-    await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")
-    await http.post(f"{bad.url}/sim/faults", json={"abort_all": True})  # its streams end in abort: preempted
-    results = await asyncio.gather(*tasks)
-    await streams.aclose()
+    pool = gw.services.pool
+    async with streams_under_way(gw, prompts, total, "m") as tasks:
+        assert all(r.in_flight for r in pool.all())  # both replicas hold some
+        await http.post(f"{bad.url}/sim/faults", json={"ready": False})  # /health answers 503: ejected
+        await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")
+        await http.post(f"{bad.url}/sim/faults", json={"abort_all": True})  # its streams end in abort: preempted
+        results = await asyncio.gather(*tasks)
     moved = 0
     for prompt, result in zip(prompts, results, strict=True):
         assert result.error is None and result.final["finish_reason"] == "length"
