@@ -487,7 +487,10 @@ class SessionManager:
             [ENV_VERSION] * len(env) + state.versions,
         )
         experts = self._merge_experts(sample, turn, state)
-        return arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools)
+        written = arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools)
+        # The last write of the sample stored this conversation: the turn changes it only once it ends.
+        written.conversation_stored = True
+        return written
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

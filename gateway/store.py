@@ -256,8 +256,9 @@ class _Lua:
 # retries under contention, while the script does read, check and write in one round trip.
 # Every write bumps the meta's `revision` and answers it (an integer; a refusal answers the status, a string).
 # A write either replaces the sample (kept = 0) or keeps its first `kept` chunks (gateway/trajectory.py), which
-# it expects to end where `ends` says (`Sample.to_redis_extending`), and sets chunk `kept`; if the stored chunks
-# are not those, it writes nothing and answers 'rewrite' (the caller then sends the whole sample).
+# it expects to end where `ends` says (`Sample.to_redis_extending`), and sets chunk `kept` and the fields it sends
+# (the conversation and tools stay as stored when it sends none); if the stored chunks are not those, it writes
+# nothing and answers 'rewrite' (the caller then sends the whole sample).
 # A write that names its `writer` (the turn writing) replaces only what that writer or its `base` (the writer of
 # what it extends; "" for a new sample) wrote last: a sample another turn wrote meanwhile (another process serving
 # the same session) is left as it is, and the answer is 'taken N' with N the session's first free index.
@@ -285,7 +286,6 @@ else
     for chunk = kept + 1, commas do
         for _, name in ipairs({CHUNKED_NAMES}) do redis.call('HDEL', KEYS[2], name .. '.' .. chunk) end
     end
-    redis.call('HDEL', KEYS[2], 'conversation', 'tools')
 end
 redis.call('HSET', KEYS[2], unpack(ARGV, 9))
 redis.call('EXPIRE', KEYS[2], ARGV[4])

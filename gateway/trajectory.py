@@ -14,7 +14,8 @@ that extends a sample sends only what it added (`Sample.to_redis_extending`), an
 O(length) instead of O(turns × length) (routed experts alone are layers × top-k bytes per position). Chunk 0 is
 `response_ids`, `loss_mask`, `logprobs`, `versions`, `experts`; chunk k ≥ 1 the same names with `.k`;
 `chunk_ends` says where each chunk ends, as `response tokens:experts rows` pairs. `prompt_ids`, the scalars and
-the conversation are written whole.
+the conversation are written whole; an extending write leaves out a conversation the hash holds already (a write
+at a segment boundary, `Sample.conversation_stored`), and the hash keeps it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class Sample:
     # on several processes see each other's writes (`TrajectoryStore.save_sample`). Not training data, and never
     # part of `to_redis`: each write names its own.
     writer: str | None = None
+    # The hash this sample extends holds its conversation and tools already (a partial write of a turn in flight:
+    # the conversation changes only when the turn ends): an extending write leaves them out. Not part of the data.
+    conversation_stored: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -166,7 +170,10 @@ class Sample:
             if new.size and (int(new.min()) < 0 or int(new.max()) > np.iinfo(dtype).max):
                 return None
             new = new.astype(dtype, copy=False)
-        fields = self._scalar_fields()
+        fields = self._scalar_fields(conversation=not self.conversation_stored)
+        if not self.conversation_stored:  # both set, an absent one as null: the hash keeps what a write leaves out
+            fields.setdefault("conversation", b"null")
+            fields.setdefault("tools", b"null")
         fields.update(self._chunk(len(stored.ends), tokens, new))
         if experts is not None:
             fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
@@ -188,16 +195,17 @@ class Sample:
             fields[chunk_field("experts", chunk)] = experts.tobytes()
         return fields
 
-    def _scalar_fields(self) -> dict[str, bytes | int | str]:
+    def _scalar_fields(self, conversation: bool = True) -> dict[str, bytes | int | str]:
+        """The scalars, and (`conversation`) the conversation and tools that are not None."""
         fields: dict[str, bytes | int | str] = {
             "num_turns": self.num_turns,
             "cancelled": int(self.cancelled),
             "min_version": "" if self.min_version is None else self.min_version,
             "max_version": "" if self.max_version is None else self.max_version,
         }
-        if self.conversation is not None:
+        if conversation and self.conversation is not None:
             fields["conversation"] = orjson.dumps(self.conversation)
-        if self.tools is not None:
+        if conversation and self.tools is not None:
             fields["tools"] = orjson.dumps(self.tools)
         return fields
 

@@ -342,6 +342,7 @@ async def test_a_growing_sample_converts_only_what_each_turn_appends(redis: Redi
         before = lists_of(turn)
         state = sampled(turn, [70, 71])
         partial = sessions.partial(turn, state)
+        assert partial.conversation_stored  # its last write stored the conversation: this one leaves it out
         assert arrays_of(partial)[1] == before[1] + turn.env_ids + [70, 71]
         assert arrays_of(partial)[2] == before[2] + [0] * len(turn.env_ids) + [1, 1]
         assert lists_of(turn) == before and arrays_of(turn.sample.converted) == before  # the sample is untouched

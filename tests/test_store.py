@@ -636,6 +636,38 @@ async def test_a_sample_without_routed_experts_is_extended_too_until_it_gains_th
     assert_same(loaded, gained)
 
 
+async def test_a_partial_write_leaves_the_stored_conversation_out_and_the_hash_keeps_it(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    """A write at a segment boundary extends a sample whose conversation is stored already: it sends only the new
+    tokens and scalars; a turn's end sends its new conversation, and a sample without tools clears stored ones."""
+    meta = await store.create_session()
+    key = KEYS.sample(meta.id, 0)
+    chat = [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    first = dataclasses.replace(make_sample(prompt=6, response=10, experts_max=100), conversation=chat, tools=tools)
+    saved = await store.save_sample(meta.id, 0, first)
+    assert saved is not None
+
+    partial = dataclasses.replace(extended(first, 3, experts_max=100, seed=1), conversation=chat, tools=tools)
+    partial.conversation_stored = True
+    fields, _ = partial.to_redis_extending(saved.stored) or ({}, None)
+    assert "response_ids.1" in fields and "conversation" not in fields and "tools" not in fields
+    assert await store.save_sample(meta.id, 0, partial, stored=saved.stored) is not None
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, partial)
+    assert loaded.conversation == chat and loaded.tools == tools
+
+    longer = [*chat, {"role": "user", "content": "z"}, {"role": "assistant", "content": "w"}]
+    final = dataclasses.replace(extended(first, 7, experts_max=100, seed=2), conversation=longer, tools=None)
+    done = await store.save_sample(meta.id, 0, final, stored=saved.stored)
+    assert done is not None and done.stored.ends == ((10, 15), (17, 22))
+    assert await redis.hexists(key, "conversation")
+    [loaded] = await store.load_samples(meta.id)
+    assert_same(loaded, final)
+    assert loaded.conversation == longer and loaded.tools is None
+
+
 async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_turn_moves(
     client: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
