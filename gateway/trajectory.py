@@ -197,11 +197,12 @@ class Sample:
 
     def _scalar_fields(self, conversation: bool = True) -> dict[str, bytes | int | str]:
         """The scalars, and (`conversation`) the conversation and tools that are not None."""
+        sampled = self.model_versions  # once: min and max of one boolean selection
         fields: dict[str, bytes | int | str] = {
             "num_turns": self.num_turns,
             "cancelled": int(self.cancelled),
-            "min_version": "" if self.min_version is None else self.min_version,
-            "max_version": "" if self.max_version is None else self.max_version,
+            "min_version": int(sampled.min()) if sampled.size else "",
+            "max_version": int(sampled.max()) if sampled.size else "",
         }
         if conversation and self.conversation is not None:
             fields["conversation"] = orjson.dumps(self.conversation)
