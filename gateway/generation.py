@@ -219,10 +219,11 @@ class Generator:
             await self._until_serving(deadline)
             wait_until = min(deadline, time.monotonic() + self.settings.max_wait_s)
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
-            call = ahead if ahead is not None and ahead.replica is replica else None
-            ahead = None
-            if call is None:
+            if ahead is not None and ahead.replica is replica:
+                call = ahead
+            else:
                 call = self._engine_call(request, state, replica, remaining)
+            ahead = None
             dispatch_version = replica.version if replica.version is not None else self.weights.version
             run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
             run.interrupted_at, run.preempted_at = interrupted_at, preempted_at
@@ -245,13 +246,12 @@ class Generator:
                 interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
                 preempted_at = None if failed else time.monotonic()
                 await self._prepare_resume(state, failed)
-                if not failed and request.sampling.max_tokens > len(state.output_ids):
+                left = request.sampling.max_tokens - len(state.output_ids)
+                if not failed and left > 0:
                     # Preempted: the replica most likely serves the continuation too, once the update is done.
                     # Building it now (prompt plus tokens so far, encoded) takes that work off the moment every
                     # held request is released at once; another replica then gets a call of its own.
-                    ahead = self._engine_call(
-                        request, state, replica, request.sampling.max_tokens - len(state.output_ids)
-                    )
+                    ahead = self._engine_call(request, state, replica, left)
 
     async def _until_serving(self, deadline: float) -> None:
         try:

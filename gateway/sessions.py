@@ -447,10 +447,11 @@ class SessionManager:
     def record(self, turn: Turn, state: GenerationState, assistant: Message | None) -> Sample:
         """Append the turn to its sample (env ids mask 0, sampled ids mask 1) and return the sample to store."""
         sample = turn.sample
-        sample.response_ids += turn.env_ids + state.output_ids
-        sample.loss_mask += [0] * len(turn.env_ids) + [1] * len(state.output_ids)
-        sample.logprobs += [0.0] * len(turn.env_ids) + state.logprobs
-        sample.versions += [ENV_VERSION] * len(turn.env_ids) + state.versions
+        ids, mask, logprobs, versions = _turn_entries(turn, state)
+        sample.response_ids += ids
+        sample.loss_mask += mask
+        sample.logprobs += logprobs
+        sample.versions += versions
         sample.routed_experts = self._merge_experts(sample, turn, state)
         sample.num_turns += 1
         sample.cancelled = state.cancelled
@@ -479,18 +480,24 @@ class SessionManager:
         """The sample as it would be stored if the turn ended now (written at segment boundaries): the sample's
         arrays with the turn's tokens so far appended, the sample itself unchanged."""
         sample = turn.sample
-        env, out = turn.env_ids, state.output_ids
-        arrays = sample.arrays().extended(
-            env + out,
-            [0] * len(env) + [1] * len(out),
-            [0.0] * len(env) + state.logprobs,
-            [ENV_VERSION] * len(env) + state.versions,
-        )
+        arrays = sample.arrays().extended(*_turn_entries(turn, state))
         experts = self._merge_experts(sample, turn, state)
         written = arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools)
         # The last write of the sample stored this conversation: the turn changes it only once it ends.
         written.conversation_stored = True
         return written
+
+
+def _turn_entries(turn: Turn, state: GenerationState) -> tuple[list[int], list[int], list[float], list[int]]:
+    """The response entries a turn appends to its sample: ids, loss mask, logprobs and versions (env ids mask 0,
+    logprob 0, `ENV_VERSION`; sampled ids mask 1)."""
+    env, out = turn.env_ids, state.output_ids
+    return (
+        env + out,
+        [0] * len(env) + [1] * len(out),
+        [0.0] * len(env) + state.logprobs,
+        [ENV_VERSION] * len(env) + state.versions,
+    )
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

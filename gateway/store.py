@@ -340,14 +340,6 @@ def _backoff_s(attempt: int) -> float:
     return step / 2 + random.uniform(0, step / 2)
 
 
-def _encode_sample(sample: Sample, writer: str = "") -> _Fields:
-    """The sample's hash fields exactly as Redis stores and returns them (so a buffered copy decodes alike)."""
-    fields = sample.to_redis()
-    if writer:
-        fields["writer"] = writer
-    return _as_stored(fields)
-
-
 def _as_stored(fields: dict[str, bytes | int | str]) -> _Fields:
     return {name: v if isinstance(v, bytes) else str(v).encode() for name, v in fields.items()}
 
@@ -411,8 +403,14 @@ class _SampleWrite:
                 fields, after = extending
                 kept, ends = len(self.stored.ends), self.stored.ends_field
                 return kept, ends, self._with_writer(_as_stored(fields)), after
-        whole, after = self.sample.to_redis_whole()
-        return 0, "", self._with_writer(_as_stored(whole)), after
+        whole, after = self.whole()
+        return 0, "", whole, after
+
+    def whole(self) -> tuple[_Fields, StoredChunks]:
+        """The fields of the whole sample exactly as Redis stores and returns them (so a buffered copy decodes
+        alike), and what the hash holds after."""
+        fields, after = self.sample.to_redis_whole()
+        return self._with_writer(_as_stored(fields)), after
 
     def _with_writer(self, fields: _Fields) -> _Fields:
         if self.writer:
@@ -757,7 +755,7 @@ class TrajectoryStore:
                 rows = await _call(pipe.execute(), "read samples")
             found = {index: row for index, row in enumerate(rows) if row}
         found |= {
-            self._moved.get(w.moves_key, w.index): _encode_sample(w.sample, w.writer)
+            self._moved.get(w.moves_key, w.index): w.whole()[0]
             for w in self._buffer.values()
             if w.session_id == session_id
         }
