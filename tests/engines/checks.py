@@ -58,16 +58,14 @@ async def interrupted(
     takes from the engine in one answer per segment); once the engine generated PAUSE_AFTER of them, await
     `interrupt()` (a gateway pause or update).
 
-    On this two-core machine the test process (which also runs the gateway) can be descheduled for seconds
-    while the engine keeps generating, so a pause sent "mid-request" may land after the request finished. The
-    engine is therefore frozen first with its own keep-style pause (a direct call), the request is checked to
-    be still in the engine, and only then does the gateway act; if the request had already finished, the
-    attempt is repeated. The gateway's own pause/update calls are what the test checks.
+    On this two-core machine the test process (which also runs the gateway) can be descheduled while the engine
+    keeps generating, so a pause sent "mid-request" may land after the request finished. The engine is therefore
+    frozen first with its own keep-style pause (a direct call), the request is checked to be still in the engine,
+    and only then does the gateway act; if the request had already finished, the attempt is repeated (ATTEMPTS).
+    The gateway's own pause/update calls are what the test checks.
 
-    Seen here: the first request after a test's restore often loses its attempt. A separate process sleeping
-    10 ms in a loop measured stalls of 2.4-2.7 s at those very moments (the whole machine, not this process; a
-    lower priority for the engine did not help), and a 3,000-token request ends within such a stall; three
-    attempts in a row were lost in some runs, hence ATTEMPTS."""
+    The stalls of several seconds once seen here (every other request ran to its end before the test saw a token)
+    were vLLM's EngineCore spinning on the core the test needs: `servers.pin_engine_core_beside_its_worker`."""
     total = LONG[server.kind]
     for _attempt in range(ATTEMPTS):
         before = await metric(http, server, GENERATED[server.kind])

@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks._harness import child_pids, pin_process
+
 REPO = Path(__file__).resolve().parents[2]
 STATE = REPO / ".engines"
 STUB_DIR = Path(__file__).resolve().parent / "sgl_kernel_stub"
@@ -215,6 +217,30 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
 
 
+def _named(pids: list[int], prefix: str) -> list[int]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().startswith(prefix):
+                found.append(pid)
+    return found
+
+
+def pin_engine_core_beside_its_worker(api_server: int) -> None:
+    """Move vLLM's EngineCore process onto the CPUs its model worker is bound to.
+
+    The CPU build binds the worker to one core and leaves the EngineCore free; while a request runs, the
+    EngineCore waits for each step's output by spinning on shared memory (`shm_broadcast.SpinCondition`:
+    `sched_yield` in a loop for a second after every read), so on two cores it holds the other core at 100 %.
+    There the API server, the gateway and the test all queue behind it: streams and `/metrics` stalled for the
+    whole 4-second request every other request (seen here), and pauses landed after the request had ended. Beside
+    its worker the spin only yields the core to the worker, and the other core stays free."""
+    for core in _named(child_pids(api_server), "VLLM::EngineCor"):
+        workers = _named(child_pids(core), "VLLM::Worker")
+        if workers:
+            pin_process(core, os.sched_getaffinity(workers[0]))
+
+
 @contextlib.contextmanager
 def engine_server(kind: str, tmp: Path) -> Iterator[EngineServer]:
     """The session's engine server: an external one (RG_<KIND>_URL), or one started here and stopped at the end."""
@@ -240,6 +266,8 @@ def engine_server(kind: str, tmp: Path) -> Iterator[EngineServer]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, log)
+        if kind == "vllm":
+            pin_engine_core_beside_its_worker(process.pid)
         print(f"\n{kind} server up in {time.monotonic() - started:.1f} s ({url}, log {log})")
         stub_log = Path(env["RG_SGL_KERNEL_STUB_LOG"]) if kind == "sglang" else None
         yield EngineServer(kind, url, models, model, routed, log, stub_log)
