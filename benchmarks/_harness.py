@@ -114,13 +114,18 @@ def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 
 
 @contextlib.contextmanager
-def sim_replicas(args_per_replica: Sequence[Sequence[str]]) -> Iterator[list[SimProcess]]:
-    """One simulator replica per argument list, each a child process; all stopped (SIGTERM, bounded) on exit."""
+def sim_replicas(
+    args_per_replica: Sequence[Sequence[str]], cpus: Sequence[set[int] | None] = ()
+) -> Iterator[list[SimProcess]]:
+    """One simulator replica per argument list, each a child process, the i-th pinned to `cpus[i]` (where given) once
+    it listens; all stopped (SIGTERM, bounded) on exit."""
     with contextlib.ExitStack() as stack:
         replicas = []
-        for args in args_per_replica:
+        for index, args in enumerate(args_per_replica):
             replica = SimProcess([*args, "--log-level", "warning"])
             stack.enter_context(replica)
+            if index < len(cpus) and replica.pid is not None:
+                pin_process(replica.pid, cpus[index])
             replicas.append(replica)
         yield replicas
 

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -329,10 +329,25 @@ class RunResult(Result):
 
 
 class Bench:
-    def __init__(self, replicas: list[SimProcess], loadgen_cpus: set[int] | None, timeout_s: float) -> None:
+    """Timed runs of load-generator processes against a target, reading every process's CPU around them.
+
+    `loadgens`: one load-generator process per entry, each pinned to its CPUs, the workload's agents and requests
+    split between them (default: one, on `loadgen_cpus`). `affinity`: read the replicas' prompt logs after each run
+    (affinity and balance; costs a decode per request in this process).
+    """
+
+    def __init__(
+        self,
+        replicas: list[SimProcess],
+        loadgen_cpus: set[int] | None,
+        timeout_s: float,
+        loadgens: Sequence[set[int] | None] | None = None,
+        affinity: bool = True,
+    ) -> None:
         self.replicas = replicas
-        self.loadgen_cpus = loadgen_cpus
+        self.loadgens = list(loadgens) if loadgens is not None else [loadgen_cpus]
         self.timeout_s = timeout_s
+        self.affinity = affinity
         self.tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up sessions
         self.http = httpx.AsyncClient(timeout=10.0)
         from tokenizers import Tokenizer
@@ -355,69 +370,113 @@ class Bench:
         return sum(cpu_seconds(replica.pid) or 0.0 for replica in self.replicas)
 
     async def run(self, target: Target, workload: Workload) -> RunResult:
-        tag = next(self.tags)
+        """One timed run: every load generator warms up, then all get `go` at once; their results are summed (the
+        wall time is the longest one's). The other processes' CPU is read just before `go` and after the end; the load
+        generators report their own."""
         urls = [target.url] if target.url else [replica.url for replica in self.replicas]
-        spec = workload.spec(
-            urls, tag, self.timeout_s, "generate" if target.name == "gateway-generate" else "completions"
-        )
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "benchmarks.loadgen",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            preexec_fn=pinned(self.loadgen_cpus),
-            limit=1 << 26,
-            cwd=REPO_ROOT,  # `benchmarks` is not an installed package
-        )
-        assert process.stdin is not None and process.stdout is not None
-        try:
-            process.stdin.write(orjson.dumps(spec) + b"\n")
-            await process.stdin.drain()
-            warm = orjson.loads(await asyncio.wait_for(process.stdout.readline(), self.timeout_s))
-            await self.replica_post("/sim/prompt_log", {"head": PROMPT_LOG_HEAD})
+        api = "generate" if target.name == "gateway-generate" else "completions"
+        tags = [next(self.tags) for _ in self.loadgens]
+        specs = [
+            part.spec(urls, tag, self.timeout_s, api)
+            for part, tag in zip(split(workload, len(tags)), tags, strict=True)
+        ]
+        async with contextlib.AsyncExitStack() as stack:
+            processes = [await stack.enter_async_context(loadgen_process(cpus)) for cpus in self.loadgens]
+            for process, spec in zip(processes, specs, strict=True):
+                _stdin(process).write(orjson.dumps(spec) + b"\n")
+                await _stdin(process).drain()
+            warms = [orjson.loads(await asyncio.wait_for(_stdout(p).readline(), self.timeout_s)) for p in processes]
+            if self.affinity:
+                await self.replica_post("/sim/prompt_log", {"head": PROMPT_LOG_HEAD})
             queries0, hits0 = await self.cache_counters()
-            cpu0, replicas0, loadgen0 = target.cpu(), self.replica_cpu(), cpu_seconds(process.pid) or 0.0
-            process.stdin.write(b"go\n")
-            await process.stdin.drain()
-            line = await asyncio.wait_for(process.stdout.readline(), self.timeout_s + 30)
-            cpu1, replicas1, loadgen1 = target.cpu(), self.replica_cpu(), cpu_seconds(process.pid) or 0.0
+            cpu0, replicas0 = target.cpu(), self.replica_cpu()
+            for process in processes:  # all at once, then wait for the pipes
+                _stdin(process).write(b"go\n")
+            for process in processes:
+                await _stdin(process).drain()
+            lines = [await asyncio.wait_for(_stdout(p).readline(), self.timeout_s + 30) for p in processes]
+            cpu1, replicas1 = target.cpu(), self.replica_cpu()
             queries1, hits1 = await self.cache_counters()
-            await asyncio.wait_for(process.wait(), 30)
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-        if not line:
-            raise BenchmarkError(f"the load generator against {target.name} stopped without a result")
-        answer = orjson.loads(line)
-        result = RunResult(**{k: v for k, v in answer.items() if k in RunResult.__dataclass_fields__})
-        if warm.get("errors"):
-            result.errors += warm["errors"]
-            result.error_samples = (["warm-up: " + m for m in warm["error_samples"]] + result.error_samples)[:5]
+            for process in processes:
+                await asyncio.wait_for(process.wait(), 30)
+        if not all(lines):
+            raise BenchmarkError(f"a load generator against {target.name} stopped without a result")
+        result = RunResult()
+        for line, warm in zip(lines, warms, strict=True):
+            answer = orjson.loads(line)
+            part = RunResult(**{k: v for k, v in answer.items() if k in RunResult.__dataclass_fields__})
+            if warm.get("errors"):
+                part.errors += warm["errors"]
+                part.error_samples = (["warm-up: " + m for m in warm["error_samples"]] + part.error_samples)[:5]
+            wall_s = max(result.wall_s, part.wall_s)  # they ran side by side: the run lasted as long as the longest
+            result.add(part)
+            result.wall_s = wall_s
         result.cpu_proxy_s = cpu1["proxy"] - cpu0["proxy"]
         result.cpu_children_s = cpu1["children"] - cpu0["children"]
         result.cpu_replicas_s = replicas1 - replicas0
-        result.cpu_loadgen_s = loadgen1 - loadgen0
         result.cache_queries, result.cache_hits = queries1 - queries0, hits1 - hits0
-        await self.placement(tag, result)
+        if self.affinity:
+            await self.placement(set(tags), result)
         return result
 
-    async def placement(self, tag: int, result: RunResult) -> None:
+    async def placement(self, tags: set[int], result: RunResult) -> None:
         """Affinity and balance of the run from the replicas' prompt logs (sessions decoded from prompt heads)."""
-        arrivals: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        arrivals: dict[tuple[int, int], list[tuple[float, int]]] = defaultdict(list)
         result.per_replica = [0] * len(self.replicas)
         for index, replica in enumerate(self.replicas):
             log = (await self.http.get(f"{replica.url}/sim/prompt_log")).json()["requests"]
             for head, _length, at in log:
                 found = session_of(self.tokenizer.decode(head))
-                if found is not None and found[0] == tag:
-                    arrivals[found[1]].append((at, index))
+                if found is not None and found[0] in tags:
+                    arrivals[found].append((at, index))
                     result.per_replica[index] += 1
         for visits in arrivals.values():
             visits.sort()
             result.pairs += len(visits) - 1
             result.same += sum(a[1] == b[1] for a, b in itertools.pairwise(visits))
+
+
+def split(workload: Workload, parts: int) -> list[Workload]:
+    """`workload` shared by `parts` load generators: each gets its share of the agents and of the request count."""
+
+    def share(total: int, index: int) -> int:
+        return total // parts + (index < total % parts)
+
+    return [
+        replace(workload, sessions=share(workload.sessions, i), requests=share(workload.requests, i))
+        for i in range(parts)
+    ]
+
+
+@contextlib.asynccontextmanager
+async def loadgen_process(cpus: set[int] | None) -> AsyncIterator[asyncio.subprocess.Process]:
+    """`python -m benchmarks.loadgen` pinned to `cpus`, killed on exit if it is still running."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "benchmarks.loadgen",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        preexec_fn=pinned(cpus),
+        limit=1 << 26,
+        cwd=REPO_ROOT,  # `benchmarks` is not an installed package
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def _stdin(process: asyncio.subprocess.Process) -> asyncio.StreamWriter:
+    assert process.stdin is not None
+    return process.stdin
+
+
+def _stdout(process: asyncio.subprocess.Process) -> asyncio.StreamReader:
+    assert process.stdout is not None
+    return process.stdout
 
 
 # -- the whole run -----------------------------------------------------------------------------------------------

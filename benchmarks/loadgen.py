@@ -9,7 +9,7 @@ Protocol (line-delimited JSON on stdin/stdout, so the parent can read the proxy'
    then prints `{"event": "warm"}`;
 3. the parent reads the proxy's CPU time and writes `go`;
 4. this process runs the timed part (`requests`, or `turns` per session; no new request after `duration_s`) and
-   prints `{"event": "result", ...}` (latencies, tokens, errors), then exits.
+   prints `{"event": "result", ...}` (latencies, tokens, errors, its own CPU seconds), then exits.
 
 Every request is `POST /v1/completions` with a text prompt, `temperature 0`, `ignore_eos` and a token budget (text,
 not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data did not match any variant of
@@ -332,8 +332,10 @@ async def main_async() -> int:
     sys.stdout.flush()
     if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
         return 1
+    cpu0 = time.process_time()
     result = await gen.run(spec.tag, spec.turns, spec.requests, spec.duration_s)
-    out = {"event": "result", **result.__dict__}
+    # Its own CPU time of the timed part (all threads): read from /proc by the parent, it would race this exit.
+    out = {"event": "result", **result.__dict__, "cpu_loadgen_s": time.process_time() - cpu0}
     sys.stdout.write(orjson.dumps(out).decode() + "\n")
     sys.stdout.flush()
     return 0
