@@ -264,10 +264,74 @@ _UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a
 
 @dataclass(slots=True)
 class _Known:
-    """What this process knows of a session: its samples in index order, as of the stored `revision`."""
+    """What this process knows of a session: its samples in index order, as of the stored `revision`.
+
+    Raw completions find the sample a prompt extends through `ends`: the samples filed by where their ids end
+    (length, then last id), so a turn makes one probe per distinct sample length instead of one check per sample (a
+    session id shared by unrelated prompts gathers thousands). It is built at the first lookup; `record` files a
+    sample again under its new end (`file`), and an entry whose sample has grown past it is dropped when a lookup
+    meets it.
+    """
 
     samples: list[WorkingSample]
     revision: int
+    ends: dict[int, dict[int, list[WorkingSample]]] | None = None
+
+    def file(self, sample: WorkingSample) -> None:
+        """File `sample` under its current end, if the index is built (it is then complete)."""
+        if self.ends is None:
+            return
+        bucket = self.ends.setdefault(sample.length, {}).setdefault(_last_id(sample), [])
+        if not any(filed is sample for filed in bucket):
+            bucket.append(sample)
+
+    def extended_by(self, prompt_ids: list[int]) -> WorkingSample | None:
+        """The most recent sample with turns, not cancelled, whose ids are a proper prefix of `prompt_ids`."""
+        if self.ends is None:
+            self.ends = {}
+            for sample in self.samples:
+                self.file(sample)
+        size, found, stale = len(prompt_ids), [], []
+        for length, by_last in self.ends.items():
+            if length >= size:
+                continue
+            last = prompt_ids[length - 1] if length else _NO_ID
+            for sample in by_last.get(last, ()):
+                if sample.length != length or _last_id(sample) != last:
+                    stale.append((length, last, sample))  # it grew since; `record` filed it under its new end
+                elif sample.num_turns and not sample.cancelled and _repeats(prompt_ids, sample):
+                    found.append(sample)
+        for length, last, sample in stale:
+            self._unfile(length, last, sample)
+        if len(found) > 1:  # nested prefixes: the latest in the session's order, as a scan from the end would find
+            order = {id(sample): position for position, sample in enumerate(self.samples)}
+            found.sort(key=lambda sample: order.get(id(sample), -1))
+        return found[-1] if found else None
+
+    def _unfile(self, length: int, last: int, sample: WorkingSample) -> None:
+        assert self.ends is not None
+        by_last = self.ends[length]
+        bucket = [filed for filed in by_last[last] if filed is not sample]
+        if bucket:
+            by_last[last] = bucket
+        else:
+            del by_last[last]
+            if not by_last:
+                del self.ends[length]
+
+
+_NO_ID = -1  # the "last id" of an empty sample
+
+
+def _last_id(sample: WorkingSample) -> int:
+    ids = sample.response_ids or sample.prompt_ids
+    return ids[-1] if ids else _NO_ID
+
+
+def _repeats(prompt_ids: list[int], sample: WorkingSample) -> bool:
+    """Whether `prompt_ids` begins with every id of `sample` (compared in place, without building its ids)."""
+    start, end = len(sample.prompt_ids), sample.length
+    return prompt_ids[:start] == sample.prompt_ids and prompt_ids[start:end] == sample.response_ids
 
 
 class SessionManager:
@@ -312,12 +376,15 @@ class SessionManager:
 
     async def samples(self, session_id: str) -> list[WorkingSample]:
         """The session's samples in index order: this process's copy, read from the store if it has none."""
+        return (await self._known(session_id)).samples
+
+    async def _known(self, session_id: str) -> _Known:
         known = self._cache.get(session_id)
         if known is None:
             known = _Known(await self._read(session_id), _UNKNOWN)
             self._remember(session_id, known)
         self._cache.move_to_end(session_id)
-        return known.samples
+        return known
 
     async def _read(self, session_id: str) -> list[WorkingSample]:
         return [WorkingSample.from_sample(i, s) for i, s in enumerate(await self.store.load_samples(session_id))]
@@ -411,20 +478,13 @@ class SessionManager:
         return Turn(session_id, sample, sample.ids + env, env, messages, False, sample.stored, sample.writer)
 
     async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
-        """Raw completions: the new prompt extends a sample when that sample's ids are its prefix."""
-        samples = await self.samples(session_id)
-        size = len(prompt_ids)
-        for sample in reversed(samples):  # most recent first (the cached list is in index order)
-            length = sample.length
-            if not sample.num_turns or sample.cancelled or size <= length:
-                continue  # cheap checks first: a session can hold many samples
-            if length and prompt_ids[length - 1] != (sample.response_ids or sample.prompt_ids)[-1]:
-                continue  # its last token is not there: no need to compare (or build) all of its ids
-            start = len(sample.prompt_ids)
-            if prompt_ids[:start] == sample.prompt_ids and prompt_ids[start:length] == sample.response_ids:
-                env = prompt_ids[length:]
-                return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
-        fresh = WorkingSample(index=len(samples), prompt_ids=list(prompt_ids))
+        """Raw completions: the new prompt extends the most recent sample whose ids are its prefix (`_Known`)."""
+        known = await self._known(session_id)
+        sample = known.extended_by(prompt_ids)
+        if sample is not None:
+            env = prompt_ids[sample.length :]
+            return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
+        fresh = WorkingSample(index=len(known.samples), prompt_ids=list(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
 
     def _close_turn(self, sample: WorkingSample) -> list[int]:
@@ -459,8 +519,10 @@ class SessionManager:
             sample.conversation = [*turn.messages, assistant]
             sample.rendering = Rendering()
         known = self._cache.get(turn.session_id)
-        if turn.new_sample and known is not None:  # evicted during the turn: the next one reads the store
-            known.samples.append(sample)
+        if known is not None:  # evicted during the turn: the next one reads the store
+            if turn.new_sample:
+                known.samples.append(sample)
+            known.file(sample)
         return sample.to_sample()
 
     @staticmethod

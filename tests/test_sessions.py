@@ -8,6 +8,7 @@ while its turn is in flight.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from tokenizers.normalizers import NFC
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
 from gateway.generation import GenerationRequest, GenerationState
-from gateway.sessions import SessionManager, Turn
+from gateway.sessions import SessionManager, Turn, WorkingSample
 from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, TextCheck
 
@@ -83,6 +84,47 @@ async def test_a_raw_completion_extends_only_a_sample_whose_every_id_it_repeats(
         [1, 9, 3, 7, 8, 4, 7, 8],
         [1, 2, 3, 7, 6, 4, 7, 8],
     ]
+
+
+def scanned(samples: list[WorkingSample], prompt: list[int]) -> WorkingSample | None:
+    """What a raw completion extends, by the definition: a scan from the most recent sample for one with turns, not
+    cancelled, whose ids are a proper prefix of the prompt."""
+    for sample in reversed(samples):
+        ids = sample.prompt_ids + sample.response_ids
+        if sample.num_turns and not sample.cancelled and len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            return sample
+    return None
+
+
+async def test_raw_completions_find_their_sample_as_a_scan_of_every_sample_would(redis: Redis) -> None:
+    """The index of samples by where they end (`_Known`) against the plain scan, over 400 turns of one session:
+    prompts that extend a random earlier sample (or one of its prefixes, or nothing), nested prefixes, branches
+    (n = 3), cancelled turns and empty replies."""
+    rng = random.Random(7)
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    sessions = SessionManager(TOKENIZER, store)
+    await store.ensure_session("many", {})
+    extended = 0
+    for step in range(400):
+        samples = await sessions.samples("many")
+        base = rng.choice(samples) if samples and rng.random() < 0.6 else None
+        ids = base.prompt_ids + base.response_ids if base is not None else []
+        if ids and rng.random() < 0.2:
+            ids = ids[: rng.randrange(len(ids))]  # a prefix of a sample: may extend an older, shorter one
+        prompt = ids + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 4))]
+        expected = scanned(samples, prompt)
+        async with sessions.lock("many"):
+            turn = await sessions.begin_completion_turn("many", prompt)
+            assert turn.new_sample == (expected is None), step
+            if expected is not None:
+                assert turn.sample is expected, step
+                extended += 1
+            turns = sessions.branch(turn, 3) if step % 17 == 0 else [turn]
+            for branch in turns:
+                state = sampled(branch, [rng.randrange(3, 40) for _ in range(rng.randrange(0, 3))])
+                state.cancelled = rng.random() < 0.05
+                sessions.record(branch, state, None)
+    assert extended > 100 and len(await sessions.samples("many")) > 100
 
 
 async def test_a_session_with_a_turn_in_flight_keeps_its_lock_when_evicted(redis: Redis) -> None:
