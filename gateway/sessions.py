@@ -268,22 +268,22 @@ class _Known:
 
     Raw completions find the sample a prompt extends through `ends`: the samples filed by where their ids end
     (length, then last id), so a turn makes one probe per distinct sample length instead of one check per sample (a
-    session id shared by unrelated prompts gathers thousands). It is built at the first lookup; `record` files a
-    sample again under its new end (`file`), and an entry whose sample has grown past it is dropped when a lookup
-    meets it.
+    session id shared by unrelated prompts gathers thousands). It is built at the first lookup, and `record` moves a
+    sample it extends to its new end (`file`).
     """
 
     samples: list[WorkingSample]
     revision: int
     ends: dict[int, dict[int, list[WorkingSample]]] | None = None
 
-    def file(self, sample: WorkingSample) -> None:
-        """File `sample` under its current end, if the index is built (it is then complete)."""
+    def file(self, sample: WorkingSample, was: tuple[int, int] | None = None) -> None:
+        """File `sample` under its end, out of `was` (the end it had), if the index is built."""
         if self.ends is None:
             return
-        bucket = self.ends.setdefault(sample.length, {}).setdefault(_last_id(sample), [])
-        if not any(filed is sample for filed in bucket):
-            bucket.append(sample)
+        if was is not None:
+            self._unfile(sample, *was)
+        length, last = _end(sample)
+        self.ends.setdefault(length, {}).setdefault(last, []).append(sample)
 
     def extended_by(self, prompt_ids: list[int]) -> WorkingSample | None:
         """The most recent sample with turns, not cancelled, whose ids are a proper prefix of `prompt_ids`."""
@@ -291,33 +291,25 @@ class _Known:
             self.ends = {}
             for sample in self.samples:
                 self.file(sample)
-        size, found, stale = len(prompt_ids), [], []
+        size, found = len(prompt_ids), []
         for length, by_last in self.ends.items():
-            if length >= size:
-                continue
-            last = prompt_ids[length - 1] if length else _NO_ID
-            for sample in by_last.get(last, ()):
-                if sample.length != length or _last_id(sample) != last:
-                    stale.append((length, last, sample))  # it grew since; `record` filed it under its new end
-                elif sample.num_turns and not sample.cancelled and _repeats(prompt_ids, sample):
-                    found.append(sample)
-        for length, last, sample in stale:
-            self._unfile(length, last, sample)
+            if length < size:
+                for sample in by_last.get(prompt_ids[length - 1] if length else _NO_ID, ()):
+                    if sample.num_turns and not sample.cancelled and _repeats(prompt_ids, sample):
+                        found.append(sample)
         if len(found) > 1:  # nested prefixes: the latest in the session's order, as a scan from the end would find
             order = {id(sample): position for position, sample in enumerate(self.samples)}
             found.sort(key=lambda sample: order.get(id(sample), -1))
         return found[-1] if found else None
 
-    def _unfile(self, length: int, last: int, sample: WorkingSample) -> None:
+    def _unfile(self, sample: WorkingSample, length: int, last: int) -> None:
         assert self.ends is not None
-        by_last = self.ends[length]
-        bucket = [filed for filed in by_last[last] if filed is not sample]
+        by_last = self.ends.get(length, {})
+        bucket = [filed for filed in by_last.get(last, ()) if filed is not sample]
         if bucket:
             by_last[last] = bucket
-        else:
-            del by_last[last]
-            if not by_last:
-                del self.ends[length]
+        elif by_last.pop(last, None) is not None and not by_last:
+            del self.ends[length]  # no length is probed that no sample ends at
 
 
 _NO_ID = -1  # the "last id" of an empty sample
@@ -326,6 +318,10 @@ _NO_ID = -1  # the "last id" of an empty sample
 def _last_id(sample: WorkingSample) -> int:
     ids = sample.response_ids or sample.prompt_ids
     return ids[-1] if ids else _NO_ID
+
+
+def _end(sample: WorkingSample) -> tuple[int, int]:
+    return sample.length, _last_id(sample)
 
 
 def _repeats(prompt_ids: list[int], sample: WorkingSample) -> bool:
@@ -507,6 +503,7 @@ class SessionManager:
     def record(self, turn: Turn, state: GenerationState, assistant: Message | None) -> Sample:
         """Append the turn to its sample (env ids mask 0, sampled ids mask 1) and return the sample to store."""
         sample = turn.sample
+        was = None if turn.new_sample else _end(sample)
         ids, mask, logprobs, versions = _turn_entries(turn, state)
         sample.response_ids += ids
         sample.loss_mask += mask
@@ -522,7 +519,7 @@ class SessionManager:
         if known is not None:  # evicted during the turn: the next one reads the store
             if turn.new_sample:
                 known.samples.append(sample)
-            known.file(sample)
+            known.file(sample, was)
         return sample.to_sample()
 
     @staticmethod

@@ -124,7 +124,19 @@ async def test_raw_completions_find_their_sample_as_a_scan_of_every_sample_would
                 state = sampled(branch, [rng.randrange(3, 40) for _ in range(rng.randrange(0, 3))])
                 state.cancelled = rng.random() < 0.05
                 sessions.record(branch, state, None)
-    assert extended > 100 and len(await sessions.samples("many")) > 100
+    samples = await sessions.samples("many")
+    assert extended > 100 and len(samples) > 100
+    # The index holds every sample once, under its current end (nothing left behind where a sample used to end).
+    ends = sessions._cache["many"].ends
+    assert ends is not None
+    filed = [
+        ((length, last), sample)
+        for length, by_last in ends.items()
+        for last, bucket in by_last.items()
+        for sample in bucket
+    ]
+    assert sorted(id(sample) for _, sample in filed) == sorted(id(sample) for sample in samples)
+    assert all(end == (sample.length, (sample.response_ids or sample.prompt_ids)[-1]) for end, sample in filed)
 
 
 async def test_a_session_with_a_turn_in_flight_keeps_its_lock_when_evicted(redis: Redis) -> None:
