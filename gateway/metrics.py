@@ -154,6 +154,7 @@ class GatewayMetrics:
             ["route", "status"],
             registry=self.registry,
         )
+        self._request_counts: dict[tuple[str, int], Counter] = {}
         self.resume_latency = Histogram(
             f"{PREFIX}_resume_latency_seconds",
             "From a segment's abort or failure to the first token of its continuation (streamed continuations).",
@@ -186,7 +187,11 @@ class GatewayMetrics:
         weights.on_update.append(self.observe_update)
 
     def observe_request(self, route: str, status: int) -> None:
-        self.requests.labels(route, str(status)).inc()
+        key = (route, status)
+        child = self._request_counts.get(key)
+        if child is None:  # `labels` validates and locks at every call: look each child up once
+            child = self._request_counts[key] = self.requests.labels(route, str(status))
+        child.inc()
 
     def observe_resume(self, seconds: float) -> None:
         self.resume_latency.observe(seconds)

@@ -166,6 +166,11 @@ class ReplicaPool:
 
     def pick(self, session_id: str | None, exclude: Iterable[str] = ()) -> Replica | None:
         """The replica for this session now, or None if none can serve. Records the placement."""
+        if session_id and not exclude:  # the common case first: a placed session whose replica still serves
+            placed = self.replicas.get(self.placements.get(session_id, ""))
+            if placed is not None and placed.serving(time.monotonic()):
+                self._place(session_id, placed, moved=False)
+                return placed
         excluded = set(exclude)
         candidates = [r for r in self.candidates() if r.id not in excluded]
         if not candidates:

@@ -154,8 +154,8 @@ class TurnRunner:
         if not prompt:
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
         vocab_size = self.tokenizer.vocab_size
-        bad = next((t for t in prompt if t >= vocab_size), None)
-        if bad is not None:
+        if max(prompt) >= vocab_size:  # one pass in C; the id for the error
+            bad = next(t for t in prompt if t >= vocab_size)
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
         one_turn = session_id is None
         sid = session_id or f"cmpl-{uuid.uuid4().hex}"

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 
 from backends.routed_experts import decode_npy_b64
 from backends.sim.engine import EngineSettings
@@ -518,6 +519,27 @@ async def test_generate_rejects_bad_input(
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert sim.engine.counters["prompt_tokens"] == 0  # nothing reached the engine
+
+
+async def test_a_token_outside_the_vocabulary_is_named_and_nothing_runs(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis: Redis
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    vocab = gw.services.vocab.vocab_size
+    body = {"input_ids": [5, 7, vocab, 3], "sampling_params": {"max_tokens": 4}}  # exactly the size: one too many
+    response = await http.post(f"{gw.url}/generate", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(f"input_ids[2] = {vocab} is outside the vocabulary")
+    completion = {"model": "tiny", "prompt": [5, vocab + 9, vocab], "max_tokens": 4}
+    response = await http.post(f"{gw.url}/v1/completions", json=completion, headers={"x-session-id": "s-vocab"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["message"] == f"token id {vocab + 9} is outside the vocabulary"
+    ok = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [5, 7, vocab - 1]})
+    assert ok.status_code == 200, ok.text
+    assert sim.engine.counters["prompt_tokens"] == 3  # only the valid request reached the engine
+    assert await redis.keys("*s-vocab*") == []  # the refused turn stored nothing
 
 
 async def test_malformed_json_is_400(
