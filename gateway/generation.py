@@ -265,11 +265,11 @@ class Generator:
         """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go."""
         backend = replica.backend
         prompt = request.prompt_ids + state.output_ids
-        sampling = dataclasses.replace(
-            request.sampling,
-            max_tokens=remaining,
-            min_tokens=max(0, request.sampling.min_tokens - len(state.output_ids)),
-        )
+        sampling = request.sampling
+        if state.output_ids or remaining != sampling.max_tokens:  # a continuation (the first segment runs as asked)
+            sampling = dataclasses.replace(
+                sampling, max_tokens=remaining, min_tokens=max(0, sampling.min_tokens - len(state.output_ids))
+            )
         continuing = bool(state.output_ids)
         splice = self.settings.routed_experts == "splice"
         experts_start = len(prompt) - 1 if continuing and splice else (request.experts_start if splice else 0)
@@ -283,7 +283,7 @@ class Generator:
         self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
     ) -> AsyncIterator[Delta]:
         engine_done = False
-        async with self.pool.lease(run.replica):
+        with self.pool.lease(run.replica):
             try:
                 chunks = call.chunks
                 if run.preempted_at is not None:

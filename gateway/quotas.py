@@ -8,7 +8,7 @@ digest, never by the key itself, so nothing here can leak a secret into logs or 
 from __future__ import annotations
 
 import hashlib
-import uuid
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,7 +48,7 @@ class SessionQuota:
 
     def acquire(self, key: str, session: str | None) -> SessionLease:
         """Take a slot for `session` (a request without one is a session of its own); 429 past the limit."""
-        session = session or f"one-turn-{uuid.uuid4().hex}"
+        session = session or f"one-turn-{secrets.token_hex(16)}"
         sessions = self._held.setdefault(key, Counter())
         if self.limit and session not in sessions and len(sessions) >= self.limit:
             raise Overloaded(

