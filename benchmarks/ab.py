@@ -3,6 +3,7 @@
     git worktree add /tmp/before HEAD~1
     python -m benchmarks.ab /tmp/before .                          # /generate, short requests at c=64
     python -m benchmarks.ab /tmp/before . --api completions --workload rl --rounds 6
+    python -m benchmarks.ab /tmp/before . --api completions --one-turn      # no session: one-turn sessions
 
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="short-c64", help="a workload of benchmarks.compare (short-c64)")
     p.add_argument("--rounds", type=int, default=4, help="runs per checkout, alternating (4)")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
+    p.add_argument(
+        "--one-turn", action="store_true", help="requests name no session: each is a one-turn session of its own"
+    )
     return p
 
 
@@ -141,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (checkout / "gateway" / "app.py").exists():
             raise SystemExit(f"{checkout} is not a checkout of this project (no gateway/app.py)")
     workload = by_name[args.workload]
+    if args.one_turn:
+        workload = dataclasses.replace(workload, name=f"{workload.name}, one-turn", one_turn=True)
     options = Options((checkouts[0], checkouts[1]), args.api, workload, max(1, args.rounds), args.timeout)
     return run_benchmark(main_async, options, options.timeout_s * 2 * options.rounds)
 

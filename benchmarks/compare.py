@@ -95,8 +95,9 @@ ALL_TARGETS = (
 DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
 REPLICA_ARGS = ("--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER))
 """Each simulator replica's command line (the benchmarks set the token delay per workload, `POST /sim/speed`)."""
-GATEWAY_SETTINGS = {"generation": {"max_connections_per_replica": 2048}}
-"""Config sections of the benchmarked gateways: a connection pool per replica that never makes a request wait."""
+GATEWAY_SETTINGS = {"generation": {"max_connections_per_replica": 2048}, "store": {"max_pending": 10**9}}
+"""Config sections of the benchmarked gateways: a connection pool per replica that never makes a request wait, and
+no backpressure (no trainer consumes what a benchmark finishes: one-turn requests finish a session each)."""
 
 
 # -- workloads ---------------------------------------------------------------------------------------------------
@@ -115,6 +116,7 @@ class Workload:
     duration_s: float = 0.0  # no new request after this long (0: only the count bounds the run)
     grow: bool = False
     prompt_words: int = 16
+    one_turn: bool = False  # requests name no session (the gateway makes each a one-turn session)
     columns: tuple[str, ...] = ()
     what: str = ""
 
@@ -136,6 +138,7 @@ class Workload:
             "timeout_s": timeout_s,
             "seed": tag,
             "duration_s": self.duration_s,
+            "one_turn": self.one_turn,
         }
 
 

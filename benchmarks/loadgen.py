@@ -16,7 +16,8 @@ not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data
 untagged enum StringOrArray"), so each answer must carry exactly that many tokens (`usage.completion_tokens`,
 `finish_reason == "length"`); one that does not, or any non-200 answer or I/O error, is counted as an error (with a
 sample of messages), never dropped. Every request carries the session both as `X-Session-ID` (this gateway,
-vllm-router) and as `X-SMG-Routing-Key` (sglang-router's `manual` policy).
+vllm-router) and as `X-SMG-Routing-Key` (sglang-router's `manual` policy), unless the spec says `one_turn` (no
+session at all: this gateway makes each request a one-turn session and delivers it as a trajectory).
 
 The HTTP client is a minimal HTTP/1.1 keep-alive client over asyncio streams (content-length and chunked bodies):
 on a 2-core machine the load generator shares a core with the simulator replicas, and httpx costs several
@@ -82,6 +83,7 @@ class Spec:
     seed: int = 0
     api: str = "completions"  # or "generate": this gateway's token-in/token-out `POST /generate`
     duration_s: float = 0.0  # > 0: no new request starts after this long (the bound in time besides `requests`)
+    one_turn: bool = False  # name no session: every request is a one-turn session of its own in this gateway
 
 
 @dataclass
@@ -244,13 +246,18 @@ class LoadGen:
         urls = self.spec.urls
         return urls[zlib.crc32(session.encode()) % len(urls)]
 
+    def headers(self, session: str) -> dict[str, str]:
+        """The session as this gateway and the routers read it, from a header (none with `one_turn`)."""
+        return {} if self.spec.one_turn else {"X-Session-ID": session, "X-SMG-Routing-Key": session}
+
     def body(self, session: str, prompt: str, budget: int) -> bytes:
         if self.spec.api == "generate":
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
             sampling = {"max_tokens": budget, "temperature": 0, "ignore_eos": True}
-            return orjson.dumps(
-                {"session_id": session, "input_ids": ids, "sampling_params": sampling, "stream": self.spec.stream}
-            )
+            tokens: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling, "stream": self.spec.stream}
+            if not self.spec.one_turn:
+                tokens["session_id"] = session
+            return orjson.dumps(tokens)
         body: dict[str, Any] = {
             "model": "tiny",
             "prompt": prompt,
@@ -264,7 +271,7 @@ class LoadGen:
         return orjson.dumps(body)
 
     async def one(self, conn: Connection, session: str, prompt: str, budget: int, result: Result) -> None:
-        headers = {"X-Session-ID": session, "X-SMG-Routing-Key": session}
+        headers = self.headers(session)
         started = time.perf_counter()
         try:
             path = "/generate" if self.spec.api == "generate" else "/v1/completions"

@@ -6,10 +6,12 @@ import io
 from dataclasses import replace
 from pathlib import Path
 
+import orjson
 import pytest
 from rich.console import Console
 
 import benchmarks.ab as ab
+from benchmarks.loadgen import LoadGen, Spec
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[1]
@@ -25,3 +27,22 @@ async def test_two_checkouts_side_by_side() -> None:
     out = io.StringIO()
     ab.report(Console(file=out, width=200), options, sides)
     assert "÷ first" in out.getvalue() and str(REPO) in out.getvalue()
+
+
+async def test_one_turn_requests_are_measured_without_a_session() -> None:
+    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
+    tiny = replace(short, sessions=4, requests=40, duration_s=1.0, one_turn=True)
+    options = ab.Options((REPO, REPO), "completions", tiny, rounds=1, timeout_s=60)
+    sides = await ab.measure(options, Console(file=io.StringIO()))
+    assert [side.errors for side in sides] == [0, 0]
+    assert [len(side.units) for side in sides] == [1, 1]
+
+
+def test_a_one_turn_load_names_no_session() -> None:
+    spec = Spec(["http://127.0.0.1:1"], 1, 1, 0, 1, 1, 1, stream=False, api="generate", one_turn=True)
+    alone = LoadGen(spec)
+    assert alone.headers("s-1") == {}
+    assert "session_id" not in orjson.loads(alone.body("s-1", "hello there", 4))
+    named = LoadGen(replace(spec, one_turn=False))
+    assert named.headers("s-1") == {"X-Session-ID": "s-1", "X-SMG-Routing-Key": "s-1"}
+    assert orjson.loads(named.body("s-1", "hello there", 4))["session_id"] == "s-1"
