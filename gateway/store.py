@@ -34,7 +34,9 @@ the trainer trims `rg:trajectories` and `rg:abandoned` is capped (approximate MA
   Its steps, each idempotent, so a crash between any two is repaired by re-running them (`repair_undelivered`):
   (1) flush the session's buffered writes; SADD `rg:sessions:undelivered`; (2) one WATCHed transaction on the
   session slot: status finished, reward, metadata, finished_at, EXPIRE ttl_s on meta and samples; ZREM
-  `rg:sessions:active`; (3) XADD `rg:trajectories`; (4) HSETNX meta `stream_id` (a script: only on an existing
+  `rg:sessions:active` (a finish with no metadata to merge, every one-turn session's, sends the SADD, a script
+  doing (2) on an active session, and the ZREM as one pipeline; a session that is not active goes the way just
+  described); (3) XADD `rg:trajectories`; (4) HSETNX meta `stream_id` (a script: only on an existing
   meta, returns the stored id) — the writer whose entry id is stored INCRs `rg:pending`, a loser XDELs its
   duplicate; (5) SREM `rg:sessions:undelivered`.
 - Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
@@ -323,6 +325,26 @@ _CLAIM_STREAM_ID = _Lua(
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 redis.call('HSETNX', KEYS[1], 'stream_id', ARGV[1])
 return redis.call('HGET', KEYS[1], 'stream_id')
+"""
+)
+
+# Steps (2) of a finish that brings no metadata to merge, in one script on the session's slot (the general
+# path's WATCHed read and transaction take three round trips): an active session becomes finished with its reward,
+# and its meta and samples get TTL `ttl_s`; the answer is the meta as it now is (HGETALL, a flat list). Any other
+# session is left as it is and answers its status ('missing', 'abandoned', 'finished'), for the general path. The
+# sample keys are named from ARGV: they share the meta's hash tag, so they live on its slot.
+# KEYS: meta. ARGV: now, TTL, reward ('' for none), the sample keys' prefix (the index follows).
+_FINISH_ACTIVE = _Lua(
+    """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 'missing' end
+if status ~= 'active' then return status end
+redis.call('HSET', KEYS[1], 'status', 'finished', 'reward', ARGV[3], 'finished_at', ARGV[1], 'updated_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+for index = 0, tonumber(redis.call('HGET', KEYS[1], 'sample_count') or '0') - 1 do
+    redis.call('EXPIRE', ARGV[4] .. index, ARGV[2])
+end
+return redis.call('HGETALL', KEYS[1])
 """
 )
 
@@ -949,6 +971,10 @@ class TrajectoryStore:
 
     async def _finish_once(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
         await self._flush_buffered(session_id)  # (1) what the trainer gets includes every buffered write
+        if not metadata:  # nothing to merge: (1) and (2) in one round trip, shared with other callers
+            finished = await self._finish_active(session_id, reward)
+            if finished is not None:
+                return await self._deliver(finished)
         meta = await self.get_session(session_id)
         if meta is None:
             raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
@@ -963,6 +989,26 @@ class TrajectoryStore:
         meta = await self._mark_finished(session_id, reward, metadata)  # (2)
         await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
         return await self._deliver(meta)  # (3)-(5)
+
+    async def _finish_active(self, session_id: str, reward: float | None) -> SessionMeta | None:
+        """Steps (1) and (2) and the unindexing of an active session, in one batched pipeline, in the order of the
+        general path (SADD before the status changes, ZREM after): the meta as finished, or None where the session
+        was not active, which the general path then answers (not found, abandoned, finished before). Such an id
+        is taken out of the repair set again unless it is finished and undelivered, as the general path leaves it."""
+        now = time.time()
+        args = (now, self.ttl_s, "" if reward is None else repr(reward), self.keys.sample(session_id, 0)[:-1])
+
+        def build(pipe: Pipeline) -> None:
+            pipe.sadd(self.keys.undelivered, session_id)
+            pipe.eval(_FINISH_ACTIVE.source, 1, self.keys.meta(session_id), *args)
+            pipe.zrem(self.keys.active_sessions, session_id)
+
+        _, answer, _ = await self._batched(build, "finish session")
+        if isinstance(answer, list):
+            return SessionMeta.from_redis(session_id, dict(zip(answer[::2], answer[1::2], strict=True)))
+        if _text(answer) != "finished":
+            await _call(self.client.srem(self.keys.undelivered, session_id), "forget undelivered")
+        return None
 
     async def _mark_finished(
         self, session_id: str, reward: float | None, metadata: dict[str, Any] | None
@@ -1014,7 +1060,12 @@ class TrajectoryStore:
             "reward": "" if meta.reward is None else repr(meta.reward),
             "samples": meta.sample_count,
         }
-        return _text(await _call(self.client.xadd(self.keys.trajectories, entry), "append trajectory"))  # type: ignore[arg-type]
+
+        def build(pipe: Pipeline) -> None:
+            pipe.xadd(self.keys.trajectories, entry)  # type: ignore[arg-type]
+
+        (entry_id,) = await self._batched(build, "append trajectory")  # with the other callers' commands
+        return _text(entry_id)
 
     async def _claim_entry(self, session_id: str, entry_id: str) -> str:
         """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
@@ -1028,7 +1079,11 @@ class TrajectoryStore:
             self.stats.duplicate_entries += 1
             with contextlib.suppress(StoreError):  # best effort: consumers skip entries other than `stream_id`
                 await _call(self.client.xdel(self.keys.trajectories, entry_id), "delete duplicate entry")
-        await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
+
+        def build(pipe: Pipeline) -> None:
+            pipe.srem(self.keys.undelivered, session_id)
+
+        await self._batched(build, "confirm delivery")
         return winner
 
     async def _count_pending(self) -> None:

@@ -251,6 +251,66 @@ async def test_finish_twice_gives_one_stream_entry(store: TrajectoryStore, redis
         await store.ensure_session(meta.id)
 
 
+async def _watches(client: Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_watch", {}).get("calls", 0))
+
+
+async def test_a_finish_without_metadata_skips_the_transaction_and_leaves_the_same_state(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    plain, merged = [await store.create_session({"group_id": "g"}) for _ in range(2)]
+    for meta in (plain, merged):
+        for index in range(3):
+            await store.save_sample(meta.id, index, make_sample(seed=index))
+
+    watches = await _watches(redis)
+    plain_entry = await store.finish(plain.id, 0.25)
+    assert await _watches(redis) == watches, "the one-script finish ran no WATCHed transaction"
+    merged_entry = await store.finish(merged.id, 0.25, {"judge": "ok"})
+    assert await _watches(redis) > watches  # metadata to merge: the transaction, as before
+
+    stored = {meta.id: await redis.hgetall(KEYS.meta(meta.id)) for meta in (plain, merged)}
+    for fields in stored.values():
+        for name in (b"created_at", b"updated_at", b"finished_at", b"revision", b"stream_id", b"metadata"):
+            fields.pop(name)
+    assert stored[plain.id] == stored[merged.id]
+    assert stored[plain.id][b"status"] == b"finished" and stored[plain.id][b"reward"] == b"0.25"
+    plain_meta = await store.get_session(plain.id)
+    assert plain_meta is not None and plain_meta.metadata == {"group_id": "g"} and plain_meta.stream_id == plain_entry
+    assert plain_meta.finished_at is not None and plain_meta.finished_at == plain_meta.updated_at
+    for meta in (plain, merged):
+        for key in (KEYS.meta(meta.id), *(KEYS.sample(meta.id, i) for i in range(3))):
+            assert 0 < await redis.ttl(key) <= TTL_S, key
+        assert await redis.zscore(KEYS.active_sessions, meta.id) is None
+    assert [fields for _, fields in await entries(redis)] == [
+        {"session_id": plain.id, "group_id": "g", "reward": "0.25", "samples": "3"},
+        {"session_id": merged.id, "group_id": "g", "reward": "0.25", "samples": "3"},
+    ]
+    assert [entry for entry, _ in await entries(redis)] == [plain_entry, merged_entry]
+    assert await store.pending() == 2
+    assert await redis.smembers(KEYS.undelivered) == set()
+
+
+async def test_a_finish_of_a_session_that_is_not_active_leaves_the_repair_set_as_it_was(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    idle, done = await store.create_session(), await store.create_session()
+    await redis.zadd(KEYS.active_sessions, {idle.id: 0})
+    await redis.hset(KEYS.meta(idle.id), "updated_at", 0)
+    assert await store.abandon_idle() == [idle.id]
+    entry = await store.finish(done.id)
+
+    with pytest.raises(SessionNotFound):
+        await store.finish("never-created")
+    with pytest.raises(Conflict):
+        await store.finish(idle.id)
+    assert await store.finish(done.id) == entry  # finished before: the same entry, nothing added
+    assert await redis.smembers(KEYS.undelivered) == set()
+    assert len(await entries(redis)) == 1 and await store.pending() == 1
+    assert not await redis.exists(KEYS.meta("never-created"))
+
+
 async def test_concurrent_finishes_in_one_and_in_two_processes_give_one_entry(
     store: TrajectoryStore, client: Redis, redis: Redis
 ) -> None:
