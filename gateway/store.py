@@ -1069,7 +1069,11 @@ class TrajectoryStore:
 
     async def _claim_entry(self, session_id: str, entry_id: str) -> str:
         """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
-        stored = await self._eval(_CLAIM_STREAM_ID, [self.keys.meta(session_id)], [entry_id], "claim stream entry")
+
+        def claim(pipe: Pipeline) -> None:  # the source, not the SHA: a batch cannot recover from NOSCRIPT alone
+            pipe.eval(_CLAIM_STREAM_ID.source, 1, self.keys.meta(session_id), entry_id)
+
+        (stored,) = await self._batched(claim, "claim stream entry")
         winner = _optional_text(stored)
         if winner is None:
             raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
