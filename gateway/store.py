@@ -328,7 +328,20 @@ return redis.call('HGET', KEYS[1], 'stream_id')
 """
 )
 
-# Steps (2) of a finish that brings no metadata to merge, in one script on the session's slot (the general
+# A named session's creation, unless its meta exists: one script instead of a WATCHed read and transaction (three
+# round trips). The answer is the existing meta (HGETALL, a flat list), which the caller reuses or refuses, or 0
+# where this call created it.
+# KEYS: meta. ARGV: TTL, field, value, ...
+_CREATE_ABSENT = _Lua(
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 0
+"""
+)
+
+# Step (2) of a finish that brings no metadata to merge, in one script on the session's slot (the general
 # path's WATCHed read and transaction take three round trips): an active session becomes finished with its reward,
 # and its meta and samples get TTL `ttl_s`; the answer is the meta as it now is (HGETALL, a flat list). Any other
 # session is left as it is and answers its status ('missing', 'abandoned', 'finished'), for the general path. The
@@ -600,9 +613,7 @@ class TrajectoryStore:
         await self._check_backpressure()
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
-        # Index first, data second: a crash in between leaves an id without meta, which the idle sweeper drops.
-        await _call(self.client.zadd(self.keys.active_sessions, {session_id: now}, nx=True), "index session")
-        before = await self._transact(session_id, functools.partial(self._plan_create, meta), "create session")
+        before = await self._create_absent(meta)
         return meta if before is None else await self._reuse(before)
 
     async def _create_fresh(self, metadata: dict[str, Any] | None, session_id: str) -> SessionMeta:
@@ -699,16 +710,20 @@ class TrajectoryStore:
                 retry_after_s=self.retry_after_s,
             )
 
-    def _plan_create(self, meta: SessionMeta, before: SessionMeta | None) -> _Writes | None:
-        if before is not None:
-            return None
-        key = self.keys.meta(meta.id)
+    async def _create_absent(self, meta: SessionMeta) -> SessionMeta | None:
+        """Index the session, then write its meta unless one exists, in one batched pipeline (in that order: a crash
+        in between leaves an id without meta, which the idle sweeper drops). The meta that existed, or None where
+        this call created it; concurrent creations of one id create it once."""
+        fields = [part for name_value in meta.to_redis().items() for part in name_value]
 
-        def writes(pipe: Pipeline) -> None:
-            pipe.hset(key, mapping=meta.to_redis())  # type: ignore[arg-type]
-            pipe.expire(key, self._active_ttl_s)
+        def build(pipe: Pipeline) -> None:
+            pipe.zadd(self.keys.active_sessions, {meta.id: meta.created_at}, nx=True)
+            pipe.eval(_CREATE_ABSENT.source, 1, self.keys.meta(meta.id), self._active_ttl_s, *fields)
 
-        return writes
+        _, existing = await self._batched(build, "create session")
+        if isinstance(existing, list):
+            return SessionMeta.from_redis(meta.id, dict(zip(existing[::2], existing[1::2], strict=True)))
+        return None
 
     # -- samples --------------------------------------------------------------------------------------------
 

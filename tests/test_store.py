@@ -292,6 +292,21 @@ async def test_a_finish_without_metadata_skips_the_transaction_and_leaves_the_sa
     assert await redis.smembers(KEYS.undelivered) == set()
 
 
+async def test_a_named_session_is_created_once_without_a_transaction(store: TrajectoryStore, redis: Redis) -> None:
+    watches = await _watches(redis)
+    created = await store.ensure_session("agent-7", {"group_id": "g"})
+    again, concurrent = await asyncio.gather(
+        store.ensure_session("agent-7", {"other": 1}), store.ensure_session("agent-7", {"other": 2})
+    )
+    assert await _watches(redis) == watches, "created and found again by one script each, no WATCH"
+    assert again.metadata == concurrent.metadata == {"group_id": "g"} and again.created_at == created.created_at
+    assert await redis.zscore(KEYS.active_sessions, "agent-7") >= created.created_at  # indexed (and touched since)
+    assert 0 < await redis.ttl(KEYS.meta("agent-7"))
+    await store.finish("agent-7")
+    with pytest.raises(Conflict):
+        await store.ensure_session("agent-7")
+
+
 async def test_a_finish_of_a_session_that_is_not_active_leaves_the_repair_set_as_it_was(
     store: TrajectoryStore, redis: Redis
 ) -> None:
