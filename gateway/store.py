@@ -177,6 +177,11 @@ async def _call(awaitable: Awaitable[T], what: str) -> T:
         raise StoreError(f"redis: {what} failed: {exc}") from exc
 
 
+def _meta_of(session_id: str, flat: list[Any]) -> SessionMeta:
+    """The meta of a script's HGETALL answer (field, value, field, value, ...)."""
+    return SessionMeta.from_redis(session_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -722,7 +727,7 @@ class TrajectoryStore:
 
         _, existing = await self._batched(build, "create session")
         if isinstance(existing, list):
-            return SessionMeta.from_redis(meta.id, dict(zip(existing[::2], existing[1::2], strict=True)))
+            return _meta_of(meta.id, existing)
         return None
 
     # -- samples --------------------------------------------------------------------------------------------
@@ -1020,7 +1025,7 @@ class TrajectoryStore:
 
         _, answer, _ = await self._batched(build, "finish session")
         if isinstance(answer, list):
-            return SessionMeta.from_redis(session_id, dict(zip(answer[::2], answer[1::2], strict=True)))
+            return _meta_of(session_id, answer)
         if _text(answer) != "finished":
             await _call(self.client.srem(self.keys.undelivered, session_id), "forget undelivered")
         return None
