@@ -190,21 +190,15 @@ class ReplicaPool:
 
     def pick(self, session_id: str | None, exclude: Iterable[str] = ()) -> Replica | None:
         """The replica for this session now, or None if none can serve. Records the placement."""
-        if session_id and not exclude:  # the common case first: a placed session whose replica still serves
-            placed = self.replicas.get(self.placements.get(session_id, ""))
-            if placed is not None and placed.serving(time.monotonic()):
-                self._place(session_id, placed, moved=False)
-                return placed
         excluded = set(exclude)
+        previous = self.placements.get(session_id) if session_id else None
+        current = self.replicas.get(previous) if previous is not None else None
+        if current is not None and current.id not in excluded and current.serving(time.monotonic()):
+            self._place(session_id, current, moved=False)  # sticky: checked before any candidate list is built
+            return current
         candidates = [r for r in self.candidates() if r.id not in excluded]
         if not candidates:
             return None
-        previous = self.placements.get(session_id) if session_id else None
-        if previous is not None:
-            current = self.replicas.get(previous)
-            if current is not None and current in candidates:
-                self._place(session_id, current, moved=False)
-                return current
         key = string_key(session_id) if session_id else mix64(time.monotonic_ns())
         chosen = self.policy.choose(key, candidates, is_new=previous is None)
         if session_id:
