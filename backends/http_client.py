@@ -59,13 +59,16 @@ class ReplicaClient:
     """The one pooled HTTP client of a replica (keep-alive connections, at most `spec.max_connections`).
 
     The aiohttp session is made on first use, inside the running event loop, so building a backend does no I/O
-    and needs no loop; `aclose` closes it, after which every call raises `BackendUnavailable`.
+    and needs no loop; `aclose` closes it, after which every call raises `BackendUnavailable`, and so do the
+    streams still being read (aiohttp's close leaves their readers waiting for bytes that never come: a stream
+    of a replica removed from the pool would hang until the read timeout instead of resuming elsewhere).
     """
 
     def __init__(self, spec: ReplicaSpec) -> None:
         self._spec = spec
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self.reading: set[aiohttp.StreamReader] = set()  # the bodies of the streams being read
         self.timeout = spec.timeouts.client()
         self.stream_timeout = _without_read_gap(self.timeout)  # streams time their reads themselves (`sse_batches`)
 
@@ -90,6 +93,10 @@ class ReplicaClient:
     async def aclose(self) -> None:
         self._closed = True
         session, self._session = self._session, None
+        closed = BackendUnavailable(f"replica {self._spec.id}: the backend was closed", replica=self._spec.id)
+        for body in self.reading:
+            body.set_exception(closed)
+        self.reading.clear()
         if session is not None:
             await session.close()
 
@@ -257,21 +264,22 @@ async def sse_batches(
                 pending = b""
                 done = False
                 content = response.content
-                while True:
-                    if watch is not None:
-                        watch.wait()
-                    data = await content.readany()
-                    if watch is not None:
-                        watch.waiting = False
-                    if not data:
-                        break  # the end of the body
-                    if done:
-                        continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
-                    pending, batch, done, error = _decode_events(pending + data)
-                    if batch:
-                        yield batch
-                    if error is not None:
-                        raise_for_status(replica, error[0], error[1].encode())
+                with _StreamBody(client, content):
+                    while True:
+                        if watch is not None:
+                            watch.wait()
+                        data = await content.readany()
+                        if watch is not None:
+                            watch.waiting = False
+                        if not data:
+                            break  # the end of the body
+                        if done:
+                            continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
+                        pending, batch, done, error = _decode_events(pending + data)
+                        if batch:
+                            yield batch
+                        if error is not None:
+                            raise_for_status(replica, error[0], error[1].encode())
     except asyncio.CancelledError:
         if watch is None or not watch.expired:
             raise
@@ -282,6 +290,22 @@ async def sse_batches(
     finally:
         if watch is not None:
             watch.close()
+
+
+class _StreamBody:
+    """While a stream's body is read: failed by its client's `aclose`."""
+
+    __slots__ = ("body", "client")
+
+    def __init__(self, client: ReplicaClient, body: aiohttp.StreamReader) -> None:
+        self.client = client
+        self.body = body
+
+    def __enter__(self) -> None:
+        self.client.reading.add(self.body)
+
+    def __exit__(self, *_: object) -> None:
+        self.client.reading.discard(self.body)
 
 
 def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str] | None]:

@@ -438,6 +438,28 @@ async def test_aclose_closes_the_client(make_sim: SimFactory, backend_for: Backe
     assert await backend.health() is False
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_aclose_fails_the_answers_being_read_at_once(
+    make_sim: SimFactory, backend_for: BackendFactory, stream: bool
+) -> None:
+    """aiohttp's close leaves a stream's reader waiting for bytes that never come: without the client failing it, a
+    stream of a replica removed from the pool would wait out the read timeout (600 s by default). A whole answer,
+    still waiting for its head, fails with the connection."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005))
+    backend = backend_for(sim)
+    chunks: list[Chunk] = []
+
+    async def consume() -> None:
+        async for chunk in backend.generate(PROMPT, greedy(2000), "closing", stream=stream):
+            chunks.append(chunk)
+
+    task = asyncio.create_task(consume())
+    await wait_for(lambda: sim.engine.num_running == 1 and (len(chunks) > 1 or not stream), what="tokens coming")
+    await backend.aclose()
+    with pytest.raises(BackendUnavailable, match="closed" if stream else "disconnected"):
+        await asyncio.wait_for(task, timeout=20)  # the answer itself would take 10 s
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Answers the simulator never gives: contract breaches, cut streams, other server versions (scripted server)
 # ----------------------------------------------------------------------------------------------------------

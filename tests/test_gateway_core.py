@@ -635,6 +635,28 @@ async def test_replicas_added_and_removed_at_run_time(
     assert body["replicas"] == [newcomer.url.removeprefix("http://")]
 
 
+async def test_streams_of_a_replica_removed_at_run_time_finish_on_another(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Removing a replica closes its client; its streams fail at once (they waited out the read timeout, 600 s by
+    default, before the fix) and continue on the replica left, with every token."""
+    sims = [await make_sim(*slow("vllm", 0.005)) for _ in range(2)]
+    gw = await make_gateway(sims, routing={"balance_factor": 0.0})
+    n, total = 6, 300
+    prompts = [[9, i, 4] for i in range(n)]
+    gone_id = sims[0].url.removeprefix("http://")
+    async with streams_under_way(gw, prompts, total, "rm") as tasks:
+        assert gw.services.pool.replicas[gone_id].in_flight > 0
+        assert (await http.delete(f"{gw.url}/admin/replicas/{gone_id}", headers=ADMIN)).status_code == 204
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    moved = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.error is None and result.final["finish_reason"] == "length"
+        assert result.output_ids == expected_tokens(prompt, result.final["versions"], total)
+        moved += gone_id in result.final["replicas"]
+    assert moved >= 1
+
+
 async def test_all_replicas_down_is_503_after_max_wait(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
