@@ -195,6 +195,15 @@ class EngineBackend(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class StreamPacing:
+    """Reads of a replica's streams at most once per `interval_s` while at least `min_streams` are open (0: off;
+    see `backends.read_pacing`)."""
+
+    interval_s: float = 0.0
+    min_streams: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaSpec:
     """How to reach and drive one replica (built from the gateway's config).
 
@@ -216,6 +225,7 @@ class ReplicaSpec:
     new_requests_while_paused: NewRequestsWhilePaused = "unknown"
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_connections: int = 1024
+    stream_pacing: StreamPacing = field(default_factory=StreamPacing)
 
 
 class translate_errors:  # used like the function it was: `with translate_errors(replica):`

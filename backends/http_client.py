@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.base import Load, ReplicaSpec, Timeouts, raise_for_status, translate_errors
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
+from backends.read_pacing import ReadPacer
 
 __all__ = [
     "HttpEngineBackend",
@@ -71,6 +72,7 @@ class ReplicaClient:
         self.reading: set[aiohttp.StreamReader] = set()  # the bodies of the streams being read
         self.timeout = spec.timeouts.client()
         self.stream_timeout = _without_read_gap(self.timeout)  # streams time their reads themselves (`sse_batches`)
+        self.pacer = ReadPacer(spec.stream_pacing.interval_s, spec.stream_pacing.min_streams)
 
     @property
     def is_closed(self) -> bool:
@@ -90,9 +92,17 @@ class ReplicaClient:
             )
         return self._session
 
+    def pace_reads(self, on: bool) -> None:
+        """Hold streams between reads again (`on`), or read every stream at once until then (a weight update)."""
+        if on:
+            self.pacer.restore()
+        else:
+            self.pacer.suspend()
+
     async def aclose(self) -> None:
         self._closed = True
         session, self._session = self._session, None
+        self.pacer.suspend()
         closed = BackendUnavailable(f"replica {self._spec.id}: the backend was closed", replica=self._spec.id)
         for body in self.reading:
             body.set_exception(closed)
@@ -251,6 +261,7 @@ async def sse_batches(
     session = client.session()
     limits = timeout or client.timeout
     watch = _ReadGapWatch(limits.sock_read) if limits.sock_read else None
+    pacer = client.pacer
     try:
         with translate_errors(replica):
             async with session.post(
@@ -264,6 +275,7 @@ async def sse_batches(
                 pending = b""
                 done = False
                 content = response.content
+                connection = response.connection
                 with _StreamBody(client, content):
                     while True:
                         if watch is not None:
@@ -276,6 +288,8 @@ async def sse_batches(
                         if done:
                             continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
                         pending, batch, done, error = _decode_events(pending + data)
+                        if batch and not done and error is None:  # a partial event: the rest is on its way
+                            pacer.hold(connection.transport if connection is not None else None)
                         if batch:
                             yield batch
                         if error is not None:
@@ -293,7 +307,7 @@ async def sse_batches(
 
 
 class _StreamBody:
-    """While a stream's body is read: failed by its client's `aclose`."""
+    """While a stream's body is read: counted by the replica's pacer, and failed by its client's `aclose`."""
 
     __slots__ = ("body", "client")
 
@@ -302,9 +316,11 @@ class _StreamBody:
         self.body = body
 
     def __enter__(self) -> None:
+        self.client.pacer.streams += 1
         self.client.reading.add(self.body)
 
     def __exit__(self, *_: object) -> None:
+        self.client.pacer.streams -= 1
         self.client.reading.discard(self.body)
 
 

@@ -201,6 +201,21 @@ class GenerationConfig(_Section):
     write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
     pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
     max_connections_per_replica: int = Field(1024, ge=1, description="Size of each replica's connection pool.")
+    stream_pacing_s: float = Field(
+        0.2, ge=0, le=1, description="Least time between two reads of an engine stream while many are open, s (0: off)."
+    )
+    stream_pacing_min_streams: int = Field(
+        32, ge=1, description="Open streams of a replica from which its stream reads are paced."
+    )
+
+    @model_validator(mode="after")
+    def _pacing_within_read_timeout(self) -> GenerationConfig:
+        if self.stream_pacing_s >= self.read_timeout_s:
+            raise ValueError(
+                f"stream_pacing_s ({self.stream_pacing_s:g}) must be shorter than read_timeout_s "
+                f"({self.read_timeout_s:g}): a held stream would count as a silent replica"
+            )
+        return self
 
 
 class WeightsConfig(_Section):

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from backends.base import EngineBackend, ReplicaSpec, Timeouts
+from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.errors import BackendError
 from backends.factory import create_backend
 from gateway import store
@@ -54,6 +54,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
             control=settings.routing.health_timeout_s,
         ),
         max_connections=g.max_connections_per_replica,
+        stream_pacing=StreamPacing(g.stream_pacing_s, g.stream_pacing_min_streams),
     )
 
 

@@ -292,6 +292,9 @@ def test_bad_replica(replica: dict[str, object], expected: str) -> None:
         ({"store": {"max_pending": 0}}, "store.max_pending"),
         ({"store": {"prefix": ""}}, "store.prefix"),
         ({"generation": {"routed_experts": "merge"}}, "generation.routed_experts"),
+        ({"generation": {"stream_pacing_s": 1.5}}, "generation.stream_pacing_s"),
+        ({"generation": {"stream_pacing_min_streams": 0}}, "generation.stream_pacing_min_streams"),
+        ({"generation": {"stream_pacing_s": 0.5, "read_timeout_s": 0.5}}, "generation"),
         ({"model": {"tool_parser": "mistral"}}, "model.tool_parser"),
     ],
 )
