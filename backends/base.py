@@ -143,6 +143,11 @@ class EngineBackend(Protocol):
     url: str
     capabilities: Capabilities
 
+    @property
+    def paced_reads(self) -> int:
+        """Stream reads held back so far to take several events at once (`backends.read_pacing`; 0: never)."""
+        ...
+
     def generate(
         self,
         token_ids: Sequence[int],

@@ -392,6 +392,10 @@ class HttpEngineBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, url={self.url!r})"
 
+    @property
+    def paced_reads(self) -> int:
+        return self._client.pacer.holds
+
     async def health(self) -> bool:
         """True when `GET /health` answers 200; never raises."""
         return await probe(self._client, self.id, "/health", timeout=self._control)

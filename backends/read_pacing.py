@@ -26,7 +26,7 @@ class ReadPacer:
     holds nothing.
     """
 
-    __slots__ = ("_handle", "_held", "_suspended", "interval_s", "min_streams", "streams")
+    __slots__ = ("_handle", "_held", "_suspended", "holds", "interval_s", "min_streams", "streams")
 
     def __init__(self, interval_s: float = 0.0, min_streams: int = 1) -> None:
         if interval_s < 0 or min_streams < 1:
@@ -34,6 +34,7 @@ class ReadPacer:
         self.interval_s = interval_s
         self.min_streams = min_streams
         self.streams = 0  # open streams of the replica (`sse_batches` counts them)
+        self.holds = 0  # reads held so far (the gateway's metrics read it at scrape)
         self._held: list[asyncio.Transport] = []
         self._handle: asyncio.TimerHandle | None = None
         self._suspended = not interval_s  # an interval of 0 holds nothing, ever
@@ -55,6 +56,7 @@ class ReadPacer:
         ):
             return
         transport.pause_reading()
+        self.holds += 1
         self._held.append(transport)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._release)

@@ -8,6 +8,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_tokens_total`           | counter   | kind          | read at scrape from `Generator` counters  |
 | `rollout_gateway_in_flight`              | gauge     | replica       | read at scrape from the pool              |
 | `rollout_gateway_replica_healthy`        | gauge     | replica       | read at scrape from the pool              |
+| `rollout_gateway_paced_reads_total`      | counter   | replica       | read at scrape from each replica's pacer  |
 | `rollout_gateway_resumes_total`          | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_preemptions_total`      | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, per streamed resume|
@@ -31,6 +32,10 @@ pipeline (`gateway.redis_batch`): 1 at low load, more as concurrent turns queue 
 `samples_moved_total` counts sample writes that found their index taken by another turn of the same session on
 another process (parallel requests of one session across gateways): both samples are kept, the later one at the
 session's next free index (`TrajectoryStore.save_sample`).
+
+`paced_reads_total{replica}` counts the stream reads of a replica that were held until the pacer's next tick
+(`generation.stream_pacing_s`, only while `stream_pacing_min_streams` streams are open): while it grows, the
+gateway takes that replica's one-token events several to a read; `tokens_total` over it bounds tokens per read.
 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
@@ -107,14 +112,21 @@ class _LiveCollector:
             "1 if the replica passes health checks (stale ones included).",
             labels=["replica"],
         )
+        paced = CounterMetricFamily(
+            f"{PREFIX}_paced_reads",
+            "Stream reads held back to take several engine events at once (generation.stream_pacing_s).",
+            labels=["replica"],
+        )
         for replica in replicas:
             in_flight.add_metric([replica.id], replica.in_flight)
             healthy.add_metric([replica.id], 1.0 if replica.healthy else 0.0)
+            paced.add_metric([replica.id], replica.backend.paced_reads)
         tokens = CounterMetricFamily(f"{PREFIX}_tokens", "Tokens by kind (prompt, completion).", labels=["kind"])
         tokens.add_metric(["prompt"], src.generator.prompt_tokens_total)
         tokens.add_metric(["completion"], src.generator.completion_tokens_total)
         yield in_flight
         yield healthy
+        yield paced
         yield tokens
         yield CounterMetricFamily(
             f"{PREFIX}_resumes", "Segments re-issued after an abort or a replica failure.", src.generator.resumes_total

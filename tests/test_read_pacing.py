@@ -23,6 +23,7 @@ from backends.vllm import VllmBackend
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
+from tests.test_metrics import scrape, value
 
 PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]
 REFERENCE = ("init", "default")
@@ -209,3 +210,18 @@ async def test_paced_gateway_streams_across_updates_lose_nothing(
         assert result.output_ids == expected_tokens(prompt, final["versions"], total)
         assert len(result.logprobs) == total
         assert final["versions"] == sorted(final["versions"]) and final["num_resumes"] >= 1
+    # Every stream was paced (threshold 1), each held read after a read of one event or more.
+    replica = sim.url.removeprefix("http://")
+    held = value(await scrape(http, gw.url), "rollout_gateway_paced_reads_total", replica=replica)
+    assert n <= held < n * total
+
+
+async def test_unpaced_streams_report_no_paced_reads(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm", engine=engine("vllm", 0.001))
+    gw = await make_gateway([sim])  # the default threshold (32 streams) is far above one stream
+    result = await stream_generate(http, gw.url, generate_body([7, 1, 3], 50))
+    assert result.error is None and len(result.output_ids) == 50
+    samples = await scrape(http, gw.url)
+    assert value(samples, "rollout_gateway_paced_reads_total", replica=sim.url.removeprefix("http://")) == 0
