@@ -92,13 +92,6 @@ class ReplicaClient:
             )
         return self._session
 
-    def pace_reads(self, on: bool) -> None:
-        """Hold streams between reads again (`on`), or read every stream at once until then (a weight update)."""
-        if on:
-            self.pacer.restore()
-        else:
-            self.pacer.suspend()
-
     async def aclose(self) -> None:
         self._closed = True
         session, self._session = self._session, None
@@ -288,9 +281,9 @@ async def sse_batches(
                         if done:
                             continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
                         pending, batch, done, error = _decode_events(pending + data)
-                        if batch and not done and error is None:  # a partial event: the rest is on its way
-                            pacer.hold(connection.transport if connection is not None else None)
-                        if batch:
+                        if batch:  # a read that completed no event is not held: the event's rest is on its way
+                            if not done and error is None:
+                                pacer.hold(connection.transport if connection is not None else None)
                             yield batch
                         if error is not None:
                             raise_for_status(replica, error[0], error[1].encode())

@@ -276,14 +276,14 @@ class SglangBackend(HttpEngineBackend):
         if mode == "wait":
             raise ValueError(f"replica {self.id}: SGLang has no drain-then-pause mode 'wait' (not a capability)")
         sglang_mode = "abort" if mode == "abort" else self.spec.keep_mode
-        self._client.pace_reads(False)  # the aborted requests' answers come in at once
+        self._client.pacer.suspend()  # the aborted requests' answers come in at once
         answer = await self._call("POST", "/pause_generation", json={"mode": sglang_mode})
         self._expect_ok(answer)
 
     async def resume(self) -> None:
         answer = await self._call("POST", "/continue_generation", json={})
         self._expect_ok(answer)
-        self._client.pace_reads(True)
+        self._client.pacer.restore()
 
     async def update_weights(self, version: str, source: str | None) -> bool:
         """From `source`: `/update_weights_from_disk` with the version label and a cache flush. It returns False

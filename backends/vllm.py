@@ -320,7 +320,7 @@ class VllmBackend(HttpEngineBackend):
             )
             mode = "abort"
         timeout = self._long if mode == "wait" else self._control
-        self._client.pace_reads(False)  # the aborted requests' answers come in at once
+        self._client.pacer.suspend()  # the aborted requests' answers come in at once
         answer = await self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
         self._expect_status(answer, "paused")
 
@@ -342,7 +342,7 @@ class VllmBackend(HttpEngineBackend):
     async def resume(self) -> None:
         answer = await self._call("POST", "/resume")
         self._expect_status(answer, "resumed")
-        self._client.pace_reads(True)
+        self._client.pacer.restore()
 
     async def update_weights(self, version: str, source: str | None) -> bool:
         """Reload weights from `source` (if given), relabel them `version`, then flush the prefix cache (vLLM
