@@ -538,6 +538,8 @@ async def test_keep_needs_version_spans(scripted: Scripted, version: str, scale_
         (sse_body(choice([1, 2]), done=False), BackendUnavailable),  # connection closed mid-request
         (sse_body({"choices": [{"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0]}}]}), BackendProtocolError),
         (sse_body({"choices": [{"token_ids": [1], "logprobs": None, "finish_reason": None}]}), BackendProtocolError),
+        (sse_body({"choices": [{"token_ids": ["x"], "logprobs": {"token_logprobs": [-1.0]}}]}), BackendProtocolError),
+        (sse_body({"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": ["?"]}}]}), BackendProtocolError),
         (sse_body({"choices": "nope"}), BackendProtocolError),
         (b"data: [1, 2]\n\n", BackendProtocolError),
         (b"data: {not json\n\n", BackendProtocolError),
