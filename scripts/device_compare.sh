@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # benchmarks/compare.py on a many-core machine without network (`--layout dedicated`: each replica, each load
 # generator and the proxy on a CPU of its own), with the project's dependencies and the two Rust routers
-# travelling in .whl/ (scripts/device_wheels.sh says how to fill it). Output: $OUT/compare.txt (the console) and
+# travelling in .whl/ (scripts/device_setup.sh says how to fill it). Output: $OUT/compare.txt (the console) and
 # $OUT/compare.json (every figure).
 #
 #   OUT=/tmp/out scripts/device_compare.sh
@@ -11,22 +11,14 @@
 # SKIP_WHEELS=1 (use $PYTHON's own packages: a rehearsal on a development machine).
 set -euo pipefail
 
-: "${OUT:?set OUT to the folder for the results}"
-PYTHON=${PYTHON:-python3}
 TARGETS=${TARGETS:-direct gateway gateway-generate sglang-manual vllm-consistent_hash python-relay}
 WORKLOADS=${WORKLOADS:-short-c1 short-c64 rl}
 ROUNDS=${ROUNDS:-2}
 LOADGENS=${LOADGENS:-2}
 LIMIT_S=${LIMIT_S:-480}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-
-# shellcheck source=scripts/device_wheels.sh
-source "$(dirname "$0")/device_wheels.sh"
-
-echo "nproc: $(nproc); $(grep -m1 'model name' /proc/cpuinfo || true)"
-"$PYTHON" --version
+# shellcheck source=scripts/device_setup.sh
+source "$(dirname "$0")/device_setup.sh"
 
 # shellcheck disable=SC2086  # TARGETS, WORKLOADS and EXTRA_ARGS are lists
 timeout -k 10 "$LIMIT_S" "$PYTHON" -m benchmarks.compare --layout dedicated --loadgens "$LOADGENS" \

@@ -18,20 +18,12 @@
 # EXTRA_ARGS (more scaling.py options), SKIP_WHEELS=1 (use $PYTHON's own packages: a rehearsal on a dev machine).
 set -euo pipefail
 
-: "${OUT:?set OUT to the folder for the results}"
-PYTHON=${PYTHON:-python3}
 DURATION=${DURATION:-8}
 AGENTS=${AGENTS:-256}
 ROUNDS=${ROUNDS:-2}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-
-# shellcheck source=scripts/device_wheels.sh
-source "$(dirname "$0")/device_wheels.sh"
-
-echo "nproc: $(nproc)"
-"$PYTHON" --version
+# shellcheck source=scripts/device_setup.sh
+source "$(dirname "$0")/device_setup.sh"
 
 if [[ -z "${WORKERS:-}" ]]; then
     # Per request a replica spends about 1.3 times a /generate worker's CPU and a load generator 0.4 times (measured

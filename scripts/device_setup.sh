@@ -1,5 +1,6 @@
-# Sourced by the device_*.sh scripts: installs what travelled in .whl/ into /tmp/site for a machine without
-# network, and puts /tmp/site first on PYTHONPATH (then the repository) and /tmp/site/bin first on PATH.
+# Sourced by the device_*.sh scripts, from the repository's root, after their knobs: checks OUT and makes it,
+# installs what travelled in .whl/ into /tmp/site for a machine without network, puts /tmp/site first on
+# PYTHONPATH (then the repository) and /tmp/site/bin first on PATH, and prints the machine.
 #
 # .whl/ (ignored by git) holds the wheels of the project's dependencies the machine lacks, for its Python (see
 # scripts/device_scaling.sh for the download command), and optionally routers.tar.xz: sglang-router and
@@ -11,9 +12,13 @@
 #
 # (the routers also need setproctitle's wheel beside the others: their start-up imports it).
 #
-# Needs PYTHON (default python3) and the current folder at the repository's root. SKIP_WHEELS=1: install
-# nothing and use $PYTHON's own packages (a rehearsal on a development machine).
+# Knobs: PYTHON (default python3); SKIP_WHEELS=1: install nothing and use $PYTHON's own packages (a rehearsal
+# on a development machine).
+: "${OUT:?set OUT to the folder for the results}"
 PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
 if [[ "${SKIP_WHEELS:-0}" != 1 ]]; then
     stamp=$(ls -l .whl | cksum)  # a second run on the same machine reuses /tmp/site unless .whl/ changed
     if [[ "$(cat /tmp/site/.installed 2>/dev/null)" != "$stamp" ]]; then
@@ -49,3 +54,6 @@ PY
 else
     export PYTHONPATH=$PWD
 fi
+
+echo "nproc: $(nproc); $(grep -m1 'model name' /proc/cpuinfo || true)"
+"$PYTHON" --version
