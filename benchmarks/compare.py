@@ -4,8 +4,9 @@
     python -m benchmarks.compare --quick      # about 3 minutes, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
 
-What runs where (`--layout shared`, the default, written for a 2-core machine; `--layout dedicated` gives each
-replica, each of `--loadgens` load generators and the proxy a CPU of its own, on a machine with 6 or more):
+What runs where (`--layout shared`, written for a 2-core machine; `--layout dedicated` gives each replica, each
+of `--loadgens` load generators and the proxy a CPU of its own, on a machine with 6 or more; `auto`, the default,
+picks `dedicated` where the CPUs hold it):
 
 * two simulator replicas (`python -m backends.sim --dialect vllm`, the gateway's tiny tokenizer) on core 0;
 * each target on core 1, alone: `direct` (no proxy: the load generator picks the replica by a hash of the
@@ -495,7 +496,7 @@ class Options:
     timeout_s: float
     pin: bool
     json_path: Path | None
-    dedicated: bool = False
+    layout: str = "shared"  # "shared", "dedicated" or "auto" (dedicated where the CPUs hold it)
     loadgens: int = 2
     cpus: tuple[int, ...] = ()  # of a dedicated layout (empty: every CPU this process may use)
 
@@ -526,19 +527,22 @@ class Placement:
 def placement(options: Options, replicas: int = 2) -> Placement:
     """Shared (the 2-core machine): the replicas and one load generator on core 0, the proxy on core 1. Dedicated
     (a many-core machine): every replica and load generator on a CPU of its own, the proxy (with the gateway's
-    redis-server child) alone on another, its SMT siblings idle; `benchmarks.scaling.plan` lays it out."""
-    if not options.dedicated:
-        shared, proxy = cpu_split(options.pin)
-        return Placement((shared,) * replicas, (shared,), proxy)
+    redis-server child) alone on another, its SMT siblings idle; `benchmarks.scaling.plan` lays it out. Auto:
+    dedicated where the CPUs hold it, else shared."""
     from benchmarks.scaling import plan
 
     cpus = list(options.cpus) or sorted(
         os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     )
     try:
-        layout = plan(cpus, 1, replicas, options.loadgens, options.pin)
+        layout = plan(cpus, 1, replicas, options.loadgens, options.pin) if options.layout != "shared" else None
     except ValueError as exc:
-        raise SystemExit(f"--layout dedicated: {exc}") from exc
+        if options.layout == "dedicated":
+            raise SystemExit(f"--layout dedicated: {exc}") from exc
+        layout = None
+    if layout is None:
+        shared, proxy = cpu_split(options.pin)
+        return Placement((shared,) * replicas, (shared,), proxy)
     # plan() keeps a CPU for a Redis shared by workers; here the gateway's Redis stays on the proxy's CPU (the
     # routers have none), so that CPU is left idle.
     return Placement(
@@ -753,10 +757,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
     p.add_argument(
         "--layout",
-        choices=("shared", "dedicated"),
-        default="shared",
+        choices=("auto", "shared", "dedicated"),
+        default="auto",
         help="shared: replicas and load generator on core 0, proxy on core 1 (a 2-core machine); dedicated: every "
-        "replica, load generator and the proxy on CPUs of their own (needs 6 or more)",
+        "replica, load generator and the proxy on CPUs of their own (needs 6 or more); auto: dedicated where the "
+        "CPUs hold it (default)",
     )
     p.add_argument("--loadgens", type=int, default=2, help="load-generator processes with --layout dedicated (2)")
     p.add_argument("--cpus", type=int, nargs="+", default=None, help="the CPUs a dedicated layout uses (default all)")
@@ -784,7 +789,7 @@ def options_from(args: argparse.Namespace) -> Options:
         args.timeout,
         not args.no_pin,
         args.json,
-        dedicated=args.layout == "dedicated",
+        layout=args.layout,
         loadgens=args.loadgens,
         cpus=tuple(args.cpus or ()),
     )

@@ -66,20 +66,23 @@ async def test_python_relay_end_to_end() -> None:
 
 
 def test_a_dedicated_layout_gives_every_process_cpus_of_its_own() -> None:
-    options = replace(tiny_options(("direct",)), pin=True, dedicated=True, loadgens=3, cpus=tuple(range(16)))
+    options = replace(tiny_options(("direct",)), pin=True, layout="dedicated", loadgens=3, cpus=tuple(range(16)))
     where = placement(options)
     assert where.proxy is not None and len(where.replicas) == 2 and len(where.loadgens) == 3
     taken = [where.proxy, *where.replicas, *where.loadgens]
     assert all(cpus is not None and len(cpus) == 1 for cpus in taken)
     assert len(set().union(*taken)) == len(taken)  # no two processes share a CPU
+    assert placement(replace(options, layout="auto")) == where
     with pytest.raises(SystemExit, match="dedicated"):
         placement(replace(options, cpus=(0, 1, 2)))  # too few CPUs is refused, never crowded
+    crowded = placement(replace(options, layout="auto", cpus=(0, 1, 2)))  # auto: the shared layout instead
+    assert crowded.replicas[0] == crowded.replicas[1] == crowded.loadgens[0] and len(crowded.loadgens) == 1
 
 
 async def test_several_load_generators_count_every_request_once() -> None:
     """`--layout dedicated` splits each workload over its load generators (here unpinned): the results sum to the
     same counts as one generator, sessions keep their replica, and a one-agent workload runs on one generator."""
-    options = replace(tiny_options(("direct", "gateway")), dedicated=True, loadgens=2, cpus=tuple(range(8)))
+    options = replace(tiny_options(("direct", "gateway")), layout="dedicated", loadgens=2, cpus=tuple(range(8)))
     single = replace({w.name: w for w in workloads(True, None, None, 0.0)}["short-c1"], requests=5)
     options = replace(options, workloads=(*options.workloads, single))
     results = await run_all(options, Console(file=io.StringIO()))
