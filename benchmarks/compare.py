@@ -57,7 +57,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -496,7 +496,7 @@ class Options:
     timeout_s: float
     pin: bool
     json_path: Path | None
-    layout: str = "shared"  # "shared", "dedicated" or "auto" (dedicated where the CPUs hold it)
+    layout: Literal["shared", "dedicated", "auto"] = "shared"  # auto: dedicated where the CPUs hold it
     loadgens: int = 2
     cpus: tuple[int, ...] = ()  # of a dedicated layout (empty: every CPU this process may use)
 
