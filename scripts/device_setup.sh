@@ -20,6 +20,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 if [[ "${SKIP_WHEELS:-0}" != 1 ]]; then
+    [[ -d .whl ]] || { echo "no .whl/ here: carry the wheels (see scripts/device_setup.sh) or set SKIP_WHEELS=1" >&2; exit 2; }
     stamp=$(ls -l .whl | cksum)  # a second run on the same machine reuses /tmp/site unless .whl/ changed
     if [[ "$(cat /tmp/site/.installed 2>/dev/null)" != "$stamp" ]]; then
         if "$PYTHON" -m pip --version >/dev/null 2>&1; then
