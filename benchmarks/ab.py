@@ -4,12 +4,15 @@
     python -m benchmarks.ab /tmp/before .                          # /generate, short requests at c=64
     python -m benchmarks.ab /tmp/before . --api completions --workload rl --rounds 6
     python -m benchmarks.ab /tmp/before . --api completions --one-turn      # no session: one-turn sessions
+    python -m benchmarks.ab . . --set-b RG_GENERATION__STREAM_PACING_S=0.4 --workload rl   # one tree, two settings
 
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
 turns, ABBA (A B, B A, A B, ...), so that drift in the machine's speed falls on both alike. Reported: each run's
 CPU per request (or per token for streamed workloads) from /proc, the median of each side and their ratio. On
 this kind of shared 2-core machine one run moves by ±10 %, a ratio of medians over 4-6 rounds by a few percent.
+`--set-b NAME=VALUE` sets an environment variable for the second gateway only (a `RG_*` setting: one checkout
+against itself with another configuration); `--layout` places the processes as `benchmarks.compare` does.
 """
 
 from __future__ import annotations
@@ -35,7 +38,17 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
-from benchmarks.compare import GATEWAY_SETTINGS, REPLICA_ARGS, Bench, Target, Workload, cpu_split, workloads
+from benchmarks.compare import (
+    GATEWAY_SETTINGS,
+    REPLICA_ARGS,
+    Bench,
+    LayoutName,
+    Target,
+    Workload,
+    add_layout_arguments,
+    placement,
+    workloads,
+)
 from benchmarks.scaling import APIS
 
 
@@ -46,44 +59,56 @@ class Options:
     workload: Workload
     rounds: int
     timeout_s: float
+    env_b: tuple[tuple[str, str], ...] = ()  # environment of the second gateway only
+    layout: LayoutName = "shared"
+    loadgens: int = 2
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass
 class Side:
     checkout: Path
+    env: tuple[tuple[str, str], ...] = ()
     units: list[float] = field(default_factory=list)
     errors: int = 0
 
+    @property
+    def name(self) -> str:
+        """The checkout, and the settings that set this side apart."""
+        return " ".join([str(self.checkout), *(f"{name}={value}" for name, value in self.env)])
+
 
 @contextlib.contextmanager
-def python_path(checkout: Path) -> Iterator[None]:
-    """`PYTHONPATH` = `checkout` while a gateway process starts (it inherits the environment)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(checkout)
+def environment(checkout: Path, extra: Sequence[tuple[str, str]] = ()) -> Iterator[None]:
+    """`PYTHONPATH` = `checkout`, and the `extra` variables, while a gateway process starts (it inherits them)."""
+    names = ["PYTHONPATH", *(name for name, _ in extra)]
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update({"PYTHONPATH": str(checkout), **dict(extra)})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 async def measure(options: Options, console: Console) -> list[Side]:
     chosen = options.workload
-    replica_cpus, proxy_cpus = cpu_split(True)
-    sides = [Side(checkout) for checkout in options.checkouts]
+    where = placement(options.layout, options.loadgens, True, options.cpus)
+    sides = [Side(options.checkouts[0]), Side(options.checkouts[1], options.env_b)]
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas, contextlib.ExitStack() as stack:
-        for replica in replicas:
+        for replica, cpus in zip(replicas, where.replicas, strict=True):
             if replica.pid is not None:
-                pin_process(replica.pid, replica_cpus)
+                pin_process(replica.pid, cpus)
         entries = [sim_replica_entry(replica.url, "vllm") for replica in replicas]
         targets = []
         for side in sides:
-            with python_path(side.checkout):
-                gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=proxy_cpus))
+            with environment(side.checkout, side.env):
+                gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=where.proxy))
             targets.append(Target(APIS[options.api], gateway.url, gateway.pid))
-        bench = Bench(replicas, replica_cpus, options.timeout_s)
+        bench = Bench(replicas, None, options.timeout_s, loadgens=where.loadgens)
         try:
             await bench.replica_post("/sim/speed", {"token_delay": chosen.token_delay_s})
             for round_number in range(options.rounds):
@@ -94,7 +119,7 @@ async def measure(options: Options, console: Console) -> list[Side]:
                     count = run.tokens if chosen.stream else run.ok
                     if count:
                         side.units.append(run.cpu_proxy_s / count * (1e6 if chosen.stream else 1e3))
-                    console.print(f"  round {round_number + 1}  {side.checkout}  {run.ok:,} ok  {run.errors} errors")
+                    console.print(f"  round {round_number + 1}  {side.name}  {run.ok:,} ok  {run.errors} errors")
         finally:
             await bench.http.aclose()
     return sides
@@ -104,7 +129,7 @@ def report(console: Console, options: Options, sides: list[Side]) -> None:
     unit = "CPU µs/token" if options.workload.stream else "CPU ms/request"
     medians = [statistics.median(side.units) if side.units else float("nan") for side in sides]
     rows = [
-        [str(side.checkout), " ".join(f"{u:.3f}" for u in side.units), f"{median:.3f}", f"{median / medians[0]:.3f}"]
+        [side.name, " ".join(f"{u:.3f}" for u in side.units), f"{median:.3f}", f"{median / medians[0]:.3f}"]
         for side, median in zip(sides, medians, strict=True)
     ]
     console.print(f"\n{machine_line()}")
@@ -127,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--one-turn", action="store_true", help="requests name no session: each is a one-turn session of its own"
     )
+    p.add_argument(
+        "--set-b",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable of the second gateway only, e.g. RG_GENERATION__STREAM_PACING_S=0.4 (repeatable)",
+    )
+    add_layout_arguments(p)
     return p
 
 
@@ -148,7 +181,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = by_name[args.workload]
     if args.one_turn:
         workload = dataclasses.replace(workload, name=f"{workload.name}, one-turn", one_turn=True)
-    options = Options((checkouts[0], checkouts[1]), args.api, workload, max(1, args.rounds), args.timeout)
+    env_b = []
+    for setting in args.set_b:
+        name, equals, value = setting.partition("=")
+        if not equals or not name:
+            raise SystemExit(f"--set-b takes NAME=VALUE, not {setting!r}")
+        env_b.append((name, value))
+    options = Options(
+        (checkouts[0], checkouts[1]),
+        args.api,
+        workload,
+        max(1, args.rounds),
+        args.timeout,
+        env_b=tuple(env_b),
+        layout=args.layout,
+        loadgens=args.loadgens,
+        cpus=tuple(args.cpus or ()),
+    )
     return run_benchmark(main_async, options, options.timeout_s * 2 * options.rounds)
 
 

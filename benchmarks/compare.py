@@ -488,6 +488,9 @@ def _stdout(process: asyncio.subprocess.Process) -> asyncio.StreamReader:
 # -- the whole run -----------------------------------------------------------------------------------------------
 
 
+LayoutName = Literal["shared", "dedicated", "auto"]
+
+
 @dataclass(frozen=True)
 class Options:
     targets: tuple[str, ...]
@@ -496,7 +499,7 @@ class Options:
     timeout_s: float
     pin: bool
     json_path: Path | None
-    layout: Literal["shared", "dedicated", "auto"] = "shared"  # auto: dedicated where the CPUs hold it
+    layout: LayoutName = "shared"  # auto: dedicated where the CPUs hold it
     loadgens: int = 2
     cpus: tuple[int, ...] = ()  # of a dedicated layout (empty: every CPU this process may use)
 
@@ -524,24 +527,26 @@ class Placement:
         return f"replicas on CPUs {replicas}, load generators on {loadgens}, proxy on {self.proxy}"
 
 
-def placement(options: Options, replicas: int = 2) -> Placement:
+def placement(
+    layout_name: LayoutName, loadgens: int = 2, pin: bool = True, cpus: Sequence[int] = (), replicas: int = 2
+) -> Placement:
     """Shared (the 2-core machine): the replicas and one load generator on core 0, the proxy on core 1. Dedicated
     (a many-core machine): every replica and load generator on a CPU of its own, the proxy (with the gateway's
     redis-server child) alone on another, its SMT siblings idle; `benchmarks.scaling.plan` lays it out. Auto:
     dedicated where the CPUs hold it, else shared."""
     from benchmarks.scaling import plan
 
-    cpus = list(options.cpus) or sorted(
+    cpus = list(cpus) or sorted(
         os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     )
     try:
-        layout = plan(cpus, 1, replicas, options.loadgens, options.pin) if options.layout != "shared" else None
+        layout = plan(cpus, 1, replicas, loadgens, pin) if layout_name != "shared" else None
     except ValueError as exc:
-        if options.layout == "dedicated":
+        if layout_name == "dedicated":
             raise SystemExit(f"--layout dedicated: {exc}") from exc
         layout = None
     if layout is None:
-        shared, proxy = cpu_split(options.pin)
+        shared, proxy = cpu_split(pin)
         return Placement((shared,) * replicas, (shared,), proxy)
     # plan() keeps a CPU for a Redis shared by workers; here the gateway's Redis stays on the proxy's CPU (the
     # routers have none), so that CPU is left idle.
@@ -588,7 +593,7 @@ def _tmpdir() -> Iterator[str]:
 
 
 async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
-    where = placement(options)
+    where = placement(options.layout, options.loadgens, options.pin, options.cpus)
     results: dict[str, dict[str, RunResult]] = {}
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas:
         for replica, cpus in zip(replicas, where.replicas, strict=True):
@@ -755,6 +760,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rl-token-delay", type=float, default=0.03, help="seconds per decode step in `rl` (0.03)")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
     p.add_argument("--no-pin", action="store_true", help="do not pin the proxy and the rest to separate cores")
+    add_layout_arguments(p)
+    p.add_argument("--json", type=Path, default=None, help="also write every figure (and raw counts) here")
+    return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """`--layout`, `--loadgens` and `--cpus` (see `placement`), for this benchmark and `benchmarks.ab`."""
     p.add_argument(
         "--layout",
         choices=("auto", "shared", "dedicated"),
@@ -765,8 +777,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--loadgens", type=int, default=2, help="load-generator processes with --layout dedicated (2)")
     p.add_argument("--cpus", type=int, nargs="+", default=None, help="the CPUs a dedicated layout uses (default all)")
-    p.add_argument("--json", type=Path, default=None, help="also write every figure (and raw counts) here")
-    return p
 
 
 def options_from(args: argparse.Namespace) -> Options:

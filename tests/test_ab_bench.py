@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +28,23 @@ async def test_two_checkouts_side_by_side() -> None:
     out = io.StringIO()
     ab.report(Console(file=out, width=200), options, sides)
     assert "÷ first" in out.getvalue() and str(REPO) in out.getvalue()
+
+
+async def test_a_setting_of_the_second_side_reaches_its_gateway_only() -> None:
+    """`--set-b`: the same checkout twice, the second under a limit its requests exceed, so only its runs fail."""
+    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
+    tiny = replace(short, sessions=4, requests=20, duration_s=1.0, min_tokens=2, max_tokens=4)
+    options = ab.Options((REPO, REPO), "generate", tiny, 1, 60, env_b=(("RG_SERVER__MAX_TOKENS_LIMIT", "1"),))
+    sides = await ab.measure(options, Console(file=io.StringIO()))
+    assert (sides[0].errors, len(sides[0].units)) == (0, 1)
+    assert sides[1].errors >= 20 and not sides[1].units  # every request refused (the warm-up's too)
+    assert sides[1].name.endswith("RG_SERVER__MAX_TOKENS_LIMIT=1")
+    assert "RG_SERVER__MAX_TOKENS_LIMIT" not in os.environ  # set only while the second gateway started
+
+
+def test_a_setting_must_name_a_variable() -> None:
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        ab.main([str(REPO), str(REPO), "--set-b", "RG_GENERATION__STREAM_PACING_S"])
 
 
 async def test_one_turn_requests_are_measured_without_a_session() -> None:
