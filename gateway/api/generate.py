@@ -19,7 +19,7 @@ from backends.routed_experts import encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens
-from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
+from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 
@@ -151,6 +151,5 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
         yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
         return
-    if state.finish_reason is not None:
-        yield b"data: " + orjson.dumps(_final(state, body)) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+    if state.finish_reason is not None:  # the summary and [DONE] in one write, with the body's end
+        yield LastChunk(b"data: " + orjson.dumps(_final(state, body)) + b"\n\ndata: [DONE]\n\n")

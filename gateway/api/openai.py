@@ -22,7 +22,7 @@ from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse
+from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
@@ -171,20 +171,51 @@ async def _chat_chunks(
         }
         yield _sse({**head, "choices": [first]})
     tool_index: dict[int, int] = {}
+
+    def delta_of(event: ChoiceEvent) -> dict[str, Any] | None:
+        return _chat_delta(runner, event, logprobs, tool_index)
+
+    async for chunk in _turn_chunks(runner, prepared, head, include_usage, delta_of, {"delta": {}}):
+        yield chunk
+
+
+async def _turn_chunks(
+    runner: TurnRunner,
+    prepared: PreparedTurn,
+    head: dict[str, Any],
+    include_usage: bool,
+    delta_of: Callable[[ChoiceEvent], dict[str, Any] | None],
+    no_content: dict[str, Any],
+) -> AsyncGenerator[bytes, None]:
+    """The SSE chunks of a streamed turn after its head: each event's choice delta (`delta_of`, None for none), each
+    choice's end (with `no_content`: an empty delta or text) and its rollout, then the usage if asked. The last choice
+    to finish ends the stream, so its last events go out with the usage in one chunk (and `_relay` sends [DONE] as
+    the end of the body): one socket write where they come back to back, instead of one per event."""
+    unfinished = len(prepared.choices)
+    last = b""
     async for event in runner.events(prepared):
-        chunk = _chat_delta(runner, event, logprobs, tool_index)
-        if chunk is not None:
-            yield _sse({**head, "choices": [chunk]})
+        out = b""
+        delta = delta_of(event)
+        if delta is not None:
+            out += _sse({**head, "choices": [delta]})
         if event.finished:
             end = {
                 "index": event.choice.index,
-                "delta": {},
+                **no_content,
                 "logprobs": None,
                 "finish_reason": event.choice.finish_reason,
             }
-            yield _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
+            out += _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
+            unfinished -= 1
+            if not unfinished:
+                last = out
+                continue
+        if out:
+            yield out
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prepared)})
+        last += _sse({**head, "choices": [], "usage": _usage(prepared)})
+    if last:
+        yield last
 
 
 def _chat_delta(
@@ -253,22 +284,16 @@ async def _completion_chunks(
     runner: TurnRunner, prepared: PreparedTurn, completion_id: str, logprobs: bool, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
     head = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": runner.model_name}
-    async for event in runner.events(prepared):
+
+    def delta_of(event: ChoiceEvent) -> dict[str, Any] | None:
         d = event.delta
         lp = _completion_logprobs(runner, d.token_ids, d.logprobs, d.top_logprobs) if logprobs and d else None
-        if event.text or lp is not None:
-            choice = {"index": event.choice.index, "text": event.text, "logprobs": lp, "finish_reason": None}
-            yield _sse({**head, "choices": [choice]})
-        if event.finished:
-            end = {
-                "index": event.choice.index,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": event.choice.finish_reason,
-            }
-            yield _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
-    if include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prepared)})
+        if not event.text and lp is None:
+            return None
+        return {"index": event.choice.index, "text": event.text, "logprobs": lp, "finish_reason": None}
+
+    async for chunk in _turn_chunks(runner, prepared, head, include_usage, delta_of, {"text": ""}):
+        yield chunk
 
 
 # -- streaming plumbing ----------------------------------------------------------------------------------
@@ -288,7 +313,7 @@ async def _relay(
         async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
             yield chunk
         await runner.close(prepared)
-        yield b"data: [DONE]\n\n"
+        yield LastChunk(b"data: [DONE]\n\n")
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
         yield _sse({"error": error})

@@ -23,6 +23,12 @@ from gateway.api.fast_lane import FastLane
 SERVER_SEND = "rollout_gateway.server_send"
 """Scope key of the ASGI server's `send`, as the server passed it to the application."""
 
+
+class LastChunk(bytes):
+    """The last body chunk of a streamed response (`[DONE]`, say): `GuardedStreamingResponse` sends it as the end
+    of the body, so the chunked encoding's terminator goes out in the same socket write instead of one of its own."""
+
+
 DISCONNECT_WATCH_AFTER_S = 0.25
 """How long a request runs before the gateway starts watching for its client's disconnect (`backends.asgi`): most
 requests end sooner and never pay for a watcher task; a client that leaves is noticed at most this late, and the
@@ -88,9 +94,16 @@ class GuardedStreamingResponse(StreamingResponse):
             except ClientDisconnected:
                 return  # nobody is left to read the body
             body_send = scope.get(SERVER_SEND) or send
+            last = b""  # a `LastChunk`, held for the end of the body (the generator runs on to its own end)
             async for chunk in self.body_iterator:
-                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if last:  # anything after a LastChunk: the held one was not the last after all
+                    await body_send({"type": "http.response.body", "body": last, "more_body": True})
+                    last = b""
+                if type(chunk) is LastChunk:
+                    last = bytes(chunk)
+                else:
+                    await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
             if self.background is not None:
                 await self.background()
         finally:
