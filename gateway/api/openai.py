@@ -153,7 +153,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     return _envelope("chat.completion", completion_id, runner, prepared, choices)
 
 
-async def _chat_chunks(
+def _chat_chunks(
     runner: TurnRunner, prepared: PreparedTurn, completion_id: str, logprobs: bool, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
     head = {
@@ -162,21 +162,17 @@ async def _chat_chunks(
         "created": int(time.time()),
         "model": runner.model_name,
     }
-    for choice in prepared.choices:
-        first = {
-            "index": choice.index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        yield _sse({**head, "choices": [first]})
+    role = {"role": "assistant", "content": ""}
+    roles = b"".join(
+        _sse({**head, "choices": [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]})
+        for c in prepared.choices
+    )
     tool_index: dict[int, int] = {}
 
     def delta_of(event: ChoiceEvent) -> dict[str, Any] | None:
         return _chat_delta(runner, event, logprobs, tool_index)
 
-    async for chunk in _turn_chunks(runner, prepared, head, include_usage, delta_of, {"delta": {}}):
-        yield chunk
+    return _turn_chunks(runner, prepared, head, include_usage, delta_of, {"delta": {}}, opening=roles)
 
 
 async def _turn_chunks(
@@ -186,11 +182,15 @@ async def _turn_chunks(
     include_usage: bool,
     delta_of: Callable[[ChoiceEvent], dict[str, Any] | None],
     no_content: dict[str, Any],
+    opening: bytes = b"",
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE chunks of a streamed turn after its head: each event's choice delta (`delta_of`, None for none), each
-    choice's end (with `no_content`: an empty delta or text) and its rollout, then the usage if asked. The last choice
-    to finish ends the stream, so its last events go out with the usage in one chunk (and `_relay` sends [DONE] as
-    the end of the body): one socket write where they come back to back, instead of one per event."""
+    """The SSE chunks of a streamed turn: `opening` (chat's role deltas) before the generation starts, each event's
+    choice delta (`delta_of`, None for none), each choice's end (with `no_content`: an empty delta or text) and its
+    rollout, then the usage if asked. The last choice to finish ends the stream, so its last events go out with the
+    usage in one chunk (and `_relay` sends [DONE] as the end of the body): one socket write where they come back to
+    back, instead of one per event."""
+    if opening:
+        yield opening
     unfinished = len(prepared.choices)
     last = b""
     async for event in runner.events(prepared):
@@ -280,7 +280,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
     return _envelope("text_completion", completion_id, runner, prepared, choices)
 
 
-async def _completion_chunks(
+def _completion_chunks(
     runner: TurnRunner, prepared: PreparedTurn, completion_id: str, logprobs: bool, include_usage: bool
 ) -> AsyncGenerator[bytes, None]:
     head = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": runner.model_name}
@@ -292,8 +292,7 @@ async def _completion_chunks(
             return None
         return {"index": event.choice.index, "text": event.text, "logprobs": lp, "finish_reason": None}
 
-    async for chunk in _turn_chunks(runner, prepared, head, include_usage, delta_of, {"text": ""}):
-        yield chunk
+    return _turn_chunks(runner, prepared, head, include_usage, delta_of, {"text": ""})
 
 
 # -- streaming plumbing ----------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class GuardedStreamingResponse(StreamingResponse):
                     await body_send({"type": "http.response.body", "body": last, "more_body": True})
                     last = b""
                 if type(chunk) is LastChunk:
-                    last = bytes(chunk)
+                    last = chunk
                 else:
                     await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": last, "more_body": False})
