@@ -46,7 +46,7 @@ from benchmarks.compare import (
     Target,
     Workload,
     add_layout_arguments,
-    placement,
+    place_processes,
     workloads,
 )
 from benchmarks.scaling import APIS
@@ -96,7 +96,7 @@ def environment(checkout: Path, extra: Sequence[tuple[str, str]] = ()) -> Iterat
 
 async def measure(options: Options, console: Console) -> list[Side]:
     chosen = options.workload
-    where = placement(options.layout, options.loadgens, True, options.cpus)
+    where = place_processes(options.layout, options.loadgens, True, options.cpus)
     sides = [Side(options.checkouts[0]), Side(options.checkouts[1], options.env_b)]
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas, contextlib.ExitStack() as stack:
         for replica, cpus in zip(replicas, where.replicas, strict=True):
@@ -108,7 +108,7 @@ async def measure(options: Options, console: Console) -> list[Side]:
             with environment(side.checkout, side.env):
                 gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=where.proxy))
             targets.append(Target(APIS[options.api], gateway.url, gateway.pid))
-        bench = Bench(replicas, None, options.timeout_s, loadgens=where.loadgens)
+        bench = Bench(replicas, options.timeout_s, where.loadgens)
         try:
             await bench.replica_post("/sim/speed", {"token_delay": chosen.token_delay_s})
             for round_number in range(options.rounds):

@@ -336,21 +336,20 @@ class RunResult(Result):
 class Bench:
     """Timed runs of load-generator processes against a target, reading every process's CPU around them.
 
-    `loadgens`: one load-generator process per entry, each pinned to its CPUs, the workload's agents and requests
-    split between them (default: one, on `loadgen_cpus`). `affinity`: read the replicas' prompt logs after each run
-    (affinity and balance; costs a decode per request in this process).
+    `loadgens`: one load-generator process per entry, each pinned to its CPUs (None: anywhere), the workload's
+    agents and requests split between them. `affinity`: read the replicas' prompt logs after each run (affinity and
+    balance; costs a decode per request in this process).
     """
 
     def __init__(
         self,
         replicas: list[SimProcess],
-        loadgen_cpus: set[int] | None,
         timeout_s: float,
-        loadgens: Sequence[set[int] | None] | None = None,
+        loadgens: Sequence[set[int] | None] = (None,),
         affinity: bool = True,
     ) -> None:
         self.replicas = replicas
-        self.loadgens = list(loadgens) if loadgens is not None else [loadgen_cpus]
+        self.loadgens = list(loadgens)
         self.timeout_s = timeout_s
         self.affinity = affinity
         self.tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up sessions
@@ -527,7 +526,7 @@ class Placement:
         return f"replicas on CPUs {replicas}, load generators on {loadgens}, proxy on {self.proxy}"
 
 
-def placement(
+def place_processes(
     layout_name: LayoutName, loadgens: int = 2, pin: bool = True, cpus: Sequence[int] = (), replicas: int = 2
 ) -> Placement:
     """Shared (the 2-core machine): the replicas and one load generator on core 0, the proxy on core 1. Dedicated
@@ -593,7 +592,7 @@ def _tmpdir() -> Iterator[str]:
 
 
 async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
-    where = placement(options.layout, options.loadgens, options.pin, options.cpus)
+    where = place_processes(options.layout, options.loadgens, options.pin, options.cpus)
     results: dict[str, dict[str, RunResult]] = {}
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas:
         for replica, cpus in zip(replicas, where.replicas, strict=True):
@@ -602,7 +601,7 @@ async def run_all(options: Options, console: Console) -> dict[str, dict[str, Run
         with targets_up(options, replicas, where.proxy) as targets:
             names = ", ".join(t.name for t in targets)
             console.print(f"{len(replicas)} replicas up, targets: {names}; {where.describe()}")
-            bench = Bench(replicas, None, options.timeout_s, loadgens=where.loadgens)
+            bench = Bench(replicas, options.timeout_s, where.loadgens)
             try:
                 for workload in options.workloads:
                     await bench.replica_post("/sim/speed", {"token_delay": workload.token_delay_s})
@@ -766,7 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
-    """`--layout`, `--loadgens` and `--cpus` (see `placement`), for this benchmark and `benchmarks.ab`."""
+    """`--layout`, `--loadgens` and `--cpus` (see `place_processes`), for this benchmark and `benchmarks.ab`."""
     p.add_argument(
         "--layout",
         choices=("auto", "shared", "dedicated"),

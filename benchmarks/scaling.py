@@ -280,7 +280,7 @@ async def measure(options: Options, console: Console) -> dict[tuple[str, int], R
             f"{len(replicas)} replicas up, {len(layout.loadgens)} load generator(s); gateways with "
             f"{', '.join(map(str, options.workers))} worker processes; {describe(layout)}"
         )
-        bench = Bench(replicas, None, options.timeout_s, [layout.cpus(cpu) for cpu in layout.loadgens], affinity=False)
+        bench = Bench(replicas, options.timeout_s, [layout.cpus(cpu) for cpu in layout.loadgens], affinity=False)
         try:
             for round_number in range(options.rounds):
                 if layout.dedicated:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from benchmarks.compare import Options, figures, placement, report, router_command, run_all, workloads
+from benchmarks.compare import Options, figures, place_processes, report, router_command, run_all, workloads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,15 +66,15 @@ async def test_python_relay_end_to_end() -> None:
 
 
 def test_a_dedicated_layout_gives_every_process_cpus_of_its_own() -> None:
-    where = placement("dedicated", loadgens=3, cpus=range(16))
+    where = place_processes("dedicated", loadgens=3, cpus=range(16))
     assert where.proxy is not None and len(where.replicas) == 2 and len(where.loadgens) == 3
     taken = [where.proxy, *where.replicas, *where.loadgens]
     assert all(cpus is not None and len(cpus) == 1 for cpus in taken)
     assert len(set().union(*taken)) == len(taken)  # no two processes share a CPU
-    assert placement("auto", loadgens=3, cpus=range(16)) == where
+    assert place_processes("auto", loadgens=3, cpus=range(16)) == where
     with pytest.raises(SystemExit, match="dedicated"):
-        placement("dedicated", loadgens=3, cpus=(0, 1, 2))  # too few CPUs is refused, never crowded
-    crowded = placement("auto", loadgens=3, cpus=(0, 1, 2))  # auto: the shared layout instead
+        place_processes("dedicated", loadgens=3, cpus=(0, 1, 2))  # too few CPUs is refused, never crowded
+    crowded = place_processes("auto", loadgens=3, cpus=(0, 1, 2))  # auto: the shared layout instead
     assert crowded.replicas[0] == crowded.replicas[1] == crowded.loadgens[0] and len(crowded.loadgens) == 1
 
 
