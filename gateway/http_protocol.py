@@ -1,0 +1,109 @@
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, each response's head sent with its body.
+
+uvicorn writes a response's status line and headers to the socket as soon as the app sends `http.response.start`,
+and the body in a second write: two `send` syscalls and two TCP segments (the socket is `TCP_NODELAY`) for every
+JSON answer, and for every stream's head before its first event. `HeadWithBodyProtocol` hands uvicorn a transport
+that holds a head back until the next write, which then goes out with it in one `writelines` (one syscall), or until
+the event loop's next pass when nothing follows in the same one (a stream still waiting for its first event gets its
+head at once, as before). Nothing else changes: the bytes, their order, flow control, closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["HeadWithBodyProtocol", "HeadWithBodyTransport"]
+
+_HEAD = b"HTTP/1.1 "  # how every head uvicorn writes begins (its status lines, 100 Continue, its own 4xx/5xx)
+
+
+class HeadWithBodyTransport(asyncio.Transport):
+    """`transport`, except that a write starting like a response head waits for the next write (or the loop's next
+    pass, or a close) and goes out together with it. Holding a write that only looks like a head is harmless: it is
+    sent just as promptly, in order."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.writelines((held, data))
+        elif data[:9] == _HEAD:
+            self._held = bytes(data)
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.flush()
+        self._transport.writelines(list_of_data)
+
+    def flush(self) -> None:
+        """Send a held head now (a no-op when none is held, or when the connection is already closing)."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.flush()
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + (len(self._held) if self._held is not None else 0)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+
+class HeadWithBodyProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol on a `HeadWithBodyTransport` (`uvicorn.Config(http=HeadWithBodyProtocol)`)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not `asyncio.Transport` subclasses, but they have its methods.
+        super().connection_made(HeadWithBodyTransport(cast(asyncio.Transport, transport), self.loop))

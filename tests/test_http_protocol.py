@@ -1,0 +1,168 @@
+"""`HeadWithBodyProtocol`: a response's head goes out with its body in one write, a head alone still goes out in the
+loop's next pass, and uvicorn serves over it as before (real server, real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from gateway.http_protocol import HeadWithBodyProtocol, HeadWithBodyTransport
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+
+
+class RecordingTransport(asyncio.Transport):
+    """The socket end of a transport: records every write call (a stand-in for the event loop's transport)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bytes]] = []
+        self.closing = False
+
+    def write(self, data: Any) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.calls.append(("writelines", b"".join(list_of_data)))
+
+    def close(self) -> None:
+        self.calls.append(("close", b""))
+        self.closing = True
+
+    def abort(self) -> None:
+        self.calls.append(("abort", b""))
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def held(recorder: RecordingTransport) -> HeadWithBodyTransport:
+    return HeadWithBodyTransport(recorder, asyncio.get_running_loop())
+
+
+async def next_pass() -> None:
+    await asyncio.sleep(0)  # the callbacks the previous pass scheduled run before this task resumes
+    await asyncio.sleep(0)
+
+
+async def test_a_head_and_its_body_go_out_in_one_call() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(HEAD)
+    assert recorder.calls == []
+    transport.write(b"{}")
+    assert recorder.calls == [("writelines", HEAD + b"{}")]
+    await next_pass()  # the scheduled flush finds nothing left
+    assert recorder.calls == [("writelines", HEAD + b"{}")]
+
+
+async def test_a_head_alone_goes_out_in_the_next_pass() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(HEAD)
+    await next_pass()
+    assert recorder.calls == [("write", HEAD)]
+    transport.write(b"{}")  # a later body is written as it is
+    assert recorder.calls == [("write", HEAD), ("write", b"{}")]
+
+
+async def test_other_writes_are_not_held() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(b"5\r\nhello\r\n")
+    transport.write(memoryview(b"0\r\n\r\n"))
+    assert recorder.calls == [("write", b"5\r\nhello\r\n"), ("write", b"0\r\n\r\n")]
+
+
+async def test_close_sends_a_held_head_first_and_abort_drops_it() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+    transport.close()
+    assert [call for call, _ in recorder.calls] == ["write", "close"]
+
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(HEAD)
+    transport.abort()
+    await next_pass()
+    assert recorder.calls == [("abort", b"")]
+
+
+async def test_a_held_head_is_dropped_when_the_connection_is_already_closing() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(HEAD)
+    recorder.closing = True  # the peer went away meanwhile
+    await next_pass()
+    assert recorder.calls == []
+    assert transport.is_closing()
+
+
+async def test_writelines_keeps_the_order_after_a_held_head() -> None:
+    recorder = RecordingTransport()
+    transport = held(recorder)
+    transport.write(HEAD)
+    transport.writelines([b"{", b"}"])
+    assert recorder.calls == [("write", HEAD), ("writelines", b"{}")]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    """`app` served by uvicorn over `HeadWithBodyProtocol` on a free port of this loop."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, loop="none", http=HeadWithBodyProtocol, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the test's timeout
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_uvicorn_serves_json_and_streams_over_it() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        if scope["path"] == "/json":
+            await send({"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"7")]})
+            await send({"type": "http.response.body", "body": b'{"a":1}'})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in (b"one ", b"two ", b""):
+            await send({"type": "http.response.body", "body": piece, "more_body": bool(piece)})
+
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(3):  # the same keep-alive connection, response after response
+            answer = await client.post("/json", content=b"x")
+            assert (answer.status_code, answer.json()) == (201, {"a": 1})
+            streamed = await client.post("/stream", content=b"x")
+            assert (streamed.status_code, streamed.content) == (200, b"one two ")
+            assert streamed.headers["transfer-encoding"] == "chunked"
+
+
+async def test_a_stream_gets_its_head_before_its_first_event() -> None:
+    head_seen = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await head_seen.wait()  # the first event waits until the client has the head
+        await send({"type": "http.response.body", "body": b"event", "more_body": False})
+
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        async with client.stream("POST", "/", content=b"x") as answer:  # returns once the head is in
+            assert answer.status_code == 200
+            head_seen.set()
+            assert await answer.aread() == b"event"
