@@ -8,8 +8,7 @@ digest, never by the key itself, so nothing here can leak a secret into logs or 
 from __future__ import annotations
 
 import hashlib
-import secrets
-from collections import Counter
+import itertools
 from dataclasses import dataclass, field
 
 from gateway.errors import Overloaded
@@ -30,7 +29,7 @@ class SessionLease:
 
     quota: SessionQuota
     key: str
-    session: str
+    session: str | int
     released: bool = False
 
     def release(self) -> None:
@@ -44,20 +43,24 @@ class SessionQuota:
     """At most `limit` distinct sessions per key with a request in flight (0 = unlimited)."""
 
     limit: int
-    _held: dict[str, Counter[str]] = field(default_factory=dict)
+    # key -> session -> its requests in flight; a request without a session counts as one under a number of its own
+    _held: dict[str, dict[str | int, int]] = field(default_factory=dict)
+    _one_turn: itertools.count[int] = field(default_factory=itertools.count)
 
     def acquire(self, key: str, session: str | None) -> SessionLease:
         """Take a slot for `session` (a request without one is a session of its own); 429 past the limit."""
-        session = session or f"one-turn-{secrets.token_hex(16)}"
-        sessions = self._held.setdefault(key, Counter())
-        if self.limit and session not in sessions and len(sessions) >= self.limit:
+        slot: str | int = session or next(self._one_turn)
+        sessions = self._held.get(key)
+        if sessions is None:
+            sessions = self._held[key] = {}
+        if self.limit and slot not in sessions and len(sessions) >= self.limit:
             raise Overloaded(
                 f"this API key already has {len(sessions)} sessions with a request in flight "
                 f"(server.max_sessions_per_key = {self.limit}); retry when one finishes",
                 code="too_many_concurrent_sessions",
             )
-        sessions[session] += 1
-        return SessionLease(self, key, session)
+        sessions[slot] = sessions.get(slot, 0) + 1
+        return SessionLease(self, key, slot)
 
     def in_flight(self, key: str | None = None) -> int:
         """Sessions of `key` (of every key when None) with a request in flight now."""
@@ -65,10 +68,12 @@ class SessionQuota:
             return sum(len(sessions) for sessions in self._held.values())
         return len(self._held.get(key, ()))
 
-    def _release(self, key: str, session: str) -> None:
+    def _release(self, key: str, session: str | int) -> None:
         sessions = self._held[key]
-        sessions[session] -= 1
-        if sessions[session] <= 0:
+        left = sessions[session] - 1
+        if left > 0:
+            sessions[session] = left
+        else:
             del sessions[session]
         if not sessions:
             del self._held[key]

@@ -15,7 +15,8 @@ from redis.asyncio import Redis
 
 from backends.sim.engine import EngineSettings
 from gateway.config import load_config
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, Overloaded
+from gateway.quotas import SessionQuota
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body
@@ -111,6 +112,25 @@ async def test_concurrent_sessions_per_key(
         assert response.status_code == 200
         await response.aread()
     assert quota.in_flight() == 0  # every slot released, streamed or not
+
+
+def test_session_quota_counts_sessions_not_requests() -> None:
+    quota = SessionQuota(limit=2)
+    same = [quota.acquire("key", "s1"), quota.acquire("key", "s1")]  # two turns in flight of one session: one slot
+    alone = quota.acquire("key", None)  # a request without a session is a session of its own
+    assert quota.in_flight("key") == 2
+    with pytest.raises(Overloaded):
+        quota.acquire("key", None)
+    quota.acquire("other", None).release()  # another key has its own slots
+    same[0].release()
+    with pytest.raises(Overloaded):
+        quota.acquire("key", "s2")  # s1 still has a request in flight
+    same[1].release()
+    same[1].release()  # idempotent
+    alone.release()
+    assert quota.in_flight() == 0
+    later = {quota.acquire("key", None).session for _ in range(2)}
+    assert len(later) == 2 and alone.session not in later  # never the slot of another request
 
 
 async def test_agent_key_never_reaches_admin(
