@@ -125,6 +125,9 @@ class Timeouts:
     write: float = 30.0
     pool: float = 30.0
     control: float = 30.0  # pause/resume/health: short calls that must not hang a weight update forever
+    # A whole (non-streamed) answer's wait for its first byte is its whole generation: bounded by this instead of
+    # `read` (the gateway passes its request deadline; None: `read`).
+    whole_answer: float | None = None
 
     def client(self, read: float | None = None) -> aiohttp.ClientTimeout:
         """As aiohttp's timeouts: `connect` bounds opening a socket, `pool` waiting for a pooled connection (and

@@ -381,6 +381,7 @@ class HttpEngineBackend:
         self._client = ReplicaClient(spec)
         self._control = control_timeout(spec.timeouts)
         self._long = spec.timeouts.client()
+        self._whole = spec.timeouts.client(read=spec.timeouts.whole_answer)  # `_complete_once` of the adapters
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, url={self.url!r})"

@@ -105,9 +105,9 @@ class SglangBackend(HttpEngineBackend):
     async def _complete_once(
         self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
-        # A long read timeout: the whole generation happens before the first byte of the answer. An abort answers
-        # 200 with the partial output (one with status_code >= 400 answers that status: `raise_for_status`).
-        answer = await request_json(self._client, self.id, "POST", GENERATE, data=body, timeout=self._long)
+        # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`. An
+        # abort answers 200 with the partial output (one with status_code >= 400 answers that status).
+        answer = await request_json(self._client, self.id, "POST", GENERATE, data=body, timeout=self._whole)
         with translate_errors(self.id):
             if not isinstance(answer, dict):
                 raise TypeError(f"the answer is not an object: {answer!r}")

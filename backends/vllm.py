@@ -230,8 +230,8 @@ class VllmBackend(HttpEngineBackend):
     async def _complete_once(
         self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
-        # A long read timeout: the whole generation happens before the first byte of the answer.
-        answer = await request_json(self._client, self.id, "POST", path, data=body, timeout=self._long)
+        # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`.
+        answer = await request_json(self._client, self.id, "POST", path, data=body, timeout=self._whole)
         with translate_errors(self.id):
             chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
             chunk.cached_tokens = _cached_tokens(answer.get("usage"))

@@ -197,7 +197,9 @@ class GenerationConfig(_Section):
     max_wait_s: float = Field(60.0, ge=0, description="Wait for a serving replica before 503, seconds.")
     routed_experts: RoutedExpertsPolicy = Field("splice", description="Merge of experts across resumes.")
     connect_timeout_s: Seconds = Field(5.0, description="TCP connect timeout to a replica, seconds.")
-    read_timeout_s: Seconds = Field(600.0, description="Max gap between bytes from a replica, seconds.")
+    read_timeout_s: Seconds = Field(
+        600.0, description="Max gap between bytes from a replica (a whole answer: up to request_timeout_s), seconds."
+    )
     write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
     pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
     max_connections_per_replica: int = Field(1024, ge=1, description="Size of each replica's connection pool.")

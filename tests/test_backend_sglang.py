@@ -405,6 +405,18 @@ async def test_engine_errors_are_translated(
         await http.post(f"{sim.url}/sim/faults", json={"hang": False})
 
 
+async def test_a_whole_answer_is_bounded_by_whole_answer_not_by_the_read_gap(
+    make_sim: SimFactory, make_backend: BackendFactory
+) -> None:
+    sim = await make_sim("sglang", engine=sg(token_delay_s=0.02))
+    patient = make_backend(sim.url, timeouts=Timeouts(read=0.1, whole_answer=30.0))
+    whole = await collect(patient, PROMPT, greedy(20), stream=False)  # 0.4 s before its answer
+    assert len(whole) == 1 and len(tokens(whole)) == 20
+    hasty = make_backend(sim.url, timeouts=Timeouts(read=30.0, whole_answer=0.1))
+    with pytest.raises(BackendTimeout):
+        await collect(hasty, PROMPT, greedy(20), stream=False)
+
+
 async def test_unreachable_and_closed_backends(make_sim: SimFactory, make_backend: BackendFactory) -> None:
     down = make_backend(f"http://127.0.0.1:{free_port()}")
     with pytest.raises(BackendUnavailable):

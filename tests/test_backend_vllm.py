@@ -414,6 +414,20 @@ async def test_a_slow_consumer_is_no_read_timeout(make_sim: SimFactory, backend_
     assert len(got) == 40
 
 
+async def test_a_whole_answer_is_bounded_by_whole_answer_not_by_the_read_gap(
+    make_sim: SimFactory, backend_for: BackendFactory
+) -> None:
+    """A non-streamed answer's first byte comes after its whole generation: a rollout longer than one gap of a
+    stream may be still completes, and `whole_answer` bounds it."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.02))
+    patient = backend_for(sim, timeouts=Timeouts(read=0.1, whole_answer=30.0))
+    whole = await collect(patient.generate(PROMPT, greedy(20), "whole", stream=False))  # 0.4 s before its answer
+    assert len(whole) == 1 and len(tokens_of(whole)) == 20
+    hasty = backend_for(sim, timeouts=Timeouts(read=30.0, whole_answer=0.1))
+    with pytest.raises(BackendTimeout):
+        await collect(hasty.generate(PROMPT, greedy(20), "hasty", stream=False))
+
+
 async def test_load_counts_running_requests(make_sim: SimFactory, backend_for: BackendFactory) -> None:
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
     backend = backend_for(sim)

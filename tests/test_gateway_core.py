@@ -668,6 +668,19 @@ async def test_all_replicas_down_is_503_after_max_wait(
     assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
 
 
+async def test_a_whole_answer_may_outlast_the_read_timeout(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A request that waits for its whole answer gets it in one engine answer, which comes after the whole
+    generation: that wait is bounded by the request deadline, not by the read gap of a stream."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.02))
+    gw = await make_gateway([sim], generation={"read_timeout_s": 0.1, "stream_pacing_s": 0.05})
+    response = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 20))  # 0.4 s of generation
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert len(result["output_ids"]) == 20 and result["num_resumes"] == 0
+
+
 async def test_retry_budget_gives_a_clear_error(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
