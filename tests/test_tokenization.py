@@ -436,6 +436,21 @@ def test_detokenizer_never_splits_a_character(tok: ChatTokenizer, text: str, siz
         assert any(piece == "" for piece in pieces[:-1])  # some ids only complete a character later
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(
+        st.text(st.characters(blacklist_categories=["Cs"]), max_size=20)
+        | st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "  \n", "你好", "🙂"]),
+        max_size=6,
+    )
+)
+def test_encode_gives_the_ids_of_the_offset_tracking_encode(tok: ChatTokenizer, pieces: list[str]) -> None:
+    """`encode` takes the tokenizer's batch call without offsets where it has one: the same ids as its plain encode
+    (special-token strings included)."""
+    text = "".join(pieces)
+    assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+
+
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\ufffd"), max_size=40))
 def test_detokenizer_property(tok: ChatTokenizer, text: str) -> None:
