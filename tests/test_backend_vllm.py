@@ -417,8 +417,8 @@ async def test_a_slow_consumer_is_no_read_timeout(make_sim: SimFactory, backend_
 async def test_a_whole_answer_is_bounded_by_whole_answer_not_by_the_read_gap(
     make_sim: SimFactory, backend_for: BackendFactory
 ) -> None:
-    """A non-streamed answer's first byte comes after its whole generation: a rollout longer than one gap of a
-    stream may be still completes, and `whole_answer` bounds it."""
+    """A non-streamed answer's first byte comes after its whole generation: a generation longer than the read gap
+    still completes, and `whole_answer` bounds it."""
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.02))
     patient = backend_for(sim, timeouts=Timeouts(read=0.1, whole_answer=30.0))
     whole = await collect(patient.generate(PROMPT, greedy(20), "whole", stream=False))  # 0.4 s before its answer
