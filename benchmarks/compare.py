@@ -774,8 +774,17 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
         "replica, load generator and the proxy on CPUs of their own (needs 6 or more); auto: dedicated where the "
         "CPUs hold it (default)",
     )
-    p.add_argument("--loadgens", type=int, default=2, help="load-generator processes with --layout dedicated (2)")
+    p.add_argument(
+        "--loadgens", type=_at_least_one, default=2, help="load-generator processes with --layout dedicated (2)"
+    )
     p.add_argument("--cpus", type=int, nargs="+", default=None, help="the CPUs a dedicated layout uses (default all)")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, not {value}")
+    return value
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -789,8 +798,6 @@ def options_from(args: argparse.Namespace) -> Options:
     if rounds < 1:
         raise SystemExit("--rounds must be ≥ 1")
     targets = tuple(dict.fromkeys(args.targets))
-    if args.loadgens < 1:
-        raise SystemExit("--loadgens must be ≥ 1")
     return Options(
         targets,
         tuple(by_name[n] for n in chosen),

@@ -117,15 +117,15 @@ async def test_writelines_keeps_the_order_after_a_held_head() -> None:
 
 @contextlib.asynccontextmanager
 async def serve(app: Any) -> AsyncIterator[str]:
-    """`app` served by uvicorn over `HeadWithBodyProtocol` on a free port of this loop."""
+    """`app` served by uvicorn over `HeadWithBodyProtocol` on a free port of this loop. The socket listens before
+    uvicorn starts, so a client's connection waits in its backlog until uvicorn accepts it: nothing to poll for."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
+    sock.listen()
     config = uvicorn.Config(app, loop="none", http=HeadWithBodyProtocol, lifespan="off", log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            await asyncio.sleep(0.01)  # uvicorn exposes no startup event; bounded by the test's timeout
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
