@@ -116,6 +116,12 @@ class ModelConfig(_Section):
     tokenizer: Path = Field(DEFAULT_TOKENIZER, description="Local tokenizer folder (read offline).")
     tool_parser: ToolParser = Field("hermes", description="Tool-call format parsed from completions.")
     max_model_len: int = Field(4096, ge=1, description="Context length: prompt + completion tokens.")
+    encode_threads: int = Field(
+        2, ge=0, le=64, description="Worker threads that tokenize long texts off the event loop (0: none)."
+    )
+    encode_thread_min_chars: int = Field(
+        4096, ge=0, description="Texts of at least this many characters are tokenized in those threads."
+    )
 
 
 def _id_from_url(data: dict[str, Any]) -> str:

@@ -222,7 +222,13 @@ async def open_services(
         )
         stack.push_async_callback(generator.aclose)
         vocab = await asyncio.to_thread(VocabInfo.from_tokenizer_dir, settings.model.tokenizer)
-        tokenizer = await asyncio.to_thread(ChatTokenizer.load, settings.model.tokenizer)
+        tokenizer = await asyncio.to_thread(
+            ChatTokenizer.load,
+            settings.model.tokenizer,
+            encode_threads=settings.model.encode_threads,
+            encode_thread_min_chars=settings.model.encode_thread_min_chars,
+        )
+        stack.callback(tokenizer.close)
         s = settings.store
         trajectories = TrajectoryStore(
             redis,

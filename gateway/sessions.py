@@ -444,11 +444,14 @@ class SessionManager:
         for sample in reversed(samples):  # the cached list is in index order
             if not sample.num_turns or sample.cancelled or sample.tools != tools:
                 continue
-            by_text = match.by_text(sample.conversation, sample.tools, sample.rendering)
-            if by_text is TextCheck.DIFFERENT:
+            tail = match.tail(sample.conversation, sample.tools, sample.rendering)
+            if tail is TextCheck.DIFFERENT:
                 different.append(sample)
                 continue
-            delta = by_text if isinstance(by_text, list) else self._delta_by_ids(match, sample)
+            if isinstance(tail, str):
+                delta: list[int] | None = await self.tokenizer.encode_async(tail)
+            else:
+                delta = self._delta_by_ids(match, sample)
             if delta is not None:
                 return self._extend(session_id, sample, delta, messages)
         if not match.texts_decide:  # a tokenizer that normalizes can give two different texts the same ids
@@ -458,7 +461,7 @@ class SessionManager:
         if any(s.num_turns for s in samples):
             self.history_rewrites += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
-        prompt = self.tokenizer.render(messages, tools)
+        prompt = await self.tokenizer.render_async(messages, tools)
         fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools)
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 

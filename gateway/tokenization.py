@@ -33,6 +33,7 @@ from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from tokenizers.decoders import DecodeStream
 from tokenizers.models import BPE
 
+from gateway.encode_threads import EncodeThreads, encode_ids, private_copy
 from gateway.errors import ConfigError, GatewayError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -116,9 +117,25 @@ class ChatTokenizer:
     `sanitize_control_tokens` (the default) control tokens that appear *inside* messages or tools (a tool result
     containing `<|im_end|>`, say) are encoded as ordinary text, so only the template itself can open or close a
     turn; `decode(render(m))` still equals the template's text.
+
+    With `encode_threads` (>= 1), the async calls (`encode_async`, `render_async`) tokenize texts of at least
+    `encode_thread_min_chars` characters in that many worker threads (`gateway.encode_threads`), so a long prompt
+    does not hold the event loop; `close` stops them.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, *, sanitize_control_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        *,
+        sanitize_control_tokens: bool = True,
+        encode_threads: int = 0,
+        encode_thread_min_chars: int = 4096,
+    ) -> None:
+        if encode_threads < 0 or encode_thread_min_chars < 0:
+            raise ValueError(
+                f"encode_threads and encode_thread_min_chars must be >= 0, not {encode_threads}, "
+                f"{encode_thread_min_chars}"
+            )
         self._tok = tokenizer
         self._backend: Tokenizer = tokenizer.backend_tokenizer
         self._sanitize = sanitize_control_tokens
@@ -137,13 +154,22 @@ class ChatTokenizer:
         exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
         self._stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
         self._exact_decoding = _decodes_exactly(self._backend)
-        # tokenizers >= 0.21: a batch encode that tracks no offsets (nothing here reads them), the same ids in
-        # 0.7-0.8x the time; older versions encode with offsets.
-        self._encode_batch_fast = hasattr(self._backend, "encode_batch_fast")
+        self._thread_min_chars = encode_thread_min_chars
+        # After the probe above: transformers has set the tokenizer for the calls made here (no truncation, no
+        # padding), and the copy takes those settings.
+        self._threads = EncodeThreads(private_copy(self._backend), encode_threads) if encode_threads else None
 
     @classmethod
-    def load(cls, path: Path | str, *, sanitize_control_tokens: bool = True) -> ChatTokenizer:
-        """Load `AutoTokenizer` from a local folder, never from the network (blocking: call it in a thread)."""
+    def load(
+        cls,
+        path: Path | str,
+        *,
+        sanitize_control_tokens: bool = True,
+        encode_threads: int = 0,
+        encode_thread_min_chars: int = 4096,
+    ) -> ChatTokenizer:
+        """Load `AutoTokenizer` from a local folder, never from the network (blocking: call it in a thread). The
+        keywords are the constructor's."""
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         folder = Path(path)
@@ -157,7 +183,12 @@ class ChatTokenizer:
             raise ConfigError(f"model.tokenizer: {folder} has no fast (tokenizers) tokenizer")
         if tokenizer.chat_template is None:
             raise ConfigError(f"model.tokenizer: {folder} has no chat template")
-        return cls(tokenizer, sanitize_control_tokens=sanitize_control_tokens)
+        return cls(
+            tokenizer,
+            sanitize_control_tokens=sanitize_control_tokens,
+            encode_threads=encode_threads,
+            encode_thread_min_chars=encode_thread_min_chars,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -191,9 +222,38 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text` with no special tokens added (special-token strings in `text` do become those tokens)."""
         # The Rust tokenizer directly: what transformers' fast encode runs, without its per-call Python wrapping.
-        if self._encode_batch_fast:
-            return self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return encode_ids(self._backend, text)
+
+    async def encode_async(self, text: str) -> list[int]:
+        """`encode(text)`, in a worker thread if the text is long enough and threads were asked for."""
+        if self._threads is None or len(text) < self._thread_min_chars:
+            return encode_ids(self._backend, text)
+        return await self._threads.encode(text)
+
+    async def render_async(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
+        """`render(messages, tools)` (with the generation prompt), tokenized in a worker thread where `encode_async`
+        would take the template's text there.
+
+        With threads, that is the template's text encoded (`render_text`, then as `encode_async`), which gives
+        `render`'s ids where no message or tool holds the text of an added token: then sanitizing changes nothing.
+        A conversation that holds one, or a tokenizer without threads, is rendered by `render` on the calling
+        thread."""
+        if self._threads is None or _contains_any(self._added_texts, (messages, tools)):
+            return self.render(messages, tools)
+        text = self.render_text(messages, tools)
+        if len(text) < self._thread_min_chars:
+            return encode_ids(self._backend, text)
+        return await self._threads.encode(text)
+
+    @property
+    def thread_encodes(self) -> int:
+        """Texts tokenized in the worker threads so far."""
+        return 0 if self._threads is None else self._threads.encodes
+
+    def close(self) -> None:
+        """Stop the worker threads, if any (texts not started yet are dropped)."""
+        if self._threads is not None:
+            self._threads.close()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return cast(str, self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -386,6 +446,17 @@ class ConversationMatch:
     ) -> list[int] | TextCheck:
         """The delta, tokenizing only the new tail; or why not (`DIFFERENT`: then the ids differ too, unless the
         tokenizer normalizes two different texts to the same ids). `memo`: see `Rendering`."""
+        tail = self.tail(previous_messages, previous_tools, memo)
+        return self._tokenizer.encode(tail) if isinstance(tail, str) else tail
+
+    def tail(
+        self,
+        previous_messages: Sequence[Message],
+        previous_tools: Sequence[Tool] | None,
+        memo: Rendering | None = None,
+    ) -> str | TextCheck:
+        """The text whose ids are `by_text`'s delta (for the caller to tokenize, `ChatTokenizer.encode_async`), or
+        why there is none."""
         tok = self._tokenizer
         if not previous_messages or not self._text_path:
             return TextCheck.UNDECIDED
@@ -403,7 +474,7 @@ class ConversationMatch:
             self._text = tok.render_text(self.messages, self.tools, True, chat_template_kwargs=self._kwargs)
         if not self._text.startswith(memo.prefix_text):
             return TextCheck.DIFFERENT
-        return tok.encode(self._text[len(memo.prefix_text) :])
+        return self._text[len(memo.prefix_text) :]
 
     def by_ids(
         self,

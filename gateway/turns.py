@@ -150,7 +150,7 @@ class TurnRunner:
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
-        prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        prompt = await self.tokenizer.encode_async(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt:
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
         vocab_size = self.tokenizer.vocab_size

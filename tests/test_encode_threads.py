@@ -1,0 +1,185 @@
+"""Long texts tokenized in worker threads (`gateway.encode_threads`): the same ids as on the event loop, the loop
+serving meanwhile, and the gateway's turns recorded exactly when their texts take the threads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.assets import TINY_TOKENIZER_DIR
+from gateway.encode_threads import EncodeThreads, encode_ids, private_copy
+from gateway.tokenization import ChatTokenizer
+from tests.conftest import GatewayFactory, SimFactory
+from tests.tool_schemas import ADD_TOOL
+
+TEXT = st.lists(
+    st.text(st.characters(blacklist_categories=["Cs"]), max_size=20)
+    | st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "  \n", "你好", "🙂"]),
+    max_size=6,
+).map("".join)
+CONTENT = st.text(st.characters(blacklist_categories=["Cs"]).filter(lambda c: c != "\x00"), max_size=40)
+
+
+@pytest.fixture(scope="module")
+def threaded() -> Iterator[ChatTokenizer]:
+    """Every text, however short, tokenized in the threads."""
+    tokenizer = ChatTokenizer.load(TINY_TOKENIZER_DIR, encode_threads=2, encode_thread_min_chars=0)
+    yield tokenizer
+    tokenizer.close()
+
+
+@pytest.fixture(scope="module")
+def inline() -> ChatTokenizer:
+    return ChatTokenizer.load(TINY_TOKENIZER_DIR)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=TEXT)
+async def test_a_thread_encodes_as_the_loop_does(threaded: ChatTokenizer, inline: ChatTokenizer, text: str) -> None:
+    before = threaded.thread_encodes
+    assert await threaded.encode_async(text) == inline.encode(text)
+    assert threaded.thread_encodes == before + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(system=CONTENT, user=CONTENT, tools=st.booleans())
+async def test_a_conversation_rendered_in_a_thread_has_the_templates_ids(
+    threaded: ChatTokenizer, inline: ChatTokenizer, system: str, user: str, tools: bool
+) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    schemas = [ADD_TOOL] if tools else None
+    before = threaded.thread_encodes
+    assert await threaded.render_async(messages, schemas) == inline.render(messages, schemas)
+    assert threaded.thread_encodes == before + 1
+
+
+@pytest.mark.parametrize("content", ["<|im_end|> fake end", "see <tool_call>", "<|endoftext|>"])
+async def test_a_conversation_holding_a_token_text_is_rendered_by_the_template(
+    threaded: ChatTokenizer, inline: ChatTokenizer, content: str
+) -> None:
+    """Sanitizing encodes such text as plain text: only the template's own tokenizing does that."""
+    messages = [{"role": "user", "content": content}]
+    before = threaded.thread_encodes
+    assert await threaded.render_async(messages) == inline.render(messages)
+    assert threaded.thread_encodes == before
+
+
+async def test_short_texts_stay_on_the_loop(inline: ChatTokenizer) -> None:
+    tokenizer = ChatTokenizer.load(TINY_TOKENIZER_DIR, encode_threads=1, encode_thread_min_chars=1000)
+    short = [{"role": "user", "content": "hi"}]
+    try:
+        assert await tokenizer.encode_async("x" * 999) == inline.encode("x" * 999)
+        assert await tokenizer.render_async(short) == inline.render(short)
+        assert tokenizer.thread_encodes == 0
+        assert await tokenizer.encode_async("x" * 1000) == inline.encode("x" * 1000)
+        assert await tokenizer.render_async([{"role": "user", "content": "x" * 1000}]) == inline.render(
+            [{"role": "user", "content": "x" * 1000}]
+        )
+        assert tokenizer.thread_encodes == 2
+    finally:
+        tokenizer.close()
+
+
+async def test_without_threads_every_text_stays_on_the_loop(inline: ChatTokenizer) -> None:
+    text = "word " * 2000
+    assert await inline.encode_async(text) == inline.encode(text)
+    assert inline.thread_encodes == 0
+
+
+async def test_the_loop_serves_while_a_thread_encodes(threaded: ChatTokenizer, inline: ChatTokenizer) -> None:
+    """A task that only yields runs while the text is tokenized; encoded on the loop, it would not run at all."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    text = "the quick brown fox, 你好 🙂 " * 8000
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)  # the ticker starts
+    ticks = 0
+    ids = await threaded.encode_async(text)
+    ticked = ticks
+    task.cancel()
+    assert ids == inline.encode(text)
+    assert ticked > 0
+
+
+def test_a_private_copy_shares_no_settings() -> None:
+    """The threads' copy encodes whole texts whatever the original is set to afterwards (and before: a truncation
+    set on the original is not copied)."""
+    original = ChatTokenizer.load(TINY_TOKENIZER_DIR).backend
+    expected = encode_ids(original, "one two three four five six")
+    original.enable_truncation(max_length=3)
+    copy = private_copy(original)
+    original.enable_truncation(max_length=2)
+    assert encode_ids(copy, "one two three four five six") == expected
+    assert len(encode_ids(original, "one two three four five six")) == 2
+
+
+async def test_closed_threads_take_no_more_texts() -> None:
+    threads = EncodeThreads(private_copy(ChatTokenizer.load(TINY_TOKENIZER_DIR).backend), 1)
+    assert await threads.encode("hello") == encode_ids(threads._tokenizer, "hello")
+    threads.close()
+    with pytest.raises(RuntimeError):
+        await threads.encode("hello")
+
+
+def test_thread_counts_are_checked() -> None:
+    with pytest.raises(ValueError, match="at least one thread"):
+        EncodeThreads(private_copy(ChatTokenizer.load(TINY_TOKENIZER_DIR).backend), 0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ChatTokenizer.load(TINY_TOKENIZER_DIR, encode_threads=-1)
+
+
+async def test_turns_whose_texts_take_the_threads_are_recorded_exactly(
+    make_sim: SimFactory, make_gateway: GatewayFactory, inline: ChatTokenizer
+) -> None:
+    """Through the gateway, with every text of 40 characters or more tokenized in the threads: a new conversation,
+    a chat turn's new tail, and raw completion prompts; the stored samples hold the template's exact ids."""
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim], model={"encode_threads": 2, "encode_thread_min_chars": 40})
+    tokenizer = gw.services.turns.tokenizer
+    api = openai.AsyncOpenAI(
+        base_url=f"{gw.url}/v1", api_key="unused", default_headers={"X-Session-ID": "long"}, max_retries=0
+    )
+    try:
+        user_1 = {"role": "user", "content": "Read this file and tell me what it does. " * 4}
+        first = await api.chat.completions.create(model="tiny", messages=[user_1], max_tokens=5, temperature=0)
+        assert tokenizer.thread_encodes == 1  # the whole conversation's text
+        reply: dict[str, Any] = first.choices[0].message.model_dump(exclude_none=True)
+        user_2 = {"role": "user", "content": "Now the tests, please: they are long too. " * 4}
+        messages = [user_1, reply, user_2]
+        second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+        assert second.model_extra is not None
+        assert second.model_extra["rollout"]["choices"][0]["sample_index"] == 0  # the sample, extended
+        assert tokenizer.thread_encodes == 2  # the new tail alone
+        sample = (await gw.services.store.load_samples("long"))[0]
+        prompt = inline.render([user_1])
+        assert sample.prompt_ids.tolist() == prompt
+        sampled = first.model_extra["rollout"]["choices"][0]["output_ids"]  # type: ignore[index]
+        if first.choices[0].finish_reason == "length":  # cut by max_tokens: the gateway closes the turn itself
+            sampled = [*sampled, inline.end_of_turn_id]
+        delta = inline.render_delta([user_1, reply], messages)
+        assert sample.response_ids.tolist()[: len(sampled) + len(delta)] == sampled + delta
+
+        raw = openai.AsyncOpenAI(
+            base_url=f"{gw.url}/v1", api_key="unused", default_headers={"X-Session-ID": "raw"}, max_retries=0
+        )
+        text = "def add(a, b):\n    return a + b\n\n# and now a longer function body\n"
+        completion = await raw.completions.create(model="tiny", prompt=text, max_tokens=4, temperature=0)
+        assert completion.model_extra is not None
+        assert tokenizer.thread_encodes == 3
+        stored = (await gw.services.store.load_samples("raw"))[0]
+        assert stored.prompt_ids.tolist() == inline.encode(text)
+        await raw.close()
+    finally:
+        await api.close()
