@@ -152,7 +152,8 @@ class ChatTokenizer:
         self._added_texts = tuple(token.content for token in added.values() if token.content)
         stops = [added.get(i) for i in self.stop_token_ids]
         exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
-        self._stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
+        stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
+        self._stop_texts = stop_texts if _tails_encode_alone(self._backend, stop_texts) else ()
         self._exact_decoding = _decodes_exactly(self._backend)
         self._thread_min_chars = encode_thread_min_chars
         # After the probe above: transformers has set the tokenizer for the calls made here (no truncation, no
@@ -409,9 +410,10 @@ class ConversationMatch:
     The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
     an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
     previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
-    here) the stop tokens strip nothing, the previous rendering ends with one, and no message, tool or
-    template argument contains the text of an added token (which sanitization would encode as plain text,
-    and which could fake the boundary).
+    here) the stop tokens strip nothing, a text after one encodes alone as it does within the whole text (not
+    with SentencePiece's `Metaspace` that prepends "▁" to the input's first piece only: `_tails_encode_alone`),
+    the previous rendering ends with one, and no message, tool or template argument contains the text of an added
+    token (which sanitization would encode as plain text, and which could fake the boundary).
     """
 
     def __init__(
@@ -514,6 +516,26 @@ class Rendering:
 
     prefix_text: str | None = None  # up to its last stop token; "" where the text path does not apply
     prefix_ids: array[int] | None = None  # `ChatTokenizer.render_prefix`
+
+
+_TAIL_PROBES = ("hello", " hello", "\nhello", "\n\nx y", "Hello.", "  two  spaces", "\u2581x", "你好")
+
+
+def _tails_encode_alone(backend: Tokenizer, stop_texts: Sequence[str]) -> bool:
+    """Whether the text after a stop token encodes alone as it does within the whole text.
+
+    The tokenizer splits its input at added tokens before anything else, but a pre-tokenizer may still treat the
+    start of the input apart: SentencePiece's `Metaspace` with `prepend_scheme` "first" (what transformers builds
+    for Llama-style tokenizers with `legacy: false`) prepends "▁" to the input's first piece only, so a tail
+    encoded alone would begin with a "▁" the whole text does not have. Probed on a few texts, since only the
+    pipeline's parts together decide it."""
+    for stop in stop_texts:
+        for head in ("", "hi"):
+            before = encode_ids(backend, head + stop)
+            for tail in _TAIL_PROBES:
+                if encode_ids(backend, head + stop + tail) != before + encode_ids(backend, tail):
+                    return False
+    return True
 
 
 def _decodes_exactly(backend: Tokenizer) -> bool:

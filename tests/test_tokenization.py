@@ -371,6 +371,28 @@ def test_text_path_equals_the_reference_for_any_contents(tok: ChatTokenizer, tex
     assert tok.render_delta(previous, new) == reference
 
 
+def metaspace_first_dir(folder: Path) -> Path:
+    """The tiny tokenizer behind SentencePiece's `Metaspace` (prepend_scheme "first", as transformers builds for
+    Llama-style tokenizers with `legacy: false`): only the input's first piece gets a "▁"."""
+    tokenizer_dir(folder)
+    model = json.loads((folder / "tokenizer.json").read_text())
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    model["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [metaspace, model["pre_tokenizer"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(model))
+    return folder
+
+
+def test_a_tokenizer_that_marks_the_first_piece_takes_the_reference_path(tmp_path: Path) -> None:
+    """A tail encoded alone would start with a "▁" the whole conversation does not have: the text path is off,
+    and the delta is the whole conversations' difference."""
+    tok = ChatTokenizer.load(metaspace_first_dir(tmp_path))
+    previous, new = CONVERSATION[:6], CONVERSATION[:7]
+    assert tok.extension_of(new).by_text(previous, None) is TextCheck.UNDECIDED
+    assert tok.render_prefix(previous) + tok.render_delta(previous, new) == tok.render(new)
+    alone = tok.encode(tok.render_text(new).rpartition("<|im_end|>")[2])  # what the text path would take
+    assert tok.render(new)[-len(alone) :] != alone  # it begins with the "▁" of a first piece
+
+
 def test_render_delta_from_an_empty_history_is_the_whole_prompt(tok: ChatTokenizer) -> None:
     assert tok.render_delta([], [USER_1]) == tok.render([USER_1])
 
