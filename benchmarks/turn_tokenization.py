@@ -156,6 +156,39 @@ async def _timed_rows(
     return rows
 
 
+def raw_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int, repeat: int) -> list[list[str]] | None:
+    """Per conversation length: the next turn's whole text tokenized, against continued from the previous prompt's
+    prefix; None if the two ever differ."""
+    return asyncio.run(_raw_rows(tokenizer, counts, words, repeat))
+
+
+async def _raw_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int, repeat: int) -> list[list[str]] | None:
+    rows = []
+    for turns in counts:
+        previous = conversation(turns, words)
+        new = [*previous, {"role": "user", "content": "and now? " + " ".join(WORDS)}]
+        _, prefix = await tokenizer.encode_continuing(tokenizer.render_text(previous[:-1]), None)
+        text = tokenizer.render_text(new)
+        whole = tokenizer.encode(text)
+        if (await tokenizer.encode_continuing(text, prefix))[0] != whole:
+            return None
+        whole_s = seconds_per_call(lambda t=text: tokenizer.encode(t), repeat)
+        started = time.perf_counter()
+        for _ in range(repeat):
+            await tokenizer.encode_continuing(text, prefix)
+        continued_s = (time.perf_counter() - started) / repeat
+        rows.append(
+            [
+                f"{turns}",
+                f"{len(whole):,}",
+                f"{whole_s * 1e3:.2f}",
+                f"{continued_s * 1e3:.2f}",
+                f"{whole_s / continued_s:.1f}×",
+            ]
+        )
+    return rows
+
+
 def seconds_per_call(call: Callable[[], object], repeat: int) -> float:
     call()  # warm
     started = time.perf_counter()
@@ -204,6 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["turns before", "conversation ids", "new ids", "whole conversation ms", "new tail only ms", "speed-up"],
         rows,
         "ms per turn on one core; the gateway does this once per chat turn of a session (per candidate sample).",
+    )
+    raw = raw_rows(tokenizer, options.turns, options.words, options.repeat)
+    if raw is None:
+        console.print("[red]a continued encode differs from the whole text's[/]")
+        return 1
+    print_table(
+        console,
+        "Tokenizing one raw completion turn (the conversation's ChatML text, sent whole at every turn)",
+        ["turns before", "prompt ids", "whole text ms", "continued ms", "speed-up"],
+        raw,
+        "ms per turn on one core; 'continued' reuses the ids of the previous prompt up to its last stop token "
+        "(`ChatTokenizer.encode_continuing`, what a session's raw completion turns get) and tokenizes the rest.",
     )
     matches = sample_rows(tokenizer, options.samples, options.words)
     if matches is None:

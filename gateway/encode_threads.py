@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
-__all__ = ["EncodeThreads", "encode_ids"]
+__all__ = ["EncodeThreads", "encode_ids", "encode_pieces"]
 
 
 def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -31,6 +31,13 @@ def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     if hasattr(tokenizer, "encode_batch_fast"):
         return tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def encode_pieces(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """`encode_ids` of each text, in one call."""
+    if hasattr(tokenizer, "encode_batch_fast"):
+        return [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def private_copy(tokenizer: Tokenizer) -> Tokenizer:
@@ -60,6 +67,12 @@ class EncodeThreads:
         ids = await asyncio.get_running_loop().run_in_executor(self._executor, encode_ids, self._tokenizer, text)
         self.encodes += 1
         return ids
+
+    async def encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """`encode_pieces` of `texts`, in a worker thread (cancelled as `encode`)."""
+        pieces = await asyncio.get_running_loop().run_in_executor(self._executor, encode_pieces, self._tokenizer, texts)
+        self.encodes += 1
+        return pieces
 
     def close(self) -> None:
         """Withdraw the texts not started yet; the threads end after their current text (nothing waits for them)."""

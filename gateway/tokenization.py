@@ -16,6 +16,7 @@ engines, turns output ids back into text as they stream, and parses tool calls o
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import logging
 import uuid
@@ -33,7 +34,7 @@ from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from tokenizers.decoders import DecodeStream
 from tokenizers.models import BPE
 
-from gateway.encode_threads import EncodeThreads, encode_ids, private_copy
+from gateway.encode_threads import EncodeThreads, encode_ids, encode_pieces, private_copy
 from gateway.errors import ConfigError, GatewayError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "ChatTokenizer",
     "ContentDelta",
     "ConversationMatch",
+    "EncodedPrefix",
     "HermesStreamingToolParser",
     "HermesToolParser",
     "IncrementalDetokenizer",
@@ -153,12 +155,15 @@ class ChatTokenizer:
         stops = [added.get(i) for i in self.stop_token_ids]
         exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
         stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
-        self._stop_texts = stop_texts if _tails_encode_alone(self._backend, stop_texts) else ()
+        # An added token that holds a stop token's text (and is longer) could match across the cut after it.
+        inside = any(stop in text and stop != text for stop in stop_texts for text in self._added_texts)
+        self._stop_texts = stop_texts if not inside and _tails_encode_alone(self._backend, stop_texts) else ()
         self._exact_decoding = _decodes_exactly(self._backend)
         self._thread_min_chars = encode_thread_min_chars
         # After the probe above: transformers has set the tokenizer for the calls made here (no truncation, no
         # padding), and the copy takes those settings.
         self._threads = EncodeThreads(private_copy(self._backend), encode_threads) if encode_threads else None
+        self.reused_ids = 0  # ids `encode_continuing` took from a prefix instead of tokenizing their text again
 
     @classmethod
     def load(
@@ -245,6 +250,38 @@ class ChatTokenizer:
         if len(text) < self._thread_min_chars:
             return encode_ids(self._backend, text)
         return await self._threads.encode(text)
+
+    async def encode_continuing(
+        self, text: str, prefix: EncodedPrefix | None
+    ) -> tuple[list[int], EncodedPrefix | None]:
+        """`encode(text)`, reusing the ids of `prefix` where `text` begins with its text; and the prefix of `text`
+        for the next call (None where there is none).
+
+        A raw completion agent sends its whole conversation again at every turn. Tokenizing only what follows the
+        previous prompt's last stop token makes a turn cost what its new text costs, not the conversation. It rests
+        on the property `ConversationMatch.by_text` uses: the tokenizer splits its input at added tokens first, so
+        the ids of a text cut right after a stop token are the ids of its two parts. `_stop_texts` holds the stop
+        tokens for which that is so (none that strips whitespace or that a longer added token holds, tails probed
+        when the tokenizer loads); without them every text is tokenized whole. Texts of `encode_thread_min_chars`
+        or more are tokenized in the worker threads, as by `encode_async`."""
+        if not self._stop_texts:
+            return await self.encode_async(text), None
+        start, head = 0, None
+        if prefix is not None and prefix.begins(text):
+            start, head = prefix.length, prefix.ids
+            self.reused_ids += len(head)
+        cut = max((i + len(stop) for stop in self._stop_texts if (i := text.rfind(stop)) >= 0), default=-1)
+        if cut <= start:  # no stop token after the reused beginning: the rest in one piece, the prefix as it was
+            rest = await self.encode_async(text[start:])
+            return (rest, None) if head is None else (head.tolist() + rest, prefix)
+        pieces = [text[start:cut], text[cut:]]
+        if self._threads is not None and len(text) - start >= self._thread_min_chars:
+            middle, rest = await self._threads.encode_pieces(pieces)
+        else:
+            middle, rest = encode_pieces(self._backend, pieces)
+        ids = array("i", head) if head is not None else array("i")
+        ids.extend(middle)
+        return ids.tolist() + rest, EncodedPrefix.of(text, cut, ids)
 
     @property
     def thread_encodes(self) -> int:
@@ -389,6 +426,29 @@ class ChatTokenizer:
         except InvalidRequest:  # a template with unusual demands: fall back to the EOS alone
             return self._eos
         return next((i for i in reversed(ids) if i in self._special_ids), self._eos)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrefix:
+    """A text's beginning, up to right after its last stop token, with that beginning's ids: what a later text that
+    begins the same way need not tokenize again (`ChatTokenizer.encode_continuing`). The beginning itself is kept as
+    a digest (BLAKE2b, 128 bits), a few bytes instead of the whole conversation's text."""
+
+    length: int  # characters
+    digest: bytes
+    ids: array[int]
+
+    @classmethod
+    def of(cls, text: str, length: int, ids: array[int]) -> EncodedPrefix:
+        return cls(length, _digest(text[:length]), ids)
+
+    def begins(self, text: str) -> bool:
+        """Whether `text` begins with this prefix's text."""
+        return len(text) >= self.length and _digest(text[: self.length]) == self.digest
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class TextCheck(enum.Enum):

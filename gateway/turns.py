@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import random
 import secrets
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from gateway.quotas import SessionLease
 from gateway.sessions import SessionManager, Turn
 from gateway.tokenization import (
     ChatTokenizer,
+    EncodedPrefix,
     IncrementalDetokenizer,
     StreamingToolParser,
     ToolCall,
@@ -104,6 +106,9 @@ class TurnRunner:
         self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
         self._idle = asyncio.Event()
         self._idle.set()
+        # Per session, the beginning of its last raw completion prompt and its ids (`_encode_prompt`), as many
+        # sessions as the session cache holds.
+        self._prefixes: OrderedDict[str, EncodedPrefix] = OrderedDict()
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -148,9 +153,28 @@ class TurnRunner:
             self._refused(sid, one_turn, lock)
             raise
 
+    async def _encode_prompt(self, text: str, session_id: str | None) -> list[int]:
+        """The ids of a raw completion's text prompt; in a session, reusing those of the beginning it shares with the
+        session's previous prompt in this process (`ChatTokenizer.encode_continuing`). A pure cache: a prefix is
+        used only where the text begins with its text, so a concurrent turn of the session cannot mislead it."""
+        if session_id is None:
+            return await self.tokenizer.encode_async(text)
+        ids, prefix = await self.tokenizer.encode_continuing(text, self._prefixes.get(session_id))
+        if prefix is None:
+            self._prefixes.pop(session_id, None)
+        else:
+            self._prefixes[session_id] = prefix
+            self._prefixes.move_to_end(session_id)
+            while len(self._prefixes) > self.sessions.cache_size:
+                self._prefixes.popitem(last=False)
+        return ids
+
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
-        prompt = await self.tokenizer.encode_async(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if isinstance(body.prompt, str):
+            prompt = await self._encode_prompt(body.prompt, session_id)
+        else:
+            prompt = list(body.prompt)
         if not prompt:
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
         vocab_size = self.tokenizer.vocab_size

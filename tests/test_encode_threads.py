@@ -4,9 +4,13 @@ serving meanwhile, and the gateway's turns recorded exactly when their texts tak
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -14,8 +18,9 @@ from hypothesis import strategies as st
 
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.encode_threads import EncodeThreads, encode_ids, private_copy
-from gateway.tokenization import ChatTokenizer
+from gateway.tokenization import ChatTokenizer, EncodedPrefix
 from tests.conftest import GatewayFactory, SimFactory
+from tests.test_tokenization import metaspace_first_dir, tokenizer_dir
 from tests.tool_schemas import ADD_TOOL
 
 TEXT = st.lists(
@@ -183,3 +188,100 @@ async def test_turns_whose_texts_take_the_threads_are_recorded_exactly(
         await raw.close()
     finally:
         await api.close()
+
+
+# -- continuing a text's encode (raw completion turns) ------------------------------------------------------------
+
+PIECE = st.one_of(
+    st.text(st.characters(blacklist_categories=["Cs"]), max_size=24),
+    st.sampled_from(["<|im_end|>", "<|im_start|>", "<|endoftext|>", "\n", " ", "assistant\n", "<tool_call>", "<|im"]),
+)
+TURN = st.lists(PIECE, max_size=6).map("".join)
+
+
+async def continued(tokenizer: ChatTokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text encoded by `encode_continuing`, handing each call the prefix the previous one returned."""
+    prefix: EncodedPrefix | None = None
+    out = []
+    for text in texts:
+        ids, prefix = await tokenizer.encode_continuing(text, prefix)
+        out.append(ids)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(turns=st.lists(TURN, min_size=1, max_size=4), other=TURN, threads=st.booleans())
+async def test_a_continued_encode_is_the_whole_encode(
+    threaded: ChatTokenizer, inline: ChatTokenizer, turns: list[str], other: str, threads: bool
+) -> None:
+    """Texts that each extend the previous one (a conversation resent at every turn), then one that starts over:
+    every encode equals the whole text's, whichever prefix it was handed."""
+    texts = list(itertools.accumulate(turns)) + [other]
+    tokenizer = threaded if threads else inline
+    assert await continued(tokenizer, texts) == [inline.encode(text) for text in texts]
+
+
+async def test_a_conversation_resent_at_every_turn_tokenizes_only_its_new_text(inline: ChatTokenizer) -> None:
+    turn = "<|im_start|>user\nHow far is it? 🙂<|im_end|>\n<|im_start|>assistant\nFar enough.<|im_end|>\n"
+    texts = [turn * n + "<|im_start|>assistant\n" for n in (1, 2, 3)]
+    before = inline.reused_ids
+    assert await continued(inline, texts) == [inline.encode(text) for text in texts]
+    # The second text reuses the first's ids up to its last <|im_end|>, the third the second's.
+    one, two = (len(inline.encode((turn * n).removesuffix("\n"))) for n in (1, 2))
+    assert inline.reused_ids - before == one + two
+
+
+async def test_a_text_without_stop_tokens_has_no_prefix(inline: ChatTokenizer) -> None:
+    ids, prefix = await inline.encode_continuing("plain text, no turns", None)
+    assert ids == inline.encode("plain text, no turns") and prefix is None
+
+
+async def test_a_tokenizer_that_marks_the_first_piece_encodes_whole_texts(tmp_path: Path) -> None:
+    tokenizer = ChatTokenizer.load(metaspace_first_dir(tmp_path))
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids, prefix = await tokenizer.encode_continuing(text, None)
+    assert ids == tokenizer.encode(text) and prefix is None
+
+
+async def test_an_added_token_holding_a_stop_tokens_text_turns_the_reuse_off(tmp_path: Path) -> None:
+    """`<|im_end|>!` as a token of its own: a text cut after `<|im_end|>` could continue with `!`, and the whole
+    text then holds the longer token where the parts hold `<|im_end|>` and `!`."""
+    folder = tokenizer_dir(tmp_path)
+    model = json.loads((folder / "tokenizer.json").read_text())
+    longer = {"id": len(model["model"]["vocab"]) + len(model["added_tokens"]), "content": "<|im_end|>!"}
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    model["added_tokens"].append(longer | flags)
+    (folder / "tokenizer.json").write_text(json.dumps(model))
+    tokenizer = ChatTokenizer.load(folder)
+    texts = ["hi<|im_end|>", "hi<|im_end|>!there"]
+    assert tokenizer.encode(texts[1])[1] == tokenizer.backend.token_to_id("<|im_end|>!")
+    assert await continued(tokenizer, texts) == [tokenizer.encode(text) for text in texts]
+
+
+async def test_raw_completion_turns_send_the_whole_texts_ids(
+    make_sim: SimFactory, make_gateway: GatewayFactory, inline: ChatTokenizer
+) -> None:
+    """A session's raw prompts, each the previous one plus the reply and a new user turn: the engine gets exactly
+    the whole text's ids, while the gateway tokenized only what followed the previous prompt's last stop token."""
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    tokenizer = gw.services.turns.tokenizer
+    api = openai.AsyncOpenAI(
+        base_url=f"{gw.url}/v1", api_key="unused", default_headers={"X-Session-ID": "raw-turns"}, max_retries=0
+    )
+    async with httpx.AsyncClient() as http:
+        (await http.post(f"{sim.url}/sim/prompt_log", json={"head": 64})).raise_for_status()
+        text = "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\n2 + 3?<|im_end|>\n"
+        sent = []
+        for question in ("4 + 4?", "1 + 1?", "9 + 0?"):
+            text += "<|im_start|>assistant\n"
+            completion = await api.completions.create(model="tiny", prompt=text, max_tokens=4, temperature=0)
+            sent.append(text)
+            text += completion.choices[0].text + f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+        logged = (await http.get(f"{sim.url}/sim/prompt_log")).json()["requests"]
+    await api.close()
+    expected = [inline.encode(t) for t in sent]
+    assert [(head, length) for head, length, _ in logged] == [(ids[:64], len(ids)) for ids in expected]
+    stored = [sample.input_ids.tolist() for sample in await gw.services.store.load_samples("raw-turns")]
+    assert all(any(ids == sample[: len(ids)] for sample in stored) for ids in expected)  # recorded as sent
+    assert tokenizer.reused_ids > 0
