@@ -36,6 +36,7 @@ from tokenizers.models import BPE
 
 from gateway.encode_threads import EncodeThreads, encode_ids, encode_pieces, private_copy
 from gateway.errors import ConfigError, GatewayError, InvalidRequest
+from gateway.text_search import AnyOf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -152,6 +153,7 @@ class ChatTokenizer:
         # What `ConversationMatch.by_text` needs: the texts of every added token, and of the stop tokens that can
         # end a turn's rendering, provided none of those strips whitespace around it (else: no text path).
         self._added_texts = tuple(token.content for token in added.values() if token.content)
+        self._added_text_in = AnyOf(self._added_texts).in_value  # one pass over a conversation for all of them
         stops = [added.get(i) for i in self.stop_token_ids]
         exact = all(t is not None and not t.rstrip and not t.lstrip and not t.normalized for t in stops)
         stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
@@ -244,7 +246,7 @@ class ChatTokenizer:
         `render`'s ids where no message or tool holds the text of an added token: then sanitizing changes nothing.
         A conversation that holds one, or a tokenizer without threads, is rendered by `render` on the calling
         thread."""
-        if self._threads is None or _contains_any(self._added_texts, (messages, tools)):
+        if self._threads is None or self._added_text_in((messages, tools)):
             return self.render(messages, tools)
         text = self.render_text(messages, tools)
         if len(text) < self._thread_min_chars:
@@ -489,8 +491,8 @@ class ConversationMatch:
         self._kwargs = chat_template_kwargs
         self._text: str | None = None
         self._ids: array[int] | None = None
-        self._text_path = bool(tokenizer._stop_texts) and not _contains_any(
-            tokenizer._added_texts, (messages, tools, chat_template_kwargs)
+        self._text_path = bool(tokenizer._stop_texts) and not tokenizer._added_text_in(
+            (messages, tools, chat_template_kwargs)
         )
 
     @property
@@ -525,7 +527,7 @@ class ConversationMatch:
         memo = self._memo(memo)
         if memo.prefix_text is None:
             memo.prefix_text = ""  # the text path does not apply to this conversation
-            if not _contains_any(tok._added_texts, (previous_messages, previous_tools)):
+            if not tok._added_text_in((previous_messages, previous_tools)):
                 text = tok.render_text(previous_messages, previous_tools, False, chat_template_kwargs=self._kwargs)
                 cut = max(text.rfind(stop) + len(stop) if stop in text else -1 for stop in tok._stop_texts)
                 if cut >= 0:
@@ -610,17 +612,6 @@ def _decodes_exactly(backend: Tokenizer) -> bool:
     steps = steps.get("pretokenizers", [steps]) if steps.get("type") == "Sequence" else [steps]
     byte_level = any(step.get("type") == "ByteLevel" for step in steps)
     return byte_level and not any(step.get("add_prefix_space") for step in steps)
-
-
-def _contains_any(needles: Sequence[str], value: object) -> bool:
-    """Whether any string inside `value` (nested dicts, lists and tuples; keys too) contains one of `needles`."""
-    if isinstance(value, str):
-        return any(needle in value for needle in needles)
-    if isinstance(value, Mapping):
-        return any(_contains_any(needles, k) or _contains_any(needles, v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_contains_any(needles, item) for item in value)
-    return False
 
 
 def _end_after_last(ids: list[int], stops: Sequence[int]) -> int:
