@@ -4,7 +4,8 @@ A multi-turn episode is one sample that grows turn after turn, and the gateway w
 every turn (and at segment boundaries). Written whole, an episode of T turns sends O(T × length) bytes: 13 bytes
 a token for the ids, mask, logprob and version, plus layers × top-k bytes a position for routed experts (R3;
 48 × 8 for a 30B-A3B-like MoE). Extending (`TrajectoryStore.save_sample(stored=...)`, what the session manager
-does) sends each turn's new tokens and expert rows once; the scalars and the conversation are still sent whole.
+does) sends each turn's new tokens and expert rows once, and the chat conversation's new messages (`--chat-chars`
+characters of text a turn, as its messages; the scalars are still sent whole).
 
 Both variants write the same episodes, built before any timing, through the real `TrajectoryStore` into an
 `EmbeddedRedis` (AOF `appendfsync everysec`, as the gateway runs it), episodes alternating A B B A. Measured per
@@ -48,11 +49,23 @@ class Totals:
     last_write_s: list[float] = field(default_factory=list)
 
 
-def episode(turns: int, prompt: int, per_turn: int, layers: int, top_k: int, seed: int) -> list[Sample]:
+def episode(
+    turns: int, prompt: int, per_turn: int, layers: int, top_k: int, seed: int, chat_chars: int = 0
+) -> list[Sample]:
     """The sample as stored after each turn: a prompt, then per turn a tenth of environment tokens and the rest
     sampled, with the routed experts of every position the model ran (ids below 128: one byte each; none when
-    `layers` is 0)."""
+    `layers` is 0), and with `chat_chars` the chat conversation these ids render: a system prompt, then per turn
+    a user message (a tenth of the characters) and the assistant's reply."""
     rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghij klmnopqrst uvwxyz", np.uint8)
+
+    def text(chars: int) -> str:
+        return bytes(rng.choice(letters, chars)).decode()
+
+    conversation = [{"role": "system", "content": text(chat_chars)}] if chat_chars else []
+    for _ in range(turns if chat_chars else 0):
+        conversation.append({"role": "user", "content": text(chat_chars // 10)})
+        conversation.append({"role": "assistant", "content": text(chat_chars - chat_chars // 10)})
     total = prompt + turns * per_turn
     ids = rng.integers(0, 50_000, total).astype(I32)
     experts = rng.integers(0, 128, (total - 1, layers, top_k)).astype(np.uint8)
@@ -72,6 +85,7 @@ def episode(turns: int, prompt: int, per_turn: int, layers: int, top_k: int, see
                 versions=versions[:length],
                 routed_experts=experts[: prompt + length - 1] if layers else None,
                 num_turns=turn,
+                conversation=conversation[: 1 + 2 * turn] if chat_chars else None,
             )
         )
     return samples
@@ -112,12 +126,13 @@ async def write_episode(
         and np.array_equal(loaded.logprobs, want.logprobs)
         and np.array_equal(loaded.versions, want.versions)
         and same_experts
+        and loaded.conversation == want.conversation
     )
 
 
 async def run(options: argparse.Namespace, layers: int) -> tuple[dict[str, Totals], bool]:
     episodes = [
-        episode(options.turns, options.prompt, options.tokens_per_turn, layers, options.top_k, seed)
+        episode(options.turns, options.prompt, options.tokens_per_turn, layers, options.top_k, seed, options.chat_chars)
         for seed in range(options.episodes)
     ]
     totals = {variant: Totals() for variant in VARIANTS}
@@ -145,11 +160,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens-per-turn", type=int, default=1_600, help="tokens each turn adds")
     parser.add_argument("--layers", type=int, default=48, help="MoE layers of the routed experts (0: none)")
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument(
+        "--chat-chars", type=int, default=5_000, help="characters of chat conversation a turn adds (0: none)"
+    )
     parser.add_argument("--episodes", type=int, default=4, help="episodes per variant")
     parser.add_argument("--quick", action="store_true", help="8 turns of 400 tokens, 2 episodes")
     options = parser.parse_args(argv)
     if options.quick:
         options.turns, options.tokens_per_turn, options.episodes = 8, 400, 2
+    if options.chat_chars < 0:
+        parser.error("--chat-chars must be >= 0")
     console = make_console()
     n = options.episodes
     length = options.prompt + options.turns * options.tokens_per_turn
@@ -183,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print_table(
         console,
-        f"One episode of {options.turns} turns growing to {length:,} tokens — {machine_line()}",
+        f"One episode of {options.turns} turns growing to {length:,} tokens"
+        + (f" and {options.chat_chars:,} characters of chat a turn" if options.chat_chars else "")
+        + f" — {machine_line()}",
         ["case, variant", "MB sent to Redis", "redis CPU ms", "gateway CPU ms", "wall ms", "last turn's write ms"],
         rows,
         f"per episode, mean of {n}; 'gateway CPU' is this process (encoding and sending); the last turn's write is "

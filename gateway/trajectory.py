@@ -13,16 +13,19 @@ A sample grows turn after turn and is written at every turn's end, so its arrays
 that extends a sample sends only what it added (`Sample.to_redis_extending`), and an episode costs Redis
 O(length) instead of O(turns × length) (routed experts alone are layers × top-k bytes per position). Chunk 0 is
 `response_ids`, `loss_mask`, `logprobs`, `versions`, `experts`; chunk k ≥ 1 the same names with `.k`;
-`chunk_ends` says where each chunk ends, as `response tokens:experts rows` pairs. `prompt_ids`, the scalars and
-the conversation are written whole; an extending write leaves out a conversation the hash holds already (a write
-at a segment boundary, `Sample.conversation_stored`), and the hash keeps it.
+`chunk_ends` says where each chunk ends, as `response tokens:experts rows` pairs. The chat conversation is chunked
+alike: `conversation` holds a JSON list of messages, `conversation.k` the messages that write k appended (an empty
+list, or no field: none), so a turn that extends the conversation sends its new messages only; one that changes an
+earlier message sends it whole, as chunk 0, and empties the others. `prompt_ids`, the scalars and the tools are
+written whole; an extending write leaves out a conversation and tools the hash holds already (a write at a segment
+boundary, `Sample.conversation_stored`), and the hash keeps them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -43,8 +46,9 @@ class TrajectoryFormatError(ValueError):
     """Stored bytes that do not decode to a consistent sample."""
 
 
-CHUNKED = ("response_ids", "loss_mask", "logprobs", "versions", "experts")
-"""The sample's fields stored in chunks (`experts` only when the sample has routed experts)."""
+CHUNKED = ("response_ids", "loss_mask", "logprobs", "versions", "experts", "conversation")
+"""The sample's fields stored in chunks (`experts` only when the sample has routed experts; a `conversation` chunk
+only where a write appended messages)."""
 
 
 def chunk_field(name: str, chunk: int) -> str:
@@ -59,6 +63,8 @@ class StoredChunks:
 
     ends: tuple[tuple[int, int], ...]
     experts_dtype: str | None
+    # The chat conversation the hash holds, all its chunks together (None: none).
+    messages: tuple[dict[str, Any], ...] | None = None
 
     @property
     def response_tokens(self) -> int:
@@ -150,7 +156,8 @@ class Sample:
             fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
         fields.update(self._chunk(0, 0, experts))
         rows = 0 if experts is None else len(experts)
-        stored = StoredChunks(((len(self.response_ids), rows),), None if experts is None else experts.dtype.str)
+        dtype = None if experts is None else experts.dtype.str
+        stored = StoredChunks(((len(self.response_ids), rows),), dtype, _messages(self.conversation))
         fields["chunk_ends"] = stored.ends_field
         return fields, stored
 
@@ -170,15 +177,22 @@ class Sample:
             if new.size and (int(new.min()) < 0 or int(new.max()) > np.iinfo(dtype).max):
                 return None
             new = new.astype(dtype, copy=False)
-        fields = self._scalar_fields(conversation=not self.conversation_stored)
-        if not self.conversation_stored:  # both set, an absent one as null: the hash keeps what a write leaves out
-            fields.setdefault("conversation", b"null")
-            fields.setdefault("tools", b"null")
-        fields.update(self._chunk(len(stored.ends), tokens, new))
+        chunk = len(stored.ends)
+        fields = self._scalar_fields(conversation=False)
+        messages = stored.messages
+        if self.conversation_stored:  # the hash keeps its conversation; a chunk of this index from elsewhere goes
+            fields[chunk_field("conversation", chunk)] = b"[]"
+        else:
+            fields["tools"] = orjson.dumps(self.tools) if self.tools is not None else b"null"
+            fields.update(_conversation_fields(self.conversation, messages, chunk))
+            messages = _messages(self.conversation)
+        fields.update(self._chunk(chunk, tokens, new))
         if experts is not None:
             fields["experts_shape"] = ",".join(str(d) for d in experts.shape)
         after = StoredChunks(
-            (*stored.ends, (len(self.response_ids), len(experts) if experts is not None else 0)), stored.experts_dtype
+            (*stored.ends, (len(self.response_ids), len(experts) if experts is not None else 0)),
+            stored.experts_dtype,
+            messages,
         )
         fields["chunk_ends"] = after.ends_field
         return fields, after
@@ -235,12 +249,45 @@ class Sample:
                 routed_experts=experts,
                 num_turns=int(fields.get("num_turns", 0)),
                 cancelled=_text(fields.get("cancelled", "0")) == "1",
-                conversation=orjson.loads(fields["conversation"]) if "conversation" in fields else None,
+                conversation=_stored_conversation(fields, chunks),
                 tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
                 writer=_text(fields["writer"]) if "writer" in fields else None,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
+
+
+def _messages(conversation: list[dict[str, Any]] | None) -> tuple[dict[str, Any], ...] | None:
+    return None if conversation is None else tuple(conversation)
+
+
+def _conversation_fields(
+    conversation: list[dict[str, Any]] | None, stored: tuple[dict[str, Any], ...] | None, chunk: int
+) -> dict[str, bytes | int | str]:
+    """The conversation's fields in write `chunk` over a hash that holds `stored`: the messages after those as
+    chunk `chunk` where `conversation` begins with them; otherwise the whole conversation as chunk 0 (null: none)
+    and every later chunk emptied."""
+    if conversation is None and stored is None:
+        return {chunk_field("conversation", chunk): b"[]"}
+    if conversation is not None and stored is not None and tuple(conversation[: len(stored)]) == stored:
+        return {chunk_field("conversation", chunk): orjson.dumps(conversation[len(stored) :])}
+    fields: dict[str, bytes | int | str] = {"conversation": orjson.dumps(conversation)}
+    fields.update((chunk_field("conversation", k), b"[]") for k in range(1, chunk + 1))
+    return fields
+
+
+def _stored_conversation(fields: Mapping[str, Any], chunks: int) -> list[dict[str, Any]] | None:
+    """The conversation of a sample's hash: chunk 0's messages, then each later chunk's (None: none stored)."""
+    if "conversation" not in fields:
+        return None
+    conversation = orjson.loads(fields["conversation"])
+    if conversation is None:
+        return None
+    for chunk in range(1, chunks):
+        more = fields.get(chunk_field("conversation", chunk))
+        if more is not None:
+            conversation.extend(orjson.loads(more))
+    return cast("list[dict[str, Any]]", conversation)
 
 
 @dataclass

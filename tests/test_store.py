@@ -743,6 +743,83 @@ async def test_a_partial_write_leaves_the_stored_conversation_out_and_the_hash_k
     assert loaded.conversation == longer and loaded.tools is None
 
 
+def turn_of(sample: Sample, conversation: list[dict[str, Any]], seed: int) -> Sample:
+    """The next turn of `sample` (4 more tokens) with its conversation as the turn's end records it."""
+    return dataclasses.replace(extended(sample, 4, experts_max=100, seed=seed), conversation=conversation)
+
+
+async def test_a_conversation_extended_turn_after_turn_sends_only_its_new_messages(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    """Each turn's end appends its messages as one more chunk; a turn that changes an earlier message (an agent
+    that resends the history otherwise) writes the conversation whole and empties the later chunks."""
+    meta = await store.create_session()
+    key = KEYS.sample(meta.id, 0)
+    history = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q1"}]
+    first = dataclasses.replace(make_sample(prompt=6, response=10, experts_max=100), conversation=history)
+    saved = await store.save_sample(meta.id, 0, first)
+    assert saved is not None
+    whole = await redis.hstrlen(key, "conversation")
+    stored = saved.stored
+    for turn in range(1, 4):
+        history = [*history, {"role": "assistant", "content": f"a{turn}"}, {"role": "user", "content": f"q{turn}"}]
+        first = turn_of(first, history, seed=turn)
+        done = await store.save_sample(meta.id, 0, first, stored=stored)
+        assert done is not None
+        stored = done.stored
+        assert await redis.hstrlen(key, "conversation") == whole  # chunk 0 as first written
+        assert 0 < await redis.hstrlen(key, f"conversation.{turn}") < 100  # two short messages
+        [loaded] = await store.load_samples(meta.id)
+        assert loaded.conversation == history
+        assert_same(loaded, first)
+
+    edited = [{**history[0], "content": "t" * 3000}, *history[1:], {"role": "assistant", "content": "a4"}]
+    last = turn_of(first, edited, seed=9)
+    done = await store.save_sample(meta.id, 0, last, stored=stored)
+    assert done is not None and done.stored.messages == tuple(edited)
+    assert [await redis.hget(key, f"conversation.{k}") for k in range(1, 5)] == [b"[]"] * 4
+    [loaded] = await store.load_samples(meta.id)
+    assert loaded.conversation == edited
+
+
+async def test_a_turn_written_again_from_the_same_start_replaces_its_messages(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    """Writes of one turn all extend what was stored when it began: the last one's messages stand, and a write at a
+    segment boundary (conversation already stored) empties the turn's chunk instead of leaving another's there."""
+    meta = await store.create_session()
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    first = dataclasses.replace(make_sample(prompt=6, response=10, experts_max=100), conversation=chat)
+    saved = await store.save_sample(meta.id, 0, first)
+    assert saved is not None
+    one = turn_of(first, [*chat, {"role": "user", "content": "one"}], seed=1)
+    assert await store.save_sample(meta.id, 0, one, stored=saved.stored) is not None
+    other = turn_of(first, [*chat, {"role": "user", "content": "other"}], seed=2)
+    assert await store.save_sample(meta.id, 0, other, stored=saved.stored) is not None
+    [loaded] = await store.load_samples(meta.id)
+    assert loaded.conversation == other.conversation
+
+    partial = turn_of(first, chat, seed=3)
+    partial.conversation_stored = True
+    assert await store.save_sample(meta.id, 0, partial, stored=saved.stored) is not None
+    [loaded] = await store.load_samples(meta.id)
+    assert loaded.conversation == chat
+
+    # Two turns further on, a write from the first turn's start again (its answer lost, say): the chunks past it go.
+    two = await store.save_sample(meta.id, 0, one, stored=saved.stored)
+    assert two is not None
+    three = turn_of(one, [*one.conversation, {"role": "user", "content": "three"}], seed=4)
+    done = await store.save_sample(meta.id, 0, three, stored=two.stored)
+    assert done is not None
+    four = turn_of(three, [*three.conversation, {"role": "user", "content": "four"}], seed=5)
+    assert await store.save_sample(meta.id, 0, four, stored=done.stored) is not None
+    again = turn_of(one, [*one.conversation, {"role": "user", "content": "again"}], seed=6)
+    assert await store.save_sample(meta.id, 0, again, stored=two.stored) is not None
+    [loaded] = await store.load_samples(meta.id)
+    assert loaded.conversation == again.conversation
+    assert not await redis.hexists(KEYS.sample(meta.id, 0), "conversation.3")
+
+
 async def test_a_sample_another_process_wrote_meanwhile_is_kept_and_the_later_turn_moves(
     client: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
