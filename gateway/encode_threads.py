@@ -2,10 +2,10 @@
 
 Tokenizing is the one step of a request whose cost grows with the request's text: about 0.2 µs a character with
 the bundled tokenizer on this project's machines, so a 64,000-character prompt holds the event loop for ~13 ms,
-during which no stream of any other agent moves and no other request is read. The Rust tokenizer releases the GIL while it encodes, so a worker
-thread can encode a long text while the loop goes on serving (and, on a machine with a spare core, at the same
-time). Handing a text to a thread and back costs the loop some tens of microseconds, so only texts of at least
-a threshold go there (`ChatTokenizer.encode_async` decides).
+during which no stream of any other agent moves and no other request is read. The Rust tokenizer releases the
+GIL while it encodes, so a worker thread can encode a long text while the loop goes on serving (and, on a machine
+with a spare core, at the same time). Handing a text to a thread and back costs the loop some tens of
+microseconds, so only texts of at least a threshold go there (`ChatTokenizer.encode_async` decides).
 
 The threads encode with a tokenizer of their own, a copy made from the original's serialized form, never touched
 by the event loop's thread: transformers sets truncation, padding and special-token splitting on its tokenizer
