@@ -449,7 +449,7 @@ class SessionManager:
                 different.append(sample)
                 continue
             if isinstance(tail, str):
-                delta: list[int] | None = await self.tokenizer.encode_async(tail)
+                delta: list[int] | None = await self.tokenizer.encode_tail_async(tail)
             else:
                 delta = self._delta_by_ids(match, sample)
             if delta is not None:

@@ -159,7 +159,11 @@ class ChatTokenizer:
         stop_texts = tuple(t.content for t in stops if t is not None) if exact else ()
         # An added token that holds a stop token's text (and is longer) could match across the cut after it.
         inside = any(stop in text and stop != text for stop in stop_texts for text in self._added_texts)
-        self._stop_texts = stop_texts if not inside and _tails_encode_alone(self._backend, stop_texts) else ()
+        # How a text that follows a stop token is tokenized apart, as within the whole text (`encode_tail`): alone
+        # (""), or after a stop token whose id is then dropped; None: neither, so no text path.
+        lead = _tail_lead(self._backend, stop_texts) if stop_texts and not inside else None
+        self._stop_texts = stop_texts if lead is not None else ()
+        self._tail_lead = lead or ""
         self._exact_decoding = _decodes_exactly(self._backend)
         self._thread_min_chars = encode_thread_min_chars
         # After the probe above: transformers has set the tokenizer for the calls made here (no truncation, no
@@ -238,6 +242,21 @@ class ChatTokenizer:
             return encode_ids(self._backend, text)
         return await self._threads.encode(text)
 
+    def encode_tail(self, text: str) -> list[int]:
+        """The ids of `text` as they are within a longer text where it follows a stop token (what the text path
+        tokenizes: `ConversationMatch.tail`, `encode_continuing`). Most tokenizers encode such a text alone; one
+        that marks the input's first piece (SentencePiece's `Metaspace` with `prepend_scheme` "first") encodes it
+        after a stop token, whose id is then dropped."""
+        if not self._tail_lead:
+            return encode_ids(self._backend, text)
+        return encode_ids(self._backend, self._tail_lead + text)[1:]
+
+    async def encode_tail_async(self, text: str) -> list[int]:
+        """`encode_tail(text)`, in a worker thread as `encode_async` decides."""
+        if not self._tail_lead:
+            return await self.encode_async(text)
+        return (await self.encode_async(self._tail_lead + text))[1:]
+
     async def render_async(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
         """`render(messages, tools)` (with the generation prompt), tokenized in a worker thread where `encode_async`
         would take the template's text there.
@@ -274,16 +293,20 @@ class ChatTokenizer:
             self.reused_ids += len(head)
         cut = max((i + len(stop) for stop in self._stop_texts if (i := text.rfind(stop)) >= 0), default=-1)
         if cut <= start:  # no stop token after the reused beginning: the rest in one piece, the prefix as it was
-            rest = await self.encode_async(text[start:])
-            return (rest, None) if head is None else (head.tolist() + rest, prefix)
-        pieces = [text[start:cut], text[cut:]]
+            if head is None:
+                return await self.encode_async(text), None
+            return head.tolist() + await self.encode_tail_async(text[start:]), prefix
+        # Both pieces in one call; each that follows a stop token as `encode_tail` takes it.
+        lead = self._tail_lead
+        leads = (lead if start else "", lead)
+        pieces = [leads[0] + text[start:cut], lead + text[cut:]]
         if self._threads is not None and len(text) - start >= self._thread_min_chars:
             middle, rest = await self._threads.encode_pieces(pieces)
         else:
             middle, rest = encode_pieces(self._backend, pieces)
         ids = array("i", head) if head is not None else array("i")
-        ids.extend(middle)
-        return ids.tolist() + rest, EncodedPrefix.of(text, cut, ids)
+        ids.extend(middle[1:] if leads[0] else middle)
+        return ids.tolist() + (rest[1:] if lead else rest), EncodedPrefix.of(text, cut, ids)
 
     @property
     def thread_encodes(self) -> int:
@@ -472,10 +495,11 @@ class ConversationMatch:
     The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
     an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
     previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
-    here) the stop tokens strip nothing, a text after one encodes alone as it does within the whole text (not
-    with SentencePiece's `Metaspace` that prepends "▁" to the input's first piece only: `_tails_encode_alone`),
-    the previous rendering ends with one, and no message, tool or template argument contains the text of an added
-    token (which sanitization would encode as plain text, and which could fake the boundary).
+    here) the stop tokens strip nothing and no longer added token holds one, the text after one is tokenized as
+    within the whole text (`ChatTokenizer.encode_tail`: SentencePiece's `Metaspace` that prepends "▁" to the
+    input's first piece only needs a stop token before it; probed when the tokenizer loads), the previous
+    rendering ends with one, and no message, tool or template argument contains the text of an added token
+    (which sanitization would encode as plain text, and which could fake the boundary).
     """
 
     def __init__(
@@ -511,7 +535,7 @@ class ConversationMatch:
         """The delta, tokenizing only the new tail; or why not (`DIFFERENT`: then the ids differ too, unless the
         tokenizer normalizes two different texts to the same ids). `memo`: see `Rendering`."""
         tail = self.tail(previous_messages, previous_tools, memo)
-        return self._tokenizer.encode(tail) if isinstance(tail, str) else tail
+        return self._tokenizer.encode_tail(tail) if isinstance(tail, str) else tail
 
     def tail(
         self,
@@ -519,8 +543,8 @@ class ConversationMatch:
         previous_tools: Sequence[Tool] | None,
         memo: Rendering | None = None,
     ) -> str | TextCheck:
-        """The text whose ids are `by_text`'s delta (for the caller to tokenize, `ChatTokenizer.encode_async`), or
-        why there is none."""
+        """The text whose ids are `by_text`'s delta (for the caller to tokenize: `ChatTokenizer.encode_tail_async`),
+        or why there is none."""
         tok = self._tokenizer
         if not previous_messages or not self._text_path:
             return TextCheck.UNDECIDED
@@ -583,21 +607,27 @@ class Rendering:
 _TAIL_PROBES = ("hello", " hello", "\nhello", "\n\nx y", "Hello.", "  two  spaces", "\u2581x", "你好")
 
 
-def _tails_encode_alone(backend: Tokenizer, stop_texts: Sequence[str]) -> bool:
-    """Whether the text after a stop token encodes alone as it does within the whole text.
+def _tail_lead(backend: Tokenizer, stop_texts: Sequence[str]) -> str | None:
+    """How a text that follows a stop token is tokenized apart, as within the whole text: "" (alone), a stop
+    token's text (after it, its id then dropped), or None (neither).
 
     The tokenizer splits its input at added tokens before anything else, but a pre-tokenizer may still treat the
     start of the input apart: SentencePiece's `Metaspace` with `prepend_scheme` "first" (what transformers builds
     for Llama-style tokenizers with `legacy: false`) prepends "▁" to the input's first piece only, so a tail
-    encoded alone would begin with a "▁" the whole text does not have. Probed on a few texts, since only the
-    pipeline's parts together decide it."""
-    for stop in stop_texts:
-        for head in ("", "hi"):
-            before = encode_ids(backend, head + stop)
-            for tail in _TAIL_PROBES:
-                if encode_ids(backend, head + stop + tail) != before + encode_ids(backend, tail):
-                    return False
-    return True
+    encoded alone would begin with a "▁" the whole text does not have; after a stop token it is no longer the
+    input's first piece. Probed on a few texts, since only the pipeline's parts together decide it."""
+    for lead in ("", stop_texts[0]):
+        if lead and len(encode_ids(backend, lead)) != 1:
+            continue
+        if all(
+            encode_ids(backend, head + stop + tail)
+            == encode_ids(backend, head + stop) + encode_ids(backend, lead + tail)[1 if lead else 0 :]
+            for stop in stop_texts
+            for head in ("", "hi")
+            for tail in _TAIL_PROBES
+        ):
+            return lead
+    return None
 
 
 def _decodes_exactly(backend: Tokenizer) -> bool:

@@ -236,11 +236,27 @@ async def test_a_text_without_stop_tokens_has_no_prefix(inline: ChatTokenizer) -
     assert ids == inline.encode("plain text, no turns") and prefix is None
 
 
-async def test_a_tokenizer_that_marks_the_first_piece_encodes_whole_texts(tmp_path: Path) -> None:
-    tokenizer = ChatTokenizer.load(metaspace_first_dir(tmp_path))
-    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    ids, prefix = await tokenizer.encode_continuing(text, None)
-    assert ids == tokenizer.encode(text) and prefix is None
+@pytest.fixture(scope="module")
+def metaspace_first(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return ChatTokenizer.load(metaspace_first_dir(tmp_path_factory.mktemp("metaspace")))
+
+
+@settings(max_examples=100, deadline=None)
+@given(turns=st.lists(TURN, min_size=1, max_size=4), other=TURN)
+async def test_a_continued_encode_is_the_whole_encode_for_a_first_piece_marking_tokenizer(
+    metaspace_first: ChatTokenizer, turns: list[str], other: str
+) -> None:
+    """SentencePiece's `Metaspace` "first": the pieces after a stop token are tokenized after one (`encode_tail`)."""
+    texts = list(itertools.accumulate(turns)) + [other]
+    assert await continued(metaspace_first, texts) == [metaspace_first.encode(text) for text in texts]
+
+
+async def test_a_first_piece_marking_tokenizer_reuses_prefixes(metaspace_first: ChatTokenizer) -> None:
+    text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    longer = text + "fine thanks<|im_end|>\n<|im_start|>user\nand you?<|im_end|>\n"
+    before = metaspace_first.reused_ids
+    assert await continued(metaspace_first, [text, longer]) == [metaspace_first.encode(t) for t in (text, longer)]
+    assert metaspace_first.reused_ids > before
 
 
 async def test_an_added_token_holding_a_stop_tokens_text_turns_the_reuse_off(tmp_path: Path) -> None:
@@ -285,3 +301,17 @@ async def test_raw_completion_turns_send_the_whole_texts_ids(
     stored = [sample.input_ids.tolist() for sample in await gw.services.store.load_samples("raw-turns")]
     assert all(any(ids == sample[: len(ids)] for sample in stored) for ids in expected)  # recorded as sent
     assert tokenizer.reused_ids > 0
+
+
+@pytest.mark.parametrize("threads", [0, 1])
+async def test_a_tail_is_tokenized_as_within_the_whole_text(tmp_path: Path, threads: int) -> None:
+    """`encode_tail_async` (a chat turn's new tail), inline and in a thread, for a tokenizer that encodes tails
+    alone and for one that encodes them after a stop token."""
+    for tokenizer in (
+        ChatTokenizer.load(TINY_TOKENIZER_DIR, encode_threads=threads, encode_thread_min_chars=0),
+        ChatTokenizer.load(metaspace_first_dir(tmp_path), encode_threads=threads, encode_thread_min_chars=0),
+    ):
+        head = "<|im_start|>user\nhi<|im_end|>"
+        for tail in ("\n<|im_start|>assistant\n", "hello there", " spaced", "\u2581x"):
+            assert tokenizer.encode(head) + await tokenizer.encode_tail_async(tail) == tokenizer.encode(head + tail)
+        tokenizer.close()

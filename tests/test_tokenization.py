@@ -371,6 +371,11 @@ def test_text_path_equals_the_reference_for_any_contents(tok: ChatTokenizer, tex
     assert tok.render_delta(previous, new) == reference
 
 
+@pytest.fixture(scope="module")
+def metaspace_first(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return ChatTokenizer.load(metaspace_first_dir(tmp_path_factory.mktemp("metaspace")))
+
+
 def metaspace_first_dir(folder: Path) -> Path:
     """The tiny tokenizer behind SentencePiece's `Metaspace` (prepend_scheme "first", as transformers builds for
     Llama-style tokenizers with `legacy: false`): only the input's first piece gets a "▁"."""
@@ -382,15 +387,35 @@ def metaspace_first_dir(folder: Path) -> Path:
     return folder
 
 
-def test_a_tokenizer_that_marks_the_first_piece_takes_the_reference_path(tmp_path: Path) -> None:
-    """A tail encoded alone would start with a "▁" the whole conversation does not have: the text path is off,
-    and the delta is the whole conversations' difference."""
+def test_a_tokenizer_that_marks_the_first_piece_tokenizes_tails_after_a_stop_token(tmp_path: Path) -> None:
+    """A tail encoded alone would start with a "▁" the whole conversation does not have; encoded after a stop
+    token (its id dropped) it is no longer the input's first piece, and the text path gives the exact delta."""
     tok = ChatTokenizer.load(metaspace_first_dir(tmp_path))
     previous, new = CONVERSATION[:6], CONVERSATION[:7]
-    assert tok.extension_of(new).by_text(previous, None) is TextCheck.UNDECIDED
+    by_text = tok.extension_of(new).by_text(previous, None)
+    assert isinstance(by_text, list) and by_text == tok.extension_of(new).by_ids(previous, None)
     assert tok.render_prefix(previous) + tok.render_delta(previous, new) == tok.render(new)
-    alone = tok.encode(tok.render_text(new).rpartition("<|im_end|>")[2])  # what the text path would take
-    assert tok.render(new)[-len(alone) :] != alone  # it begins with the "▁" of a first piece
+    alone = tok.encode(tok.render_text(new).rpartition("<|im_end|>")[2])
+    assert tok.render(new)[-len(alone) :] != alone  # alone, it begins with the "▁" of a first piece
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    texts=st.lists(
+        st.text(st.characters(blacklist_categories=["Cs"]).filter(lambda c: c != "\x00"), max_size=30)
+        | st.sampled_from([" ", "\n", " x ", "\u2581", "▁x", "你好 "]),
+        min_size=3,
+        max_size=3,
+    )
+)
+def test_the_text_path_of_a_first_piece_marking_tokenizer_equals_the_reference(
+    metaspace_first: ChatTokenizer, texts: list[str]
+) -> None:
+    user, reply, user_2 = texts
+    previous = [SYSTEM, {"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    new = [*previous, {"role": "user", "content": user_2}]
+    by_text = metaspace_first.extension_of(new).by_text(previous, None)
+    assert not isinstance(by_text, list) or by_text == metaspace_first.extension_of(new).by_ids(previous, None)
 
 
 def test_render_delta_from_an_empty_history_is_the_whole_prompt(tok: ChatTokenizer) -> None:
