@@ -50,6 +50,16 @@ def private_copy(tokenizer: Tokenizer) -> Tokenizer:
     return copy
 
 
+class _Pending:
+    """A text being encoded, and how many callers wait for its ids."""
+
+    __slots__ = ("callers", "future")
+
+    def __init__(self, future: asyncio.Future[list[int]]) -> None:
+        self.future = future
+        self.callers = 0
+
+
 class EncodeThreads:
     """`threads` worker threads (started on first use) that encode with `tokenizer`, a copy of the model's
     tokenizer that nothing else uses (`private_copy`)."""
@@ -59,14 +69,32 @@ class EncodeThreads:
             raise ValueError(f"EncodeThreads needs at least one thread, not {threads}")
         self._tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="rg-encode")
-        self.encodes = 0  # texts encoded by the threads so far (read by tests and metrics)
+        self._pending: dict[str, _Pending] = {}  # texts being encoded, by text
+        self.encodes = 0  # texts handed to the threads so far (read by tests and metrics)
 
     async def encode(self, text: str) -> list[int]:
-        """Ids of `text` (as `encode_ids`), encoded in a worker thread. A cancelled caller withdraws a text no
-        worker has started on; one already started runs to its end, its ids dropped."""
-        ids = await asyncio.get_running_loop().run_in_executor(self._executor, encode_ids, self._tokenizer, text)
-        self.encodes += 1
-        return ids
+        """Ids of `text` (as `encode_ids`), encoded in a worker thread, and once for callers that ask for the same
+        text while it is being encoded (a GRPO group's requests, which share their prompt, arrive together). Each
+        caller gets a list of its own. A text no worker has started on is withdrawn once all its callers are
+        cancelled; one already started runs to its end, its ids dropped."""
+        pending = self._pending.get(text)
+        if pending is None or pending.future.cancelled():  # (withdrawn: its entry goes at the loop's next pass)
+            future = asyncio.get_running_loop().run_in_executor(self._executor, encode_ids, self._tokenizer, text)
+            pending = self._pending[text] = _Pending(future)
+            future.add_done_callback(lambda _: self._forget(text, pending))
+            self.encodes += 1
+        pending.callers += 1
+        try:
+            ids = await asyncio.shield(pending.future)
+        finally:
+            pending.callers -= 1
+            if not pending.callers and not pending.future.done():  # every caller left
+                pending.future.cancel()
+        return list(ids)
+
+    def _forget(self, text: str, pending: _Pending) -> None:
+        if self._pending.get(text) is pending:
+            del self._pending[text]
 
     async def encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """`encode_pieces` of `texts`, in a worker thread (cancelled as `encode`)."""

@@ -4,6 +4,7 @@ serving meanwhile, and the gateway's turns recorded exactly when their texts tak
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -315,3 +316,34 @@ async def test_a_tail_is_tokenized_as_within_the_whole_text(tmp_path: Path, thre
         for tail in ("\n<|im_start|>assistant\n", "hello there", " spaced", "\u2581x"):
             assert tokenizer.encode(head) + await tokenizer.encode_tail_async(tail) == tokenizer.encode(head + tail)
         tokenizer.close()
+
+
+async def test_callers_of_one_text_share_its_encode_and_get_lists_of_their_own(
+    threaded: ChatTokenizer, inline: ChatTokenizer
+) -> None:
+    """A GRPO group's requests share their prompt and arrive together: the text is encoded once."""
+    text = "a long shared task description, 你好 🙂 " * 2000
+    before = threaded.thread_encodes
+    results = await asyncio.gather(*(threaded.encode_async(text) for _ in range(8)))
+    assert threaded.thread_encodes == before + 1
+    assert all(ids == inline.encode(text) for ids in results)
+    results[0].append(-1)
+    assert results[1] == inline.encode(text)  # each caller's list is its own
+
+
+async def test_a_cancelled_caller_leaves_the_others_their_ids(threaded: ChatTokenizer, inline: ChatTokenizer) -> None:
+    text = "another long shared text, with words " * 4000
+    first = asyncio.create_task(threaded.encode_async(text))
+    second = asyncio.create_task(threaded.encode_async(text))
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await second == inline.encode(text)
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    assert first.cancelled()
+    # Everyone gone before the encode ends: a later caller of the same text gets its ids all the same.
+    alone = asyncio.create_task(threaded.encode_async(text + "!"))
+    await asyncio.sleep(0)
+    alone.cancel()
+    await asyncio.sleep(0)  # its cancellation withdraws the text; the entry goes only at the next pass
+    assert await threaded.encode_async(text + "!") == inline.encode(text + "!")
