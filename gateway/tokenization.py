@@ -310,7 +310,7 @@ class ChatTokenizer:
 
     @property
     def thread_encodes(self) -> int:
-        """Texts tokenized in the worker threads so far."""
+        """Texts handed to the worker threads so far (one that concurrent callers share counts once)."""
         return 0 if self._threads is None else self._threads.encodes
 
     def close(self) -> None:
