@@ -97,7 +97,8 @@ class EncodeThreads:
             del self._pending[text]
 
     async def encode_pieces(self, texts: list[str]) -> list[list[int]]:
-        """`encode_pieces` of `texts`, in a worker thread (cancelled as `encode`)."""
+        """`encode_pieces` of `texts`, in a worker thread; a cancelled caller withdraws them if no worker has started
+        on them."""
         pieces = await asyncio.get_running_loop().run_in_executor(self._executor, encode_pieces, self._tokenizer, texts)
         self.encodes += 1
         return pieces
