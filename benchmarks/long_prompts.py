@@ -185,7 +185,8 @@ async def run_round(sims: Sequence[Any], threads: int, options: Options, side: S
     }
     entries = [sim_replica_entry(sim.url, "vllm") for sim in sims]
     ids = [replica_id(sim.url) for sim in sims]
-    prompts = [long_prompt(options.prompt_chars, seed) for seed in range(4)]
+    # Four prompts per client, none shared: the gateway encodes a text that concurrent callers share once.
+    prompts = [[long_prompt(options.prompt_chars, 4 * c + k) for k in range(4)] for c in range(options.long_workers)]
     tag = f"{threads}-{round_index}"  # fresh sessions each round (the gateways share nothing, Redis included)
     stream_sessions = list(itertools.islice(sessions_on(ids[0], ids, f"stream-{tag}"), options.streams))
     long_sessions = sessions_on(ids[1], ids, f"long-{tag}")
@@ -200,8 +201,8 @@ async def run_round(sims: Sequence[Any], threads: int, options: Options, side: S
             cpu_before = gateway.cpu_seconds() or 0.0
             started = time.perf_counter()
             senders = [
-                asyncio.create_task(send_long_prompts(client, gateway.url, prompts, long_sessions, done, side))
-                for _ in range(options.long_workers)
+                asyncio.create_task(send_long_prompts(client, gateway.url, own, long_sessions, done, side))
+                for own in prompts
             ]
             try:
                 await asyncio.gather(
