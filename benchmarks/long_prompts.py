@@ -85,7 +85,6 @@ class Side:
     gaps: list[float] = field(default_factory=list)
     long_latencies: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
-    seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
 
 
@@ -199,7 +198,6 @@ async def run_round(sims: Sequence[Any], threads: int, options: Options, side: S
                 (await client.post(f"{sim.url}/sim/prompt_log", json={"head": 1})).raise_for_status()
             done = asyncio.Event()
             cpu_before = gateway.cpu_seconds() or 0.0
-            started = time.perf_counter()
             senders = [
                 asyncio.create_task(send_long_prompts(client, gateway.url, own, long_sessions, done, side))
                 for own in prompts
@@ -214,7 +212,6 @@ async def run_round(sims: Sequence[Any], threads: int, options: Options, side: S
             finally:
                 done.set()
                 await asyncio.gather(*senders)
-            side.seconds += time.perf_counter() - started
             side.cpu_s += (gateway.cpu_seconds() or 0.0) - cpu_before
             streams_seen = await prompt_lengths(client, sims[0].url)
             long_seen = await prompt_lengths(client, sims[1].url)

@@ -70,7 +70,7 @@ class EncodeThreads:
         self._tokenizer = tokenizer
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="rg-encode")
         self._pending: dict[str, _Pending] = {}  # texts being encoded, by text
-        self.encodes = 0  # texts handed to the threads so far (read by tests and metrics)
+        self.encodes = 0  # texts handed to the threads so far (`ChatTokenizer.thread_encodes`)
 
     async def encode(self, text: str) -> list[int]:
         """Ids of `text` (as `encode_ids`), encoded in a worker thread, and once for callers that ask for the same

@@ -267,10 +267,7 @@ class ChatTokenizer:
         thread."""
         if self._threads is None or self._added_text_in((messages, tools)):
             return self.render(messages, tools)
-        text = self.render_text(messages, tools)
-        if len(text) < self._thread_min_chars:
-            return encode_ids(self._backend, text)
-        return await self._threads.encode(text)
+        return await self.encode_async(self.render_text(messages, tools))
 
     async def encode_continuing(
         self, text: str, prefix: EncodedPrefix | None
