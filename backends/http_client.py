@@ -1,10 +1,11 @@
 """HTTP plumbing shared by the engine adapters (vLLM, SGLang): one pooled client per replica, JSON calls and SSE
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
-The client is aiohttp's: its C parser hands a stream over in whatever the socket delivered, so a burst of
-engine events costs one Python iteration instead of one per event (`sse_batches`), and it is cheaper per request
-than a pure-Python client on the hot path (benchmarks/compare.py). Every function here translates aiohttp
-errors at the boundary (`translate_errors` / `raise_for_status`), so an adapter never sees one.
+Streams and control calls go through aiohttp: its C parser hands a stream over in whatever the socket delivered,
+so a burst of engine events costs one Python iteration instead of one per event (`sse_batches`). Generation
+requests that wait for their whole answer go through a `KeepAlivePool` (`backends.lean_http`), a sixth of
+aiohttp's CPU per call. Every function here translates client errors at the boundary (`translate_errors` /
+`raise_for_status`), so an adapter never sees one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -20,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.base import Load, ReplicaSpec, Timeouts, raise_for_status, translate_errors
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
+from backends.lean_http import KeepAlivePool
 from backends.read_pacing import ReadPacer
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "control_timeout",
     "error_event_status",
     "parse_gauges",
+    "post_for_whole_answer",
     "probe",
     "request",
     "request_json",
@@ -57,10 +61,12 @@ class Reply:
 
 
 class ReplicaClient:
-    """The one pooled HTTP client of a replica (keep-alive connections, at most `spec.max_connections`).
+    """The pooled HTTP clients of a replica: aiohttp's for streams and control calls, and a `KeepAlivePool` for
+    generation requests that wait for their whole answer (`post_for_whole_answer`); each keeps its connections
+    alive and opens at most `spec.max_connections`. A path in the replica's URL prefixes every request's path.
 
     The aiohttp session is made on first use, inside the running event loop, so building a backend does no I/O
-    and needs no loop; `aclose` closes it, after which every call raises `BackendUnavailable`, and so do the
+    and needs no loop; `aclose` closes both, after which every call raises `BackendUnavailable`, and so do the
     streams still being read (aiohttp's close leaves their readers waiting for bytes that never come: a stream
     of a replica removed from the pool would hang until the read timeout instead of resuming elsewhere).
     """
@@ -69,10 +75,21 @@ class ReplicaClient:
         self._spec = spec
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        parts = urlsplit(spec.url)
+        self._origin = f"{parts.scheme}://{parts.netloc}"
+        self.prefix = parts.path.rstrip("/")  # prepended to every path (aiohttp's base_url would drop it)
         self.reading: set[aiohttp.StreamReader] = set()  # the bodies of the streams being read
         self.timeout = spec.timeouts.client()
         self.stream_timeout = _without_read_gap(self.timeout)  # streams time their reads themselves (`sse_batches`)
         self.pacer = ReadPacer(spec.stream_pacing.interval_s, spec.stream_pacing.min_streams)
+        timeouts = spec.timeouts
+        self.whole_answers = KeepAlivePool(
+            spec.url,
+            spec.max_connections,
+            connect_timeout_s=timeouts.connect,
+            pool_timeout_s=timeouts.pool,
+            read_timeout_s=timeouts.whole_answer or timeouts.read,
+        )
 
     @property
     def is_closed(self) -> bool:
@@ -84,7 +101,7 @@ class ReplicaClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._spec.max_connections, limit_per_host=0, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(
-                base_url=self._spec.url,
+                base_url=self._origin,
                 connector=connector,
                 timeout=self.timeout,
                 auto_decompress=False,
@@ -100,6 +117,7 @@ class ReplicaClient:
         for body in self.reading:
             body.set_exception(closed)
         self.reading.clear()
+        await self.whole_answers.aclose()
         if session is not None:
             await session.close()
 
@@ -124,7 +142,7 @@ async def request(
             data = orjson.dumps(json)
         headers = None if data is None else _JSON_HEADERS
         async with session.request(
-            method, path, data=data, headers=headers, params=params, timeout=timeout or client.timeout
+            method, client.prefix + path, data=data, headers=headers, params=params, timeout=timeout or client.timeout
         ) as response:
             reply = Reply(response.status, await response.read())
     if check:
@@ -148,6 +166,18 @@ async def request_json(
     reply = await request(client, replica, method, path, json=json, data=data, params=params, timeout=timeout)
     with translate_errors(replica):
         return orjson.loads(reply.content) if reply.content.strip() else None
+
+
+async def post_for_whole_answer(client: ReplicaClient, replica: str, path: str, body: bytes) -> Any:
+    """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
+    the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`). Failures and non-2xx
+    answers raise the matching `BackendError`; a cancelled caller closes the connection (the engine aborts)."""
+    if client.is_closed:
+        raise BackendUnavailable(f"replica {replica}: the backend was closed", replica=replica)
+    with translate_errors(replica):
+        status, content = await client.whole_answers.post(path, body)
+        raise_for_status(replica, status, content)
+        return orjson.loads(content) if content.strip() else None
 
 
 async def probe(client: ReplicaClient, replica: str, path: str, timeout: aiohttp.ClientTimeout | None = None) -> bool:
@@ -258,7 +288,7 @@ async def sse_batches(
     try:
         with translate_errors(replica):
             async with session.post(
-                path,
+                client.prefix + path,
                 data=body,
                 headers=_SSE_HEADERS,
                 timeout=client.stream_timeout if timeout is None else _without_read_gap(timeout),
@@ -381,7 +411,6 @@ class HttpEngineBackend:
         self._client = ReplicaClient(spec)
         self._control = control_timeout(spec.timeouts)
         self._long = spec.timeouts.client()
-        self._whole = spec.timeouts.client(read=spec.timeouts.whole_answer)  # `_complete_once` of the adapters
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}, url={self.url!r})"

@@ -36,7 +36,7 @@ from backends.base import (
     translate_errors,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable
-from backends.http_client import HttpEngineBackend, request, request_json, sse_batches
+from backends.http_client import HttpEngineBackend, post_for_whole_answer, request, request_json, sse_batches
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 
 __all__ = ["SglangBackend"]
@@ -107,7 +107,7 @@ class SglangBackend(HttpEngineBackend):
     ) -> AsyncGenerator[Chunk, None]:
         # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`. An
         # abort answers 200 with the partial output (one with status_code >= 400 answers that status).
-        answer = await request_json(self._client, self.id, "POST", GENERATE, data=body, timeout=self._whole)
+        answer = await post_for_whole_answer(self._client, self.id, GENERATE, body)
         with translate_errors(self.id):
             if not isinstance(answer, dict):
                 raise TypeError(f"the answer is not an object: {answer!r}")

@@ -48,7 +48,7 @@ from backends.base import (
     version_tuple,
 )
 from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
-from backends.http_client import HttpEngineBackend, request, request_json, sse_batches
+from backends.http_client import HttpEngineBackend, post_for_whole_answer, request, request_json, sse_batches
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
 
 __all__ = ["VllmBackend"]
@@ -231,7 +231,7 @@ class VllmBackend(HttpEngineBackend):
         self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
     ) -> AsyncGenerator[Chunk, None]:
         # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`.
-        answer = await request_json(self._client, self.id, "POST", path, data=body, timeout=self._whole)
+        answer = await post_for_whole_answer(self._client, self.id, path, body)
         with translate_errors(self.id):
             chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
             chunk.cached_tokens = _cached_tokens(answer.get("usage"))
