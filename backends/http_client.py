@@ -1,10 +1,10 @@
 """HTTP plumbing shared by the engine adapters (vLLM, SGLang): one pooled client per replica, JSON calls and SSE
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
-Streams and control calls go through aiohttp: its C parser hands a stream over in whatever the socket delivered,
-so a burst of engine events costs one Python iteration instead of one per event (`sse_batches`). Generation
-requests that wait for their whole answer go through a `KeepAlivePool` (`backends.lean_http`), a sixth of
-aiohttp's CPU per call. Every function here translates client errors at the boundary (`translate_errors` /
+Generation requests, streamed (`sse_batches`) or whole (`post_for_whole_answer`), go through a `KeepAlivePool`
+(`backends.lean_http`: a sixth of aiohttp's CPU per request, and a stream is handed over in whatever the socket
+delivered, so a burst of engine events costs one Python iteration instead of one per event). Control calls go
+through aiohttp (`request`). Every function here translates client errors at the boundary (`translate_errors` /
 `raise_for_status`), so an adapter never sees one.
 """
 
@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 _JSON_HEADERS = {"content-type": "application/json"}
-_SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
 def control_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
@@ -61,14 +60,13 @@ class Reply:
 
 
 class ReplicaClient:
-    """The pooled HTTP clients of a replica: aiohttp's for streams and control calls, and a `KeepAlivePool` for
-    generation requests that wait for their whole answer (`post_for_whole_answer`); each keeps its connections
-    alive and opens at most `spec.max_connections`. A path in the replica's URL prefixes every request's path.
+    """The pooled HTTP clients of a replica: a `KeepAlivePool` for generation requests (streamed and whole) and
+    aiohttp's for control calls; each keeps its connections alive and opens at most `spec.max_connections`. A path
+    in the replica's URL prefixes every request's path.
 
-    The aiohttp session is made on first use, inside the running event loop, so building a backend does no I/O
-    and needs no loop; `aclose` closes both, after which every call raises `BackendUnavailable`, and so do the
-    streams still being read (aiohttp's close leaves their readers waiting for bytes that never come: a stream
-    of a replica removed from the pool would hang until the read timeout instead of resuming elsewhere).
+    Neither makes a connection before its first use, so building a backend does no I/O and needs no loop; `aclose`
+    closes both, after which every call raises `BackendUnavailable`, and so do the answers still being read (a
+    stream of a replica removed from the pool fails at once instead of waiting out the read timeout).
     """
 
     def __init__(self, spec: ReplicaSpec) -> None:
@@ -78,12 +76,11 @@ class ReplicaClient:
         parts = urlsplit(spec.url)
         self._origin = f"{parts.scheme}://{parts.netloc}"
         self.prefix = parts.path.rstrip("/")  # prepended to every path (aiohttp's base_url would drop it)
-        self.reading: set[aiohttp.StreamReader] = set()  # the bodies of the streams being read
         self.timeout = spec.timeouts.client()
-        self.stream_timeout = _without_read_gap(self.timeout)  # streams time their reads themselves (`sse_batches`)
+        self.read_gap_s = spec.timeouts.read  # the longest silence of a stream's replica (`sse_batches`)
         self.pacer = ReadPacer(spec.stream_pacing.interval_s, spec.stream_pacing.min_streams)
         timeouts = spec.timeouts
-        self.whole_answers = KeepAlivePool(
+        self.generation_pool = KeepAlivePool(
             spec.url,
             spec.max_connections,
             connect_timeout_s=timeouts.connect,
@@ -113,11 +110,7 @@ class ReplicaClient:
         self._closed = True
         session, self._session = self._session, None
         self.pacer.suspend()
-        closed = BackendUnavailable(f"replica {self._spec.id}: the backend was closed", replica=self._spec.id)
-        for body in self.reading:
-            body.set_exception(closed)
-        self.reading.clear()
-        await self.whole_answers.aclose()
+        await self.generation_pool.aclose()
         if session is not None:
             await session.close()
 
@@ -175,7 +168,7 @@ async def post_for_whole_answer(client: ReplicaClient, replica: str, path: str, 
     if client.is_closed:
         raise BackendUnavailable(f"replica {replica}: the backend was closed", replica=replica)
     with translate_errors(replica):
-        status, content = await client.whole_answers.post(path, body)
+        status, content = await client.generation_pool.post(path, body)
         raise_for_status(replica, status, content)
         return orjson.loads(content) if content.strip() else None
 
@@ -212,13 +205,14 @@ def error_event_status(payload: Any) -> tuple[int, str] | None:
 
 
 class _ReadGapWatch:
-    """Fails a stream whose replica sends nothing for `gap_s` while it is being waited for: aiohttp's `sock_read`,
-    without its cost. aiohttp re-arms a timer at every socket read (a timer handle made and another cancelled per
-    engine event: replacing it cut the gateway's CPU per RL-shaped token, one event per token, to 0.88×); this watch
-    notes the time a wait began and re-arms its one timer only when that fires, at most once per `gap_s`.
+    """Fails a stream whose replica sends nothing for `gap_s` while it is being waited for (`Timeouts.read`), at the
+    cost of no timer per read. aiohttp's `sock_read` re-arms a timer at every socket read (a timer handle made and
+    another cancelled per engine event: replacing it cut the gateway's CPU per RL-shaped token, one event per token,
+    to 0.88×); this watch notes the time a wait began and re-arms its one timer only when that fires, at most once
+    per `gap_s`.
 
-    Like aiohttp's, the clock runs only while the stream is waited for (aiohttp stops it when it pauses reading
-    because the consumer is behind), and from the request on, so it bounds the wait for the answer's head too.
+    The clock runs only while the stream is waited for (not while the consumer is behind), and from the request on,
+    so it bounds the wait for the connection and the answer's head too.
     On expiry it cancels the task reading the stream; `expired` tells that cancellation from any other.
     """
 
@@ -257,53 +251,33 @@ class _ReadGapWatch:
         self._handle.cancel()
 
 
-def _without_read_gap(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(
-        total=timeout.total,
-        connect=timeout.connect,
-        sock_connect=timeout.sock_connect,
-        ceil_threshold=timeout.ceil_threshold,
-    )
-
-
-async def sse_batches(
-    client: ReplicaClient, replica: str, path: str, body: bytes, *, timeout: aiohttp.ClientTimeout | None = None
-) -> AsyncGenerator[list[Any], None]:
+async def sse_batches(client: ReplicaClient, replica: str, path: str, body: bytes) -> AsyncGenerator[list[Any], None]:
     """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
     `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
     and the layers above handle them as one delta).
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
-    `sock_read` while the replica is waited for (`BackendTimeout`, see `_ReadGapWatch`). Closing the iterator
+    `read` while the replica is waited for (`BackendTimeout`, see `_ReadGapWatch`). Closing the iterator
     early (`aclose`, cancellation) closes the connection, which the engines take as a client disconnect and abort
     the request. The stream ending without `[DONE]` is not an error here: the caller decides from what it received.
 
     Written by hand rather than with an SSE library: the engines send single-line `data:` events only.
     """
-    session = client.session()
-    limits = timeout or client.timeout
-    watch = _ReadGapWatch(limits.sock_read) if limits.sock_read else None
+    watch = _ReadGapWatch(client.read_gap_s) if client.read_gap_s else None
     pacer = client.pacer
     try:
         with translate_errors(replica):
-            async with session.post(
-                client.prefix + path,
-                data=body,
-                headers=_SSE_HEADERS,
-                timeout=client.stream_timeout if timeout is None else _without_read_gap(timeout),
-            ) as response:
-                if response.status >= 300:
-                    raise_for_status(replica, response.status, await response.read())
+            async with client.generation_pool.stream(path, body) as answer:
+                if answer.status >= 300:
+                    raise_for_status(replica, answer.status, await answer.read_all())
                 pending = b""
                 done = False
-                content = response.content
-                connection = response.connection
-                with _StreamBody(client, content):
+                with _StreamBody(pacer):
                     while True:
                         if watch is not None:
                             watch.wait()
-                        data = await content.readany()
+                        data = await answer.read()
                         if watch is not None:
                             watch.waiting = False
                         if not data:
@@ -313,7 +287,7 @@ async def sse_batches(
                         pending, batch, done, error = _decode_events(pending + data)
                         if batch:  # a read that completed no event is not held: the event's rest is on its way
                             if not done and error is None:
-                                pacer.hold(connection.transport if connection is not None else None)
+                                pacer.hold(answer.transport)
                             yield batch
                         if error is not None:
                             raise_for_status(replica, error[0], error[1].encode())
@@ -330,21 +304,18 @@ async def sse_batches(
 
 
 class _StreamBody:
-    """While a stream's body is read: counted by the replica's pacer, and failed by its client's `aclose`."""
+    """While a stream's body is read: counted by the replica's pacer."""
 
-    __slots__ = ("body", "client")
+    __slots__ = ("pacer",)
 
-    def __init__(self, client: ReplicaClient, body: aiohttp.StreamReader) -> None:
-        self.client = client
-        self.body = body
+    def __init__(self, pacer: ReadPacer) -> None:
+        self.pacer = pacer
 
     def __enter__(self) -> None:
-        self.client.pacer.streams += 1
-        self.client.reading.add(self.body)
+        self.pacer.streams += 1
 
     def __exit__(self, *_: object) -> None:
-        self.client.pacer.streams -= 1
-        self.client.reading.discard(self.body)
+        self.pacer.streams -= 1
 
 
 def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str] | None]:

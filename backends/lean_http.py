@@ -1,17 +1,18 @@
-"""Whole-answer POSTs to one replica over kept-alive HTTP/1.1 connections, without a general client's per-call work.
+"""Generation requests to one replica over kept-alive HTTP/1.1 connections, without a general client's per-call work.
 
 aiohttp's `ClientSession.request` spends about 60 µs of Python on every call (URL and header objects, cookie
 filtering, trace hooks, a writer task, timer contexts): a sixth of all the gateway does for a 1–8-token answer,
-and half of what dispatching a continuation costs after a weight update. A generation request that waits for its
-whole answer needs none of it: one POST of an encoded JSON body to a path known in advance, and one answer framed
-by Content-Length or chunked encoding. `KeepAlivePool` writes that request in one socket write on an idle
-connection and parses the answer with httptools (llhttp, the parser uvicorn serves with): about 10 µs a call.
-Streams and control calls stay on aiohttp (`backends.http_client`).
+and most of what dispatching a continuation costs after a weight update, a thousand of them at once. A generation
+request needs none of it: one POST of an encoded JSON body to a path known in advance, and one answer framed by
+Content-Length or chunked encoding, read whole or as it streams. `KeepAlivePool` writes that request in one socket
+write on an idle connection and parses the answer with httptools (llhttp, the parser uvicorn serves with): about
+10 µs a call. Control calls (health, pause, weights, metrics) stay on aiohttp (`backends.http_client`).
 
 Failures are the standard library's, for `translate_errors` to map: `ConnectionError` (refused, reset, closed
-before the answer ended, the pool closed), `TimeoutError` (connect, pool wait, no answer within the read timeout)
-and `ValueError` (an answer that is not HTTP). A request whose answer did not complete (failure, timeout, a
-cancelled caller) closes its connection, which the engines take as a client disconnect and abort the request.
+before the answer ended, the pool closed), `TimeoutError` (connect, pool wait, a whole answer not complete within
+the read timeout) and `ValueError` (an answer that is not HTTP). An answer not read to its end (a failure, a
+timeout, a cancelled caller, a stream left early) closes its connection, which the engines take as a client
+disconnect: they abort the request.
 """
 
 from __future__ import annotations
@@ -21,34 +22,50 @@ import collections
 import contextlib
 import ssl
 import time
+from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["IDLE_EXPIRY_S", "KeepAlivePool"]
+__all__ = ["IDLE_EXPIRY_S", "KeepAlivePool", "StreamedAnswer"]
 
 IDLE_EXPIRY_S = 4.0
 """How long an unused connection is kept. Under the 5 s after which uvicorn (vLLM's and SGLang's server) closes an
 idle one, so the pool always gives a connection up first and never sends a request into the server's close."""
 
-_REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+STREAM_BUFFER_BYTES = 1 << 16
+"""A streamed answer's bytes held for a reader that is behind, beyond which the socket is no longer read."""
+
+_REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+_ACCEPT_EVENTS = b"Accept: text/event-stream\r\n"
 
 
 class _Connection(asyncio.Protocol):
-    """One socket to the replica: at most one request in flight, its answer parsed as the bytes come."""
+    """One socket to the replica: at most one request in flight, its answer parsed as the bytes come.
+
+    A whole answer (`send_whole`) completes the future `answer`; a streamed one (`send_streamed`) completes `head`
+    with the status and then hands its body over in `pieces` (`read`)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.answer: asyncio.Future[tuple[int, bytes]] | None = None
-        self.body: list[bytes] = []
+        self.answer: asyncio.Future[tuple[int, bytes]] | None = None  # a whole answer in flight
+        self.head: asyncio.Future[int] | None = None  # a streamed answer in flight: its status
+        self.body: list[bytes] = []  # of a whole answer
+        self.pieces: list[bytes] = []  # of a streamed answer, not read yet
+        self.buffered = 0
+        self.reader: asyncio.Future[None] | None = None  # a read of a streamed answer waiting for bytes
+        self.flow_paused = False  # this connection stopped reading its socket because the reader is behind
+        self.streaming = False
+        self.ended = False  # the streamed answer is complete
+        self.error: Exception | None = None  # why the streamed answer broke off
         self.framed = False  # the answer's head gave Content-Length or Transfer-Encoding (else the close ends it)
         self.headers_done = False
         self.keep_alive = True
         self.lost = False
         self.idle_since = 0.0
-        self.deadline = 0.0  # loop time by which the answer in flight must be complete
+        self.deadline = 0.0  # loop time by which the whole answer in flight must be complete
         self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol
@@ -57,7 +74,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
-        if self.answer is None:  # bytes nobody asked for: the connection's state is unknown, give it up
+        if self.answer is None and (not self.streaming or self.ended):  # bytes nobody asked for: give it up
             self._close()
             return
         try:
@@ -70,12 +87,10 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.answer is None or self.answer.done():
-            return
         if self.headers_done and not self.framed:  # an answer whose end is the connection's close
-            self._complete()
+            self._end()
             return
-        self.answer.set_exception(ConnectionResetError("the replica closed the connection before its answer ended"))
+        self._break(ConnectionResetError("the replica closed the connection before its answer ended"))
 
     # -- httptools callbacks
 
@@ -84,48 +99,112 @@ class _Connection(asyncio.Protocol):
             self.framed = True
 
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            return  # interim (100 Continue, 103 Early Hints): the answer follows
         self.headers_done = True
+        head = self.head
+        if head is not None and not head.done():
+            head.set_result(status)
 
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if not self.streaming:
+            self.body.append(body)
+            return
+        if self.ended:
+            return  # an answer nobody asked for, after the stream's end (the connection is being closed)
+        self.pieces.append(body)
+        self.buffered += len(body)
+        self._wake_reader()
+        if self.buffered > STREAM_BUFFER_BYTES and not self.flow_paused and self.transport is not None:
+            self.flow_paused = True
+            self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
-        if self.parser.get_status_code() < 200:  # interim (100 Continue, 103 Early Hints): the answer follows
+        if self.parser.get_status_code() < 200:
             self.body.clear()
-            self.framed = self.headers_done = False
+            self.framed = False
             return
         self.keep_alive = self.parser.should_keep_alive()
-        self._complete()
+        self._end()
 
     # -- the pool's side
 
-    def send(self, request: bytes, deadline: float) -> asyncio.Future[tuple[int, bytes]]:
+    def send_whole(self, request: bytes, deadline: float) -> asyncio.Future[tuple[int, bytes]]:
         """Write one request; the future gets (status, body) once the answer is complete."""
-        assert self.transport is not None
         loop = asyncio.get_running_loop()
+        self._reset(streaming=False)
         self.answer = loop.create_future()
-        self.body = []
-        self.framed = self.headers_done = False
         self.deadline = deadline
         if self._timer is None:  # one timer per connection, moved on only when it fires (see `_check_deadline`)
             self._timer = loop.call_at(deadline, self._check_deadline)
-        self.transport.write(request)
+        self._write(request)
         return self.answer
+
+    def send_streamed(self, request: bytes) -> asyncio.Future[int]:
+        """Write one request; the future gets the answer's status once its head arrived (then `read` the body)."""
+        self._reset(streaming=True)
+        self.head = asyncio.get_running_loop().create_future()
+        self._write(request)
+        return self.head
+
+    async def read(self) -> bytes:
+        """The streamed answer's bytes that arrived since the last read (waiting for some); b"" once it ended."""
+        while not self.pieces:
+            if self.error is not None:
+                raise self.error
+            if self.ended:
+                return b""
+            self.reader = asyncio.get_running_loop().create_future()
+            await self.reader
+        pieces, self.pieces, self.buffered = self.pieces, [], 0
+        if self.flow_paused:
+            self.flow_paused = False
+            if self.transport is not None and not self.lost:
+                self.transport.resume_reading()
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def usable(self, now: float, idle_expiry_s: float) -> bool:
         return not self.lost and self.keep_alive and now - self.idle_since < idle_expiry_s
 
+    def reusable(self) -> bool:
+        """The exchange in flight ended cleanly, nothing of it is left unread: another request may follow."""
+        if self.streaming:
+            return self.ended and self.error is None and not self.pieces and self.keep_alive and not self.lost
+        return self.answer is None and self.keep_alive and not self.lost
+
+    def _reset(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self.body = []
+        self.pieces = []
+        self.buffered = 0
+        self.ended = False
+        self.error = None
+        self.framed = self.headers_done = False
+
+    def _write(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(request)
+
     def _check_deadline(self) -> None:
         self._timer = None
         if self.answer is None or self.answer.done():
-            return  # idle: the next request arms the timer again
+            return  # idle, or a stream (timed by its reader): the next whole answer arms the timer again
         loop = asyncio.get_running_loop()
         if loop.time() < self.deadline:  # a later request than the one that armed it: wait for its own deadline
             self._timer = loop.call_at(self.deadline, self._check_deadline)
             return
         self._fail(TimeoutError("no complete answer within the read timeout"))
 
-    def _complete(self) -> None:
+    def _end(self) -> None:
+        """The answer in flight is complete."""
+        if self.streaming:
+            if self.ended:  # a second answer in the same bytes: nobody asked for it
+                self._close()
+                return
+            self.ended = True
+            self._wake_reader()
+            return
         answer, self.answer = self.answer, None
         body, self.body = self.body, []
         if answer is None or answer.done():  # an answer nobody waits for (a second one in the same bytes, say)
@@ -133,9 +212,25 @@ class _Connection(asyncio.Protocol):
             return
         answer.set_result((self.parser.get_status_code(), b"".join(body)))
 
-    def _fail(self, exc: Exception) -> None:
+    def _break(self, exc: Exception) -> None:
+        """The answer in flight cannot complete: its waiter gets `exc`."""
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(exc)
+        if not self.streaming or self.ended:
+            return
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(exc)
+        elif self.error is None:
+            self.error = exc
+            self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        self._break(exc)
         self._close()
 
     def _close(self) -> None:
@@ -144,13 +239,70 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class KeepAlivePool:
-    """Kept-alive connections to one replica for request/response POSTs, at most `limit` open at once.
+class StreamedAnswer:
+    """An answer read as it streams (`KeepAlivePool.stream`): `async with` sends the request and waits for the head;
+    then `status`, and `read` for the body in the pieces the socket delivered. Leaving the block before the answer
+    ended closes the connection (the engine aborts the request); a connection read to the end is kept alive."""
 
-    `post` takes the most recently used idle connection (or opens one), writes the request, and waits for the whole
-    answer; callers beyond `limit` wait their turn in order, up to `pool_timeout_s`. A connection unused for
-    `idle_expiry_s` is closed instead of reused. Making the pool does no I/O. `url` is the replica's base URL; a path
-    in it prefixes every request's path.
+    __slots__ = ("_body", "_connection", "_path", "_pool", "status")
+
+    def __init__(self, pool: KeepAlivePool, path: str, body: bytes) -> None:
+        self._pool = pool
+        self._path = path
+        self._body = body
+        self._connection: _Connection | None = None
+        self.status = 0
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The socket being read (the read pacer holds it between ticks)."""
+        return self._connection.transport if self._connection is not None else None
+
+    async def read(self) -> bytes:
+        """The body bytes that arrived since the last read, waiting for some; b"" once the answer ended. Raises
+        `ConnectionError` when the connection broke before the end."""
+        assert self._connection is not None, "read within `async with`"
+        return await self._connection.read()
+
+    async def read_all(self) -> bytes:
+        """The rest of the body."""
+        pieces = []
+        while data := await self.read():
+            pieces.append(data)
+        return b"".join(pieces)
+
+    async def __aenter__(self) -> StreamedAnswer:
+        pool = self._pool
+        request = pool.request(self._path, self._body, _ACCEPT_EVENTS)
+        connection = self._connection = await pool.acquire()
+        try:
+            self.status = await connection.send_streamed(request)
+        except BaseException:
+            connection._close()
+            pool.release(connection)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        connection = self._connection
+        if connection is None:
+            return
+        self._connection = None
+        if not connection.reusable():
+            connection._close()
+        self._pool.release(connection)
+
+
+class KeepAlivePool:
+    """Kept-alive connections to one replica for generation POSTs, at most `limit` open at once.
+
+    `post` sends a request and waits for the whole answer (at most `read_timeout_s`); `stream` reads one as it
+    comes (its reader times the gaps). Each takes the most recently used idle connection, or opens one; callers
+    beyond `limit` wait their turn in order, up to `pool_timeout_s`. A connection unused for `idle_expiry_s` is
+    closed instead of reused. Making the pool does no I/O. `url` is the replica's base URL; a path in it prefixes
+    every request's path.
     """
 
     def __init__(
@@ -188,24 +340,38 @@ class KeepAlivePool:
     def open_connections(self) -> int:
         return len(self._idle) + len(self._busy) + self._opening
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer."""
-        if self._closed:
-            raise ConnectionError("the pool is closed")
-        request = _REQUEST % (self._prefix, path.encode(), self._host_header, len(body), body)
-        connection = await self._acquire()
+        request = self.request(path, body)
+        connection = await self.acquire()
         loop = asyncio.get_running_loop()
-        answer = connection.send(request, loop.time() + self.read_timeout_s)
+        answer = connection.send_whole(request, loop.time() + self.read_timeout_s)
         try:
             status, content = await answer
         except BaseException:
             connection._close()  # an answer still on its way (or broken): the connection cannot be reused
-            self._release(connection)
+            self.release(connection)
             raise
-        self._release(connection)
+        self.release(connection)
         return status, content
 
-    async def _acquire(self) -> _Connection:
+    def stream(self, path: str, body: bytes) -> StreamedAnswer:
+        """POST `body` (encoded JSON) to `path`, for an answer read as it streams: `async with pool.stream(...) as
+        answer`."""
+        return StreamedAnswer(self, path, body)
+
+    def request(self, path: str, body: bytes, extra_headers: bytes = b"") -> bytes:
+        """The bytes of one POST."""
+        return _REQUEST % (self._prefix, path.encode(), self._host_header, len(body), extra_headers, body)
+
+    async def acquire(self) -> _Connection:
+        """A connection for one request: an idle one, or a new one (waiting for room if `limit` are open)."""
+        if self._closed:
+            raise ConnectionError("the pool is closed")
         now = time.monotonic()
         while self._idle:
             connection = self._idle.pop()
@@ -216,7 +382,7 @@ class KeepAlivePool:
         if self.open_connections >= self.limit:
             await self._wait_for_room()
             if self._idle:  # a released connection came back while this caller waited
-                return await self._acquire()
+                return await self.acquire()
         self._opening += 1
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -232,6 +398,25 @@ class KeepAlivePool:
         self._busy.add(connection)
         return connection
 
+    def release(self, connection: _Connection) -> None:
+        """A connection's request is over: kept for the next one if it can be, and a waiting caller let in."""
+        self._busy.discard(connection)
+        if connection.reusable() and not self._closed:
+            transport = connection.transport
+            if transport is not None and not transport.is_reading():  # a read pacer held it, past the answer's end
+                transport.resume_reading()
+            connection.idle_since = time.monotonic()
+            self._idle.append(connection)
+            while self._idle and not self._idle[0].usable(connection.idle_since, self.idle_expiry_s):
+                self._idle.popleft()._close()  # the oldest ones first: those the servers will close soonest
+        else:
+            connection._close()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
     async def _wait_for_room(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -243,23 +428,10 @@ class KeepAlivePool:
         finally:
             if not waiter.done():
                 waiter.cancel()
-            with contextlib.suppress(ValueError):  # already taken by `_release`
+            with contextlib.suppress(ValueError):  # already taken by `release`
                 self._waiters.remove(waiter)
         if self._closed:
             raise ConnectionError("the pool is closed")
-
-    def _release(self, connection: _Connection) -> None:
-        self._busy.discard(connection)
-        if connection.keep_alive and not connection.lost and not self._closed:
-            connection.idle_since = time.monotonic()
-            self._idle.append(connection)
-            while self._idle and not self._idle[0].usable(connection.idle_since, self.idle_expiry_s):
-                self._idle.popleft()._close()  # the oldest ones first: those the servers will close soonest
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
     async def aclose(self) -> None:
         """Close every connection; answers in flight fail with `ConnectionError`, and so does every later call."""

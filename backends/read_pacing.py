@@ -22,8 +22,8 @@ class ReadPacer:
     read is never held (the time to its first token stays the engine's), nor any read once its answer ended. A
     weight update suspends the holding (`suspend`, from the engine's pause to its resume), so that the partial
     answers of aborted requests come in at once and their continuations are ready for the resume. Only sockets
-    being read are held: one that aiohttp stopped for its own flow control is left to aiohttp. `interval_s` 0
-    holds nothing.
+    being read are held: one that its client stopped for flow control (a reader behind) is left to the client.
+    `interval_s` 0 holds nothing.
     """
 
     __slots__ = ("_handle", "_held", "_suspended", "holds", "interval_s", "min_streams", "streams")

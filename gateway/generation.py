@@ -311,9 +311,9 @@ class Generator:
         release of waiters (the weight update's end; the preemption itself if that came later) it was sent."""
         if self.on_dispatch is None:
             return
-        # The client writes the request from a task it starts (aiohttp on Python < 3.12), in the next pass of the
-        # event loop. This callback runs in that pass just ahead of it: after every earlier request's write, so a
-        # burst of continuations is measured until (almost) the last one is on the wire.
+        # The engine call's first iteration writes the request, in this pass of the event loop on a kept-alive
+        # connection (`backends.lean_http`; a new one writes after its connect, which this leaves out). This
+        # callback runs in the next pass: after the write of every request of a burst released together.
         asyncio.get_running_loop().call_soon(self._observe_dispatch, preempted_at)
 
     def _observe_dispatch(self, preempted_at: float) -> None:

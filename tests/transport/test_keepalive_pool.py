@@ -382,7 +382,7 @@ def spec_for(url: str, **timeouts: float) -> ReplicaSpec:
         (Answer(200, b"{not json"), BackendProtocolError, "unexpected response"),
     ],
 )
-async def test_whole_answers_raise_the_backend_errors(answer: Answer, error: type[Exception], match: str) -> None:
+async def test_generation_pool_raise_the_backend_errors(answer: Answer, error: type[Exception], match: str) -> None:
     async with scripted_server(lambda _: answer) as server:
         client = ReplicaClient(spec_for(server.url))
         with pytest.raises(error, match=match):
@@ -422,7 +422,7 @@ async def test_streams_and_calls_of_aiohttp_take_the_path_prefix_too() -> None:
     assert [seen.path for seen in server.seen] == ["/engine/health", "/engine/whole", "/engine/stream"]
 
 
-async def test_the_simulator_serves_whole_answers_on_one_kept_alive_connection(make_sim: SimFactory) -> None:
+async def test_the_simulator_serves_generation_pool_on_one_kept_alive_connection(make_sim: SimFactory) -> None:
     sim = await make_sim("vllm")
     backend = VllmBackend(ReplicaSpec(id="r0", url=sim.url))
     try:
@@ -430,7 +430,178 @@ async def test_the_simulator_serves_whole_answers_on_one_kept_alive_connection(m
             sampling = SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True)
             chunks = [c async for c in backend.generate([1, 2, 3], sampling, f"whole-{i}", stream=False)]
             assert len(chunks) == 1 and len(chunks[0].token_ids) == 4 + i and chunks[0].finish_reason == "length"
-        assert backend._client.whole_answers.opened == 1
+        assert backend._client.generation_pool.opened == 1
         assert sim.engine.counters["requests_whole"] == 10
     finally:
         await backend.aclose()
+
+
+# -- streamed answers --------------------------------------------------------------------------------------------
+
+
+def chunked_head(extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n%s\r\n" % extra
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_a_stream_is_read_as_it_comes_and_its_connection_kept() -> None:
+    step = asyncio.Event()
+
+    async def serve(connection: Connection) -> None:
+        while (request := await connection.read_request()) is not None:
+            if request.headers.get(b"accept") != b"text/event-stream":
+                await connection.answer(ok())
+                continue
+            await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
+            await step.wait()
+            step.clear()
+            await connection.answer(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        for _ in range(2):
+            async with pool.stream("/s", b"{}") as answer:
+                assert answer.status == 200
+                assert await answer.read() == b"data: 1\n\n"  # before the rest was even sent
+                step.set()
+                assert await answer.read_all() == b"data: 2\n\n"
+                assert await answer.read() == b""
+        assert await pool.post("/x", b"{}") == (200, OK)  # the same connection, after two streams
+        await pool.aclose()
+    assert pool.opened == 1 and server.connections == 1
+
+
+async def test_a_stream_left_before_its_end_closes_the_connection() -> None:
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+        await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
+        await connection.wait_for_close()
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read() == b"data: 1\n\n"
+        await asyncio.wait_for(server.closed_by_client.wait(), 10)  # the engine sees its client leave
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+
+async def test_a_stream_cut_mid_body_fails_its_reader() -> None:
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+        await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read() == b"data: 1\n\n"
+            with pytest.raises(ConnectionResetError, match="before its answer ended"):
+                await answer.read()
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+
+async def test_a_stream_ended_by_the_close_is_read_to_its_end() -> None:
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+        await connection.answer(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read_all() == b"data: 1\n\n"
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+
+async def test_a_connection_closed_before_the_head_fails_the_stream() -> None:
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        with pytest.raises(ConnectionResetError):
+            async with pool.stream("/s", b"{}"):
+                pass
+        assert pool.open_connections == 0
+        await pool.aclose()
+
+
+async def test_a_reader_that_is_behind_stops_the_socket_being_read_and_loses_nothing() -> None:
+    piece = b"x" * 4096
+    count = 256  # 1 MiB, far beyond what the pool buffers for a reader
+
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+        await connection.answer(chunked_head())
+        for _ in range(count):
+            await connection.answer(chunk(piece))
+        await connection.answer(b"0\r\n\r\n")
+        await connection.wait_for_close()
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            transport = answer.transport
+            assert transport is not None
+            await wait_for(lambda: not transport.is_reading(), what="the socket no longer read")
+            assert pool.open_connections == 1
+            body = await answer.read_all()
+            assert transport.is_reading()
+        assert body == piece * count
+        await pool.aclose()
+
+
+async def test_a_stream_whose_socket_a_pacer_held_past_its_end_goes_back_read() -> None:
+    async def serve(connection: Connection) -> None:
+        while (request := await connection.read_request()) is not None:
+            streamed = request.headers.get(b"accept") == b"text/event-stream"
+            await connection.answer(chunked_head() + chunk(b"data: 1\n\n") + b"0\r\n\r\n" if streamed else ok())
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read_all() == b"data: 1\n\n"
+            assert answer.transport is not None
+            answer.transport.pause_reading()  # what `ReadPacer.hold` does between ticks
+        assert await asyncio.wait_for(pool.post("/x", b"{}"), 5) == (200, OK)
+        await pool.aclose()
+    assert pool.opened == 1
+
+
+async def test_closing_the_pool_fails_a_stream_being_read() -> None:
+    async def serve(connection: Connection) -> None:
+        await connection.read_request()
+        await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
+        await connection.wait_for_close()
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read() == b"data: 1\n\n"
+            reading = asyncio.create_task(answer.read())
+            await asyncio.sleep(0)
+            await pool.aclose()
+            with pytest.raises(ConnectionResetError, match="pool was closed"):
+                await reading
+        await asyncio.wait_for(server.closed_by_client.wait(), 10)
+
+
+async def test_an_answer_after_a_stream_in_the_same_bytes_retires_the_connection() -> None:
+    async def serve(connection: Connection) -> None:
+        while (request := await connection.read_request()) is not None:
+            if request.headers.get(b"accept") == b"text/event-stream":
+                await connection.answer(chunked_head() + chunk(b"data: 1\n\n") + b"0\r\n\r\n" + ok())
+            else:
+                await connection.answer(ok())
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read_all() == b"data: 1\n\n"
+        assert await pool.post("/x", b"{}") == (200, OK)
+        await pool.aclose()
+    assert server.connections == 2
