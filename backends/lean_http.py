@@ -333,7 +333,7 @@ class KeepAlivePool:
         self._idle: collections.deque[_Connection] = collections.deque()
         self._busy: set[_Connection] = set()
         self._opening = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[_Connection | None]] = collections.deque()
         self._closed = False
 
     @property
@@ -379,18 +379,22 @@ class KeepAlivePool:
                 self._busy.add(connection)
                 return connection
             connection._close()
-        if self.open_connections >= self.limit:
-            await self._wait_for_room()
-            if self._idle:  # a released connection came back while this caller waited
-                return await self.acquire()
-        self._opening += 1
+        if self.open_connections < self.limit:
+            self._opening += 1
+        else:
+            handed = await self._wait_for_room()  # a connection, or room for a new one (counted as opening)
+            if handed is not None:
+                return handed
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, connection = await asyncio.get_running_loop().create_connection(
                     _Connection, self._host, self._port, ssl=self._ssl
                 )
-        finally:
+        except BaseException:
             self._opening -= 1
+            self._let_in(None)  # the room it had goes to the next caller waiting
+            raise
+        self._opening -= 1
         if self._closed:
             connection._close()
             raise ConnectionError("the pool is closed")
@@ -399,39 +403,67 @@ class KeepAlivePool:
         return connection
 
     def release(self, connection: _Connection) -> None:
-        """A connection's request is over: kept for the next one if it can be, and a waiting caller let in."""
+        """A connection's request is over: handed to the first caller waiting, or kept for the next one if it can
+        be reused (else closed, and its room given to a waiting caller)."""
         self._busy.discard(connection)
-        if connection.reusable() and not self._closed:
-            transport = connection.transport
-            if transport is not None and not transport.is_reading():  # a read pacer held it, past the answer's end
-                transport.resume_reading()
-            connection.idle_since = time.monotonic()
-            self._idle.append(connection)
-            while self._idle and not self._idle[0].usable(connection.idle_since, self.idle_expiry_s):
-                self._idle.popleft()._close()  # the oldest ones first: those the servers will close soonest
-        else:
+        if not connection.reusable() or self._closed:
             connection._close()
+            self._let_in(None)
+            return
+        transport = connection.transport
+        if transport is not None and not transport.is_reading():  # a read pacer held it, past the answer's end
+            transport.resume_reading()
+        if self._let_in(connection):
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.append(connection)
+        while self._idle and not self._idle[0].usable(connection.idle_since, self.idle_expiry_s):
+            self._idle.popleft()._close()  # the oldest ones first: those the servers will close soonest
+
+    def _let_in(self, connection: _Connection | None) -> bool:
+        """Hand `connection` (or, with None, room for a new one) to the first caller still waiting; False if none."""
         while self._waiters:
             waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+            if waiter.done():
+                continue
+            if connection is None:
+                self._opening += 1  # reserved for the caller let in: nobody arriving meanwhile takes the room
+            else:
+                self._busy.add(connection)
+            waiter.set_result(connection)
+            return True
+        return False
 
-    async def _wait_for_room(self) -> None:
-        waiter = asyncio.get_running_loop().create_future()
+    async def _wait_for_room(self) -> _Connection | None:
+        waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(self.pool_timeout_s):
-                await waiter
-        except TimeoutError:
-            raise TimeoutError(f"no connection free within {self.pool_timeout_s:g} s ({self.limit} in use)") from None
-        finally:
-            if not waiter.done():
+                handed = await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():  # let in, then cancelled before it ran: pass it on
+                self._give_back(waiter.result())
+            else:
                 waiter.cancel()
-            with contextlib.suppress(ValueError):  # already taken by `release`
-                self._waiters.remove(waiter)
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"no connection free within {self.pool_timeout_s:g} s ({self.limit} in use)"
+                ) from None
+            raise
         if self._closed:
+            self._give_back(handed)
             raise ConnectionError("the pool is closed")
+        return handed
+
+    def _give_back(self, handed: _Connection | None) -> None:
+        """Undo a `_let_in` whose caller will not use what it got."""
+        if handed is not None:
+            self.release(handed)
+        else:
+            self._opening -= 1
+            self._let_in(None)
 
     async def aclose(self) -> None:
         """Close every connection; answers in flight fail with `ConnectionError`, and so does every later call."""
@@ -439,7 +471,6 @@ class KeepAlivePool:
         for connection in (*self._idle, *self._busy):
             connection._fail(ConnectionResetError("the pool was closed"))
         self._idle.clear()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        while self._let_in(None):  # each caller waiting wakes, sees the close, and gives its room back
+            pass
         await asyncio.sleep(0)  # the transports' closes run on the next pass of the loop

@@ -321,6 +321,44 @@ async def test_callers_beyond_the_limit_wait_for_a_connection() -> None:
     assert pool.opened == 2 and server.connections == 2
 
 
+async def test_the_limit_holds_against_callers_that_ask_again_at_once() -> None:
+    """A caller whose request ended asks again in the same pass of the loop: the connection it gave back went to the
+    caller waiting first, so the new request waits instead of taking it (and the one let in opening another)."""
+    async with raw_server(answer_each) as server:
+        pool = pool_for(server.url, limit=2)
+
+        async def caller() -> None:
+            for _ in range(5):
+                assert await pool.post("/x", b"{}") == (200, OK)
+                assert pool.open_connections <= 2
+
+        await asyncio.gather(*(caller() for _ in range(20)))
+        await pool.aclose()
+    assert len(server.requests) == 100
+    assert pool.opened == 2 and server.connections == 2
+
+
+@pytest.mark.parametrize("reusable", [True, False])
+async def test_a_caller_cancelled_once_let_in_gives_its_turn_back(reusable: bool) -> None:
+    """Let in (a connection handed over, or room for a new one) and cancelled before it ran: what it got goes back,
+    and nothing is counted twice."""
+    async with raw_server(answer_each) as server:
+        pool = pool_for(server.url, limit=1)
+        first = await pool.acquire()
+        waiting = asyncio.create_task(pool.acquire())
+        await wait_for(lambda: len(pool._waiters) == 1, what="a caller waiting")
+        if not reusable:
+            first._close()
+        pool.release(first)  # lets the waiting caller in...
+        waiting.cancel()  # ...which is cancelled before it runs
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert pool.open_connections == (1 if reusable else 0)
+        assert await pool.post("/x", b"{}") == (200, OK)
+        await pool.aclose()
+    assert pool.opened == (1 if reusable else 2)
+
+
 async def test_a_caller_waiting_past_the_pool_timeout_fails() -> None:
     async def serve(connection: Connection) -> None:
         await connection.read_request()
