@@ -75,6 +75,12 @@ def ok(body: bytes = OK, extra: bytes = b"") -> bytes:
     )
 
 
+async def silent(connection: Connection) -> None:
+    """Read one request and never answer it: the connection stays open until the client closes it."""
+    await connection.read_request()
+    await connection.wait_for_close()
+
+
 async def answer_each(connection: Connection) -> None:
     while await connection.read_request() is not None:
         await connection.answer(ok())
@@ -250,11 +256,7 @@ async def test_a_second_answer_nobody_asked_for_retires_the_connection() -> None
 
 
 async def test_no_answer_within_the_read_timeout_fails_and_closes_the_connection() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(silent) as server:
         pool = pool_for(server.url, read_timeout_s=0.2)
         with pytest.raises(TimeoutError, match="read timeout"):
             await pool.post("/x", b"{}")
@@ -285,11 +287,7 @@ async def test_the_read_timeout_counts_from_each_request_on_a_reused_connection(
 
 
 async def test_a_cancelled_caller_closes_its_connection() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(silent) as server:
         pool = pool_for(server.url)
         task = asyncio.create_task(pool.post("/x", b"{}"))
         await wait_for(lambda: len(server.requests) == 1, what="the request sent")
@@ -360,11 +358,7 @@ async def test_a_caller_cancelled_once_let_in_gives_its_turn_back(reusable: bool
 
 
 async def test_a_caller_waiting_past_the_pool_timeout_fails() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(silent) as server:
         pool = KeepAlivePool(server.url, 1, connect_timeout_s=5, pool_timeout_s=0.1, read_timeout_s=10)
         first = asyncio.create_task(pool.post("/x", b"{}"))
         await wait_for(lambda: len(server.requests) == 1, what="the first request in flight")
@@ -376,11 +370,7 @@ async def test_a_caller_waiting_past_the_pool_timeout_fails() -> None:
 
 
 async def test_closing_fails_waiting_and_later_calls() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(silent) as server:
         pool = pool_for(server.url, limit=1)
         in_flight = asyncio.create_task(pool.post("/x", b"{}"))
         await wait_for(lambda: len(server.requests) == 1, what="the request in flight")
@@ -429,10 +419,6 @@ async def test_generation_pool_raise_the_backend_errors(answer: Answer, error: t
 
 
 async def test_whole_answer_failures_are_backend_errors() -> None:
-    async def silent(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.wait_for_close()
-
     async with raw_server(silent) as server:
         client = ReplicaClient(spec_for(server.url, read=0.2))
         with pytest.raises(BackendTimeout, match="r0"):
@@ -485,6 +471,13 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+async def one_event_then_silent(connection: Connection) -> None:
+    """Read one request, stream one event of its answer, and send nothing more until the client closes."""
+    await connection.read_request()
+    await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
+    await connection.wait_for_close()
+
+
 async def test_a_stream_is_read_as_it_comes_and_its_connection_kept() -> None:
     step = asyncio.Event()
 
@@ -513,12 +506,7 @@ async def test_a_stream_is_read_as_it_comes_and_its_connection_kept() -> None:
 
 
 async def test_a_stream_left_before_its_end_closes_the_connection() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(one_event_then_silent) as server:
         pool = pool_for(server.url)
         async with pool.stream("/s", b"{}") as answer:
             assert await answer.read() == b"data: 1\n\n"
@@ -611,12 +599,7 @@ async def test_a_stream_whose_socket_a_pacer_held_past_its_end_goes_back_read() 
 
 
 async def test_closing_the_pool_fails_a_stream_being_read() -> None:
-    async def serve(connection: Connection) -> None:
-        await connection.read_request()
-        await connection.answer(chunked_head() + chunk(b"data: 1\n\n"))
-        await connection.wait_for_close()
-
-    async with raw_server(serve) as server:
+    async with raw_server(one_event_then_silent) as server:
         pool = pool_for(server.url)
         async with pool.stream("/s", b"{}") as answer:
             assert await answer.read() == b"data: 1\n\n"
