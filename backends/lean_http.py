@@ -290,9 +290,7 @@ class StreamedAnswer:
         if connection is None:
             return
         self._connection = None
-        if not connection.reusable():
-            connection._close()
-        self._pool.release(connection)
+        self._pool.release(connection)  # kept alive if the answer was read to its end, else closed
 
 
 class KeepAlivePool:
