@@ -300,7 +300,8 @@ class KeepAlivePool:
     comes (its reader times the gaps). Each takes the most recently used idle connection, or opens one; callers
     beyond `limit` wait their turn in order, up to `pool_timeout_s`. A connection unused for `idle_expiry_s` is
     closed instead of reused. Making the pool does no I/O. `url` is the replica's base URL; a path in it prefixes
-    every request's path.
+    every request's path. An https URL is verified against `tls` (default: the system's trusted certificates, as
+    aiohttp does).
     """
 
     def __init__(
@@ -311,6 +312,7 @@ class KeepAlivePool:
         pool_timeout_s: float,
         read_timeout_s: float,
         idle_expiry_s: float = IDLE_EXPIRY_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -319,7 +321,7 @@ class KeepAlivePool:
             raise ValueError(f"a pool needs room for one connection at least, not {limit}")
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._ssl = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
         self._prefix = parts.path.rstrip("/").encode()
         self._host_header = parts.netloc.rpartition("@")[2].encode()
         self.limit = limit

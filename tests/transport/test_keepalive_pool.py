@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -87,7 +92,9 @@ async def answer_each(connection: Connection) -> None:
 
 
 @contextlib.asynccontextmanager
-async def raw_server(serve: Callable[[Connection], Awaitable[None]]) -> AsyncIterator[RawServer]:
+async def raw_server(
+    serve: Callable[[Connection], Awaitable[None]], tls: ssl.SSLContext | None = None
+) -> AsyncIterator[RawServer]:
     state = RawServer()
     handlers: set[asyncio.Task[None]] = set()
 
@@ -102,8 +109,9 @@ async def raw_server(serve: Callable[[Connection], Awaitable[None]]) -> AsyncIte
             handlers.discard(task)
             writer.close()
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-    state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=tls)
+    scheme = "https" if tls is not None else "http"
+    state.url = f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         yield state
     finally:
@@ -113,7 +121,7 @@ async def raw_server(serve: Callable[[Connection], Awaitable[None]]) -> AsyncIte
         await server.wait_closed()
 
 
-def pool_for(url: str, limit: int = 8, read_timeout_s: float = 10.0, **kwargs: float) -> KeepAlivePool:
+def pool_for(url: str, limit: int = 8, read_timeout_s: float = 10.0, **kwargs: Any) -> KeepAlivePool:
     return KeepAlivePool(url, limit, connect_timeout_s=5.0, pool_timeout_s=5.0, read_timeout_s=read_timeout_s, **kwargs)
 
 
@@ -393,6 +401,48 @@ async def test_a_refused_connection_is_a_connection_error() -> None:
     with pytest.raises(ConnectionError):
         await pool.post("/x", b"{}")
     assert pool.open_connections == 0
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (made with the openssl command) and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed: no certificate to serve https with")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_an_https_replica_is_served_over_a_verified_connection(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    serving = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    serving.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+
+    async def serve(connection: Connection) -> None:
+        while (request := await connection.read_request()) is not None:
+            streamed = request.headers.get(b"accept") == b"text/event-stream"
+            await connection.answer(chunked_head() + chunk(b"data: 1\n\n") + b"0\r\n\r\n" if streamed else ok())
+
+    async with raw_server(serve, tls=serving) as server:
+        pool = pool_for(server.url, tls=trusting)
+        assert await pool.post("/x", b"{}") == (200, OK)
+        async with pool.stream("/s", b"{}") as answer:
+            assert await answer.read_all() == b"data: 1\n\n"
+        await pool.aclose()
+        assert pool.opened == 1
+
+        untrusting = pool_for(server.url)  # the system's certificates: a self-signed one is refused
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await untrusting.post("/x", b"{}")
+        await untrusting.aclose()
 
 
 # -- through the adapters: the errors they raise, and the simulator ---------------------------------------------
