@@ -31,8 +31,10 @@ import httptools
 __all__ = ["IDLE_EXPIRY_S", "KeepAlivePool", "StreamedAnswer"]
 
 IDLE_EXPIRY_S = 4.0
-"""How long an unused connection is kept. Under the 5 s after which uvicorn (vLLM's and SGLang's server) closes an
-idle one, so the pool always gives a connection up first and never sends a request into the server's close."""
+"""How long an unused connection is kept. Under the 5 s after which vLLM and SGLang close an idle one (uvicorn's
+keep-alive: `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, `SGLANG_TIMEOUT_KEEP_ALIVE`, 5 by default), so the pool gives a
+connection up first and never sends a request into the server's close. An engine set below 4 s risks that race:
+such a request fails as a broken connection, and the gateway resumes it on another replica."""
 
 STREAM_BUFFER_BYTES = 1 << 16
 """A streamed answer's bytes held for a reader that is behind, beyond which the socket is no longer read."""
