@@ -13,4 +13,5 @@ import uvloop
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every test under this folder, once per loop (pytest-asyncio parametrizes it by these names)."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
