@@ -165,9 +165,7 @@ async def post_for_whole_answer(client: ReplicaClient, replica: str, path: str, 
     """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
     the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`). Failures and non-2xx
     answers raise the matching `BackendError`; a cancelled caller closes the connection (the engine aborts)."""
-    if client.is_closed:
-        raise BackendUnavailable(f"replica {replica}: the backend was closed", replica=replica)
-    with translate_errors(replica):
+    with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
         status, content = await client.generation_pool.post(path, body)
         raise_for_status(replica, status, content)
         return orjson.loads(content) if content.strip() else None

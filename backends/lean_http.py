@@ -343,10 +343,6 @@ class KeepAlivePool:
     def open_connections(self) -> int:
         return len(self._idle) + len(self._busy) + self._opening
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer."""
         request = self.request(path, body)

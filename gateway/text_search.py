@@ -34,10 +34,6 @@ class AnyOf:
             node[_END] = {}
         self._pattern = re.compile(_pattern(trie), re.DOTALL) if trie else None
 
-    def in_text(self, text: str) -> bool:
-        """Whether `text` holds one of the strings."""
-        return self._pattern is not None and self._pattern.search(text) is not None
-
     def in_value(self, value: object) -> bool:
         """Whether any string inside `value` (nested mappings, lists and tuples; keys too) holds one of them."""
         if self._pattern is None:
