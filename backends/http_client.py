@@ -329,9 +329,10 @@ def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, st
         if payload_bytes == b"[DONE]":
             return rest, batch, True, None
         payload = orjson.loads(payload_bytes)
-        error = error_event_status(payload)
-        if error is not None:
-            return rest, batch, False, error
+        if type(payload) is not dict or "error" in payload or payload.get("object") == "error":  # rare: look closer
+            error = error_event_status(payload)
+            if error is not None:
+                return rest, batch, False, error
         batch.append(payload)
     return rest, batch, False, None
 

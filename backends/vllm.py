@@ -201,9 +201,15 @@ class VllmBackend(HttpEngineBackend):
         final: Chunk | None = None
         cached: int | None = None
         produced = 0
+        # An unfinished choice of a `/v1/completions` event without top logprobs carries token ids and their
+        # logprobs, nothing else: those go straight into the read's delta (what `_chunk` and `merge_deltas` would
+        # make of them, without a chunk per event). Any other choice takes `_chunk`.
+        lean = path == COMPLETIONS and sampling.top_logprobs == 0
         async with contextlib.aclosing(sse_batches(self._client, self.id, path, body)) as batches:
             async for events in batches:
                 deltas: list[Chunk] = []
+                token_ids: list[int] = []
+                logprobs: list[float] = []
                 with translate_errors(self.id):
                     for event in events:
                         if not isinstance(event, dict):
@@ -212,13 +218,23 @@ class VllmBackend(HttpEngineBackend):
                         if usage:
                             cached = _cached_tokens(usage)
                         for choice in event.get("choices") or ():  # the usage event has none
+                            if lean and type(choice) is dict and choice.get("finish_reason") is None:
+                                ids, values = _unfinished_choice(choice)
+                                if len(values) != len(ids):
+                                    raise self._misaligned(len(ids), len(values))
+                                token_ids += ids
+                                logprobs += values
+                                produced += len(ids)
+                                continue
                             chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
                             produced += len(chunk.token_ids)
                             if chunk.finish_reason is not None:
                                 final = chunk
                             elif chunk.token_ids:
                                 deltas.append(chunk)
-                if deltas:
+                if token_ids:  # a lean read has no other deltas (`lean` holds for the whole stream)
+                    yield Chunk(token_ids=token_ids, logprobs=logprobs)
+                elif deltas:
                     yield merge_deltas(deltas)  # a single event passes through as it is
         if final is None:
             raise BackendUnavailable(
@@ -254,9 +270,7 @@ class VllmBackend(HttpEngineBackend):
         else:
             logprobs, top = _completion_logprobs(choice.get("logprobs"), want_top)
         if len(logprobs) != len(token_ids):
-            raise BackendProtocolError(
-                f"replica {self.id}: {len(token_ids)} token ids but {len(logprobs)} logprobs", replica=self.id
-            )
+            raise self._misaligned(len(token_ids), len(logprobs))
         chunk = Chunk(token_ids=token_ids, logprobs=logprobs)
         if sampling.top_logprobs > 0:
             if len(top) != len(token_ids):
@@ -282,6 +296,11 @@ class VllmBackend(HttpEngineBackend):
             total = before + len(token_ids) - 1  # every position but the last sampled token went through the model
             chunk.routed_experts = _experts(str(choice["routed_experts"]), total, experts_start)
         return chunk
+
+    def _misaligned(self, token_ids: int, logprobs: int) -> BackendProtocolError:
+        return BackendProtocolError(
+            f"replica {self.id}: {token_ids} token ids but {logprobs} logprobs", replica=self.id
+        )
 
     def _finish_reason(self, reason: str, choice: dict[str, Any]) -> FinishReason:
         if reason == "error":
@@ -409,6 +428,15 @@ def _token_id(key: str) -> int:
     if prefix != "token_id":
         raise ValueError(f"top logprob key {key!r} is not 'token_id:N' (return_tokens_as_token_ids ignored?)")
     return int(number)
+
+
+def _unfinished_choice(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The token ids and logprobs of an unfinished `/v1/completions` choice, as `_chunk` reads them."""
+    logprobs = choice.get("logprobs")
+    return (
+        [int(t) for t in choice.get("token_ids") or ()],
+        [float(v) for v in logprobs["token_logprobs"]] if logprobs is not None else [],
+    )
 
 
 def _completion_logprobs(logprobs: Any, want_top: bool = True) -> tuple[list[float], list[list[tuple[int, float]]]]:
