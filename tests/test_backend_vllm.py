@@ -591,6 +591,23 @@ async def test_stream_cut_by_a_transport_error(backend_for: BackendFactory, scri
     assert tokens_of(received) == [1, 2]  # what arrived before the cut was delivered
 
 
+@pytest.mark.parametrize("top_logprobs", [0, 1])
+async def test_one_read_of_several_events_is_one_delta(
+    backend_for: BackendFactory, scripted: Scripted, top_logprobs: int
+) -> None:
+    """The events of one socket read reach the caller as one delta, their ids and logprobs in order, whether the
+    adapter reads them as plain tokens (no top logprobs) or through a chunk each (with them)."""
+    first, second, last = choice([1]), choice([2, 3]), choice([4], "length")
+    second["choices"][0]["logprobs"]["token_logprobs"] = [-0.25, -0.75]
+    backend = backend_for((await scripted(replying(sse_body(first, second, last)))).url)
+    chunks = await collect(backend.generate(PROMPT, greedy(4, top_logprobs=top_logprobs), "several"))
+    assert [(c.token_ids, c.logprobs, c.finish_reason) for c in chunks] == [
+        ([1, 2, 3], [-0.5, -0.25, -0.75], None),
+        ([4], [-0.5], "length"),
+    ]
+    assert chunks[0].top_logprobs == ([[(1, -0.5)], [(2, -0.5)], [(3, -0.5)]] if top_logprobs else None)
+
+
 async def test_other_finish_reasons_and_usage(backend_for: BackendFactory, scripted: Scripted) -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 128}}}
     body = sse_body(choice([4]), choice([5], "repetition", stop_reason=None), usage)
