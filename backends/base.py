@@ -21,6 +21,7 @@ from backends.errors import (
     BackendTimeout,
     BackendUnavailable,
 )
+from backends.lean_http import IDLE_EXPIRY_S
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -128,6 +129,10 @@ class Timeouts:
     # A whole (non-streamed) answer's wait for its first byte is its whole generation: bounded by this instead of
     # `read` (the gateway passes its request deadline; None: `read`).
     whole_answer: float | None = None
+    # An unused connection to the replica is closed after this instead of reused, by both clients. Under the
+    # engine's keep-alive (uvicorn's 5 s in vLLM and SGLang by default), no request goes out on a connection the
+    # server is closing at that moment: such a request would fail as if the replica had broken.
+    keepalive: float = IDLE_EXPIRY_S
 
     def client(self, read: float | None = None) -> aiohttp.ClientTimeout:
         """As aiohttp's timeouts: `connect` bounds opening a socket, `pool` waiting for a pooled connection (and

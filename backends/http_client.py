@@ -86,6 +86,7 @@ class ReplicaClient:
             connect_timeout_s=timeouts.connect,
             pool_timeout_s=timeouts.pool,
             read_timeout_s=timeouts.whole_answer or timeouts.read,
+            idle_expiry_s=timeouts.keepalive,
         )
 
     @property
@@ -96,7 +97,12 @@ class ReplicaClient:
         if self._closed:
             raise BackendUnavailable(f"replica {self._spec.id}: the backend was closed", replica=self._spec.id)
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._spec.max_connections, limit_per_host=0, ttl_dns_cache=300)
+            connector = aiohttp.TCPConnector(
+                limit=self._spec.max_connections,
+                limit_per_host=0,
+                ttl_dns_cache=300,
+                keepalive_timeout=self._spec.timeouts.keepalive,  # aiohttp's own default, 15 s, outlasts the engines'
+            )
             self._session = aiohttp.ClientSession(
                 base_url=self._origin,
                 connector=connector,

@@ -31,11 +31,12 @@ import httptools
 __all__ = ["IDLE_EXPIRY_S", "KeepAlivePool", "StreamedAnswer"]
 
 IDLE_EXPIRY_S = 4.0
-"""How long an unused connection is kept. Under the 5 s after which vLLM and SGLang close an idle one (uvicorn's
-keep-alive: `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, `SGLANG_TIMEOUT_KEEP_ALIVE`, 5 by default), so the pool gives a
-connection up first and never sends a request into the server's close. An engine set below 4 s risks that race
-(as it did with aiohttp, which retries no POST): such a request fails as a broken connection, the replica is out
-until its next health probe, and the request resumes on another one."""
+"""How long an unused connection is kept, by default (`generation.keepalive_expiry_s`). Under the 5 s after which
+vLLM and SGLang close an idle one (uvicorn's keep-alive: `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, `SGLANG_TIMEOUT_KEEP_ALIVE`,
+5 by default), so the pool gives a connection up first and never sends a request into the server's close. With an
+engine (or a proxy in between) set below the expiry that race is possible: such a request fails as a broken
+connection (a POST is not retried: the engine may have taken it), the replica is out until its next health probe,
+and the request resumes on another one; set the expiry under it."""
 
 STREAM_BUFFER_BYTES = 1 << 16
 """A streamed answer's bytes held for a reader that is behind, beyond which the socket is no longer read."""

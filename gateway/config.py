@@ -208,6 +208,10 @@ class GenerationConfig(_Section):
     )
     write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
     pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
+    keepalive_expiry_s: Seconds = Field(
+        4.0,
+        description="An unused connection to a replica is closed after this, s; keep it under the engines' keep-alive.",
+    )
     max_connections_per_replica: int = Field(1024, ge=1, description="Size of each replica's connection pool.")
     stream_pacing_s: float = Field(
         0.2, ge=0, le=1, description="Least time between two reads of an engine stream while many are open, s (0: off)."

@@ -53,6 +53,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
             pool=g.pool_timeout_s,
             control=settings.routing.health_timeout_s,
             whole_answer=max(g.read_timeout_s, g.request_timeout_s),
+            keepalive=g.keepalive_expiry_s,
         ),
         max_connections=g.max_connections_per_replica,
         stream_pacing=StreamPacing(g.stream_pacing_s, g.stream_pacing_min_streams),

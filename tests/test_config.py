@@ -18,6 +18,7 @@ from gateway.config import (
     load_config,
 )
 from gateway.errors import ConfigError
+from gateway.services import replica_spec
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
 
@@ -128,6 +129,14 @@ def test_env_overrides_a_nested_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.server.host == "127.0.0.1"  # the rest of the section still comes from the file
     assert settings.redis.url == "redis://localhost:6379/0"
     assert settings.server.api_keys == ("k1", "k2")
+
+
+def test_the_keepalive_expiry_reaches_each_replicas_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = load_config(REPO_CONFIG)
+    assert replica_spec(settings.replicas[0], settings).timeouts.keepalive == 4.0  # under the engines' 5 s
+    monkeypatch.setenv("RG_GENERATION__KEEPALIVE_EXPIRY_S", "2.5")
+    settings = load_config(REPO_CONFIG)
+    assert replica_spec(settings.replicas[0], settings).timeouts.keepalive == 2.5
 
 
 def test_env_replicas_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,6 +302,7 @@ def test_bad_replica(replica: dict[str, object], expected: str) -> None:
         ({"store": {"prefix": ""}}, "store.prefix"),
         ({"generation": {"routed_experts": "merge"}}, "generation.routed_experts"),
         ({"generation": {"stream_pacing_s": 1.5}}, "generation.stream_pacing_s"),
+        ({"generation": {"keepalive_expiry_s": 0}}, "generation.keepalive_expiry_s"),
         ({"generation": {"stream_pacing_min_streams": 0}}, "generation.stream_pacing_min_streams"),
         ({"generation": {"stream_pacing_s": 0.5, "read_timeout_s": 0.5}}, "generation"),
         ({"model": {"tool_parser": "mistral"}}, "model.tool_parser"),

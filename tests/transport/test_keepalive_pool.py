@@ -482,6 +482,22 @@ async def test_whole_answer_failures_are_backend_errors() -> None:
     await client.aclose()
 
 
+@pytest.mark.parametrize(("keepalive", "connections"), [(0.1, 4), (30.0, 2)])
+async def test_both_clients_give_up_connections_idle_past_the_keepalive_setting(
+    keepalive: float, connections: int
+) -> None:
+    """`Timeouts.keepalive` bounds reuse for generation requests and control calls alike: after a longer pause each
+    opens a connection of its own; within it each reuses its own."""
+    async with raw_server(answer_each) as server:
+        client = ReplicaClient(spec_for(server.url, keepalive=keepalive))
+        for _ in range(2):
+            assert await post_for_whole_answer(client, "r0", "/generate", b"{}") == {"ok": True}
+            assert (await request(client, "r0", "GET", "/health")).status == 200
+            await asyncio.sleep(0.3)
+        await client.aclose()
+    assert server.connections == connections
+
+
 async def test_streams_and_calls_of_aiohttp_take_the_path_prefix_too() -> None:
     def answer(seen: Seen) -> Answer:
         return Answer(200, sse_body({"x": 1}) if seen.path.endswith("stream") else OK)
