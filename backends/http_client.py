@@ -11,7 +11,7 @@ through aiohttp (`request`). Every function here translates client errors at the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -255,10 +255,13 @@ class _ReadGapWatch:
         self._handle.cancel()
 
 
-async def sse_batches(client: ReplicaClient, replica: str, path: str, body: bytes) -> AsyncGenerator[list[Any], None]:
+async def sse_batches(
+    client: ReplicaClient, replica: str, path: str, body: bytes, latest_only: Callable[[], bool] | None = None
+) -> AsyncGenerator[list[Any], None]:
     """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
     `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
-    and the layers above handle them as one delta).
+    and the layers above handle them as one delta). While `latest_only()` is true, each batch holds only the last
+    of those events (`decode_latest`): for a stream whose every event repeats all the ones before it.
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
@@ -288,7 +291,8 @@ async def sse_batches(client: ReplicaClient, replica: str, path: str, body: byte
                             break  # the end of the body
                         if done:
                             continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
-                        pending, batch, done, error = _decode_events(pending + data)
+                        decode = decode_latest if latest_only is not None and latest_only() else _decode_events
+                        pending, batch, done, error = decode(pending + data)
                         if batch:  # a read that completed no event is not held: the event's rest is on its way
                             if not done and error is None:
                                 pacer.hold(answer.transport)
@@ -341,6 +345,23 @@ def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, st
                 return rest, batch, False, error
         batch.append(payload)
     return rest, batch, False, None
+
+
+def decode_latest(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str] | None]:
+    """`_decode_events`, for a stream whose every event repeats all the ones before it (SGLang's cumulative
+    default): of the complete events at the start of `buffer`, only the last is decoded, the others are skipped
+    unparsed (their JSON grows with the output: at 4,096 tokens an event is ~48 kB). Where a skipped event could
+    be an in-band error or the end (it holds `"error"` or `[DONE]`, in its JSON or its text), every event is
+    decoded as usual."""
+    lines = buffer.split(b"\n")
+    rest = lines.pop()
+    data = [line for line in lines if line.startswith(b"data:")]
+    done = bool(data) and data[-1][5:].strip() == b"[DONE]"
+    events = data[:-1] if done else data
+    if len(events) < 2 or any(b'"error"' in line or b"[DONE]" in line for line in events[:-1]):
+        return _decode_events(buffer)
+    _, batch, ended, error = _decode_events(events[-1] + (b"\ndata: [DONE]\n" if done else b"\n"))
+    return rest, batch, ended, error
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:

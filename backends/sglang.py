@@ -55,7 +55,9 @@ class SglangBackend(HttpEngineBackend):
     """One SGLang replica behind the `EngineBackend` protocol; owns one pooled HTTP client (closed by `aclose`).
 
     `generate` is an async generator: a consumer that stops early must close it (`contextlib.aclosing`), which
-    closes the HTTP stream, and SGLang aborts a request whose client went away.
+    closes the HTTP stream, and SGLang aborts a request whose client went away. `cumulative_streams`: a stream of
+    this replica repeated the whole output in every event (the server runs without `--incremental-streaming-output`;
+    logged once).
     """
 
     running_gauge = "sglang:num_running_reqs"
@@ -79,6 +81,7 @@ class SglangBackend(HttpEngineBackend):
             new_requests_while_paused="block",
         )
         self._experts_shape = spec.routed_experts_shape if spec.routed_experts else None
+        self.cumulative_streams = False
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -121,7 +124,12 @@ class SglangBackend(HttpEngineBackend):
     ) -> AsyncGenerator[Chunk, None]:
         seen = 0
         finished = False
-        async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body)) as batches:
+        cumulative = False  # each event repeats the whole output so far: only each read's last one is decoded
+
+        def latest_only() -> bool:
+            return cumulative
+
+        async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body, latest_only)) as batches:
             async for events in batches:
                 deltas: list[Chunk] = []
                 final: Chunk | None = None
@@ -129,7 +137,11 @@ class SglangBackend(HttpEngineBackend):
                     if finished:
                         break  # read on to [DONE] so the connection goes back to the pool
                     with translate_errors(self.id):
+                        before = seen
                         chunk, seen = self._chunk(event, sampling, prompt_len, experts_start, seen)
+                        if not cumulative and 0 < before < seen and _repeats_output(event, seen, sampling):
+                            cumulative = True
+                            self._note_cumulative_stream()
                     finished = chunk.finish_reason is not None
                     if finished:
                         final = chunk
@@ -143,6 +155,19 @@ class SglangBackend(HttpEngineBackend):
             raise BackendUnavailable(
                 f"replica {self.id}: the stream ended before the request finished", replica=self.id
             )
+
+    def _note_cumulative_stream(self) -> None:
+        if self.cumulative_streams:
+            return
+        self.cumulative_streams = True
+        logger.warning(
+            "replica %s streams cumulative events (SGLang's default): every event repeats the whole output so far, so "
+            "the gateway's CPU per token grows with the output (about 0.1 ms a token at 1,024 tokens, 0.6 ms at 4,096, "
+            "against 4 us for deltas); it decodes only the last event of each read, which helps while many streams "
+            "are open. Start the server with --incremental-streaming-output",
+            self.id,
+            extra={"replica": self.id},
+        )
 
     def _body(
         self,
@@ -353,6 +378,15 @@ class SglangBackend(HttpEngineBackend):
     def _expect_success(self, answer: Any, what: str) -> None:
         if isinstance(answer, dict) and answer.get("success") is False:
             raise BackendError(f"replica {self.id}: {what} failed: {answer.get('message')}", replica=self.id)
+
+
+def _repeats_output(event: dict[str, Any], total: int, sampling: SamplingParams) -> bool:
+    """Whether every list of `event` that the adapter reads covers all `total` output tokens (a cumulative event)."""
+    meta = event["meta_info"]
+    lists = [event["output_ids"], meta.get("output_token_logprobs") or ()]
+    if sampling.top_logprobs > 0:
+        lists.append(meta.get("output_top_logprobs") or ())
+    return all(len(values) == total for values in lists)
 
 
 def _tail(values: Sequence[Any], total: int, seen: int, name: str) -> Sequence[Any]:

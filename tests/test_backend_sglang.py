@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,7 +18,16 @@ import httpx
 import numpy as np
 import pytest
 
-from backends.base import Chunk, EngineBackend, Load, ReplicaSpec, SamplingParams, Timeouts, VersionSpan
+from backends.base import (
+    Chunk,
+    EngineBackend,
+    Load,
+    ReplicaSpec,
+    SamplingParams,
+    StreamPacing,
+    Timeouts,
+    VersionSpan,
+)
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
 from backends.routed_experts import decode_int32_b64
 from backends.sglang import SglangBackend
@@ -142,6 +152,34 @@ async def test_stream_matches_reference_with_aligned_logprobs(
     assert final.version_spans == [VersionSpan("default", 0, 24)] and final.weight_version == "default"
     assert final.cached_tokens == 0
     assert final.routed_experts is None
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+async def test_paced_reads_of_a_stream_add_up_to_the_engines_answer(
+    make_sim: SimFactory,
+    make_backend: BackendFactory,
+    http: httpx.AsyncClient,
+    incremental: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Several events to a read (paced reads): a cumulative stream, decoded one event a read once it shows itself,
+    still adds up to the engine's answer, ids and logprobs (top ones too); the replica is flagged, and a warning
+    logged once for it. A stream of deltas is decoded whole, and nothing is flagged."""
+    sim = await make_sim("sglang", engine=sg(token_delay_s=0.002), incremental_streaming_output=incremental)
+    backend = make_backend(sim.url, stream_pacing=StreamPacing(0.05, 1))
+    meta = await engine_logprobs(http, sim.url, 64, 2)
+    with caplog.at_level(logging.WARNING, logger="backends.sglang"):
+        for request_id in ("first", "second"):
+            chunks = await collect(backend, PROMPT, greedy(64, top_logprobs=2), request_id=request_id)
+            assert tokens(chunks) == reference_tokens(SHAPE, PROMPT, V1, 64, ignore_eos=True)
+            assert [lp for chunk in chunks for lp in chunk.logprobs] == [
+                lp for lp, _, _ in meta["output_token_logprobs"]
+            ]
+            top = [entry for chunk in chunks for entry in chunk.top_logprobs or []]
+            assert top == [[(t, lp) for lp, t, _ in position] for position in meta["output_top_logprobs"]]
+            assert len(chunks) < 32  # several events to a read
+    assert backend.cumulative_streams is not incremental
+    assert sum("cumulative events" in record.getMessage() for record in caplog.records) == (0 if incremental else 1)
 
 
 async def test_stop_eos_min_tokens_and_seed(make_sim: SimFactory, make_backend: BackendFactory) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from backends.base import ReplicaSpec, SamplingParams, Timeouts
 from backends.errors import BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
-from backends.http_client import ReplicaClient, post_for_whole_answer, request, sse_batches
+from backends.http_client import ReplicaClient, decode_latest, post_for_whole_answer, request, sse_batches
 from backends.lean_http import KeepAlivePool
 from backends.vllm import VllmBackend
 from tests.conftest import SimFactory
@@ -524,6 +524,43 @@ async def test_the_simulator_serves_generation_pool_on_one_kept_alive_connection
         assert sim.engine.counters["requests_whole"] == 10
     finally:
         await backend.aclose()
+
+
+def event(n: int, **extra: Any) -> bytes:
+    """A cumulative event: every output id so far."""
+    return b"data: " + orjson.dumps({"output_ids": list(range(n)), **extra}) + b"\n\n"
+
+
+@pytest.mark.parametrize(
+    ("buffer", "kept", "done", "error"),
+    [
+        (event(1) + event(2) + event(3) + b"data: {", [3], False, None),  # the last complete event; the rest stays
+        (event(1) + event(2) + b"data: [DONE]\n\n", [2], True, None),  # the end is kept with it
+        (event(1), [1], False, None),  # nothing to skip
+        (event(1) + b'data: {"error": {"message": "boom", "code": 503}}\n\n' + event(3), [1], False, (503, "boom")),
+        (event(1) + b"data: [DONE]\n\n" + event(3), [1], True, None),  # nothing after the end
+        (event(1, text='say "error"') + event(2), [2], False, None),  # a quoted word in a text is escaped: skipped
+        (event(1, status="error") + event(2), [1, 2], False, None),  # could be an error: all decoded
+    ],
+)
+def test_decode_latest_decodes_only_the_last_event_where_nothing_is_lost(
+    buffer: bytes, kept: list[int], done: bool, error: tuple[int, str] | None
+) -> None:
+    rest, batch, ended, failure = decode_latest(buffer)
+    assert rest == (b"data: {" if buffer.endswith(b"{") else b"")
+    assert [len(payload["output_ids"]) for payload in batch] == kept
+    assert (ended, failure) == (done, error)
+
+
+@pytest.mark.parametrize("latest", [False, True])
+async def test_sse_batches_yield_only_the_latest_event_of_a_read_while_asked(latest: bool) -> None:
+    body = event(1) + event(2) + event(3) + b"data: [DONE]\n\n"
+    async with scripted_server(lambda _: Answer(200, body, "text/event-stream")) as server:
+        client = ReplicaClient(spec_for(server.url))
+        async with contextlib.aclosing(sse_batches(client, "r0", "/generate", b"{}", lambda: latest)) as batches:
+            counts = [len(payload["output_ids"]) async for batch in batches for payload in batch]
+        await client.aclose()
+    assert counts == ([3] if latest else [1, 2, 3])
 
 
 # -- streamed answers --------------------------------------------------------------------------------------------
