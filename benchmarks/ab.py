@@ -5,6 +5,7 @@
     python -m benchmarks.ab /tmp/before . --api completions --workload rl --rounds 6
     python -m benchmarks.ab /tmp/before . --api completions --one-turn      # no session: one-turn sessions
     python -m benchmarks.ab . . --set-b RG_GENERATION__STREAM_PACING_S=0.4 --workload rl   # one tree, two settings
+    python -m benchmarks.ab /tmp/before . --dialect sglang --workload rl   # SGLang replicas (cumulative events)
 
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
@@ -63,6 +64,7 @@ class Options:
     layout: LayoutName = "shared"
     loadgens: int = 2
     cpus: tuple[int, ...] = ()
+    dialect: str = "vllm"  # of the simulator replicas (sglang: cumulative stream events, as SGLang's default)
 
 
 @dataclass
@@ -98,11 +100,12 @@ async def measure(options: Options, console: Console) -> list[Side]:
     chosen = options.workload
     where = place_processes(options.layout, options.loadgens, True, options.cpus)
     sides = [Side(options.checkouts[0]), Side(options.checkouts[1], options.env_b)]
-    with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas, contextlib.ExitStack() as stack:
+    replica_args = replica_arguments(options.dialect)
+    with sim_replicas([replica_args, replica_args]) as replicas, contextlib.ExitStack() as stack:
         for replica, cpus in zip(replicas, where.replicas, strict=True):
             if replica.pid is not None:
                 pin_process(replica.pid, cpus)
-        entries = [sim_replica_entry(replica.url, "vllm") for replica in replicas]
+        entries = [sim_replica_entry(replica.url, options.dialect) for replica in replicas]
         targets = []
         for side in sides:
             with environment(side.checkout, side.env):
@@ -123,6 +126,13 @@ async def measure(options: Options, console: Console) -> list[Side]:
         finally:
             await bench.http.aclose()
     return sides
+
+
+def replica_arguments(dialect: str) -> tuple[str, ...]:
+    """`REPLICA_ARGS` with the simulator's protocol set to `dialect`."""
+    args = list(REPLICA_ARGS)
+    args[args.index("--dialect") + 1] = dialect
+    return tuple(args)
 
 
 def report(console: Console, options: Options, sides: list[Side]) -> None:
@@ -148,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=sorted(APIS), default="generate")
     p.add_argument("--workload", default="short-c64", help="a workload of benchmarks.compare (short-c64)")
     p.add_argument("--rounds", type=int, default=4, help="runs per checkout, alternating (4)")
+    p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm", help="the simulator replicas' protocol")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
     p.add_argument(
         "--one-turn", action="store_true", help="requests name no session: each is a one-turn session of its own"
@@ -197,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layout=args.layout,
         loadgens=args.loadgens,
         cpus=tuple(args.cpus or ()),
+        dialect=args.dialect,
     )
     return run_benchmark(main_async, options, options.timeout_s * 2 * options.rounds)
 

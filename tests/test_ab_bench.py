@@ -42,6 +42,17 @@ async def test_a_setting_of_the_second_side_reaches_its_gateway_only() -> None:
     assert "RG_SERVER__MAX_TOKENS_LIMIT" not in os.environ  # set only while the second gateway started
 
 
+async def test_sglang_replicas_stream_through_both_gateways() -> None:
+    """`--dialect sglang`: the replicas speak SGLang's protocol (cumulative stream events) and every stream counts."""
+    stream = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["stream"]
+    tiny = replace(stream, sessions=2, requests=4, duration_s=1.0)
+    options = ab.Options((REPO, REPO), "generate", tiny, rounds=1, timeout_s=60, dialect="sglang")
+    sides = await ab.measure(options, Console(file=io.StringIO()))
+    assert [side.errors for side in sides] == [0, 0]
+    assert [len(side.units) for side in sides] == [1, 1]
+    assert ab.replica_arguments("sglang")[:2] == ("--dialect", "sglang")
+
+
 def test_a_setting_must_name_a_variable() -> None:
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         ab.main([str(REPO), str(REPO), "--set-b", "RG_GENERATION__STREAM_PACING_S"])
