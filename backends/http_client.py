@@ -350,15 +350,15 @@ def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, st
 def decode_latest(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str] | None]:
     """`_decode_events`, for a stream whose every event repeats all the ones before it (SGLang's cumulative
     default): of the complete events at the start of `buffer`, only the last is decoded, the others are skipped
-    unparsed (their JSON grows with the output: at 4,096 tokens an event is ~48 kB). Where a skipped event could
-    be an in-band error or the end (it holds `"error"` or `[DONE]`, in its JSON or its text), every event is
-    decoded as usual."""
+    unparsed (their JSON grows with the output: at 4,096 tokens an event is ~48 kB). Where any event could be an
+    in-band error (its bytes hold `"error"`), or a skipped one the end (`[DONE]`), every event is decoded as usual:
+    an error still comes after the events before it."""
     lines = buffer.split(b"\n")
     rest = lines.pop()
     data = [line for line in lines if line.startswith(b"data:")]
     done = bool(data) and data[-1][5:].strip() == b"[DONE]"
     events = data[:-1] if done else data
-    if len(events) < 2 or any(b'"error"' in line or b"[DONE]" in line for line in events[:-1]):
+    if len(events) < 2 or b'"error"' in events[-1] or any(b'"error"' in e or b"[DONE]" in e for e in events[:-1]):
         return _decode_events(buffer)
     _, batch, ended, error = _decode_events(events[-1] + (b"\ndata: [DONE]\n" if done else b"\n"))
     return rest, batch, ended, error

@@ -538,6 +538,7 @@ def event(n: int, **extra: Any) -> bytes:
         (event(1) + event(2) + b"data: [DONE]\n\n", [2], True, None),  # the end is kept with it
         (event(1), [1], False, None),  # nothing to skip
         (event(1) + b'data: {"error": {"message": "boom", "code": 503}}\n\n' + event(3), [1], False, (503, "boom")),
+        (event(1) + event(2) + b'data: {"error": {"message": "boom"}}\n\n', [1, 2], False, (500, "boom")),
         (event(1) + b"data: [DONE]\n\n" + event(3), [1], True, None),  # nothing after the end
         (event(1, text='say "error"') + event(2), [2], False, None),  # a quoted word in a text is escaped: skipped
         (event(1, status="error") + event(2), [1, 2], False, None),  # could be an error: all decoded
