@@ -124,10 +124,12 @@ class SglangBackend(HttpEngineBackend):
     ) -> AsyncGenerator[Chunk, None]:
         seen = 0
         finished = False
-        cumulative = False  # each event repeats the whole output so far: only each read's last one is decoded
+        # Whether each event repeats the whole output so far (then only each read's last one is decoded): known from
+        # the first event that follows tokens and brings more (a server sends one kind or the other).
+        cumulative: bool | None = None
 
         def latest_only() -> bool:
-            return cumulative
+            return cumulative is True
 
         async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body, latest_only)) as batches:
             async for events in batches:
@@ -139,9 +141,10 @@ class SglangBackend(HttpEngineBackend):
                     with translate_errors(self.id):
                         before = seen
                         chunk, seen = self._chunk(event, sampling, prompt_len, experts_start, seen)
-                        if not cumulative and 0 < before < seen and _repeats_output(event, seen, sampling):
-                            cumulative = True
-                            self._note_cumulative_stream()
+                        if cumulative is None and 0 < before < seen:
+                            cumulative = _repeats_output(event, seen, sampling)
+                            if cumulative:
+                                self._note_cumulative_stream()
                     finished = chunk.finish_reason is not None
                     if finished:
                         final = chunk
