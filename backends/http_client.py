@@ -128,17 +128,15 @@ async def request(
     path: str,
     *,
     json: Any = None,
-    data: bytes | None = None,
     params: Mapping[str, str] | None = None,
     timeout: aiohttp.ClientTimeout | None = None,
     check: bool = True,
 ) -> Reply:
     """One request/response call: the answer with its body read, or the matching `BackendError` (any non-2xx
-    status too, unless `check=False`). The JSON body is `json`, or `data` already encoded."""
+    status too, unless `check=False`). The JSON body is `json`."""
     session = client.session()
     with translate_errors(replica):
-        if json is not None:
-            data = orjson.dumps(json)
+        data = None if json is None else orjson.dumps(json)
         headers = None if data is None else _JSON_HEADERS
         async with session.request(
             method, client.prefix + path, data=data, headers=headers, params=params, timeout=timeout or client.timeout
@@ -156,13 +154,12 @@ async def request_json(
     path: str,
     *,
     json: Any = None,
-    data: bytes | None = None,
     params: Mapping[str, str] | None = None,
     timeout: aiohttp.ClientTimeout | None = None,
 ) -> Any:
     """`request`, then the decoded JSON body: None when empty (some engine versions answer control calls with a
     bare 200); undecodable JSON is a `BackendProtocolError`."""
-    reply = await request(client, replica, method, path, json=json, data=data, params=params, timeout=timeout)
+    reply = await request(client, replica, method, path, json=json, params=params, timeout=timeout)
     with translate_errors(replica):
         return orjson.loads(reply.content) if reply.content.strip() else None
 
@@ -339,10 +336,9 @@ def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, st
         if payload_bytes == b"[DONE]":
             return rest, batch, True, None
         payload = orjson.loads(payload_bytes)
-        if type(payload) is not dict or "error" in payload or payload.get("object") == "error":  # rare: look closer
-            error = error_event_status(payload)
-            if error is not None:
-                return rest, batch, False, error
+        error = error_event_status(payload)
+        if error is not None:
+            return rest, batch, False, error
         batch.append(payload)
     return rest, batch, False, None
 
@@ -358,7 +354,7 @@ def decode_latest(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str
     data = [line for line in lines if line.startswith(b"data:")]
     done = bool(data) and data[-1][5:].strip() == b"[DONE]"
     events = data[:-1] if done else data
-    if len(events) < 2 or b'"error"' in events[-1] or any(b'"error"' in e or b"[DONE]" in e for e in events[:-1]):
+    if len(events) < 2 or any(b'"error"' in e for e in events) or any(b"[DONE]" in e for e in events[:-1]):
         return _decode_events(buffer)
     _, batch, ended, error = _decode_events(events[-1] + (b"\ndata: [DONE]\n" if done else b"\n"))
     return rest, batch, ended, error

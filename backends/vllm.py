@@ -219,7 +219,8 @@ class VllmBackend(HttpEngineBackend):
                             cached = _cached_tokens(usage)
                         for choice in event.get("choices") or ():  # the usage event has none
                             if lean and type(choice) is dict and choice.get("finish_reason") is None:
-                                ids, values = _unfinished_choice(choice)
+                                ids = _token_ids(choice)
+                                values, _ = _completion_logprobs(choice.get("logprobs"), want_top=False)
                                 if len(values) != len(ids):
                                     raise self._misaligned(len(ids), len(values))
                                 token_ids += ids
@@ -263,7 +264,7 @@ class VllmBackend(HttpEngineBackend):
         """One choice of an event (or of a whole answer) as a `Chunk`; `before` = prompt + tokens already seen."""
         if not isinstance(choice, dict):
             raise TypeError(f"choice is not an object: {choice!r}")
-        token_ids = [int(t) for t in choice.get("token_ids") or ()]
+        token_ids = _token_ids(choice)
         want_top = sampling.top_logprobs > 0
         if path == GENERATE:
             logprobs, top = _generate_logprobs(choice.get("logprobs"), token_ids, want_top)
@@ -430,13 +431,8 @@ def _token_id(key: str) -> int:
     return int(number)
 
 
-def _unfinished_choice(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """The token ids and logprobs of an unfinished `/v1/completions` choice, as `_chunk` reads them."""
-    logprobs = choice.get("logprobs")
-    return (
-        [int(t) for t in choice.get("token_ids") or ()],
-        [float(v) for v in logprobs["token_logprobs"]] if logprobs is not None else [],
-    )
+def _token_ids(choice: dict[str, Any]) -> list[int]:
+    return [int(t) for t in choice.get("token_ids") or ()]
 
 
 def _completion_logprobs(logprobs: Any, want_top: bool = True) -> tuple[list[float], list[list[tuple[int, float]]]]:

@@ -2,7 +2,7 @@
 
 Without `--incremental-streaming-output` every event of an SGLang stream repeats all the output ids and logprobs so
 far, so the JSON the gateway decodes grows with the square of the output's length. This runs one stream's events,
-built as the simulator writes them, through the gateway's SSE decode and the SGLang adapter (`_decode_events` or
+in the shape the simulator writes them, through the gateway's SSE decode and the SGLang adapter (`_decode_events` or
 `decode_latest`, then `SglangBackend._chunk`), in this process, no sockets, for each output length:
 
 * `deltas`: one event a token, each with that token only (the server runs with `--incremental-streaming-output`);
@@ -37,7 +37,7 @@ FIRST_ID = 100
 
 
 def events(tokens: int, cumulative: bool) -> list[bytes]:
-    """The SSE events of one stream of `tokens` output tokens, as the SGLang simulator writes them."""
+    """The SSE events of one stream of `tokens` output tokens, in the shape the SGLang simulator writes."""
     out = []
     for total in range(1, tokens + 1):
         start = 0 if cumulative else total - 1
