@@ -7,7 +7,7 @@ engine's own stream shape (vLLM deltas, SGLang cumulative). It never retries: re
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, Protocol, runtime_checkable
@@ -71,6 +71,16 @@ class Chunk:
     version_spans: list[VersionSpan] | None = None
     weight_version: str | None = None
     cached_tokens: int | None = None
+
+
+WholeAnswer = Callable[[float | None], Awaitable[Chunk]]
+"""An engine request built (its body encoded) but not sent: awaiting its call sends it and gives the whole answer.
+The argument is a deadline (loop time) besides the read timeout, or None; either limit raises `BackendTimeout`."""
+
+
+async def one_chunk(answer: WholeAnswer) -> AsyncGenerator[Chunk, None]:
+    """A whole answer as the one chunk of a `generate` stream; nothing is sent before the first iteration."""
+    yield await answer(None)
 
 
 def merge_deltas(chunks: Sequence[Chunk]) -> Chunk:
@@ -175,6 +185,20 @@ class EngineBackend(Protocol):
 
         The call itself builds the request (its body encoded); nothing is sent before the first iteration. So a
         caller may build a request ahead, while it cannot be sent yet, and drop it unstarted."""
+        ...
+
+    def whole_answer(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None = None,
+        experts_start: int = 0,
+    ) -> WholeAnswer:
+        """`generate(stream=False)` without the iterator, for a caller that awaits the answer in one step: the request
+        built now, sent when the returned callable is awaited (`WholeAnswer`: its argument is a deadline), which gives
+        one chunk with every token and the finish reason set. Fails as `generate` does; dropped uncalled, it sends
+        nothing."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -164,12 +164,15 @@ async def request_json(
         return orjson.loads(reply.content) if reply.content.strip() else None
 
 
-async def post_for_whole_answer(client: ReplicaClient, replica: str, path: str, body: bytes) -> Any:
+async def post_for_whole_answer(
+    client: ReplicaClient, replica: str, path: str, body: bytes, deadline: float | None = None
+) -> Any:
     """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
-    the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`). Failures and non-2xx
-    answers raise the matching `BackendError`; a cancelled caller closes the connection (the engine aborts)."""
+    the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`; also `deadline`, a loop time,
+    if given). Failures and non-2xx answers raise the matching `BackendError` (`BackendTimeout` for either limit); a
+    cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
-        status, content = await client.generation_pool.post(path, body)
+        status, content = await client.generation_pool.post(path, body, deadline)
         raise_for_status(replica, status, content)
         return orjson.loads(content) if content.strip() else None
 

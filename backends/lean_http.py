@@ -344,12 +344,14 @@ class KeepAlivePool:
     def open_connections(self) -> int:
         return len(self._idle) + len(self._busy) + self._opening
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer."""
+    async def post(self, path: str, body: bytes, deadline: float | None = None) -> tuple[int, bytes]:
+        """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer. It must be complete within the
+        read timeout and, if given, by `deadline` (loop time), else `TimeoutError`."""
         request = self.request(path, body)
         connection = await self.acquire()
         loop = asyncio.get_running_loop()
-        answer = connection.send_whole(request, loop.time() + self.read_timeout_s)
+        read_until = loop.time() + self.read_timeout_s
+        answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until))
         try:
             status, content = await answer
         except BaseException:

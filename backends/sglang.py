@@ -17,6 +17,7 @@ for the version (`/get_weight_version` is 404 in 0.5.23).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -31,7 +32,9 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    WholeAnswer,
     merge_deltas,
+    one_chunk,
     raise_for_status,
     translate_errors,
 )
@@ -99,25 +102,37 @@ class SglangBackend(HttpEngineBackend):
         (with R3) the routed experts of positions [experts_start, prompt + output - 1). `stream=False`: one
         answer at the end, with the same fields (`EngineBackend.generate`). The body is encoded here, before the first
         iteration sends it."""
-        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         if not stream:
-            body["stream"] = False
-            return self._complete_once(orjson.dumps(body), sampling, len(token_ids), experts_start)
+            return one_chunk(self.whole_answer(token_ids, sampling, request_id, routed_experts, experts_start))
+        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         return self._stream(orjson.dumps(body), sampling, len(token_ids), experts_start)
 
+    def whole_answer(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None = None,
+        experts_start: int = 0,
+    ) -> WholeAnswer:
+        """The request of `generate(stream=False)`, sent by awaiting the call (`EngineBackend.whole_answer`)."""
+        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
+        body["stream"] = False
+        return functools.partial(self._complete_once, orjson.dumps(body), sampling, len(token_ids), experts_start)
+
     async def _complete_once(
-        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
-    ) -> AsyncGenerator[Chunk, None]:
+        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int, deadline: float | None
+    ) -> Chunk:
         # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`. An
         # abort answers 200 with the partial output (one with status_code >= 400 answers that status).
-        answer = await post_for_whole_answer(self._client, self.id, GENERATE, body)
+        answer = await post_for_whole_answer(self._client, self.id, GENERATE, body, deadline)
         with translate_errors(self.id):
             if not isinstance(answer, dict):
                 raise TypeError(f"the answer is not an object: {answer!r}")
             chunk, _ = self._chunk(answer, sampling, prompt_len, experts_start, 0)
         if chunk.finish_reason is None:
             raise BackendProtocolError(f"replica {self.id}: a finished request without finish_reason", replica=self.id)
-        yield chunk
+        return chunk
 
     async def _stream(
         self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -43,7 +44,9 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    WholeAnswer,
     merge_deltas,
+    one_chunk,
     translate_errors,
     version_tuple,
 )
@@ -117,18 +120,40 @@ class VllmBackend(HttpEngineBackend):
     ) -> AsyncGenerator[Chunk, None]:
         """Stream the new tokens of one request (see the module docstring for the transport); `stream=False`: one
         answer at the end (`EngineBackend.generate`). The body is encoded here, before the first iteration sends it."""
+        if not self.capabilities.streams(stream):  # routed experts come only in whole answers of /v1/completions
+            return one_chunk(self.whole_answer(token_ids, sampling, request_id, routed_experts, experts_start))
+        path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        return self._stream(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
+
+    def whole_answer(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None = None,
+        experts_start: int = 0,
+    ) -> WholeAnswer:
+        """The request of `generate(stream=False)`, sent by awaiting the call (`EngineBackend.whole_answer`)."""
+        path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
+        return functools.partial(self._complete_once, path, orjson.dumps(body), sampling, len(token_ids), experts_start)
+
+    def _body(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        request_id: str,
+        routed_experts: ExpertArray | None,
+        experts_start: int,
+    ) -> tuple[str, dict[str, Any]]:
+        """The path and (not yet encoded) body of one generation request on this replica's transport."""
         replay = (
             encode_npy_b64(routed_experts) if routed_experts is not None and self.spec.routed_experts_input else None
         )
         if self._generate_endpoint:
-            path, body = GENERATE, self._generate_body(token_ids, sampling, request_id, experts_start, replay)
-        else:
-            path, body = COMPLETIONS, self._completion_body(token_ids, sampling, request_id, experts_start, replay)
-        if not self.capabilities.streams(stream):  # routed experts come only in whole answers of /v1/completions
-            return self._complete_once(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        return self._stream(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
+            return GENERATE, self._generate_body(token_ids, sampling, request_id, experts_start, replay)
+        return COMPLETIONS, self._completion_body(token_ids, sampling, request_id, experts_start, replay)
 
     def _sampling_fields(self, sampling: SamplingParams) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -245,10 +270,16 @@ class VllmBackend(HttpEngineBackend):
         yield final
 
     async def _complete_once(
-        self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
-    ) -> AsyncGenerator[Chunk, None]:
+        self,
+        path: str,
+        body: bytes,
+        sampling: SamplingParams,
+        prompt_len: int,
+        experts_start: int,
+        deadline: float | None,
+    ) -> Chunk:
         # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`.
-        answer = await post_for_whole_answer(self._client, self.id, path, body)
+        answer = await post_for_whole_answer(self._client, self.id, path, body, deadline)
         with translate_errors(self.id):
             chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
             chunk.cached_tokens = _cached_tokens(answer.get("usage"))
@@ -256,7 +287,7 @@ class VllmBackend(HttpEngineBackend):
             raise BackendProtocolError(
                 f"replica {self.id}: a finished completion without finish_reason", replica=self.id
             )
-        yield chunk
+        return chunk
 
     def _chunk(
         self, choice: dict[str, Any], path: str, sampling: SamplingParams, before: int, experts_start: int

@@ -13,6 +13,7 @@ GatewayError                      base of every error the gateway raises on purp
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
 │   ├── BackendTimeout            504: connect/read/pool timeout
+│   │   └── DeadlinePassed        504: the request's own deadline passed (not retried, no replica blamed)
 │   ├── BackendProtocolError      502: the replica answered something the contract does not allow
 │   └── BackendRejected           400: the replica refused the request itself (not retryable)
 └── StoreError                    503: Redis unreachable past the retry budget
@@ -81,6 +82,13 @@ class Overloaded(GatewayError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlinePassed(BackendTimeout):
+    """The request's own deadline (`generation.request_timeout_s`) passed while a replica generated for it: the
+    engine request is aborted, no replica is blamed, nothing is retried."""
+
+    retryable = False
+
+
 class StoreError(GatewayError):
     status_code = 503
     error_type = "store_unavailable"
@@ -92,6 +100,7 @@ __all__ = [
     "BackendRejected",
     "BackendTimeout",
     "BackendUnavailable",
+    "DeadlinePassed",
     "ConfigError",
     "Conflict",
     "Forbidden",

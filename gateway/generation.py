@@ -25,10 +25,10 @@ from typing import Literal
 
 import numpy as np
 
-from backends.base import Chunk, SamplingParams, VersionSpan, spans_to_versions
-from backends.errors import BackendError, BackendUnavailable
+from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer, spans_to_versions
+from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
-from gateway.errors import InvalidRequest
+from gateway.errors import DeadlinePassed, InvalidRequest
 from gateway.routing import Replica, ReplicaPool
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
@@ -142,12 +142,25 @@ class _SegmentRun:
 
 @dataclass(slots=True)
 class _EngineCall:
-    """One engine request, built (its body encoded) but not yet sent: the first iteration of `chunks` sends it."""
+    """One engine request, built (its body encoded) but not yet sent: the first iteration of `chunks`, or the call of
+    `answer`, sends it."""
 
     replica: Replica
     request_id: str
-    chunks: AsyncGenerator[Chunk, None]
+    chunks: AsyncGenerator[Chunk, None] | None  # a streamed request (or a whole answer read as a stream)
+    answer: WholeAnswer | None  # a whole answer awaited in one step (`Generator.complete`)
     streamed: bool  # the engine streams its tokens (a whole answer has no first token of its own)
+
+
+@dataclass(slots=True)
+class _Resume:
+    """What the resume loop carries from one segment to the next."""
+
+    deadline: float  # monotonic
+    avoid: tuple[str, ...] = ()  # the replica that just failed
+    interrupted_at: float | None = None
+    preempted_at: float | None = None
+    ahead: _EngineCall | None = None  # a continuation built while the weight update runs
 
 
 def _version_or_none(label: str) -> int | None:
@@ -190,68 +203,115 @@ class Generator:
     async def run(self, request: GenerationRequest) -> GenerationState:
         """Produce the whole completion."""
         state = GenerationState(request)
-        async for _ in self.stream(request, state):
-            pass
+        await self.complete(request, state)
         return state
+
+    async def complete(self, request: GenerationRequest, state: GenerationState) -> None:
+        """Produce the whole completion into `state`, for a caller that takes it only once finished. A request that
+        needs no tokens on the way (`stream` off, no stop strings) awaits each segment's whole answer in one step,
+        under the same resume rules as `stream`; any other drains `stream`. If the caller is cancelled, the engine
+        request is aborted and `state.cancelled` is set."""
+        if request.stream or request.stop is not None:
+            async for _ in self.stream(request, state):
+                pass
+            return
+        self.prompt_tokens_total += len(request.prompt_ids)
+        resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
+        try:
+            while (started := await self._start(request, state, resume, whole=True)) is not None:
+                run, call = started
+                failed = False
+                try:
+                    await self._whole_segment(request, state, run, call, resume.deadline)
+                except BackendError as exc:
+                    failed = self._failed(run.replica, exc, state)
+                finally:
+                    self._close_segment(state, run)  # see `stream`
+                if state.finish_reason is None:
+                    await self._between(request, state, run, resume, failed=failed, whole=True)
+        except asyncio.CancelledError:
+            state.cancelled = True
+            raise
 
     async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncGenerator[Delta, None]:
         """Yield new tokens as they arrive; `state` holds the rest (versions, experts, finish) at the end.
         If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
         self.prompt_tokens_total += len(request.prompt_ids)
+        resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
         try:
-            async for delta in self._segments(request, state):
-                yield delta
+            while (started := await self._start(request, state, resume, whole=False)) is not None:
+                run, call = started
+                failed = False
+                try:
+                    async for delta in self._segment(request, state, run, call, resume.deadline):
+                        yield delta
+                except BackendError as exc:
+                    failed = self._failed(run.replica, exc, state)
+                finally:
+                    # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
+                    # token it produced gets its version: a cut turn is recorded with aligned arrays.
+                    self._close_segment(state, run)
+                if state.finish_reason is None:
+                    await self._between(request, state, run, resume, failed=failed, whole=False)
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
             raise
 
-    async def _segments(self, request: GenerationRequest, state: GenerationState) -> AsyncIterator[Delta]:
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        avoid: tuple[str, ...] = ()
-        interrupted_at: float | None = None
-        preempted_at: float | None = None
-        ahead: _EngineCall | None = None  # a continuation built while the weight update runs
-        while state.finish_reason is None:
-            remaining = request.sampling.max_tokens - len(state.output_ids)
-            if remaining <= 0:
-                state.finish_reason = "length"
-                break
-            await self._until_serving(deadline)
-            wait_until = min(deadline, time.monotonic() + self.settings.max_wait_s)
-            replica = await self.pool.acquire(request.session_id, wait_until, exclude=avoid)
-            if ahead is not None and ahead.replica is replica:
-                call = ahead
-            else:
-                call = self._engine_call(request, state, replica, remaining)
-            ahead = None
-            dispatch_version = replica.version if replica.version is not None else self.weights.version
-            run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
-            run.interrupted_at, run.preempted_at = interrupted_at, preempted_at
-            failed = False
-            try:
-                async for delta in self._segment(request, state, run, call, deadline):
-                    yield delta
-            except BackendError as exc:
-                if not exc.retryable:
-                    raise
-                failed = True
-                self._on_failure(replica, exc, state)
-            finally:
-                # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
-                # token it produced gets its version: a cut turn is recorded with aligned arrays.
-                self._close_segment(state, run)
-            avoid = (replica.id,) if failed else ()
-            if state.finish_reason is None:
-                # A continuation that produced nothing keeps the first break: latency is what the caller waited.
-                interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
-                preempted_at = None if failed else time.monotonic()
-                await self._prepare_resume(state, failed)
-                left = request.sampling.max_tokens - len(state.output_ids)
-                if not failed and left > 0:
-                    # Preempted: the replica most likely serves the continuation too, once the update is done.
-                    # Building it now (prompt plus tokens so far, encoded) takes that work off the moment every
-                    # held request is released at once; another replica then gets a call of its own.
-                    ahead = self._engine_call(request, state, replica, left)
+    async def _start(
+        self, request: GenerationRequest, state: GenerationState, resume: _Resume, *, whole: bool
+    ) -> tuple[_SegmentRun, _EngineCall] | None:
+        """The next segment (its replica placed, its engine request built), or None once the completion is done."""
+        if state.finish_reason is not None:
+            return None
+        remaining = request.sampling.max_tokens - len(state.output_ids)
+        if remaining <= 0:
+            state.finish_reason = "length"
+            return None
+        if not self.weights.serving:
+            await self._until_serving(resume.deadline)
+        replica = None if resume.avoid else self.pool.pick(request.session_id)
+        if replica is None:
+            wait_until = min(resume.deadline, time.monotonic() + self.settings.max_wait_s)
+            replica = await self.pool.acquire(request.session_id, wait_until, exclude=resume.avoid)
+        ahead, resume.ahead = resume.ahead, None
+        if ahead is not None and ahead.replica is replica:
+            call = ahead
+        else:
+            call = self._engine_call(request, state, replica, remaining, whole)
+        dispatch_version = replica.version if replica.version is not None else self.weights.version
+        run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
+        run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
+        return run, call
+
+    def _failed(self, replica: Replica, exc: BackendError, state: GenerationState) -> bool:
+        """A segment failed: re-raise what no other try can mend, else count the failure (True: resume)."""
+        if not exc.retryable:
+            raise exc
+        self._on_failure(replica, exc, state)
+        return True
+
+    async def _between(
+        self,
+        request: GenerationRequest,
+        state: GenerationState,
+        run: _SegmentRun,
+        resume: _Resume,
+        *,
+        failed: bool,
+        whole: bool,
+    ) -> None:
+        """A segment broke off before the completion finished: persist the partial state and set up the next one."""
+        resume.avoid = (run.replica.id,) if failed else ()
+        # A continuation that produced nothing keeps the first break: latency is what the caller waited.
+        resume.interrupted_at = run.interrupted_at if run.interrupted_at is not None else time.monotonic()
+        resume.preempted_at = None if failed else time.monotonic()
+        await self._prepare_resume(state, failed)
+        left = request.sampling.max_tokens - len(state.output_ids)
+        if not failed and left > 0:
+            # Preempted: the replica most likely serves the continuation too, once the update is done. Building it
+            # now (prompt plus tokens so far, encoded) takes that work off the moment every held request is
+            # released at once; another replica then gets a call of its own.
+            resume.ahead = self._engine_call(request, state, run.replica, left, whole)
 
     async def _until_serving(self, deadline: float) -> None:
         try:
@@ -260,9 +320,10 @@ class Generator:
             raise BackendUnavailable("request deadline passed while waiting for a weight update") from None
 
     def _engine_call(
-        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int
+        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int, whole: bool
     ) -> _EngineCall:
-        """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go."""
+        """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go;
+        `whole`: awaited as one answer (`complete`), else iterated (`stream`)."""
         backend = replica.backend
         prompt = request.prompt_ids + state.output_ids
         sampling = request.sampling
@@ -275,17 +336,21 @@ class Generator:
         experts_start = len(prompt) - 1 if continuing and splice else (request.experts_start if splice else 0)
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         request_id = f"{request.request_id}-{len(state.segments)}"
+        if whole:
+            answer = backend.whole_answer(prompt, sampling, request_id, replay, experts_start)
+            return _EngineCall(replica, request_id, None, answer, streamed=False)
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
         chunks = backend.generate(prompt, sampling, request_id, replay, experts_start, stream=stream)
-        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream))
+        return _EngineCall(replica, request_id, chunks, None, backend.capabilities.streams(stream))
 
     async def _segment(
         self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
     ) -> AsyncIterator[Delta]:
         engine_done = False
+        chunks = call.chunks
+        assert chunks is not None
         with self.pool.lease(run.replica):
             try:
-                chunks = call.chunks
                 if run.preempted_at is not None:
                     self._dispatched(run.preempted_at)
                 async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):
@@ -293,18 +358,56 @@ class Generator:
                         delta = self._absorb(state, run, chunk, request)
                         engine_done = chunk.finish_reason is not None
                         if delta is not None:
-                            if run.interrupted_at is not None:
-                                self._resumed(run, observe=call.streamed)
-                            self.completion_tokens_total += len(delta.token_ids)
+                            self._count(run, delta, observe=call.streamed)
                             yield delta
                         if run.finish is not None:
                             break
             except TimeoutError:
-                raise BackendUnavailable(f"request deadline of {self.settings.request_timeout_s}s passed") from None
+                raise self._deadline_passed(run) from None
             finally:
                 if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
                     self._abort_in_background(run.replica, call.request_id)
         self.pool.report_success(run.replica)
+
+    async def _whole_segment(
+        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
+    ) -> None:
+        """`_segment` for a whole answer, awaited in one step."""
+        answer = call.answer
+        assert answer is not None
+        engine_done = False
+        with self.pool.lease(run.replica):
+            try:
+                if run.preempted_at is not None:
+                    self._dispatched(run.preempted_at)
+                # The request's deadline goes with the answer: the connection's own timer enforces it.
+                loop_deadline = self._loop_deadline(deadline)
+                try:
+                    chunk = await answer(loop_deadline)
+                except BackendTimeout:
+                    if asyncio.get_running_loop().time() >= loop_deadline:
+                        raise self._deadline_passed(run) from None
+                    raise
+                engine_done = True
+                delta = self._absorb(state, run, chunk, request)
+                if delta is not None:
+                    self._count(run, delta, observe=False)
+            finally:
+                if not engine_done:  # client gone, or a broken answer: stop the engine request
+                    self._abort_in_background(run.replica, call.request_id)
+        self.pool.report_success(run.replica)
+
+    def _deadline_passed(self, run: _SegmentRun) -> DeadlinePassed:
+        return DeadlinePassed(
+            f"request deadline of {self.settings.request_timeout_s:g}s passed (generation.request_timeout_s)",
+            replica=run.replica.id,
+        )
+
+    def _count(self, run: _SegmentRun, delta: Delta, *, observe: bool) -> None:
+        """Tokens handed to the caller; the first of a continuation reports its resume latency."""
+        if run.interrupted_at is not None:
+            self._resumed(run, observe=observe)
+        self.completion_tokens_total += len(delta.token_ids)
 
     def _dispatched(self, preempted_at: float) -> None:
         """A continuation of a preempted segment was handed to its engine's client: report how long after the
@@ -395,7 +498,8 @@ class Generator:
         count = len(state.output_ids) - run.start
         fallback = run.weight_version or version_label(run.dispatch_version)
         labels = spans_to_versions(run.spans or [], count, fallback)
-        versions = [parse_version(label) for label in labels]
+        parsed = {label: parse_version(label) for label in set(labels)}  # a few labels, not one parse per token
+        versions = [parsed[label] for label in labels]
         if versions and state.versions and versions[0] < state.versions[-1]:
             # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
             logger.error(

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
@@ -679,6 +680,29 @@ async def test_a_whole_answer_may_outlast_the_read_timeout(
     assert response.status_code == 200, response.text
     result = response.json()
     assert len(result["output_ids"]) == 20 and result["num_resumes"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_past_its_deadline_is_504_and_blames_no_replica(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, stream: bool
+) -> None:
+    """The request's own deadline is no replica's failure: the engine request is aborted, the caller gets 504 at
+    once (no resume elsewhere), and the replica keeps serving."""
+    sim = await make_sim(*slow("vllm", delay=0.01))
+    gw = await make_gateway([sim], generation={"request_timeout_s": 0.3})
+    response = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2000, stream=stream))
+    if stream:  # the head went out with 200 before the deadline: the error is the stream's last event
+        error = orjson.loads(response.text.strip().rpartition("data: ")[2])["error"]
+        assert error["code"] == 504
+    else:
+        assert response.status_code == 504
+        error = response.json()["error"]
+    assert error["type"] == "timeout_error" and "request deadline of 0.3s passed" in error["message"]
+    await wait_for(lambda: sim.engine.counters["finished_abort"] == 1, what="engine abort at the deadline")
+    pool = gw.services.pool
+    assert [r.id for r in pool.candidates()] == [r.id for r in pool.all()]  # not marked down, no circuit opened
+    assert gw.services.generator.resumes_total == 0
+    assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))).status_code == 200
 
 
 async def test_retry_budget_gives_a_clear_error(

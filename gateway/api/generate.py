@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -22,6 +21,7 @@ from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
+from gateway.request_ids import new_request_id
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -83,7 +83,7 @@ def _request(body: GenerateBody) -> GenerationRequest:
         top_logprobs=s.top_logprobs,
     )
     return GenerationRequest(
-        request_id=f"gen-{secrets.token_hex(16)}",
+        request_id=new_request_id("gen"),
         prompt_ids=list(body.input_ids),
         sampling=sampling,
         session_id=body.session_id,
@@ -127,13 +127,8 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
 
         return GuardedStreamingResponse(chunks, release, media_type="text/event-stream")
     state = GenerationState(request)
-
-    async def run() -> None:
-        async for _ in svc.generator.stream(request, state):
-            pass
-
     try:
-        await unless_disconnected(raw, run(), lambda: None, DISCONNECT_WATCH_AFTER_S)
+        await unless_disconnected(raw, svc.generator.complete(request, state), lambda: None, DISCONNECT_WATCH_AFTER_S)
     finally:
         lease.release()
     result = _final(state, body)
