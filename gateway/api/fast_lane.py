@@ -4,12 +4,16 @@ A short `POST /generate` went through eleven ASGI layers before its handler: Sta
 the error, telemetry and body-limit middlewares, the gateway's two, the exception middleware, an exit stack, the
 router's matching over every route, and FastAPI's per-route wrappers; together about a tenth of the gateway's CPU
 on that request. For a request to one of the `LeanRoute` routes (`gateway.api.lean_route`) that declares a
-content-length within the body limit and whose body the lean path accepts, the lane keeps only the layers that
-decide anything for such a request, the same middleware classes the app stack is built from, in the same order:
+content-length within the body limit and whose body the lean path accepts, the lane keeps only what decides anything
+for such a request, from the middlewares the app stack is built with, in one layer instead of three (each wraps
+`send` and adds its frames to every request), with the app's handlers and in their order:
 
-* Starlette's `ServerErrorMiddleware` with the app's 500 handler (an unhandled error answers 500, then re-raises),
-* the gateway's `RequestMetrics` (every request counted once, by route template and status),
-* Starlette's `ExceptionMiddleware` with the app's other handlers (a `GatewayError` becomes its OpenAI-style answer),
+* Starlette's `ExceptionMiddleware`: an error the app has a handler for (a `GatewayError`, an `HTTPException`)
+  becomes that handler's answer, or a `RuntimeError` if the response had already started;
+* the gateway's `RequestMetrics`: every request counted once, by route template and status (500 for an error that
+  escapes, 499 for a request that ends without a response);
+* Starlette's `ServerErrorMiddleware`: any other error answers the app's 500 (if no response started), then
+  re-raises;
 
 and calls the route's dependencies and endpoint (`LeanCall.respond`). What it leaves out cannot act on such a
 request: the body limit refuses only bodies over it (the declared length is within it, and HTTP/1.1 framing holds
@@ -23,12 +27,15 @@ overrides, an app whose middlewares or settings differ from what `create_app` bu
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
@@ -46,12 +53,17 @@ try:
 except ImportError:  # pragma: no cover - an older FastAPI: no lane, the full stack serves every request
     _ROUTE_CONTEXTS = False
 
+try:
+    from starlette._utils import is_async_callable  # how Starlette tells an async handler (partials included)
+except ImportError:  # pragma: no cover - a Starlette that moved it
+    is_async_callable = inspect.iscoroutinefunction  # type: ignore[assignment]
+
 __all__ = ["FastLane"]
 
 logger = logging.getLogger(__name__)
 
 _PARSED = "rollout_gateway.lane_body"
-"""Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._respond`."""
+"""Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._serve`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +86,11 @@ class FastLane:
         self._max_body_bytes = max_body_bytes
         self._full = full
         error_handler, handlers = _split_handlers(app)
-        self._serve: ASGIApp = ServerErrorMiddleware(
-            RequestMetrics(ExceptionMiddleware(self._respond, handlers=handlers, debug=debug)),
-            handler=error_handler,
-            debug=debug,
-        )
+        self._server_error = ServerErrorMiddleware(full, handler=error_handler, debug=debug)
+        # The handlers as `ExceptionMiddleware` holds them, its defaults (plain HTTPException answers) included.
+        exceptions = ExceptionMiddleware(full, handlers=handlers, debug=debug)
+        self._status_handlers: dict[int, Any] = dict(exceptions._status_handlers)
+        self._exception_handlers: dict[Any, Any] = dict(exceptions._exception_handlers)
 
     @classmethod
     def of(cls, app: FastAPI, full: ASGIApp) -> FastLane | None:
@@ -141,11 +153,68 @@ class FastLane:
         scope[_PARSED] = (lane.call, value)
         await self._serve(scope, receive, send)
 
-    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Dependencies and endpoint on the parsed body, under the error handling and counting of the app's
+        middlewares (see the module docstring)."""
         call, value = scope.pop(_PARSED)
-        request = Request(scope, receive, send)
-        response = await call.respond(request, value)
-        await response(scope, receive, send)
+        status = 0  # of the response, once its head went out
+
+        async def tracking(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        request = Request(scope, receive, tracking)
+        try:
+            try:
+                response = await call.respond(request, value)
+                await response(scope, receive, tracking)
+            except Exception as exc:
+                handler = self._handler(exc)
+                if handler is None:
+                    raise
+                if status:
+                    raise RuntimeError("Caught handled exception, but response already started.") from exc
+                answer = await _call_handler(handler, request, exc)
+                if answer is not None:
+                    await answer(scope, receive, tracking)
+                exc.__traceback__ = None  # a reused exception instance would gather tracebacks across requests
+        except Exception as exc:
+            if not status:
+                status = 500
+                await (await self._server_error_answer(scope, exc))(scope, receive, send)
+            raise
+        finally:
+            count_request(scope, status or DISCONNECTED)
+
+    def _handler(self, exc: Exception) -> Any:
+        """The app's handler of `exc` (as `ExceptionMiddleware` looks it up), or None."""
+        if isinstance(exc, HTTPException):
+            handler = self._status_handlers.get(exc.status_code)
+            if handler is not None:
+                return handler
+        for cls in type(exc).__mro__:
+            if cls in self._exception_handlers:
+                return self._exception_handlers[cls]
+        return None
+
+    async def _server_error_answer(self, scope: Scope, exc: Exception) -> Any:
+        """The answer `ServerErrorMiddleware` gives an error nothing handled: the app's 500 handler's, its own plain
+        500, or the traceback page in debug mode."""
+        errors, request = self._server_error, Request(scope)
+        if errors.debug:
+            return await run_in_threadpool(errors.debug_response, request, exc)
+        if errors.handler is None:
+            return errors.error_response(request, exc)
+        return await _call_handler(errors.handler, request, exc)
+
+
+async def _call_handler(handler: Any, request: Request, exc: Exception) -> Any:
+    """An exception handler's answer; a plain `def` handler runs in the thread pool, as Starlette runs it."""
+    if is_async_callable(handler):
+        return await handler(request, exc)
+    return await run_in_threadpool(handler, request, exc)
 
 
 def _body_limit(app: FastAPI) -> int | None:
