@@ -6,7 +6,6 @@ resumes) travels under the vendor key `rollout`, which they ignore.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,6 +22,7 @@ from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
+from gateway.request_ids import new_request_id
 from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
@@ -136,7 +136,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     check_max_tokens(body.budget, budget_param, svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_chat(body, session))
-    completion_id = f"chatcmpl-{secrets.token_hex(16)}"
+    completion_id = new_request_id("chatcmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
@@ -262,7 +262,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_completion(body, session))
-    completion_id = f"cmpl-{secrets.token_hex(16)}"
+    completion_id = new_request_id("cmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
