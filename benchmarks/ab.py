@@ -6,19 +6,24 @@
     python -m benchmarks.ab /tmp/before . --api completions --one-turn      # no session: one-turn sessions
     python -m benchmarks.ab . . --set-b RG_GENERATION__STREAM_PACING_S=0.4 --workload rl   # one tree, two settings
     python -m benchmarks.ab /tmp/before . --dialect sglang --workload rl   # SGLang replicas (cumulative events)
+    python -m benchmarks.ab /tmp/before . --together --rounds 8    # both loaded at once: the steadiest ratio
 
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
 turns, ABBA (A B, B A, A B, ...), so that drift in the machine's speed falls on both alike. Reported: each run's
 CPU per request (or per token for streamed workloads) from /proc, the median of each side and their ratio. On
 this kind of shared 2-core machine one run moves by ±10 %, a ratio of medians over 4-6 rounds by a few percent.
-`--set-b NAME=VALUE` sets an environment variable for the second gateway only (a `RG_*` setting: one checkout
-against itself with another configuration); `--layout` places the processes as `benchmarks.compare` does.
+`--together` loads both in the same moments instead (each its own load generators, both on the proxy's core), so
+that a slower or faster spell of the machine, which moves single runs by far more than most changes save, falls on
+both within each round; the column "paired" reads the median of the rounds' own ratios. `--set-b NAME=VALUE` sets an
+environment variable for the second gateway only (a `RG_*` setting: one checkout against itself with another
+configuration); `--layout` places the processes as `benchmarks.compare` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -65,6 +70,7 @@ class Options:
     loadgens: int = 2
     cpus: tuple[int, ...] = ()
     dialect: str = "vllm"  # of the simulator replicas (sglang: cumulative stream events, as SGLang's default)
+    together: bool = False  # each round runs both checkouts at the same time instead of one after the other
 
 
 @dataclass
@@ -116,8 +122,13 @@ async def measure(options: Options, console: Console) -> list[Side]:
             await bench.replica_post("/sim/speed", {"token_delay": chosen.token_delay_s})
             for round_number in range(options.rounds):
                 order = list(zip(sides, targets, strict=True))
-                for side, target in order if round_number % 2 == 0 else order[::-1]:
-                    run = await bench.run(target, chosen)
+                if round_number % 2:
+                    order.reverse()
+                if options.together:  # both under load at once: what slows the machine slows both alike
+                    runs = await asyncio.gather(*(bench.run(target, chosen) for _, target in order))
+                else:
+                    runs = [await bench.run(target, chosen) for _, target in order]
+                for (side, _), run in zip(order, runs, strict=True):
                     side.errors += run.errors
                     count = run.tokens if chosen.stream else run.ok
                     if count:
@@ -138,18 +149,32 @@ def replica_arguments(dialect: str) -> tuple[str, ...]:
 def report(console: Console, options: Options, sides: list[Side]) -> None:
     unit = "CPU µs/token" if options.workload.stream else "CPU ms/request"
     medians = [statistics.median(side.units) if side.units else float("nan") for side in sides]
+    paired = paired_ratio(sides[0].units, sides[1].units)
     rows = [
-        [side.name, " ".join(f"{u:.3f}" for u in side.units), f"{median:.3f}", f"{median / medians[0]:.3f}"]
-        for side, median in zip(sides, medians, strict=True)
+        [
+            side.name,
+            " ".join(f"{u:.3f}" for u in side.units),
+            f"{median:.3f}",
+            f"{median / medians[0]:.3f}",
+            "1.000" if index == 0 else f"{paired:.3f}",
+        ]
+        for index, (side, median) in enumerate(zip(sides, medians, strict=True))
     ]
     console.print(f"\n{machine_line()}")
     print_table(
         console,
         f"{options.api}, {options.workload.name}: {unit}, each run and the median",
-        ["checkout", "runs", "median", "÷ first"],
+        ["checkout", "runs", "median", "÷ first", "paired ÷ first"],
         rows,
-        "CPU = the gateway process's utime+stime (/proc) during each timed run, per request or per streamed token.",
+        "CPU = the gateway process's utime+stime (/proc) during each timed run, per request or per streamed token. "
+        "paired = the median of each round's ratio (its two runs were closest in time: with --together, at once).",
     )
+
+
+def paired_ratio(first: Sequence[float], second: Sequence[float]) -> float:
+    """The median of the per-round ratios second ÷ first (rounds where either side measured nothing are left out)."""
+    ratios = [b / a for a, b in zip(first, second, strict=False) if a > 0 and b > 0]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="runs per checkout, alternating (4)")
     p.add_argument("--dialect", choices=("vllm", "sglang"), default="vllm", help="the simulator replicas' protocol")
     p.add_argument("--timeout", type=float, default=180.0, help="bound of each load-generator run, s")
+    p.add_argument(
+        "--together",
+        action="store_true",
+        help="load both gateways at once in each round (same core, same moment): a slower or faster spell of the "
+        "machine then falls on both; the default runs them in turns",
+    )
     p.add_argument(
         "--one-turn", action="store_true", help="requests name no session: each is a one-turn session of its own"
     )
@@ -209,6 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loadgens=args.loadgens,
         cpus=tuple(args.cpus or ()),
         dialect=args.dialect,
+        together=args.together,
     )
     return run_benchmark(main_async, options, options.timeout_s * 2 * options.rounds)
 

@@ -30,6 +30,25 @@ async def test_two_checkouts_side_by_side() -> None:
     assert "÷ first" in out.getvalue() and str(REPO) in out.getvalue()
 
 
+async def test_both_checkouts_loaded_at_once() -> None:
+    """`--together`: each round loads both gateways in the same moments; every run is still measured on its own."""
+    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
+    tiny = replace(short, sessions=4, requests=40, duration_s=1.0)
+    options = ab.Options((REPO, REPO), "generate", tiny, rounds=2, timeout_s=60, together=True)
+    sides = await ab.measure(options, Console(file=io.StringIO()))
+    assert [side.errors for side in sides] == [0, 0]
+    assert [len(side.units) for side in sides] == [2, 2] and all(u > 0 for side in sides for u in side.units)
+    out = io.StringIO()
+    ab.report(Console(file=out, width=200), options, sides)
+    assert "paired ÷ first" in out.getvalue()
+
+
+def test_the_paired_ratio_is_the_median_of_each_rounds_ratio() -> None:
+    # The medians' ratio would be 2.0 / 1.5; each round says the second side costs 1.1 to 1.3 times the first.
+    assert ab.paired_ratio([1.0, 2.0, 3.0], [1.1, 2.4, 3.9]) == pytest.approx(1.2)
+    assert ab.paired_ratio([1.0, 0.0], [2.0, 5.0]) == pytest.approx(2.0)  # a round without a figure is left out
+
+
 async def test_a_setting_of_the_second_side_reaches_its_gateway_only() -> None:
     """`--set-b`: the same checkout twice, the second under a limit its requests exceed, so only its runs fail."""
     short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
