@@ -261,7 +261,15 @@ class TurnRunner:
     # -- running ---------------------------------------------------------------------------------
 
     async def run(self, prepared: PreparedTurn) -> None:
-        """Generate every choice to the end (non-streaming)."""
+        """Generate every choice to the end (non-streaming). One choice without stop strings is generated in whole
+        engine answers (`Generator.complete`) and decoded once at the end: the detokenizer turns ids into the same
+        text in one feed as in one feed per delta (only its stop-string matching looks across feeds)."""
+        if len(prepared.choices) == 1 and prepared.choices[0].request.stop is None:
+            choice = prepared.choices[0]
+            await self.generator.complete(choice.request, choice.state)
+            self._decoded(choice, choice.detokenizer.feed(choice.state.output_ids), None)
+            self._finish(choice)
+            return
         async for _ in self.events(prepared):
             pass
 

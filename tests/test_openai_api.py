@@ -425,7 +425,11 @@ async def test_partial_sample_is_written_at_a_segment_boundary(
     partial = await gw.services.store.load_samples("partial")
     assert partial and 30 <= int(partial[0].loss_mask.sum()) < 400  # persisted mid-turn, before the reply ends
     chat = await task
-    assert len(chat.model_extra["rollout"]["choices"][0]["output_ids"]) == 400
+    output_ids = chat.model_extra["rollout"]["choices"][0]["output_ids"]
+    assert len(output_ids) == 400
+    # Two whole answers, decoded once at the end: the text of every token, as a stream would have shown it.
+    tokenizer = gw.services.turns.tokenizer
+    assert chat.choices[0].message.content == tokenizer.decode(output_ids, skip_special_tokens=True)
     stored = await gw.services.store.load_samples("partial")
     assert int(stored[0].loss_mask.sum()) == 400
     await api.close()
