@@ -2,14 +2,17 @@
 
 ASGI reports a disconnect only to a pending `receive()`, so noticing one needs a task that waits there. That task
 costs as much as a short request's whole route logic, and almost every request ends long before its client could
-leave; so the watcher can start late (`watch_after_s`): a request that ends before then never makes one, and one
-that runs longer notices a disconnect at most that much later. The work itself always runs in the caller's task
-(timeouts and cancel scopes inside it keep working); the watcher cancels that task when the client is gone.
+leave; so the watcher can start late (`watch_after_s`, by one timer for every request of the loop): a request that
+ends before then never makes one, and one that runs longer notices a disconnect at most 1.25 times that much later.
+The work itself always runs in the caller's task (timeouts and cancel scopes inside it keep working); the watcher
+cancels that task when the client is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -43,16 +46,16 @@ class _DisconnectWatch:
         self.on_disconnect = on_disconnect
         self.gone = False
         self.waiting = False
+        self.closed = False
         self._watcher: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
         if watch_after_s > 0:
-            self._timer = asyncio.get_running_loop().call_later(watch_after_s, self._start)
+            _late_starts(watch_after_s).add(self)
         else:
-            self._start()
+            self.start()
 
-    def _start(self) -> None:
-        self._timer = None
-        self._watcher = asyncio.get_running_loop().create_task(watch_disconnect(self.request, self._disconnected))
+    def start(self) -> None:
+        if not self.closed:
+            self._watcher = asyncio.get_running_loop().create_task(watch_disconnect(self.request, self._disconnected))
 
     def _disconnected(self) -> None:
         self.gone = True
@@ -70,10 +73,59 @@ class _DisconnectWatch:
     def close(self) -> None:
         """Stop watching. Not awaited: a cleanup that waits could itself be cancelled (a disconnect while a stream
         ends) and skip what follows it; a cancelled watcher ends at the loop's next pass, consuming nothing."""
-        if self._timer is not None:
-            self._timer.cancel()
+        self.closed = True
         if self._watcher is not None:
             self._watcher.cancel()
+
+
+class _LateStarts:
+    """Starts the watches of one event loop that wait `delay` before watching, on one timer for all: a watch costs
+    an append to a queue, where a timer of its own would be created and cancelled per request (with uvloop, a libuv
+    timer handle each). The timer fires at the oldest watch's start and then at most every quarter of `delay`, so
+    a watch starts at most that much late; one closed meanwhile (most requests) is dropped unstarted."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.queue: collections.deque[tuple[float, _DisconnectWatch]] = collections.deque()
+        self.armed = False
+
+    def add(self, watch: _DisconnectWatch) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.delay
+        self.queue.append((due, watch))
+        if not self.armed:
+            self.armed = True
+            loop.call_at(due, self._sweep)
+
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        queue = self.queue
+        while queue and queue[0][0] <= now:
+            queue.popleft()[1].start()
+        if queue:
+            loop.call_at(max(queue[0][0], now + self.delay / 4), self._sweep)
+        else:
+            self.armed = False
+
+
+_late_starts_of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _LateStarts]] = (
+    weakref.WeakKeyDictionary()
+)
+_last: tuple[asyncio.AbstractEventLoop | None, dict[float, _LateStarts]] = (None, {})
+
+
+def _late_starts(delay: float) -> _LateStarts:
+    """The running loop's `_LateStarts` for `delay` (the last loop's are kept at hand: there is one in a server)."""
+    global _last
+    loop = asyncio.get_running_loop()
+    if _last[0] is not loop:
+        _last = (loop, _late_starts_of.setdefault(loop, {}))
+    by_delay = _last[1]
+    starts = by_delay.get(delay)
+    if starts is None:
+        starts = by_delay[delay] = _LateStarts(delay)
+    return starts
 
 
 async def unless_disconnected(

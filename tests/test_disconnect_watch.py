@@ -94,3 +94,36 @@ async def test_a_relay_stops_and_closes_its_source_when_the_client_leaves_mid_st
         got.append(item)
         channel.left.set()
     assert got == [1] and closed.is_set()
+
+
+async def test_late_watches_made_apart_each_start_after_their_own_delay() -> None:
+    """One timer starts every late watch of the loop: each no sooner than its own delay (nor much later), and one
+    whose request ended before then never."""
+    delay = 0.2
+    loop = asyncio.get_running_loop()
+    channels = [Channel() for _ in range(3)]
+    made: list[float] = []
+    release = asyncio.Event()
+
+    async def watched(channel: Channel) -> None:
+        made.append(loop.time())
+        await unless_disconnected(channel.request(), release.wait(), lambda: None, watch_after_s=delay)
+
+    quick = Channel()
+    tasks = []
+    for channel in channels:
+        tasks.append(asyncio.create_task(watched(channel)))
+        await unless_disconnected(quick.request(), asyncio.sleep(0.01), lambda: None, watch_after_s=delay)
+        await asyncio.sleep(0.06)
+    started: dict[int, float] = {}
+    while len(started) < len(channels) and loop.time() < made[0] + 5:
+        for index, channel in enumerate(channels):
+            if channel.calls and index not in started:
+                started[index] = loop.time()
+        await asyncio.sleep(0.002)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert sorted(started) == [0, 1, 2]
+    for index, at in started.items():
+        assert delay <= at - made[index] < delay * 1.25 + 0.25  # a quarter of the delay late at most, plus a busy CI
+    assert quick.calls == 0

@@ -31,8 +31,8 @@ class LastChunk(bytes):
 
 DISCONNECT_WATCH_AFTER_S = 0.25
 """How long a request runs before the gateway starts watching for its client's disconnect (`backends.asgi`): most
-requests end sooner and never pay for a watcher task; a client that leaves is noticed at most this late, and the
-engine request it abandoned is aborted then."""
+requests end sooner and never pay for a watcher task; a client that leaves is noticed at most 1.25 times this late,
+and the engine request it abandoned is aborted then."""
 
 
 class GatewayApp(FastAPI):
