@@ -88,7 +88,7 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class GenerationState:
     """Everything known about a completion; final once `finish_reason` is set."""
 

@@ -13,8 +13,12 @@ from gateway.services import Services
 # hop (two thread handoffs per request) cost more than the whole route on the short-request benchmark.
 
 
+_AGENT_KEY = "rollout_gateway.agent_key"
+"""Scope key of the key id `require_agent` found (the scope itself: `request.state` costs an object per request)."""
+
+
 def _services(request: Request) -> Services:
-    found: Services = request.app.state.services
+    found: Services = request.scope["app"].state.services
     return found
 
 
@@ -27,12 +31,12 @@ async def require_admin(request: Request) -> None:
 
 
 async def require_agent(request: Request) -> None:
-    request.state.agent_key = check_agent(request, _services(request).settings.server.api_keys)
+    request.scope[_AGENT_KEY] = check_agent(request, _services(request).settings.server.api_keys)
 
 
 def agent_key(request: Request) -> str:
     """The key id `require_agent` found for this request."""
-    found: str = request.state.agent_key
+    found: str = request.scope[_AGENT_KEY]
     return found
 
 
