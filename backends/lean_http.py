@@ -71,6 +71,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.deadline = 0.0  # loop time by which the whole answer in flight must be complete
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # the loop time `_timer` fires at
 
     # -- asyncio.Protocol
 
@@ -140,8 +141,12 @@ class _Connection(asyncio.Protocol):
         self._reset(streaming=False)
         self.answer = loop.create_future()
         self.deadline = deadline
-        if self._timer is None:  # one timer per connection, moved on only when it fires (see `_check_deadline`)
-            self._timer = loop.call_at(deadline, self._check_deadline)
+        # One timer per connection, moved on only when it fires (see `_check_deadline`), or re-armed for a deadline
+        # sooner than it (a caller's own deadline, shorter than the read timeout a request before armed it for).
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = loop.call_at(deadline, self._check_deadline), deadline
         self._write(request)
         return self.answer
 
@@ -196,7 +201,7 @@ class _Connection(asyncio.Protocol):
             return  # idle, or a stream (timed by its reader): the next whole answer arms the timer again
         loop = asyncio.get_running_loop()
         if loop.time() < self.deadline:  # a later request than the one that armed it: wait for its own deadline
-            self._timer = loop.call_at(self.deadline, self._check_deadline)
+            self._timer, self._timer_at = loop.call_at(self.deadline, self._check_deadline), self.deadline
             return
         self._fail(TimeoutError("no complete answer within the read timeout"))
 

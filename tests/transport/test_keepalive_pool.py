@@ -294,6 +294,31 @@ async def test_the_read_timeout_counts_from_each_request_on_a_reused_connection(
     assert server.connections == 1
 
 
+async def test_a_deadline_sooner_than_the_armed_timer_is_kept_on_a_reused_connection() -> None:
+    """The first request armed the connection's timer for its read timeout (10 s); the next one brings a deadline
+    of its own 0.3 s away (the request's deadline, `post(..., deadline)`), which must not wait for that timer."""
+    answered = 0
+
+    async def serve(connection: Connection) -> None:
+        nonlocal answered
+        while await connection.read_request() is not None:
+            answered += 1
+            if answered == 1:
+                await connection.answer(ok())
+            # the second request gets no answer
+
+    async with raw_server(serve) as server:
+        pool = pool_for(server.url, read_timeout_s=10.0)
+        assert await pool.post("/x", b"{}") == (200, OK)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pool.post("/x", b"{}", deadline=started + 0.3), 5)
+        assert loop.time() - started < 3  # at its own deadline, not the 10 s the first request armed
+        await pool.aclose()
+    assert server.connections == 1
+
+
 async def test_a_cancelled_caller_closes_its_connection() -> None:
     async with raw_server(silent) as server:
         pool = pool_for(server.url)
