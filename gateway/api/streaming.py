@@ -49,14 +49,20 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
-        if scope["type"] == "http":
-            lane = self._lane
-            if lane is False:
-                lane = self._lane = FastLane.of(self, self._stack)
-            if lane is not None and lane.serves(scope):
-                await lane(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
+        try:
+            if scope["type"] == "http":
+                lane = self._lane
+                if lane is False:
+                    lane = self._lane = FastLane.of(self, self._stack)
+                if lane is not None and lane.serves(scope):
+                    await lane(scope, receive, send)
+                    return
+            await super().__call__(scope, receive, send)
+        finally:
+            # The server's `send` is a method of its request cycle, which holds the scope: left here, the two would
+            # make a reference cycle per request, the cycle's whole state (headers, events) garbage that only the
+            # cyclic collector frees.
+            scope.pop(SERVER_SEND, None)
 
     @property
     def fast_lane(self) -> FastLane | None:
