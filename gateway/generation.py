@@ -224,7 +224,8 @@ class Generator:
                 try:
                     await self._whole_segment(request, state, run, call, resume.deadline)
                 except BackendError as exc:
-                    failed = self._failed(run.replica, exc, state)
+                    self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
+                    failed = True
                 finally:
                     self._close_segment(state, run)  # see `stream`
                 if state.finish_reason is None:
@@ -246,7 +247,8 @@ class Generator:
                     async for delta in self._segment(request, state, run, call, resume.deadline):
                         yield delta
                 except BackendError as exc:
-                    failed = self._failed(run.replica, exc, state)
+                    self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
+                    failed = True
                 finally:
                     # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
                     # token it produced gets its version: a cut turn is recorded with aligned arrays.
@@ -282,13 +284,6 @@ class Generator:
         run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
         return run, call
-
-    def _failed(self, replica: Replica, exc: BackendError, state: GenerationState) -> bool:
-        """A segment failed: re-raise what no other try can mend, else count the failure (True: resume)."""
-        if not exc.retryable:
-            raise exc
-        self._on_failure(replica, exc, state)
-        return True
 
     async def _between(
         self,
@@ -555,6 +550,9 @@ class Generator:
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))  # jittered backoff before the next try
 
     def _on_failure(self, replica: Replica, exc: BackendError, state: GenerationState) -> None:
+        """A segment failed: re-raise what no other try can mend, else count the failure and blame the replica."""
+        if not exc.retryable:
+            raise exc
         state.num_failures += 1
         logger.warning(
             "request %s: replica %s failed after %d tokens: %s",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from backends.sim.engine import EngineSettings
 from backends.sim.server import SimProcess
@@ -334,10 +336,6 @@ async def test_served_requests_leave_no_reference_cycle_of_the_server(
     its scope, headers and events, freed only by the cyclic collector (about 4 % of the CPU of a short request).
     Now the app drops it when the request ends; the simulator runs in a process of its own, so that whatever
     garbage is left here is the gateway's or the client's."""
-    import gc
-
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-
     sim = SimProcess()
     await asyncio.to_thread(sim.start)
     try:
