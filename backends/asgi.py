@@ -38,15 +38,16 @@ async def watch_disconnect(request: Request, on_disconnect: Callable[[], object]
 class _DisconnectWatch:
     """Watches one request for a disconnect, from `watch_after_s` on, and cancels `task` while it `waiting`."""
 
+    __slots__ = ("_watcher", "gone", "on_disconnect", "request", "task", "waiting")
+
     def __init__(self, request: Request, on_disconnect: Callable[[], object], watch_after_s: float) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self.task = task
-        self.request = request
-        self.on_disconnect = on_disconnect
+        self.task: asyncio.Task[object] | None = task
+        self.request: Request | None = request
+        self.on_disconnect: Callable[[], object] | None = on_disconnect
         self.gone = False
         self.waiting = False
-        self.closed = False
         self._watcher: asyncio.Task[None] | None = None
         if watch_after_s > 0:
             _late_starts(watch_after_s).add(self)
@@ -54,10 +55,12 @@ class _DisconnectWatch:
             self.start()
 
     def start(self) -> None:
-        if not self.closed:
+        if self.request is not None:  # not closed
             self._watcher = asyncio.get_running_loop().create_task(watch_disconnect(self.request, self._disconnected))
 
     def _disconnected(self) -> None:
+        if self.task is None or self.on_disconnect is None:
+            return  # closed meanwhile
         self.gone = True
         self.on_disconnect()
         if self.waiting:
@@ -65,17 +68,22 @@ class _DisconnectWatch:
 
     def absorb(self) -> bool:
         """In an `except CancelledError`: True if the cancellation was this watch's (absorbed: the client left)."""
-        if not self.gone:
+        if not self.gone or self.task is None:
             return False
         self.task.uncancel()
         return True
 
     def close(self) -> None:
         """Stop watching. Not awaited: a cleanup that waits could itself be cancelled (a disconnect while a stream
-        ends) and skip what follows it; a cancelled watcher ends at the loop's next pass, consuming nothing."""
-        self.closed = True
+        ends) and skip what follows it; a cancelled watcher ends at the loop's next pass, consuming nothing.
+
+        The watch lets go of the request, its task and the callback: a watch waiting for its late start (most of
+        them, closed long before it) would otherwise keep the whole request (scope, server cycle, frames) alive
+        until then."""
+        self.request = self.task = self.on_disconnect = None
         if self._watcher is not None:
             self._watcher.cancel()
+            self._watcher = None
 
 
 class _LateStarts:

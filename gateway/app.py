@@ -35,9 +35,10 @@ def create_app(
     with FastAPI's own, which answers the same (tests compare the two)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with open_services(settings, backend_factory) as services:
             app.state.services = services
+            app.services = services
             if server_process:
                 tune_gc()
             yield

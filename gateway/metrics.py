@@ -4,7 +4,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 
 | metric                                   | type      | labels        | recorded                                  |
 |------------------------------------------|-----------|---------------|-------------------------------------------|
-| `rollout_gateway_requests_total`         | counter   | route, status | once per HTTP request (ASGI middleware)   |
+| `rollout_gateway_requests_total`         | counter   | route, status | per HTTP request, read at scrape          |
 | `rollout_gateway_tokens_total`           | counter   | kind          | read at scrape from `Generator` counters  |
 | `rollout_gateway_in_flight`              | gauge     | replica       | read at scrape from the pool              |
 | `rollout_gateway_replica_healthy`        | gauge     | replica       | read at scrape from the pool              |
@@ -56,7 +56,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.errors import StoreError
@@ -154,19 +154,30 @@ class _LiveCollector:
             )
 
 
+class _RequestCounts:
+    """`rollout_gateway_requests_total` from plain integers: one dict update per request, where a prometheus child
+    takes a lock and checks its state at every `inc`; exposed when scraped (one event loop counts and scrapes)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, int], int] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_requests", "HTTP requests by route template and status.", labels=["route", "status"]
+        )
+        for (route, status), count in list(self.counts.items()):
+            family.add_metric([route, str(status)], count)
+        yield family
+
+
 class GatewayMetrics:
     """The metrics of one gateway: its own registry, the pushed metrics, and the scrape-time collector."""
 
     def __init__(self, *, pending_timeout_s: float = 0.25) -> None:
         self.registry = CollectorRegistry()
         self.pending_timeout_s = pending_timeout_s
-        self.requests = Counter(
-            f"{PREFIX}_requests",
-            "HTTP requests by route template and status.",
-            ["route", "status"],
-            registry=self.registry,
-        )
-        self._request_counts: dict[tuple[str, int], Counter] = {}
+        self._requests = _RequestCounts()
+        self.registry.register(self._requests)
         self.resume_latency = Histogram(
             f"{PREFIX}_resume_latency_seconds",
             "From a segment's abort or failure to the first token of its continuation (streamed continuations).",
@@ -200,10 +211,8 @@ class GatewayMetrics:
 
     def observe_request(self, route: str, status: int) -> None:
         key = (route, status)
-        child = self._request_counts.get(key)
-        if child is None:  # `labels` validates and locks at every call: look each child up once
-            child = self._request_counts[key] = self.requests.labels(route, str(status))
-        child.inc()
+        counts = self._requests.counts
+        counts[key] = counts.get(key, 0) + 1
 
     def observe_resume(self, seconds: float) -> None:
         self.resume_latency.observe(seconds)

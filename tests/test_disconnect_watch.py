@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -38,6 +39,20 @@ async def test_a_request_that_ends_before_the_watch_starts_never_waits_on_receiv
     assert await unless_disconnected(channel.request(), quick(), lambda: None, watch_after_s=0.5) == "done"
     await asyncio.sleep(0.6)  # past the start the watch would have had
     assert channel.calls == 0
+
+
+async def test_a_finished_request_is_not_kept_alive_until_its_watch_would_have_started() -> None:
+    channel = Channel()
+    request = channel.request()
+    gone = weakref.ref(request)
+
+    async def quick() -> str:
+        await asyncio.sleep(0)
+        return "done"
+
+    assert await unless_disconnected(request, quick(), lambda: None, watch_after_s=30) == "done"
+    del request
+    assert gone() is None  # freed now by reference counting, not when the queued late start comes due in 30 s
 
 
 async def test_a_late_watch_still_cancels_work_whose_client_left() -> None:

@@ -30,6 +30,7 @@ from backends.asgi import ClientDisconnected
 from gateway.api import deps, generate, openai
 from gateway.api.errors import install_error_handlers
 from gateway.api.generate import GenerateBody
+from gateway.api.json_answer import JSONAnswer
 from gateway.api.lean_route import LeanRoute, is_json_content_type
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import RequestMetrics
@@ -569,3 +570,14 @@ def test_json_validation_builds_the_model_fastapi_builds(case: tuple[type[BaseMo
         return  # FastAPI's handler decides
     stock = TypeAdapter(model).validate_python(json.loads(body), from_attributes=True)
     assert repr(lean) == repr(stock)
+
+
+@given(st.binary(max_size=300))
+def test_a_json_answer_is_starlettes_json_response(body: bytes) -> None:
+    ours, theirs = JSONAnswer(body), Response(body, media_type="application/json")
+    assert (ours.status_code, ours.raw_headers, ours.body, ours.background) == (
+        theirs.status_code,
+        theirs.raw_headers,
+        theirs.body,
+        theirs.background,
+    )

@@ -18,7 +18,15 @@ _AGENT_KEY = "rollout_gateway.agent_key"
 
 
 def _services(request: Request) -> Services:
-    found: Services = request.scope["app"].state.services
+    found = services_of(request.scope["app"])
+    if found is None:
+        raise RuntimeError("the gateway's services are not running: its app's lifespan has not started them")
+    return found
+
+
+def services_of(app: object) -> Services | None:
+    """The services of a gateway app (`GatewayApp.services`) once its lifespan started them, else None."""
+    found: Services | None = getattr(app, "services", None)
     return found
 
 

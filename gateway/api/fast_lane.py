@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.errors import ServerErrorMiddleware
 from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -61,6 +62,9 @@ except ImportError:  # pragma: no cover - a Starlette that moved it
 __all__ = ["FastLane"]
 
 logger = logging.getLogger(__name__)
+
+_PLAIN_CALL = Response.__call__
+"""How a plain `Response` sends itself (its head, then its whole body); the lane sends such answers directly."""
 
 _PARSED = "rollout_gateway.lane_body"
 """Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._serve`."""
@@ -165,11 +169,17 @@ class FastLane:
                 status = message["status"]
             await send(message)
 
-        request = Request(scope, receive, tracking)
+        request = Request(scope, receive, send)
         try:
             try:
                 response = await call.respond(request, value)
-                await response(scope, receive, tracking)
+                if type(response).__call__ is _PLAIN_CALL and response.background is None:
+                    # What `Response.__call__` sends, sent here: no wrapper around `send` for a plain answer.
+                    status = response.status_code
+                    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+                    await send({"type": "http.response.body", "body": response.body})
+                else:
+                    await response(scope, receive, tracking)
             except Exception as exc:
                 handler = self._handler(exc)
                 if handler is None:

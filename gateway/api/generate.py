@@ -16,6 +16,7 @@ from backends.base import SamplingParams
 from backends.errors import GatewayError
 from backends.routed_experts import encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
@@ -134,7 +135,7 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
     result = _final(state, body)
     result["output_ids"] = state.output_ids
     result["logprobs"] = state.logprobs
-    return Response(orjson.dumps(result), media_type="application/json")
+    return json_answer(result)
 
 
 async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: GenerateBody) -> AsyncIterator[bytes]:

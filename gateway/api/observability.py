@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api.deps import ServicesDep
+from gateway.api.deps import ServicesDep, services_of
 from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE
 from gateway.services import Services
 
@@ -66,7 +66,7 @@ class RequestMetrics:
 def count_request(scope: Scope, status: int) -> None:
     """Count one request of `scope` (its app and matched route set) with `status`, as `RequestMetrics` does."""
     # The services appear with the lifespan; a request served without one (a bare ASGI test) is not counted.
-    services: Services | None = getattr(scope["app"].state, "services", None)
+    services = services_of(scope["app"])
     if services is None:
         return
     route = scope.get("route")  # set by the router on the shared scope; absent if nothing matched

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
@@ -26,10 +27,6 @@ from gateway.request_ids import new_request_id
 from gateway.services import Services
 from gateway.sessions import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
-
-
-def _json(content: Any) -> Response:
-    return Response(orjson.dumps(content), media_type="application/json")
 
 
 def _sse(payload: Any) -> bytes:
@@ -93,7 +90,7 @@ async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) 
 def _envelope(
     kind: str, completion_id: str, runner: TurnRunner, prepared: PreparedTurn, choices: list[Any]
 ) -> Response:
-    return _json(
+    return json_answer(
         {
             "id": completion_id,
             "object": kind,

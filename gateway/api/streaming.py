@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from backends.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.fast_lane import FastLane
+from gateway.services import Services
 
 SERVER_SEND = "rollout_gateway.server_send"
 """Scope key of the ASGI server's `send`, as the server passed it to the application."""
@@ -46,6 +47,9 @@ class GatewayApp(FastAPI):
     """
 
     _lane: FastLane | None | Literal[False] = False  # False: not built yet
+    services: Services | None = None
+    """The running services, set by the lifespan beside `state.services` (a plain attribute: Starlette's `State`
+    finds its entries by raising and catching an AttributeError, at every read)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[SERVER_SEND] = send
