@@ -116,13 +116,20 @@ async def test_writelines_keeps_the_order_after_a_held_head() -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
+async def serve(app: Any, keep_alive_s: float = 5.0) -> AsyncIterator[str]:
     """`app` served by uvicorn over `HeadWithBodyProtocol` on a free port of this loop. The socket listens before
     uvicorn starts, so a client's connection waits in its backlog until uvicorn accepts it: nothing to poll for."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    config = uvicorn.Config(app, loop="none", http=HeadWithBodyProtocol, lifespan="off", log_level="warning")
+    config = uvicorn.Config(
+        app,
+        loop="none",
+        http=HeadWithBodyProtocol,
+        lifespan="off",
+        log_level="warning",
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # a float works; uvicorn annotates an int
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -166,3 +173,38 @@ async def test_a_stream_gets_its_head_before_its_first_event() -> None:
             assert answer.status_code == 200
             head_seen.set()
             assert await answer.aread() == b"event"
+
+
+async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """One POST on a raw kept-alive connection; the answer's two-byte body."""
+    writer.write(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1\r\n\r\nx")
+    await reader.readuntil(b"\r\n\r\n")
+    return await reader.readexactly(2)
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_timeout_and_a_busy_one_is_not() -> None:
+    keep_alive_s = 0.3
+    slow = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        if slow.is_set():
+            await asyncio.sleep(2 * keep_alive_s)  # a request running past the timeout: its connection is not idle
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serve(app, keep_alive_s) as url:
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        slow.set()
+        assert await _post(reader, writer) == b"ok"  # answered after twice the timeout, on the same connection
+        slow.clear()
+        for _ in range(3):  # reused within the timeout, again and again
+            await asyncio.sleep(keep_alive_s / 2)
+            assert await _post(reader, writer) == b"ok"
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # then idle: the server closes it
+        waited = asyncio.get_running_loop().time() - started
+        assert keep_alive_s <= waited + 0.01  # not before the timeout (the sweep may come up to 1.25 times it late)
+        writer.close()
+        await writer.wait_closed()
