@@ -125,8 +125,10 @@ class HeadWithBodyProtocol(HttpToolsProtocol):
         self._sweeper.forget(self)
 
     def on_response_complete(self) -> None:
-        if self.pipeline or self.transport.is_closing():
-            super().on_response_complete()  # starts a pipelined request, or leaves a closing connection: no timer
+        if self.pipeline or self.transport.is_closing() or self.timeout_keep_alive <= 0:
+            # A pipelined request starts, or a closing connection is left (no timer either way), or a connection
+            # that closes as soon as it is idle gets uvicorn's own zero-delay timer (a sweep every 0 s would spin).
+            super().on_response_complete()
             return
         # uvicorn's steps, the keep-alive timer aside.
         self.server_state.total_requests += 1
@@ -138,7 +140,7 @@ class HeadWithBodyProtocol(HttpToolsProtocol):
     def _unset_keepalive_if_required(self) -> None:
         """Data arrived, the connection closes, or a response completed: the connection is no longer idle."""
         self.idle_since = None
-        if self.timeout_keep_alive_task is not None:  # never armed by this class; kept for uvicorn's own paths
+        if self.timeout_keep_alive_task is not None:  # armed by uvicorn's path only (a zero timeout)
             super()._unset_keepalive_if_required()
 
 
@@ -149,6 +151,7 @@ class _IdleSweeper:
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         self.loop = loop
         self.timeout = timeout
+        self.interval = max(timeout / 4, 0.05)  # a timeout under 0.2 s is checked every 50 ms, not spun on
         self.connections: set[HeadWithBodyProtocol] = set()
         self.armed = False
 
@@ -156,7 +159,7 @@ class _IdleSweeper:
         self.connections.add(protocol)
         if not self.armed:
             self.armed = True
-            self.loop.call_later(self.timeout / 4, self._sweep)
+            self.loop.call_later(self.interval, self._sweep)
 
     def forget(self, protocol: HeadWithBodyProtocol) -> None:
         self.connections.discard(protocol)
@@ -169,7 +172,7 @@ class _IdleSweeper:
                 self.connections.discard(protocol)
                 protocol.timeout_keep_alive_handler()  # uvicorn's: close the transport unless it is closing
         if self.connections:
-            self.loop.call_later(self.timeout / 4, self._sweep)
+            self.loop.call_later(self.interval, self._sweep)
         else:
             self.armed = False
 

@@ -208,3 +208,17 @@ async def test_an_idle_kept_alive_connection_is_closed_after_the_timeout_and_a_b
         assert keep_alive_s <= waited + 0.01  # not before the timeout (the sweep may come up to 1.25 times it late)
         writer.close()
         await writer.wait_closed()
+
+
+async def test_a_zero_keep_alive_closes_the_connection_after_its_response() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serve(app, keep_alive_s=0) as url:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        assert await _post(reader, writer) == b"ok"
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed at once, as uvicorn does
+        writer.close()
+        await writer.wait_closed()
