@@ -110,7 +110,9 @@ class _LateStarts:
         now = loop.time()
         queue = self.queue
         while queue and queue[0][0] <= now:
-            queue.popleft()[1].start()
+            watch = queue.popleft()[1]
+            if watch.request is not None:  # most were closed long before: nothing to start
+                watch.start()
         if queue:
             loop.call_at(max(queue[0][0], now + self.delay / 4), self._sweep)
         else:

@@ -39,14 +39,12 @@ class Replica:
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0
     version: int | None = None
+    id: str = field(init=False)  # the backend's, kept here: read several times a request
     key: int = field(init=False)
 
     def __post_init__(self) -> None:
+        self.id = self.backend.id
         self.key = string_key(self.backend.id)
-
-    @property
-    def id(self) -> str:
-        return self.backend.id
 
     def serving(self, now: float) -> bool:
         return self.healthy and not self.stale and not self.draining and now >= self.circuit_open_until

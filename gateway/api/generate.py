@@ -58,8 +58,9 @@ def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
             f"input_ids[{bad}] = {body.input_ids[bad]} is outside the vocabulary (size {vocab_size})",
             param="input_ids",
         )
-    stop = next((t for t in body.sampling_params.stop_token_ids if t >= vocab_size), None)
-    if stop is not None:
+    stop_ids = body.sampling_params.stop_token_ids
+    if stop_ids and max(stop_ids) >= vocab_size:
+        stop = next(t for t in stop_ids if t >= vocab_size)
         raise InvalidRequest(f"stop token id {stop} is outside the vocabulary", param="sampling_params.stop_token_ids")
     total = len(body.input_ids) + body.sampling_params.max_tokens
     if total > max_model_len:
@@ -91,6 +92,11 @@ def _request(body: GenerateBody) -> GenerationRequest:
         want_routed_experts=body.return_routed_experts,
         stream=body.stream,
     )
+
+
+def _nothing() -> None:
+    """What a disconnect needs besides the cancellation of the request: nothing (the generation aborts its engine
+    request when cancelled)."""
 
 
 def _final(state: GenerationState, body: GenerateBody) -> dict[str, Any]:
@@ -129,7 +135,7 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
         return GuardedStreamingResponse(chunks, release, media_type="text/event-stream")
     state = GenerationState(request)
     try:
-        await unless_disconnected(raw, svc.generator.complete(request, state), lambda: None, DISCONNECT_WATCH_AFTER_S)
+        await unless_disconnected(raw, svc.generator.complete(request, state), _nothing, DISCONNECT_WATCH_AFTER_S)
     finally:
         lease.release()
     result = _final(state, body)
