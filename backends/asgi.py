@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
+
+from backends.loop_local import loop_local
 
 T = TypeVar("T")
 
@@ -50,7 +51,7 @@ class _DisconnectWatch:
         self.waiting = False
         self._watcher: asyncio.Task[None] | None = None
         if watch_after_s > 0:
-            _late_starts(watch_after_s).add(self)
+            loop_local(_LateStarts, watch_after_s).add(self)
         else:
             self.start()
 
@@ -117,25 +118,6 @@ class _LateStarts:
             loop.call_at(max(queue[0][0], now + self.delay / 4), self._sweep)
         else:
             self.armed = False
-
-
-_late_starts_of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _LateStarts]] = (
-    weakref.WeakKeyDictionary()
-)
-_last: tuple[asyncio.AbstractEventLoop | None, dict[float, _LateStarts]] = (None, {})
-
-
-def _late_starts(delay: float) -> _LateStarts:
-    """The running loop's `_LateStarts` for `delay` (the last loop's are kept at hand: there is one in a server)."""
-    global _last
-    loop = asyncio.get_running_loop()
-    if _last[0] is not loop:
-        _last = (loop, _late_starts_of.setdefault(loop, {}))
-    by_delay = _last[1]
-    starts = by_delay.get(delay)
-    if starts is None:
-        starts = by_delay[delay] = _LateStarts(delay)
-    return starts
 
 
 async def unless_disconnected(

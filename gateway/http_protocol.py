@@ -17,10 +17,11 @@ response only stamps its connection idle; an `_IdleSweeper` per loop closes the 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from backends.loop_local import loop_local
 
 __all__ = ["HeadWithBodyProtocol", "HeadWithBodyTransport"]
 
@@ -118,7 +119,7 @@ class HeadWithBodyProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not `asyncio.Transport` subclasses, but they have its methods.
         super().connection_made(HeadWithBodyTransport(cast(asyncio.Transport, transport), self.loop))
-        self._sweeper = _idle_sweeper(self.loop, self.timeout_keep_alive)
+        self._sweeper = loop_local(_IdleSweeper, float(self.timeout_keep_alive))
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -148,8 +149,8 @@ class _IdleSweeper:
     """Closes the kept-alive connections of one event loop idle for `timeout` seconds, checking every quarter of it
     while any is open (see the module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self.loop = loop
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
         self.timeout = timeout
         self.interval = max(timeout / 4, 0.05)  # a timeout under 0.2 s is checked every 50 ms, not spun on
         self.connections: set[HeadWithBodyProtocol] = set()
@@ -175,17 +176,3 @@ class _IdleSweeper:
             self.loop.call_later(self.interval, self._sweep)
         else:
             self.armed = False
-
-
-_sweepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, _IdleSweeper]] = weakref.WeakKeyDictionary()
-
-
-def _idle_sweeper(loop: asyncio.AbstractEventLoop, timeout: float) -> _IdleSweeper:
-    """The sweeper of `loop` for `timeout` (one per server setting; a process runs one server)."""
-    by_timeout = _sweepers.get(loop)
-    if by_timeout is None:
-        by_timeout = _sweepers[loop] = {}
-    sweeper = by_timeout.get(timeout)
-    if sweeper is None:
-        sweeper = by_timeout[timeout] = _IdleSweeper(loop, timeout)
-    return sweeper

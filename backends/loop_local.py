@@ -1,0 +1,32 @@
+"""One object per running event loop and key: the helpers that run one timer for many requests (the late disconnect
+watches, the idle keep-alive sweep) keep theirs here, so that each event loop (a server, a test) has its own."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, cast
+
+__all__ = ["loop_local"]
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, Any]] = weakref.WeakKeyDictionary()
+_last: tuple[asyncio.AbstractEventLoop | None, dict[Hashable, Any]] = (None, {})
+
+
+def loop_local(make: Callable[[K], T], arg: K) -> T:
+    """The running loop's `make(arg)`, made at the first call for this loop, `make` and `arg`. The last loop's
+    objects are kept at hand (a server runs one loop): a call costs no weak-reference lookup."""
+    global _last
+    loop = asyncio.get_running_loop()
+    if _last[0] is not loop:
+        _last = (loop, _by_loop.setdefault(loop, {}))
+    objects = _last[1]
+    key = (make, arg)
+    found = objects.get(key)
+    if found is None:
+        found = objects[key] = make(arg)
+    return cast(T, found)
