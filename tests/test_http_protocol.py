@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_protocol import HeadWithBodyProtocol, HeadWithBodyTransport
+from gateway.http_protocol import HeadWithBodyProtocol, HeadWithBodyTransport, send_whole_answer
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 
@@ -128,6 +128,7 @@ async def serve(app: Any, keep_alive_s: float = 5.0) -> AsyncIterator[str]:
         http=HeadWithBodyProtocol,
         lifespan="off",
         log_level="warning",
+        access_log=False,  # as the gateway serves (an access log leaves whole answers to `send`)
         timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # a float works; uvicorn annotates an int
     )
     server = uvicorn.Server(config)
@@ -224,3 +225,80 @@ async def test_a_zero_keep_alive_closes_the_connection_after_its_response() -> N
         assert await asyncio.wait_for(reader.read(), 10) == b""  # closed at once, as uvicorn does
         writer.close()
         await writer.wait_closed()
+
+
+WHOLE_HEADERS = [(b"content-length", b"7"), (b"content-type", b"application/json")]
+
+
+async def _whole_or_sent(scope: Scope, receive: Receive, send: Send) -> None:
+    """`/whole` answers through `send_whole_answer`, anything else the same answer through `send`; the body says
+    whether `send_whole_answer` took it."""
+    await receive()
+    if scope["path"] == "/whole":
+        assert send_whole_answer(send, 201, WHOLE_HEADERS, b'{"a":1}')
+        assert not send_whole_answer(send, 201, WHOLE_HEADERS, b'{"a":1}')  # once sent, never again
+        return
+    await send({"type": "http.response.start", "status": 201, "headers": WHOLE_HEADERS})
+    await send({"type": "http.response.body", "body": b'{"a":1}'})
+
+
+async def _exchange(port: int, request: bytes, answers: int = 1) -> tuple[bytes, bool]:
+    """Everything the server sends back for `request` on a fresh connection, and whether it then closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    received = b""
+    for _ in range(answers):
+        received += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        received += await asyncio.wait_for(reader.readexactly(7), 10)
+    try:
+        closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
+    except TimeoutError:
+        closed = False
+    writer.close()
+    await writer.wait_closed()
+    return received, closed
+
+
+def _without_date(received: bytes) -> bytes:
+    return b"\r\n".join(line for line in received.split(b"\r\n") if not line.startswith(b"date: "))
+
+
+async def test_a_whole_answer_goes_out_as_uvicorns_send_would_write_it() -> None:
+    async with serve(_whole_or_sent) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for connection in (b"", b"connection: close\r\n"):
+            answers = {}
+            for path in (b"/whole", b"/sent"):
+                request = b"POST " + path + b" HTTP/1.1\r\nhost: t\r\n" + connection + b"content-length: 1\r\n\r\nx"
+                answers[path] = await _exchange(port, request)
+            whole, sent = answers[b"/whole"], answers[b"/sent"]
+            assert whole[0].startswith(b"HTTP/1.1 201 Created\r\ndate: ")
+            assert _without_date(whole[0]) == _without_date(sent[0])
+            assert whole[1] == sent[1] == bool(connection)  # closed after the answer exactly when uvicorn closes it
+            assert (b"connection: close" in whole[0]) == bool(connection)
+
+
+async def test_a_connection_stays_usable_after_whole_answers() -> None:
+    async with serve(_whole_or_sent) as url:
+        port = int(url.rsplit(":", 1)[1])
+        one = b"POST /whole HTTP/1.1\r\nhost: t\r\ncontent-length: 1\r\n\r\nx"
+        received, closed = await _exchange(port, one * 3, answers=3)  # pipelined, then kept alive
+        assert received.count(b"HTTP/1.1 201 Created\r\n") == 3 and received.count(b'{"a":1}') == 3
+        assert not closed
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(3):  # one kept-alive connection, answer after answer
+                answer = await client.post("/whole", content=b"x")
+                assert (answer.status_code, answer.json()) == (201, {"a": 1})
+
+
+async def test_a_whole_answer_is_left_to_send_when_send_is_not_uvicorns() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        async def wrapped(message: Any) -> None:
+            await send(message)
+
+        await _whole_or_sent({**scope, "path": "/sent"}, receive, wrapped)
+        assert not send_whole_answer(wrapped, 201, WHOLE_HEADERS, b'{"a":1}')
+
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/whole", content=b"x")
+        assert (answer.status_code, answer.json()) == (201, {"a": 1})

@@ -43,9 +43,11 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.api.json_answer import JSONAnswer
 from gateway.api.lean_route import LeanCall, LeanRoute, lean_call
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import DISCONNECTED, RequestMetrics, count_request
+from gateway.http_protocol import send_whole_answer
 
 try:
     from fastapi.routing import iter_route_contexts
@@ -173,7 +175,11 @@ class FastLane:
         try:
             try:
                 response = await call.respond(request, value)
-                if type(response).__call__ is _PLAIN_CALL and response.background is None:
+                if type(response) is JSONAnswer and send_whole_answer(
+                    send, response.status_code, response.raw_headers, response.body
+                ):
+                    status = response.status_code  # head and body in one write, past the server's `send`
+                elif type(response).__call__ is _PLAIN_CALL and response.background is None:
                     # What `Response.__call__` sends, sent here: no wrapper around `send` for a plain answer.
                     status = response.status_code
                     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
