@@ -12,10 +12,11 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.redis_batch import Build, PipelineBatcher
-from gateway.store import Keys, TrajectoryStore
+from gateway.store import Keys, TrajectoryStore, connect
 from gateway.trajectory import Sample
 
 
@@ -136,3 +137,39 @@ async def test_the_store_batches_the_round_trips_of_concurrent_turns(redis: Redi
         meta = await store.get_session(session)
         assert meta is not None and meta.sample_count == 1
     await store.aclose()
+
+
+async def test_a_round_trip_past_the_socket_timeout_fails_and_leaves_no_reply_for_the_next() -> None:
+    with EmbeddedRedis() as server:
+        client = Redis.from_url(server.url, socket_timeout=0.3, retry_on_error=[])
+        batcher = PipelineBatcher(client)
+        try:
+
+            def blocking(pipe: Pipeline) -> None:
+                pipe.set("before", "1")
+                pipe.blpop(["never-pushed"], timeout=5)  # Redis answers it only after 5 s
+
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(RedisTimeoutError):
+                await batcher.execute(blocking)
+            assert loop.time() - started < 3  # the whole round trip was bounded by the socket timeout
+            # The next batch gets its own replies, not the late answer of the blocked one (its connection was closed).
+            assert await batcher.execute(set_and_get("after", "2")) == [True, b"2", 1]
+        finally:
+            await batcher.aclose()
+            await client.aclose()
+
+
+async def test_a_batch_is_retried_across_a_redis_restart_by_the_clients_retry_policy() -> None:
+    with EmbeddedRedis() as server:
+        client = connect(server.url, socket_timeout_s=2.0)  # the gateway's client: retries with backoff
+        batcher = PipelineBatcher(client)
+        try:
+            assert await batcher.execute(set_and_get("one", "1")) == [True, b"1", 1]
+            server.restart()  # the batcher's connection is gone; the same port answers again
+            assert await batcher.execute(set_and_get("two", "2")) == [True, b"2", 2]
+            assert batcher.pipelines == 2
+        finally:
+            await batcher.aclose()
+            await client.aclose()
