@@ -64,10 +64,10 @@ class PipelineBatcher:
         self._flusher: asyncio.Task[None] | None = None
         self.pipelines = 0
         self.calls = 0
-        self._connection: AbstractConnection | None = (
-            None  # the batcher's own (see the module docstring), made when first used
-        )
-        self._timeout_s: float | None = None  # a round trip's bound: the pool's socket timeout
+        # The batcher's own connection (see the module docstring), checked out when first used, and the bound of a
+        # round trip on it: the pool's socket timeout.
+        self._connection: AbstractConnection | None = None
+        self._timeout_s: float | None = None
 
     async def execute(self, build: Build) -> list[Any]:
         """The replies to the commands `build` queues, in order; a command's error is its reply (an exception
