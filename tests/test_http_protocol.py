@@ -231,8 +231,7 @@ WHOLE_HEADERS = [(b"content-length", b"7"), (b"content-type", b"application/json
 
 
 async def _whole_or_sent(scope: Scope, receive: Receive, send: Send) -> None:
-    """`/whole` answers through `send_whole_answer`, anything else the same answer through `send`; the body says
-    whether `send_whole_answer` took it."""
+    """`/whole` answers through `send_whole_answer`, anything else the same answer through `send`."""
     await receive()
     if scope["path"] == "/whole":
         assert send_whole_answer(send, 201, WHOLE_HEADERS, b'{"a":1}')
@@ -243,7 +242,9 @@ async def _whole_or_sent(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def _exchange(port: int, request: bytes, answers: int = 1) -> tuple[bytes, bool]:
-    """Everything the server sends back for `request` on a fresh connection, and whether it then closed it."""
+    """Everything the server sends back for `request` on a fresh connection, and whether it then closed it: a probe
+    request after the answers gets an answer of its own on a kept-alive connection, the end of the stream (or a
+    reset) on a closed one."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request)
     received = b""
@@ -251,11 +252,13 @@ async def _exchange(port: int, request: bytes, answers: int = 1) -> tuple[bytes,
         received += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         received += await asyncio.wait_for(reader.readexactly(7), 10)
     try:
-        closed = await asyncio.wait_for(reader.read(1), 0.3) == b""
-    except TimeoutError:
-        closed = False
+        writer.write(b"POST /probe HTTP/1.1\r\nhost: t\r\ncontent-length: 1\r\n\r\nx")
+        closed = await asyncio.wait_for(reader.read(1), 10) == b""
+    except ConnectionError:
+        closed = True
     writer.close()
-    await writer.wait_closed()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
     return received, closed
 
 
