@@ -42,7 +42,8 @@ class _DisconnectWatch:
     __slots__ = ("_watcher", "gone", "on_disconnect", "request", "task", "waiting")
 
     def __init__(self, request: Request, on_disconnect: Callable[[], object], watch_after_s: float) -> None:
-        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup costs a getpid() system call
+        task = asyncio.current_task(loop)
         assert task is not None
         self.task: asyncio.Task[object] | None = task
         self.request: Request | None = request
@@ -51,7 +52,7 @@ class _DisconnectWatch:
         self.waiting = False
         self._watcher: asyncio.Task[None] | None = None
         if watch_after_s > 0:
-            loop_local(_LateStarts, watch_after_s).add(self)
+            loop_local(_LateStarts, watch_after_s, loop).add(self, loop)
         else:
             self.start()
 
@@ -98,8 +99,8 @@ class _LateStarts:
         self.queue: collections.deque[tuple[float, _DisconnectWatch]] = collections.deque()
         self.armed = False
 
-    def add(self, watch: _DisconnectWatch) -> None:
-        loop = asyncio.get_running_loop()
+    def add(self, watch: _DisconnectWatch, loop: asyncio.AbstractEventLoop) -> None:
+        """Start `watch` `delay` from now; `loop` is the running loop."""
         due = loop.time() + self.delay
         self.queue.append((due, watch))
         if not self.armed:

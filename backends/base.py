@@ -312,8 +312,9 @@ def spans_to_versions(spans: Sequence[VersionSpan], count: int, fallback: str) -
     """Per-token version labels for `count` tokens from engine spans; tokens no span covers get `fallback`."""
     versions = [fallback] * count
     for span in spans:
-        for i in range(max(0, span.start), min(count, span.end)):
-            versions[i] = span.version
+        start, end = max(0, span.start), min(count, span.end)
+        if start < end:
+            versions[start:end] = [span.version] * (end - start)
     return versions
 
 

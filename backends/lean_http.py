@@ -135,9 +135,10 @@ class _Connection(asyncio.Protocol):
 
     # -- the pool's side
 
-    def send_whole(self, request: bytes, deadline: float) -> asyncio.Future[tuple[int, bytes]]:
-        """Write one request; the future gets (status, body) once the answer is complete."""
-        loop = asyncio.get_running_loop()
+    def send_whole(
+        self, request: bytes, deadline: float, loop: asyncio.AbstractEventLoop
+    ) -> asyncio.Future[tuple[int, bytes]]:
+        """Write one request; the future gets (status, body) once the answer is complete. `loop`: the running loop."""
         self._reset(streaming=False)
         self.answer = loop.create_future()
         self.deadline = deadline
@@ -356,7 +357,7 @@ class KeepAlivePool:
         connection = await self.acquire()
         loop = asyncio.get_running_loop()
         read_until = loop.time() + self.read_timeout_s
-        answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until))
+        answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until), loop)
         try:
             status, content = await answer
         except BaseException:

@@ -17,11 +17,13 @@ _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Hashable, An
 _last: tuple[asyncio.AbstractEventLoop | None, dict[Hashable, Any]] = (None, {})
 
 
-def loop_local(make: Callable[[K], T], arg: K) -> T:
+def loop_local(make: Callable[[K], T], arg: K, loop: asyncio.AbstractEventLoop | None = None) -> T:
     """The running loop's `make(arg)`, made at the first call for this loop, `make` and `arg`. The last loop's
-    objects are kept at hand (a server runs one loop): a call costs no weak-reference lookup."""
+    objects are kept at hand (a server runs one loop): a call costs no weak-reference lookup. `loop`: the running
+    loop, where the caller has it at hand already."""
     global _last
-    loop = asyncio.get_running_loop()
+    if loop is None:
+        loop = asyncio.get_running_loop()
     if _last[0] is not loop:
         _last = (loop, _by_loop.setdefault(loop, {}))
     objects = _last[1]

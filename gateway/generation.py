@@ -131,6 +131,7 @@ class _SegmentRun:
         self.replica = replica
         self.start = start
         self.dispatch_version = dispatch_version
+        self.dispatch_label = version_label(dispatch_version)  # what engines label this version's tokens with
         self.finish: str | None = None
         self.stop_reason: int | str | None = None
         self.spans: list[VersionSpan] | None = None
@@ -443,8 +444,12 @@ class Generator:
         chunk gives it away. That chunk is dropped, the replica taken out (the health loop re-admits it only once
         it runs the current version) and the request resumes elsewhere. Engines that label only their last chunk
         (vLLM) have streamed the segment's earlier tokens by then: those keep their true (older) version."""
-        if chunk.version_spans is None and chunk.weight_version is None:
-            return  # the common case: a delta without labels (engines label the last chunk)
+        spans, label = chunk.version_spans, chunk.weight_version
+        if label is None and spans is None:
+            return  # the common case of a stream: a delta without labels (engines label the last chunk)
+        current = run.dispatch_label
+        if (label is None or label == current) and (spans is None or all(s.version == current for s in spans)):
+            return  # the common case of a last chunk: the version the segment was dispatched under, throughout
         labels = [span.version for span in chunk.version_spans or ()]
         if chunk.weight_version is not None:
             labels.append(chunk.weight_version)
@@ -491,10 +496,13 @@ class Generator:
 
     def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
         count = len(state.output_ids) - run.start
-        fallback = run.weight_version or version_label(run.dispatch_version)
-        labels = spans_to_versions(run.spans or [], count, fallback)
-        parsed = {label: parse_version(label) for label in set(labels)}  # a few labels, not one parse per token
-        versions = [parsed[label] for label in labels]
+        labels = spans_to_versions(run.spans or (), count, run.weight_version or run.dispatch_label)
+        distinct = set(labels)  # a few labels, not one parse per token
+        if len(distinct) == 1:  # the common case: one version throughout
+            versions = [parse_version(labels[0])] * count
+        else:
+            parsed = {label: parse_version(label) for label in distinct}
+            versions = [parsed[label] for label in labels]
         if versions and state.versions and versions[0] < state.versions[-1]:
             # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
             logger.error(
