@@ -165,16 +165,22 @@ async def request_json(
 
 
 async def post_for_whole_answer(
-    client: ReplicaClient, replica: str, path: str, body: bytes, deadline: float | None = None
+    client: ReplicaClient,
+    replica: str,
+    path: str,
+    body: bytes,
+    deadline: float | None = None,
+    *,
+    decode: Callable[[bytes], Any] = orjson.loads,
 ) -> Any:
-    """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
-    the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`; also `deadline`, a loop time,
-    if given). Failures and non-2xx answers raise the matching `BackendError` (`BackendTimeout` for either limit); a
-    cancelled caller closes the connection (the engine aborts)."""
+    """POST an encoded JSON `body` and decode the answer (with `decode`): a generation request that waits for its
+    whole answer, over the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`; also
+    `deadline`, a loop time, if given). Failures and non-2xx answers raise the matching `BackendError`
+    (`BackendTimeout` for either limit); a cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
         status, content = await client.generation_pool.post(path, body, deadline)
         raise_for_status(replica, status, content)
-        return orjson.loads(content) if content.strip() else None
+        return decode(content) if content.strip() else None
 
 
 async def probe(client: ReplicaClient, replica: str, path: str, timeout: aiohttp.ClientTimeout | None = None) -> bool:
@@ -256,12 +262,19 @@ class _ReadGapWatch:
 
 
 async def sse_batches(
-    client: ReplicaClient, replica: str, path: str, body: bytes, latest_only: Callable[[], bool] | None = None
+    client: ReplicaClient,
+    replica: str,
+    path: str,
+    body: bytes,
+    latest_only: Callable[[], bool] | None = None,
+    first_event: Callable[[bytes], bytes] | None = None,
 ) -> AsyncGenerator[list[Any], None]:
     """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
     `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
     and the layers above handle them as one delta). While `latest_only()` is true, each batch holds only the last
     of those events (`decode_latest`): for a stream whose every event repeats all the ones before it.
+    `first_event`, if given, rewrites the bytes that complete the first event (and hold what followed it in the
+    same read) before they are decoded: what an engine sends once per stream and the caller never reads.
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
@@ -278,7 +291,7 @@ async def sse_batches(
             async with client.generation_pool.stream(path, body) as answer:
                 if answer.status >= 300:
                     raise_for_status(replica, answer.status, await answer.read_all())
-                pending = b""
+                events = _EventDecoder(latest_only, first_event)
                 done = False
                 with _StreamBody(pacer):
                     while True:
@@ -291,8 +304,7 @@ async def sse_batches(
                             break  # the end of the body
                         if done:
                             continue  # read on to the end of the body (it ends after [DONE]): the connection is reused
-                        decode = decode_latest if latest_only is not None and latest_only() else _decode_events
-                        pending, batch, done, error = decode(pending + data)
+                        batch, done, error = events.feed(data)
                         if batch:  # a read that completed no event is not held: the event's rest is on its way
                             if not done and error is None:
                                 pacer.hold(answer.transport)
@@ -309,6 +321,27 @@ async def sse_batches(
     finally:
         if watch is not None:
             watch.close()
+
+
+class _EventDecoder:
+    """A stream's reads decoded into events (see `sse_batches`): the incomplete rest of each read is kept for the
+    next; `first_event` rewrites the bytes that complete the first event's line, once."""
+
+    __slots__ = ("first_event", "latest_only", "pending")
+
+    def __init__(self, latest_only: Callable[[], bool] | None, first_event: Callable[[bytes], bytes] | None) -> None:
+        self.latest_only = latest_only
+        self.first_event = first_event
+        self.pending = b""
+
+    def feed(self, data: bytes) -> tuple[list[Any], bool, tuple[int, str] | None]:
+        """The events `data` completed, whether `[DONE]` came, and an in-band error's status and message."""
+        decode = decode_latest if self.latest_only is not None and self.latest_only() else _decode_events
+        buffer = self.pending + data
+        if self.first_event is not None and b"\n" in data:  # the first event's line is complete
+            buffer, self.first_event = self.first_event(buffer), None
+        self.pending, batch, done, error = decode(buffer)
+        return batch, done, error
 
 
 class _StreamBody:

@@ -7,6 +7,7 @@
     python -m benchmarks.ab . . --set-b RG_GENERATION__STREAM_PACING_S=0.4 --workload rl   # one tree, two settings
     python -m benchmarks.ab /tmp/before . --dialect sglang --workload rl   # SGLang replicas (cumulative events)
     python -m benchmarks.ab /tmp/before . --together --rounds 8    # both loaded at once: the steadiest ratio
+    python -m benchmarks.ab /tmp/before . --together --prompt-words 1000   # ~3,100-token prompts
 
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
@@ -195,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--one-turn", action="store_true", help="requests name no session: each is a one-turn session of its own"
     )
     p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=None,
+        help="words of each first-turn prompt instead of the workload's (about 3 tokens a word; the replicas take "
+        "4,096 tokens at most)",
+    )
+    p.add_argument(
         "--set-b",
         action="append",
         default=[],
@@ -211,18 +219,27 @@ async def main_async(options: Options, console: Console) -> bool:
     return all(side.errors == 0 for side in sides)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def chosen_workload(args: argparse.Namespace) -> Workload:
+    """The workload `--workload` names, as `--one-turn` and `--prompt-words` change it."""
     by_name = {w.name: w for w in workloads(False, None, None, 0.03)}
     if args.workload not in by_name:
         raise SystemExit(f"unknown workload {args.workload!r}; choose from {sorted(by_name)}")
+    workload = by_name[args.workload]
+    if args.one_turn:
+        workload = dataclasses.replace(workload, name=f"{workload.name}, one-turn", one_turn=True)
+    if args.prompt_words is not None:
+        words = max(1, args.prompt_words)
+        workload = dataclasses.replace(workload, name=f"{workload.name}, {words}-word prompts", prompt_words=words)
+    return workload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    workload = chosen_workload(args)
     checkouts = tuple(path.resolve() for path in args.checkouts)
     for checkout in checkouts:
         if not (checkout / "gateway" / "app.py").exists():
             raise SystemExit(f"{checkout} is not a checkout of this project (no gateway/app.py)")
-    workload = by_name[args.workload]
-    if args.one_turn:
-        workload = dataclasses.replace(workload, name=f"{workload.name}, one-turn", one_turn=True)
     env_b = []
     for setting in args.set_b:
         name, equals, value = setting.partition("=")

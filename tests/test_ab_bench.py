@@ -94,3 +94,11 @@ def test_a_one_turn_load_names_no_session() -> None:
     named = LoadGen(replace(spec, one_turn=False))
     assert named.headers("s-1") == {"X-Session-ID": "s-1", "X-SMG-Routing-Key": "s-1"}
     assert orjson.loads(named.body("s-1", "hello there", 4))["session_id"] == "s-1"
+
+
+def test_prompt_words_make_the_prompts_longer() -> None:
+    args = ab.build_parser().parse_args([".", ".", "--workload", "short-c1", "--prompt-words", "1000", "--one-turn"])
+    workload = ab.chosen_workload(args)
+    assert (workload.prompt_words, workload.one_turn, workload.sessions) == (1000, True, 1)
+    assert workload.name == "short-c1, one-turn, 1000-word prompts"
+    assert ab.chosen_workload(ab.build_parser().parse_args([".", "."])).prompt_words == 16

@@ -31,7 +31,7 @@ from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from backends.sim.server import SimReplica
-from backends.vllm import VllmBackend
+from backends.vllm import PROMPT_ECHO_MIN_BYTES, VllmBackend, without_prompt_echo
 from tests.conftest import SimFactory
 from tests.scripted_server import Answer, Handler, ScriptedServer, Seen, replying, scripted_server, sse_body
 from tests.sim_helpers import wait_for
@@ -659,3 +659,65 @@ vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
     assert await backend.load() == Load(running=5, waiting=4)
     assert await backend_for((await scripted(replying(b"# nothing\n"))).url).load() == Load()
     assert parse_gauges("", ["x"]) == {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The echoed prompt (`return_token_ids` sends the prompt's ids back): cut out unparsed
+# ----------------------------------------------------------------------------------------------------------
+
+LONG_PROMPT = [(7 * i) % 1000 + 3 for i in range(600)]  # about 2,300 bytes of ids: above PROMPT_ECHO_MIN_BYTES
+
+
+def test_a_long_echoed_prompt_is_cut_out_before_parsing() -> None:
+    answer = {"id": "cmpl-1", "choices": [{"text": "x", "token_ids": [1, 2], "prompt_token_ids": LONG_PROMPT}]}
+    encoded = orjson.dumps(answer)
+    assert len(orjson.dumps(LONG_PROMPT)) >= PROMPT_ECHO_MIN_BYTES
+    cut = without_prompt_echo(encoded)
+    assert len(cut) < len(encoded) - PROMPT_ECHO_MIN_BYTES
+    answer["choices"][0]["prompt_token_ids"] = None
+    assert orjson.loads(cut) == answer
+    # Whitespace after the colon (a server that indents its JSON), and the top-level key of `/inference/v1/generate`.
+    spaced = b'{"prompt_token_ids": \n ' + orjson.dumps(LONG_PROMPT) + b', "choices": []}'
+    assert orjson.loads(without_prompt_echo(spaced)) == {"prompt_token_ids": None, "choices": []}
+
+
+def test_what_is_not_a_long_flat_echo_is_left_as_it_is() -> None:
+    short = orjson.dumps({"choices": [{"token_ids": [1], "prompt_token_ids": PROMPT}]})
+    nested = orjson.dumps({"prompt_token_ids": [LONG_PROMPT, LONG_PROMPT]})
+    unterminated = b'{"prompt_token_ids":' + orjson.dumps(LONG_PROMPT)[:-1]
+    for answer in (short, nested, unterminated, b'{"prompt_token_ids":null}', orjson.dumps({"token_ids": [1]})):
+        assert without_prompt_echo(answer) == answer
+    # The key inside a string is escaped there, so only the real key matches.
+    text = '"prompt_token_ids":' + str(LONG_PROMPT)
+    answer = {"choices": [{"text": text, "prompt_token_ids": LONG_PROMPT}]}
+    assert orjson.loads(without_prompt_echo(orjson.dumps(answer))) == {
+        "choices": [{"text": text, "prompt_token_ids": None}]
+    }
+
+
+async def test_long_prompts_stream_and_answer_whole_as_the_reference(
+    make_sim: SimFactory, backend_for: BackendFactory
+) -> None:
+    """With the echoed prompt cut out of the whole answer and of the stream's first event, tokens, logprobs and
+    versions are what the engine sent."""
+    sim = await make_sim("vllm")
+    backend = backend_for(sim)
+    expected = reference_tokens(SHAPE, LONG_PROMPT, INIT, 12, ignore_eos=True)
+    streamed = await collect(backend.generate(LONG_PROMPT, greedy(12), "long-s"))
+    whole = await backend.whole_answer(LONG_PROMPT, greedy(12), "long-w")(None)
+    assert tokens_of(streamed) == whole.token_ids == expected
+    assert [lp for c in streamed for lp in c.logprobs] == whole.logprobs and len(whole.logprobs) == 12
+    assert streamed[-1].version_spans == whole.version_spans == [VersionSpan("default", 0, 12)]
+
+
+async def test_a_first_event_over_several_reads_is_cut_once_it_is_complete(
+    backend_for: BackendFactory, scripted: Scripted
+) -> None:
+    huge = list(range(200_000))  # 1.3 MB of ids in the first event: more than one socket read
+    body = sse_body(choice([1], prompt_token_ids=huge), choice([2]), choice([3], "length"))
+    backend = backend_for((await scripted(replying(body))).url)
+    chunks = await collect(backend.generate(PROMPT, greedy(3), "huge"))
+    assert tokens_of(chunks) == [1, 2, 3] and [lp for c in chunks for lp in c.logprobs] == [-0.5] * 3
+    whole = orjson.dumps({"choices": [{**choice([1, 2, 3], "length")["choices"][0], "prompt_token_ids": huge}]})
+    answer = await backend_for((await scripted(replying(whole))).url).whole_answer(PROMPT, greedy(3), "w")(None)
+    assert answer.token_ids == [1, 2, 3] and answer.finish_reason == "length"
