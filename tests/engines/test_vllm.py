@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import httpx
+import orjson
 import pytest
 
+from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
 from tests.engines import checks
 from tests.engines.conftest import gateway_over
-from tests.engines.direct import restore
+from tests.engines.direct import prompt_of, restore
 from tests.engines.servers import EngineServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -98,3 +100,20 @@ async def test_routed_experts_splice_on_resume(
     if not vllm_server.routed_experts:
         pytest.skip("routed-expert capture needs the GPU build (scripts/gpu_check.sh); the CPU build refuses it")
     await checks.routed_experts_splice_on_resume(http, gw, vllm_server)
+
+
+async def test_the_echoed_prompt_is_cut_from_real_answers(vllm_server: EngineServer, http: httpx.AsyncClient) -> None:
+    """vLLM's layout, as `without_prompt_echo` relies on it: a long echo is cut from a whole `/v1/completions` answer
+    and from a stream's first event, and what is left parses to the same answer with `prompt_token_ids` null."""
+    prompt = prompt_of(400)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = (await http.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120)).content
+    async with http.stream("POST", f"{vllm_server.url}/v1/completions", json={**body, "stream": True}) as answer:
+        first = (await answer.aread()).split(b"\n")[0].removeprefix(b"data: ")
+    for raw in (whole, first):
+        assert orjson.loads(raw)["choices"][0]["prompt_token_ids"] == prompt
+        cut = without_prompt_echo(raw)
+        assert len(cut) < len(raw) - PROMPT_ECHO_MIN_BYTES
+        expected = orjson.loads(raw)
+        expected["choices"][0]["prompt_token_ids"] = None
+        assert orjson.loads(cut) == expected
