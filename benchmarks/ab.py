@@ -156,7 +156,7 @@ def report(console: Console, options: Options, sides: list[Side]) -> None:
             side.name,
             " ".join(f"{u:.3f}" for u in side.units),
             f"{median:.3f}",
-            f"{median / medians[0]:.3f}",
+            f"{median / medians[0]:.3f}" if medians[0] > 0 else "—",  # a first side that read no CPU tick at all
             "1.000" if index == 0 else f"{paired:.3f}",
         ]
         for index, (side, median) in enumerate(zip(sides, medians, strict=True))

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 async def test_two_checkouts_side_by_side() -> None:
     short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
-    tiny = replace(short, sessions=4, requests=40, duration_s=1.0)
+    tiny = replace(short, sessions=4, requests=400, duration_s=2.0)  # more than one 10 ms CPU tick on a quick host
     options = ab.Options((REPO, REPO), "generate", tiny, rounds=2, timeout_s=60)
     sides = await ab.measure(options, Console(file=io.StringIO()))
     assert [side.errors for side in sides] == [0, 0]
@@ -42,6 +42,16 @@ async def test_both_checkouts_loaded_at_once() -> None:
     out = io.StringIO()
     ab.report(Console(file=out, width=200), options, sides)
     assert "paired ÷ first" in out.getvalue()
+
+
+def test_a_side_that_read_no_cpu_tick_is_reported_without_a_ratio() -> None:
+    """/proc counts CPU in 10 ms ticks: a short run on a quick host can read 0; the report says so, not crash."""
+    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
+    options = ab.Options((REPO, REPO), "generate", short, rounds=2, timeout_s=60)
+    sides = [ab.Side(REPO, units=[0.0, 0.0]), ab.Side(REPO, units=[0.1, 0.0])]
+    out = io.StringIO()
+    ab.report(Console(file=out, width=200), options, sides)
+    assert "—" in out.getvalue() and "nan" in out.getvalue()  # no ratio to a zero; no paired round either
 
 
 def test_the_paired_ratio_is_the_median_of_each_rounds_ratio() -> None:
