@@ -52,7 +52,7 @@ class _DisconnectWatch:
         self.waiting = False
         self._watcher: asyncio.Task[None] | None = None
         if watch_after_s > 0:
-            loop_local(_LateStarts, watch_after_s, loop).add(self, loop)
+            loop_local(_LateStarts, watch_after_s, loop).add(self)
         else:
             self.start()
 
@@ -95,20 +95,20 @@ class _LateStarts:
     a watch starts at most that much late; one closed meanwhile (most requests) is dropped unstarted."""
 
     def __init__(self, delay: float) -> None:
+        self.loop = asyncio.get_running_loop()  # made per loop (`loop_local`)
         self.delay = delay
         self.queue: collections.deque[tuple[float, _DisconnectWatch]] = collections.deque()
         self.armed = False
 
-    def add(self, watch: _DisconnectWatch, loop: asyncio.AbstractEventLoop) -> None:
-        """Start `watch` `delay` from now; `loop` is the running loop."""
-        due = loop.time() + self.delay
+    def add(self, watch: _DisconnectWatch) -> None:
+        due = self.loop.time() + self.delay
         self.queue.append((due, watch))
         if not self.armed:
             self.armed = True
-            loop.call_at(due, self._sweep)
+            self.loop.call_at(due, self._sweep)
 
     def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         now = loop.time()
         queue = self.queue
         while queue and queue[0][0] <= now:

@@ -450,15 +450,15 @@ class Generator:
         current = run.dispatch_label
         if (label is None or label == current) and (spans is None or all(s.version == current for s in spans)):
             return  # the common case of a last chunk: the version the segment was dispatched under, throughout
-        labels = [span.version for span in chunk.version_spans or ()]
-        if chunk.weight_version is not None:
-            labels.append(chunk.weight_version)
+        labels = [span.version for span in spans or ()]
+        if label is not None:
+            labels.append(label)
         known = [v for v in map(_version_or_none, labels) if v is not None]
         oldest = min(known, default=None)
         if oldest is not None and oldest < run.dispatch_version:
             # Label what this segment already produced truthfully (engines whose labels come with the last chunk).
-            run.spans = list(chunk.version_spans) if chunk.version_spans is not None else run.spans
-            run.weight_version = chunk.weight_version or run.weight_version
+            run.spans = list(spans) if spans is not None else run.spans
+            run.weight_version = label or run.weight_version
             raise BackendUnavailable(
                 f"replica {run.replica.id} sampled under weight version {oldest}, but runs {run.dispatch_version} "
                 "as far as the gateway knows (restarted?)",
