@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.http_protocol import HeadWithBodyProtocol
+from gateway.lane_protocol import LaneProtocol
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -44,7 +44,7 @@ def uvicorn_config(
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http=HeadWithBodyProtocol,
+        http=LaneProtocol,
         lifespan="on",
         log_level=log_level,
         access_log=False,

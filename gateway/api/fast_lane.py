@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +68,8 @@ logger = logging.getLogger(__name__)
 _PLAIN_CALL = Response.__call__
 """How a plain `Response` sends itself (its head, then its whole body); the lane sends such answers directly."""
 
-_PARSED = "rollout_gateway.lane_body"
-"""Scope key of the lane's parsed body, from `FastLane.__call__` to `FastLane._serve`."""
+SERVER_SEND = "rollout_gateway.server_send"
+"""Scope key of the ASGI server's `send`, as the server passed it to the application."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,8 @@ class FastLane:
     ) -> None:
         self._app = app
         self._lanes = dict(lanes)
+        self.raw_paths = frozenset(path.encode() for path in self._lanes if path.isascii() and "%" not in path)
+        """The lane paths as a request line writes them (for a server that matches requests before decoding)."""
         self._max_body_bytes = max_body_bytes
         self._full = full
         error_handler, handlers = _split_handlers(app)
@@ -124,13 +126,8 @@ class FastLane:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lane = self._lanes[scope["path"]]
-        length = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = value if length is None else length
-            elif name == b"content-type":
-                content_type = value if content_type is None else content_type
-        if length is None or not length.isdigit() or int(length) > self._max_body_bytes or lane.call.bypassed():
+        length, content_type = length_and_type(scope["headers"])
+        if not self._admits(lane, length):
             await self._full(scope, receive, send)
             return
         messages: list[Message] = []
@@ -152,17 +149,53 @@ class FastLane:
         if value is None:
             await self._full(scope, _replaying(messages, receive), send)
             return
+        await self._serve(self._enter(scope, lane), lane.call, value, receive, send)
+
+    def takes(self, path: str, content_length: bytes | None) -> bool:
+        """Whether a POST to `path` with this content-length header goes down the lane once its whole body is read
+        (`serve_read`): a lane path, a declared length within the body limit, no reason for FastAPI to serve it."""
+        lane = self._lanes.get(path)
+        return lane is not None and self._admits(lane, content_length)
+
+    def _admits(self, lane: _Lane, content_length: bytes | None) -> bool:
+        """A declared length within the body limit, and no reason for FastAPI to serve the request itself."""
+        return (
+            content_length is not None
+            and content_length.isdigit()
+            and int(content_length) <= self._max_body_bytes
+            and not lane.call.bypassed()
+        )
+
+    async def serve_read(
+        self, scope: Scope, body: bytes, content_type: bytes | None, receive: Receive, send: Send
+    ) -> None:
+        """Serve a request that `takes` admitted, its whole body already read by the server (the gateway's own
+        server protocol, `gateway.lane_protocol`), as the app would serve it: `receive` has nothing more of the body
+        to give (the full stack, where the lane hands the request on, gets the body first), `send` is the server's
+        (kept in the scope as `SERVER_SEND`, as `GatewayApp` keeps it)."""
+        lane = self._lanes[scope["path"]]
+        value = lane.call.parse(body, None if content_type is None else content_type.decode("latin-1"))
+        scope[SERVER_SEND] = send
+        try:
+            if value is None:
+                message: Message = {"type": "http.request", "body": body, "more_body": False}
+                await self._full(scope, _replaying([message], receive), send)
+            else:
+                await self._serve(self._enter(scope, lane), lane.call, value, receive, send)
+        finally:
+            scope.pop(SERVER_SEND, None)  # see `GatewayApp.__call__`
+
+    def _enter(self, scope: Scope, lane: _Lane) -> Scope:
+        """`scope` with what the app and its router would have put in it for this route."""
         scope["app"] = self._app
         scope["route"] = lane.route
         scope["endpoint"] = lane.route.endpoint
         scope["path_params"] = {}
-        scope[_PARSED] = (lane.call, value)
-        await self._serve(scope, receive, send)
+        return scope
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, call: LeanCall, value: Any, receive: Receive, send: Send) -> None:
         """Dependencies and endpoint on the parsed body, under the error handling and counting of the app's
         middlewares (see the module docstring)."""
-        call, value = scope.pop(_PARSED)
         status = 0  # of the response, once its head went out
 
         async def tracking(message: Message) -> None:
@@ -224,6 +257,18 @@ class FastLane:
         if errors.handler is None:
             return errors.error_response(request, exc)
         return await _call_handler(errors.handler, request, exc)
+
+
+def length_and_type(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+    """The first content-length and content-type values of a request's headers (names in lowercase, as servers
+    hand them to ASGI apps), each None where absent."""
+    length = content_type = None
+    for name, value in headers:
+        if name == b"content-length":
+            length = value if length is None else length
+        elif name == b"content-type":
+            content_type = value if content_type is None else content_type
+    return length, content_type
 
 
 async def _call_handler(handler: Any, request: Request, exc: Exception) -> Any:

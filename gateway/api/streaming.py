@@ -18,11 +18,8 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from backends.asgi import ClientDisconnected, unless_disconnected
-from gateway.api.fast_lane import FastLane
+from gateway.api.fast_lane import SERVER_SEND, FastLane
 from gateway.services import Services
-
-SERVER_SEND = "rollout_gateway.server_send"
-"""Scope key of the ASGI server's `send`, as the server passed it to the application."""
 
 
 class LastChunk(bytes):
@@ -57,7 +54,7 @@ class GatewayApp(FastAPI):
             if scope["type"] == "http":
                 lane = self._lane
                 if lane is False:
-                    lane = self._lane = FastLane.of(self, self._stack)
+                    lane = self.lane()
                 if lane is not None and lane.serves(scope):
                     await lane(scope, receive, send)
                     return
@@ -67,6 +64,13 @@ class GatewayApp(FastAPI):
             # make a reference cycle per request, the cycle's whole state (headers, events) garbage that only the
             # cyclic collector frees.
             scope.pop(SERVER_SEND, None)
+
+    def lane(self) -> FastLane | None:
+        """The lane (built at the first call, when the routes, middlewares and handlers are final), or None."""
+        lane = self._lane
+        if lane is False:
+            lane = self._lane = FastLane.of(self, self._stack)
+        return lane
 
     @property
     def fast_lane(self) -> FastLane | None:
