@@ -30,7 +30,7 @@ from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed, InvalidRequest
 from gateway.routing import Replica, ReplicaPool
-from gateway.weights import WeightCoordinator, parse_version, version_label
+from gateway.weights import WeightCoordinator, parse_version, version_label, version_labels
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class _SegmentRun:
         self.start = start
         self.dispatch_version = dispatch_version
         self.dispatch_label = version_label(dispatch_version)  # what engines label this version's tokens with
+        self.dispatch_labels = version_labels(dispatch_version)  # ... and what else they may label them with
         self.finish: str | None = None
         self.stop_reason: int | str | None = None
         self.spans: list[VersionSpan] | None = None
@@ -447,8 +448,8 @@ class Generator:
         spans, label = chunk.version_spans, chunk.weight_version
         if label is None and spans is None:
             return  # the common case of a stream: a delta without labels (engines label the last chunk)
-        current = run.dispatch_label
-        if (label is None or label == current) and (spans is None or all(s.version == current for s in spans)):
+        current = run.dispatch_labels
+        if (label is None or label in current) and (spans is None or all(s.version in current for s in spans)):
             return  # the common case of a last chunk: the version the segment was dispatched under, throughout
         labels = [span.version for span in spans or ()]
         if label is not None:

@@ -35,6 +35,15 @@ def version_label(version: int) -> str:
     return str(version)
 
 
+def version_labels(version: int) -> frozenset[str]:
+    """Every label engines may carry for a gateway version: its own and, for version 0, the engines' initial ones
+    (an engine that never had an update labels its tokens "default")."""
+    return _VERSION_0_LABELS if version == 0 else frozenset((version_label(version),))
+
+
+_VERSION_0_LABELS = frozenset({version_label(0)}) | INITIAL_LABELS
+
+
 def parse_version(label: str) -> int:
     """A gateway version from an engine label; the engines' initial label ("default") is version 0."""
     if label in INITIAL_LABELS:
