@@ -74,7 +74,7 @@ class LaneCycle(RequestResponseCycle):
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of this request (`run_asgi` runs it): the whole body to the lane."""
-        parts = self.parts
+        parts, self.parts = self.parts, []  # the cycle outlives the request (until the connection's next one)
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         await self.lane.serve_read(scope, body, self.content_type, receive, send)
 

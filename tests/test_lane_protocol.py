@@ -157,6 +157,8 @@ async def test_a_lane_request_whole_or_in_pieces(protocol: type[HeadWithBodyProt
         assert (status, headers["content-type"], body) == (200, "text/event-stream; charset=utf-8", b"data: events\n\n")
         if protocol is LaneProtocol:
             assert served.cycles() == [LaneCycle]
+            # The last cycle stays with its idle connection until the next request: it keeps no body.
+            assert [p.cycle.parts for p in served.server.server_state.connections] == [[]]  # type: ignore[attr-defined]
 
 
 UVICORNS_WAY = {
