@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import uvicorn
 
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
@@ -59,3 +61,15 @@ def expected_tokens(prompt: list[int], versions: list[int], max_tokens: int) -> 
 async def publish(client: httpx.AsyncClient, url: str, version: int, mode: str = "abort") -> httpx.Response:
     body = {"version": version, "path": weights_of(version)[0], "mode": mode}
     return await client.post(f"{url}/admin/weights", json=body, headers=ADMIN)
+
+
+async def until_a_request_is_in(server: uvicorn.Server, path: str) -> None:
+    """Wait (5 s at most) until one of `server`'s connections holds an unanswered request for `path`: its head (and
+    whatever came with it) has been read."""
+    for _ in range(500):
+        for protocol in server.server_state.connections:
+            cycle = getattr(protocol, "cycle", None)
+            if cycle is not None and not cycle.response_complete and cycle.scope.get("path") == path:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no request for {path} reached the server")

@@ -29,6 +29,7 @@ from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
 from gateway.http_protocol import HeadWithBodyProtocol
 from gateway.lane_protocol import LaneCycle, LaneProtocol
 from gateway.server import uvicorn_config
+from tests.gateway_helpers import until_a_request_is_in
 
 MAX_BODY = 4096
 
@@ -218,7 +219,7 @@ async def test_a_client_gone_mid_body_ends_alike_and_the_server_serves_on(caplog
                 request = post(echo("never whole " * 10))
                 writer.write(request[: len(request) - 20])
                 await writer.drain()
-                await asyncio.sleep(0.05)
+                await until_a_request_is_in(served.server, "/echo")
             for _ in range(200):  # the abandoned request's task ends: nothing left running
                 if not served.server.server_state.tasks and not served.server.server_state.connections:
                     break

@@ -39,6 +39,7 @@ from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
 from gateway.errors import Forbidden, InvalidRequest
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway_helpers import until_a_request_is_in
 from tests.test_metrics import scrape
 
 AGENT_KEY = "sk-lean-0123456789abcdef"
@@ -358,7 +359,7 @@ async def test_a_client_gone_mid_body_is_counted_alike(pair: Pair) -> None:
         _, writer = await asyncio.open_connection(host, int(port))
         writer.write(head + body[:10])
         await writer.drain()
-        await asyncio.sleep(0.05)  # the server has the head and part of the body
+        await until_a_request_is_in(gateway.server, "/generate")  # the server has the head and part of the body
         writer.close()
         for _ in range(100):
             samples = await scrape(pair.http, gateway.url)
