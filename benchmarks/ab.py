@@ -12,7 +12,7 @@
 Each checkout runs as its own `rollout-gateway serve` (the package imported from that checkout through
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
 turns, ABBA (A B, B A, A B, ...), so that drift in the machine's speed falls on both alike. Reported: each run's
-CPU per request (or per token for streamed workloads) from /proc, the median of each side and their ratio. On
+CPU per request (or per token for streamed workloads) from its CPU clock, the median of each side and their ratio. On
 this kind of shared 2-core machine one run moves by ±10 %, a ratio of medians over 4-6 rounds by a few percent.
 `--together` loads both in the same moments instead (each its own load generators, both on the proxy's core), so
 that a slower or faster spell of the machine, which moves single runs by far more than most changes save, falls on
@@ -156,7 +156,7 @@ def report(console: Console, options: Options, sides: list[Side]) -> None:
             side.name,
             " ".join(f"{u:.3f}" for u in side.units),
             f"{median:.3f}",
-            f"{median / medians[0]:.3f}" if medians[0] > 0 else "—",  # a first side that read no CPU tick at all
+            f"{median / medians[0]:.3f}" if medians[0] > 0 else "—",  # a first side that read no CPU at all
             "1.000" if index == 0 else f"{paired:.3f}",
         ]
         for index, (side, median) in enumerate(zip(sides, medians, strict=True))
@@ -167,7 +167,8 @@ def report(console: Console, options: Options, sides: list[Side]) -> None:
         f"{options.api}, {options.workload.name}: {unit}, each run and the median",
         ["checkout", "runs", "median", "÷ first", "paired ÷ first"],
         rows,
-        "CPU = the gateway process's utime+stime (/proc) during each timed run, per request or per streamed token. "
+        "CPU = the gateway process's user + system time (its CPU clock) during each timed run, per request or per "
+        "streamed token. "
         "paired = the median of each round's ratio (its two runs were closest in time: with --together, at once).",
     )
 

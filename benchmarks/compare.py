@@ -28,8 +28,8 @@ balance, prefix-cache hits). Each workload runs every target `--rounds` times in
 then backward, ...), so drift in the shared machine's speed falls on all of them alike.
 
 Measured per (workload, target): req/s, tokens/s, latency p50/p99 (send → last byte) and what it adds over
-`direct`, time to first event (streams), the proxy's CPU (utime + stime of all its threads from /proc, read
-around the timed part only) per 1k requests and per 1k tokens, and the capacity it implies on one core
+`direct`, time to first event (streams), the proxy's CPU (user + system time of all its threads, from its CPU
+clock, read around the timed part only) per 1k requests and per 1k tokens, and the capacity it implies on one core
 (1 / CPU per request); from the replicas' side: affinity (share of a session's requests that reached the
 same replica as its previous one; from `/sim/prompt_log`), balance (the busiest replica's share of requests)
 and the prefix-cache hit ratio (`/sim/state` counters). Every figure also shows its ratio to the best proxy.

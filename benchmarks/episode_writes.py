@@ -9,7 +9,7 @@ characters of text a turn, as its messages; the scalars are still sent whole).
 
 Both variants write the same episodes, built before any timing, through the real `TrajectoryStore` into an
 `EmbeddedRedis` (AOF `appendfsync everysec`, as the gateway runs it), episodes alternating A B B A. Measured per
-episode: redis-server's CPU (/proc), this process's CPU (the gateway's share: encoding and sending), Redis's
+episode: redis-server's CPU (its CPU clock), this process's CPU (the gateway's share: encoding and sending), Redis's
 `total_net_input_bytes`, wall time, and the last turn's write. Each variant's stored sample is read back and
 compared with the episode's final sample (exit status 1 on any difference).
 
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["case, variant", "MB sent to Redis", "redis CPU ms", "gateway CPU ms", "wall ms", "last turn's write ms"],
         rows,
         f"per episode, mean of {n}; 'gateway CPU' is this process (encoding and sending); the last turn's write is "
-        "the median over episodes; /proc counts CPU in 10 ms ticks.",
+        "the median over episodes.",
     )
     if not ok:
         console.print("[red]a stored sample differs from the episode's last sample[/]")

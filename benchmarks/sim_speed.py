@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backends.sim.server import SimProcess
+from benchmarks._harness import cpu_seconds as process_cpu_seconds
 
 # httpx.AsyncClient or httpx2.AsyncClient: the same API, chosen at run time with --client.
 Client = Any
@@ -97,7 +98,7 @@ class Result:
             "latency_p50_ms": 1000 * percentile(latencies, 0.50),
             "latency_p99_ms": 1000 * percentile(latencies, 0.99),
             "ttft_p50_ms": 1000 * percentile(ttfts, 0.50) if ttfts else None,
-            # CPU times tick every 10 ms: over a shorter row the percentages would be noise.
+            # Over a shorter row (or one read in /proc's 10 ms ticks) the percentages would be noise.
             "server_cpu_pct": 100 * self.rate(self.server_cpu_s) if measurable else None,
             "client_cpu_pct": 100 * self.rate(self.client_cpu_s) if measurable else None,
             "tokens_per_sim_cpu_s": self.tokens / self.server_cpu_s if measurable and self.server_cpu_s else None,
@@ -209,8 +210,7 @@ async def run_scenario(client: Client, url: str, server: psutil.Process, scenari
 
 
 def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
+    return process_cpu_seconds(process.pid) or 0.0
 
 
 # -- driver -----------------------------------------------------------------------------------------------------
