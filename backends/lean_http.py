@@ -354,7 +354,9 @@ class KeepAlivePool:
         """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer. It must be complete within the
         read timeout and, if given, by `deadline` (loop time), else `TimeoutError`."""
         request = self.request(path, body)
-        connection = await self.acquire()
+        connection = self._idle_connection()  # most requests find one idle: no coroutine of `acquire` for them
+        if connection is None:
+            connection = await self.acquire()
         loop = asyncio.get_running_loop()
         read_until = loop.time() + self.read_timeout_s
         answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until), loop)
@@ -378,15 +380,9 @@ class KeepAlivePool:
 
     async def acquire(self) -> _Connection:
         """A connection for one request: an idle one, or a new one (waiting for room if `limit` are open)."""
-        if self._closed:
-            raise ConnectionError("the pool is closed")
-        now = time.monotonic()
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.usable(now, self.idle_expiry_s):
-                self._busy.add(connection)
-                return connection
-            connection._close()
+        idle = self._idle_connection()
+        if idle is not None:
+            return idle
         if self.open_connections < self.limit:
             self._opening += 1
         else:
@@ -409,6 +405,19 @@ class KeepAlivePool:
         self.opened += 1
         self._busy.add(connection)
         return connection
+
+    def _idle_connection(self) -> _Connection | None:
+        """The most recently used idle connection still usable, taken (those past their use are closed), or None."""
+        if self._closed:
+            raise ConnectionError("the pool is closed")
+        now = time.monotonic()
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.usable(now, self.idle_expiry_s):
+                self._busy.add(connection)
+                return connection
+            connection._close()
+        return None
 
     def release(self, connection: _Connection) -> None:
         """A connection's request is over: handed to the first caller waiting, or kept for the next one if it can

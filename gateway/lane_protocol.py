@@ -19,6 +19,7 @@ when it reads proxy headers or logs at trace level), a uvicorn without the metho
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, cast
 
 from starlette.types import Receive, Scope, Send
@@ -72,11 +73,12 @@ class LaneCycle(RequestResponseCycle):
         self.content_type = content_type
         self.parts: list[bytes] = []
 
-    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The ASGI app of this request (`run_asgi` runs it): the whole body to the lane."""
+    def serve(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """The ASGI app of this request (`run_asgi` awaits what it returns): the whole body to the lane. A plain
+        function returning the lane's awaitable, so the request's task runs no coroutine of its own here."""
         parts, self.parts = self.parts, []  # the cycle outlives the request (until the connection's next one)
         body = parts[0] if len(parts) == 1 else b"".join(parts)
-        await self.lane.serve_read(scope, body, self.content_type, receive, send)
+        return self.lane.serve_read(scope, body, self.content_type, receive, send)
 
     async def receive(self) -> Any:
         if self.message_event is _UNAWAITED:

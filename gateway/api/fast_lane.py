@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,35 +153,43 @@ class FastLane:
 
     def takes(self, path: str, content_length: bytes | None) -> bool:
         """Whether a POST to `path` with this content-length header goes down the lane once its whole body is read
-        (`serve_read`): a lane path, a declared length within the body limit, no reason for FastAPI to serve it."""
+        (`serve_read`): a lane path, a declared length within the body limit, no dependency overrides.
+
+        FastAPI's request telemetry, the other reason `LeanCall.bypassed` gives, is not looked up: FastAPI sets it
+        only inside its own app call, which a request served by `serve_read` never enters (and `create_app` turns
+        FastAPI's telemetry off), and the server asks before the request has a task or a context of its own."""
         lane = self._lanes.get(path)
-        return lane is not None and self._admits(lane, content_length)
+        return lane is not None and self._within_limit(content_length) and not lane.call.overridden()
 
     def _admits(self, lane: _Lane, content_length: bytes | None) -> bool:
         """A declared length within the body limit, and no reason for FastAPI to serve the request itself."""
-        return (
-            content_length is not None
-            and content_length.isdigit()
-            and int(content_length) <= self._max_body_bytes
-            and not lane.call.bypassed()
-        )
+        return self._within_limit(content_length) and not lane.call.bypassed()
 
-    async def serve_read(
+    def _within_limit(self, content_length: bytes | None) -> bool:
+        return content_length is not None and content_length.isdigit() and int(content_length) <= self._max_body_bytes
+
+    def serve_read(
         self, scope: Scope, body: bytes, content_type: bytes | None, receive: Receive, send: Send
-    ) -> None:
+    ) -> Awaitable[None]:
         """Serve a request that `takes` admitted, its whole body already read by the server (the gateway's own
         server protocol, `gateway.lane_protocol`), as the app would serve it: `receive` has nothing more of the body
         to give (the full stack, where the lane hands the request on, gets the body first), `send` is the server's
-        (kept in the scope as `SERVER_SEND`, as `GatewayApp` keeps it)."""
+        (kept in the scope as `SERVER_SEND` while the request is served, as `GatewayApp` keeps it).
+
+        A plain function that parses the body and returns what serves the request (the caller awaits it): one
+        coroutine less in the request's task, whose every suspension and resumption passes through each."""
         lane = self._lanes[scope["path"]]
         value = lane.call.parse(body, None if content_type is None else content_type.decode("latin-1"))
         scope[SERVER_SEND] = send
+        if value is None:
+            return self._hand_on(scope, body, receive, send)
+        return self._serve(self._enter(scope, lane), lane.call, value, receive, send)
+
+    async def _hand_on(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """The full stack serves a request whose body the server read (the lane leaves it to FastAPI)."""
         try:
-            if value is None:
-                message: Message = {"type": "http.request", "body": body, "more_body": False}
-                await self._full(scope, _replaying([message], receive), send)
-            else:
-                await self._serve(self._enter(scope, lane), lane.call, value, receive, send)
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            await self._full(scope, _replaying([message], receive), send)
         finally:
             scope.pop(SERVER_SEND, None)  # see `GatewayApp.__call__`
 
@@ -236,6 +244,7 @@ class FastLane:
             raise
         finally:
             count_request(scope, status or DISCONNECTED)
+            scope.pop(SERVER_SEND, None)  # set by `serve_read` or `GatewayApp`: see `GatewayApp.__call__`
 
     def _handler(self, exc: Exception) -> Any:
         """The app's handler of `exc` (as `ExceptionMiddleware` looks it up), or None."""

@@ -20,6 +20,7 @@ answer, and checks that pydantic's JSON parser accepts nothing the standard libr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -111,8 +112,12 @@ class LeanCall:
 
     def bypassed(self) -> bool:
         """FastAPI serves the request itself: dependency overrides are set, or its OpenTelemetry support traces."""
+        return self.overridden() or get_telemetry_data() is not None
+
+    def overridden(self) -> bool:
+        """Dependency overrides are set (FastAPI must serve the request, to apply them)."""
         overrides = self._overrides
-        return (overrides is not None and bool(overrides.dependency_overrides)) or get_telemetry_data() is not None
+        return overrides is not None and bool(overrides.dependency_overrides)
 
     def parse(self, body: bytes, content_type: str | None) -> BaseModel | None:
         """The body validated into the route's model, or None where FastAPI must decide: an empty body, a content
@@ -155,10 +160,11 @@ def _lean_handler(stock: Handler, call: LeanCall) -> Handler:
     return handler
 
 
+@functools.lru_cache(maxsize=64)
 def is_json_content_type(content_type: str) -> bool:
     """FastAPI's rule for parsing a body as JSON: media type `application/json` or `application/*+json`, any
     parameters, any case. FastAPI gets the media type from an `email.message.Message` (`get_content_type`); this
-    is that parse, without building a message per request."""
+    is that parse, without building a message per request (and remembered: clients send the same few values)."""
     media_type = content_type.partition(";")[0].strip().lower()
     if media_type.count("/") != 1:
         return False  # email's fallback for an invalid media type is text/plain
