@@ -29,9 +29,13 @@ PauseMode = Literal["abort", "keep", "wait"]
 NewRequestsWhilePaused = Literal["block", "reject", "unknown"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SamplingParams:
-    """Sampling for one engine request. Logprobs of sampled tokens are always requested (RL needs them)."""
+    """Sampling for one engine request. Logprobs of sampled tokens are always requested (RL needs them).
+
+    A value: nothing changes one once made (a continuation's is a `dataclasses.replace` copy). Not frozen only
+    because one is made per request, and a frozen dataclass sets each field through `object.__setattr__` (twice
+    the time of the whole construction)."""
 
     max_tokens: int
     temperature: float = 1.0

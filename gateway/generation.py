@@ -43,9 +43,10 @@ PartialHook = Callable[["GenerationState"], Awaitable[None]]
 """Persists the partial state at a segment boundary (the sessions layer writes the sample to Redis)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GenerationRequest:
-    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion.
+    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion. Nothing changes it
+    once made; not frozen for the reason `SamplingParams` gives (one per request).
 
     `experts_start`: the first position whose routed experts the caller wants (a later turn of a session
     already holds the experts of its earlier positions); `routed_experts` are those earlier positions' experts,

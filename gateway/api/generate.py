@@ -86,7 +86,7 @@ def _request(body: GenerateBody) -> GenerationRequest:
     )
     return GenerationRequest(
         request_id=new_request_id("gen"),
-        prompt_ids=list(body.input_ids),
+        prompt_ids=body.input_ids,  # pydantic made the list for this request; nothing changes it
         sampling=sampling,
         session_id=body.session_id,
         want_routed_experts=body.return_routed_experts,
