@@ -24,8 +24,8 @@ Two layouts (`--layout`; `auto`, the default, picks `dedicated` where the CPUs t
 
 What near-linear scaling needs, measured in both layouts:
 
-* **no work added per request by running N processes**: CPU per request, summed over the workers (utime +
-  stime from /proc, around the timed part only), compared with one process;
+* **no work added per request by running N processes**: CPU per request, summed over the workers (user +
+  system time from each one's CPU clock, around the timed part only), compared with one process;
 * **an even spread**: on Linux each worker listens on a socket of its own on the one port (SO_REUSEPORT) and the
   kernel hashes new connections over them; a client keeps its connection (keep-alive), so the spread of
   `--agents` connections decides each worker's share of the run. The busiest worker's share of the CPU is shown:
