@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +35,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import orjson
-import psutil
 from rich.console import Console
 from rich.table import Table
 
 from backends.sim.server import SimProcess
-from benchmarks._harness import cpu_seconds as process_cpu_seconds
+from benchmarks._harness import cpu_seconds
 
 # httpx.AsyncClient or httpx2.AsyncClient: the same API, chosen at run time with --client.
 Client = Any
@@ -191,11 +191,12 @@ def prompt_for(i: int) -> list[int]:
     return [7 + (i * 7919 + j * 104729) % 2000 for j in range(8)]
 
 
-async def run_scenario(client: Client, url: str, server: psutil.Process, scenario: Scenario, deadline: float) -> Result:
-    me = psutil.Process()
+async def run_scenario(client: Client, url: str, server: int, scenario: Scenario, deadline: float) -> Result:
+    """One scenario's rounds against the replica whose pid is `server`, with its CPU and this process's."""
+    me = os.getpid()
     await run_round(client, url, scenario, min(scenario.tokens, 8), offset=10**6)  # warm-up; opens connections
     result = Result(scenario)
-    server_cpu, client_cpu = cpu_seconds(server), cpu_seconds(me)
+    server_cpu, client_cpu = cpu_seconds(server) or 0.0, cpu_seconds(me) or 0.0
     started = time.perf_counter()
     for round_index in range(scenario.repeats):
         if round_index and time.monotonic() > deadline:
@@ -204,13 +205,9 @@ async def run_scenario(client: Client, url: str, server: psutil.Process, scenari
         result.samples.extend(await run_round(client, url, scenario, scenario.tokens, offset))
         result.rounds += 1
     result.wall_s = time.perf_counter() - started
-    result.server_cpu_s = cpu_seconds(server) - server_cpu
-    result.client_cpu_s = cpu_seconds(me) - client_cpu
+    result.server_cpu_s = (cpu_seconds(server) or 0.0) - server_cpu
+    result.client_cpu_s = (cpu_seconds(me) or 0.0) - client_cpu
     return result
-
-
-def cpu_seconds(process: psutil.Process) -> float:
-    return process_cpu_seconds(process.pid) or 0.0
 
 
 # -- driver -----------------------------------------------------------------------------------------------------
@@ -251,11 +248,10 @@ async def bench_replica(
     http = importlib.import_module(plan.client)
     limits = http.Limits(max_connections=most, max_keepalive_connections=most)
     timeout = http.Timeout(connect=10.0, read=60.0, write=10.0, pool=60.0)
-    server = psutil.Process(pid)
     results = []
     async with http.AsyncClient(limits=limits, timeout=timeout) as client:
         for scenario in plan.scenarios(dialect):
-            result = await run_scenario(client, url, server, scenario, time.monotonic() + plan.time_limit_s)
+            result = await run_scenario(client, url, pid, scenario, time.monotonic() + plan.time_limit_s)
             on_result(result)
             results.append(result)
     return results
