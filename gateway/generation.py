@@ -27,6 +27,7 @@ import numpy as np
 
 from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer, spans_to_versions
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
+from backends.loop_local import running_loop
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed, InvalidRequest
 from gateway.routing import Replica, ReplicaPool
@@ -221,8 +222,10 @@ class Generator:
         self.prompt_tokens_total += len(request.prompt_ids)
         resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
         try:
-            while (started := await self._start(request, state, resume, whole=True)) is not None:
-                run, call = started
+            while not self._done(request, state):
+                run, call = self._start(request, state, resume, True) or await self._start_after_wait(
+                    request, state, resume, True
+                )
                 failed = False
                 try:
                     await self._whole_segment(request, state, run, call, resume.deadline)
@@ -243,8 +246,10 @@ class Generator:
         self.prompt_tokens_total += len(request.prompt_ids)
         resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
         try:
-            while (started := await self._start(request, state, resume, whole=False)) is not None:
-                run, call = started
+            while not self._done(request, state):
+                run, call = self._start(request, state, resume, False) or await self._start_after_wait(
+                    request, state, resume, False
+                )
                 failed = False
                 try:
                     async for delta in self._segment(request, state, run, call, resume.deadline):
@@ -262,22 +267,42 @@ class Generator:
             state.cancelled = True
             raise
 
-    async def _start(
-        self, request: GenerationRequest, state: GenerationState, resume: _Resume, *, whole: bool
-    ) -> tuple[_SegmentRun, _EngineCall] | None:
-        """The next segment (its replica placed, its engine request built), or None once the completion is done."""
+    def _done(self, request: GenerationRequest, state: GenerationState) -> bool:
+        """Whether the completion is finished (a spent budget finishes it as `length`)."""
         if state.finish_reason is not None:
-            return None
-        remaining = request.sampling.max_tokens - len(state.output_ids)
-        if remaining <= 0:
+            return True
+        if len(state.output_ids) >= request.sampling.max_tokens:
             state.finish_reason = "length"
+            return True
+        return False
+
+    def _start(
+        self, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+    ) -> tuple[_SegmentRun, _EngineCall] | None:
+        """The next segment (its replica placed, its engine request built) if it can start at once, else None
+        (`_start_after_wait`): a plain function, as most segments start without waiting for anything."""
+        if not self.weights.serving or resume.avoid:
             return None
+        replica = self.pool.pick(request.session_id)
+        return None if replica is None else self._start_on(replica, request, state, resume, whole)
+
+    async def _start_after_wait(
+        self, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+    ) -> tuple[_SegmentRun, _EngineCall]:
+        """The next segment, once the weights serve and a replica (other than the one that just failed) is free."""
         if not self.weights.serving:
             await self._until_serving(resume.deadline)
         replica = None if resume.avoid else self.pool.pick(request.session_id)
         if replica is None:
             wait_until = min(resume.deadline, time.monotonic() + self.settings.max_wait_s)
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=resume.avoid)
+        return self._start_on(replica, request, state, resume, whole)
+
+    def _start_on(
+        self, replica: Replica, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+    ) -> tuple[_SegmentRun, _EngineCall]:
+        """The next segment on `replica`: the continuation built ahead for it during a weight update, or a new call."""
+        remaining = request.sampling.max_tokens - len(state.output_ids)
         ahead, resume.ahead = resume.ahead, None
         if ahead is not None and ahead.replica is replica:
             call = ahead
@@ -383,7 +408,7 @@ class Generator:
                 try:
                     chunk = await answer(loop_deadline)
                 except BackendTimeout:
-                    if asyncio.get_running_loop().time() >= loop_deadline:
+                    if running_loop().time() >= loop_deadline:
                         raise self._deadline_passed(run) from None
                     raise
                 engine_done = True
@@ -415,7 +440,7 @@ class Generator:
         # The engine call's first iteration writes the request, in this pass of the event loop on a kept-alive
         # connection (`backends.lean_http`; a new one writes after its connect, which this leaves out). This
         # callback runs in the next pass: after the write of every request of a burst released together.
-        asyncio.get_running_loop().call_soon(self._observe_dispatch, preempted_at)
+        running_loop().call_soon(self._observe_dispatch, preempted_at)
 
     def _observe_dispatch(self, preempted_at: float) -> None:
         if self.on_dispatch is not None:
@@ -438,7 +463,7 @@ class Generator:
         return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
 
     def _loop_deadline(self, deadline: float) -> float:
-        return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
+        return running_loop().time() + max(0.0, deadline - time.monotonic())
 
     def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
         """Refuse tokens sampled under weights older than the replica is known to run. A replica that crashed and
@@ -498,12 +523,15 @@ class Generator:
 
     def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
         count = len(state.output_ids) - run.start
-        labels = spans_to_versions(run.spans or (), count, run.weight_version or run.dispatch_label)
-        distinct = set(labels)  # a few labels, not one parse per token
-        if len(distinct) == 1:  # the common case: one version throughout
-            versions = [parse_version(labels[0])] * count
+        fallback = run.weight_version or run.dispatch_label
+        spans = run.spans
+        if not spans or (len(spans) == 1 and spans[0].start <= 0 and spans[0].end >= count):
+            # The common case: one label throughout, most often the one the segment was dispatched under.
+            label = spans[0].version if spans else fallback
+            versions = [run.dispatch_version if label == run.dispatch_label else parse_version(label)] * count
         else:
-            parsed = {label: parse_version(label) for label in distinct}
+            labels = spans_to_versions(spans, count, fallback)
+            parsed = {label: parse_version(label) for label in set(labels)}  # a few labels, not a parse per token
             versions = [parsed[label] for label in labels]
         if versions and state.versions and versions[0] < state.versions[-1]:
             # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
@@ -588,7 +616,7 @@ class Generator:
                     "abort of %s on %s failed: %s", engine_request_id, replica.id, exc, extra={"replica": replica.id}
                 )
 
-        task = asyncio.get_running_loop().create_task(abort())
+        task = running_loop().create_task(abort())
         self._aborts.add(task)  # hard reference until it ran
         task.add_done_callback(self._aborts.discard)
 

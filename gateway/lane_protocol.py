@@ -114,7 +114,8 @@ class LaneProtocol(HeadWithBodyProtocol):
             return
         self._reading = None
         cycle.more_body = False
-        self._start_asgi_task(cycle, cast(Any, cycle.serve))  # an ASGI app: uvicorn's typing names its own scopes
+        # An ASGI app (uvicorn's typing names its own scopes); no `cast`, which is a function call at run time.
+        self._start_asgi_task(cycle, cycle.serve)  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle, self._reading = self._reading, None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -35,6 +36,7 @@ def version_label(version: int) -> str:
     return str(version)
 
 
+@functools.lru_cache(maxsize=64)  # asked once per segment; a set made per call otherwise
 def version_labels(version: int) -> frozenset[str]:
     """Every label engines may carry for a gateway version: its own and, for version 0, the engines' initial ones
     (an engine that never had an update labels its tokens "default")."""
