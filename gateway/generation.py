@@ -525,7 +525,9 @@ class Generator:
         count = len(state.output_ids) - run.start
         fallback = run.weight_version or run.dispatch_label
         spans = run.spans
-        if not spans or (len(spans) == 1 and spans[0].start <= 0 and spans[0].end >= count):
+        if count == 0:
+            versions: list[int] = []  # nothing to label (a label the segment carried is not parsed, as none is used)
+        elif not spans or (len(spans) == 1 and spans[0].start <= 0 and spans[0].end >= count):
             # The common case: one label throughout, most often the one the segment was dispatched under.
             label = spans[0].version if spans else fallback
             versions = [run.dispatch_version if label == run.dispatch_label else parse_version(label)] * count

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.base import ReplicaSpec, SamplingParams
+from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
 from gateway.routing import Replica, ReplicaPool
 from gateway.trajectory import ENV_VERSION, Sample, SessionMeta, TrajectoryFormatError
-from gateway.weights import WeightCoordinator
+from gateway.weights import WeightCoordinator, parse_version, version_label
 
 LAYERS, TOP_K = 2, 3
 
@@ -80,6 +80,45 @@ def test_resume_merge_keeps_every_token_once_with_its_experts(
     expected = [experts_of(p, owner[p]) for p in range(first_position, prompt_len + total - 1)]
     assert state.routed_experts.shape == (len(expected), LAYERS, TOP_K)
     assert np.array_equal(state.routed_experts, np.stack(expected).reshape(-1, LAYERS, TOP_K))
+
+
+LABELS = st.sampled_from(["0", "1", "2", "default"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    count=st.integers(0, 12),
+    dispatch=st.integers(0, 3),
+    label=st.none() | LABELS,
+    spans=st.none() | st.lists(st.tuples(LABELS, st.integers(-2, 14), st.integers(-2, 14)), max_size=3),
+)
+def test_a_segments_versions_follow_its_engine_labels(
+    replica: Replica, count: int, dispatch: int, label: str | None, spans: list[tuple[str, int, int]] | None
+) -> None:
+    """Every token of a segment gets the version its engine labelled it with: the spans', else the segment's label,
+    else the version it was dispatched under, whatever the spans cover (the one-label shortcut included)."""
+    pool = ReplicaPool()
+    generator = Generator(pool, WeightCoordinator(pool))
+    state = GenerationState(GenerationRequest("req", [1], SamplingParams(max_tokens=count + 1)))
+    run = _SegmentRun(replica, 0, dispatch_version=dispatch)
+    run.weight_version = label
+    run.spans = None if spans is None else [VersionSpan(v, start, end) for v, start, end in spans]
+    state.output_ids += [7] * count
+    state.logprobs += [-1.0] * count
+    generator._close_segment(state, run)
+    labels = spans_to_versions(run.spans or (), count, label or version_label(dispatch))
+    assert state.versions == [parse_version(each) for each in labels]
+
+
+def test_a_segment_that_produced_nothing_parses_no_label(replica: Replica) -> None:
+    """An engine label that is no gateway version labels nothing when the segment has no tokens: no error."""
+    pool = ReplicaPool()
+    generator = Generator(pool, WeightCoordinator(pool))
+    state = GenerationState(GenerationRequest("req", [1], SamplingParams(max_tokens=4)))
+    run = _SegmentRun(replica, 0, dispatch_version=1)
+    run.weight_version = "not-a-version"
+    generator._close_segment(state, run)
+    assert state.versions == [] and [(s.start, s.end) for s in state.segments] == [(0, 0)]
 
 
 def _fields(request: GenerationRequest) -> dict[str, Any]:
