@@ -62,6 +62,7 @@ _PROMPT_ECHO_KEY = b'"prompt_token_ids":'
 _JSON_SPACE = (b" ", b"\t", b"\r", b"\n")
 PROMPT_ECHO_MIN_BYTES = 1024
 """Echoed prompt ids shorter than this (about 200 ids) are parsed with the rest: cutting them out costs more."""
+_SHORTEST_CUT = len(_PROMPT_ECHO_KEY) + PROMPT_ECHO_MIN_BYTES
 
 
 def without_prompt_echo(answer: bytes) -> bytes:
@@ -74,6 +75,8 @@ def without_prompt_echo(answer: bytes) -> bytes:
     The key cannot be matched inside a string: there its quotes are escaped (`\\"prompt_token_ids\\":`), and an
     engine's keys are its schema's. vLLM puts the key before `routed_experts` (in a completions choice) or before
     `choices` (`/inference/v1/generate`), so the search stops short of the experts' base64."""
+    if len(answer) < _SHORTEST_CUT:
+        return answer  # too short to hold an echo worth cutting (most short answers): no search
     start = answer.find(_PROMPT_ECHO_KEY)
     if start < 0:
         return answer

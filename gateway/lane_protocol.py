@@ -14,6 +14,10 @@ flow control, keep-alive, disconnects, graceful shutdown, the 500 of an app that
 uvicorn's way unchanged: other methods and paths, a request pipelined behind one still being answered, `Expect:
 100-continue`, upgrades, a concurrency limit or a root path, an app that is not a `GatewayApp` (uvicorn wraps it
 when it reads proxy headers or logs at trace level), a uvicorn without the method this relies on.
+
+A lane request also gets a disconnect notice in its scope (`backends.asgi.DisconnectNotice`), which the protocol
+tells when the connection is lost before the answer completed: the request's disconnect watch names a listener on
+it instead of starting a watcher task (after a delay), and a client that leaves is noticed at once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, cast
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from backends.asgi import DISCONNECT_NOTICE, DisconnectNotice
 from gateway.api.fast_lane import FastLane, length_and_type
 from gateway.api.streaming import GatewayApp
 from gateway.http_protocol import HeadWithBodyProtocol
@@ -53,7 +58,8 @@ _UNAWAITED = cast(asyncio.Event, _Unawaited())
 
 class LaneCycle(RequestResponseCycle):
     """uvicorn's request cycle for a lane request: its body gathered by the protocol (`parts`) and served by
-    `serve`, its event made at the first `receive`."""
+    `serve`, its event made at the first `receive`, and the request's disconnect notice (`notice`, also in the
+    scope)."""
 
     def __init__(self, protocol: LaneProtocol, lane: FastLane, content_type: bytes | None, keep_alive: bool) -> None:
         super().__init__(
@@ -72,6 +78,7 @@ class LaneCycle(RequestResponseCycle):
         self.lane = lane
         self.content_type = content_type
         self.parts: list[bytes] = []
+        self.notice = DisconnectNotice()
 
     def serve(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         """The ASGI app of this request (`run_asgi` awaits what it returns): the whole body to the lane. A plain
@@ -119,7 +126,10 @@ class LaneProtocol(HeadWithBodyProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle, self._reading = self._reading, None
+        current = self.cycle
         super().connection_lost(exc)
+        if type(current) is LaneCycle and current.disconnected:
+            current.notice.client_left(self.loop)
         if cycle is not None:
             # The client left before its body was whole: the app hears of the request, and of the disconnect at
             # its first `receive`, as it does when uvicorn's own task has been waiting for the body all along.
@@ -151,4 +161,6 @@ class LaneProtocol(HeadWithBodyProtocol):
         scope["path"] = path
         scope["raw_path"] = url
         scope["query_string"] = b""
-        return LaneCycle(self, lane, content_type, http_version != "1.0" and parser.should_keep_alive())
+        cycle = LaneCycle(self, lane, content_type, http_version != "1.0" and parser.should_keep_alive())
+        scope[DISCONNECT_NOTICE] = cycle.notice  # type: ignore[literal-required]  # an extension key of ours
+        return cycle

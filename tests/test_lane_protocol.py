@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from backends.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.errors import install_error_handlers
 from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
@@ -52,12 +53,34 @@ async def _echo(body: Echo, request: Request) -> Response:
     return json_answer({"text": body.text, "query": request.url.query})
 
 
+class Wait(BaseModel):
+    text: str
+    seconds: float = 60
+
+
+HEARD: list[str] = []
+"""The texts of the `/wait` requests whose client was heard leaving."""
+GATE = asyncio.Event()  # a test's own loop makes and sets it (an Event binds to a loop only when first awaited)
+
+
+async def _wait(body: Wait, request: Request) -> Response:
+    """Waits for `GATE`, then `seconds` watched for a disconnect from 30 s on (so only a server's notice hears one
+    sooner)."""
+    await GATE.wait()
+    with contextlib.suppress(ClientDisconnected):
+        await unless_disconnected(
+            request, asyncio.sleep(body.seconds), lambda: HEARD.append(body.text), watch_after_s=30
+        )
+    return json_answer({"text": body.text})
+
+
 def _app() -> GatewayApp:
     """The gateway's app shape (its middlewares and error handlers) around one lane route."""
     app = GatewayApp()
     install_error_handlers(app)
     router = APIRouter(route_class=LeanRoute)
     router.add_api_route("/echo", _echo, methods=["POST"])
+    router.add_api_route("/wait", _wait, methods=["POST"])
     app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY)
     app.add_middleware(RequestMetrics)
@@ -230,3 +253,47 @@ async def test_a_client_gone_mid_body_ends_alike_and_the_server_serves_on(caplog
                 assert await answer_of(reader) == (200, {"text": "next", "query": ""})
         logged.append(sorted((r.levelname, r.getMessage()) for r in caplog.records if r.levelname != "DEBUG"))
     assert logged[0] == logged[1]
+
+
+async def until_heard(text: str) -> None:
+    for _ in range(500):
+        if text in HEARD:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the disconnect of {text!r} was not heard within 5 s (a late watch starts after 30 s)")
+
+
+@pytest.mark.parametrize("before_the_watch", [False, True])
+async def test_a_lane_request_hears_its_client_leave_at_once(before_the_watch: bool) -> None:
+    # The lane's notice tells the request's watch when the connection is lost, whether its watch was already named
+    # or (`before_the_watch`) is named after the client left. uvicorn's own cycle gives no notice: there the watch
+    # would start after 30 s.
+    global GATE
+    GATE = asyncio.Event()
+    HEARD.clear()
+    if not before_the_watch:
+        GATE.set()
+    async with serve(LaneProtocol) as served:
+        async with connected(served) as (_, writer):
+            writer.write(post(orjson.dumps({"text": "left"}), "/wait"))
+            await writer.drain()
+            await until_a_request_is_in(served.server, "/wait")
+            assert served.cycles() == [LaneCycle]
+            cycle = next(iter(served.server.server_state.connections)).cycle  # type: ignore[attr-defined]
+            for _ in range(500):  # the endpoint is waiting: at the gate, or watching with its listener named
+                if before_the_watch or cycle.notice.listener is not None:
+                    break
+                await asyncio.sleep(0.01)
+        for _ in range(500):
+            if not served.server.server_state.connections:
+                break  # the server saw the connection go
+            await asyncio.sleep(0.01)
+        GATE.set()
+        await until_heard("left")
+        assert cycle.notice.disconnected and cycle.notice.listener is None  # the ended watch let go of it
+        async with connected(served) as (reader, writer):  # a watch that ends normally leaves no listener named
+            writer.write(post(orjson.dumps({"text": "stayed", "seconds": 0}), "/wait"))
+            assert await answer_of(reader) == (200, {"text": "stayed"})
+            (protocol,) = served.server.server_state.connections  # type: ignore[attr-defined]
+            assert protocol.cycle.notice.listener is None and not protocol.cycle.notice.disconnected
+    assert HEARD == ["left"]
