@@ -167,7 +167,8 @@ async def unless_disconnected(
 ) -> T:
     """Await `awaitable`; if the client disconnects first, call `on_disconnect`, cancel the work and raise
     `ClientDisconnected` (answer it with `disconnected_response`: nobody is there to read it). A disconnect is
-    noticed from `watch_after_s` after the call on (see the module docstring)."""
+    noticed at once where the request's server gives a notice, else from `watch_after_s` after the call on (see the
+    module docstring)."""
     watch = _DisconnectWatch(request, on_disconnect, watch_after_s)
     try:
         watch.waiting = True
@@ -189,8 +190,9 @@ async def relay_until_disconnected(
     A disconnect is noticed even while no item is due (a send-free wait would never see it): the task is
     cancelled if it is waiting on `items` at that moment, the cancellation is absorbed here, and `items` is
     closed, which is how the producer (generation) learns that the caller left. Everything runs in the
-    response's own task, so timeouts and cancel scopes inside `items` keep working. A disconnect is noticed from
-    `watch_after_s` after the first item was asked for on (see the module docstring).
+    response's own task, so timeouts and cancel scopes inside `items` keep working. A disconnect is noticed at once
+    where the request's server gives a notice, else from `watch_after_s` after the first item was asked for on (see
+    the module docstring).
     """
     watch = _DisconnectWatch(request, lambda: None, watch_after_s)
     try:
