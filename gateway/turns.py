@@ -17,6 +17,7 @@ from typing import Any
 
 from backends.base import SamplingParams
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.api.token_ids import first_outside
 from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
 from gateway.quotas import SessionLease
@@ -177,10 +178,9 @@ class TurnRunner:
             prompt = list(body.prompt)
         if not prompt:
             raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
-        vocab_size = self.tokenizer.vocab_size
-        if max(prompt) >= vocab_size:  # one pass in C; the id for the error
-            bad = next(t for t in prompt if t >= vocab_size)
-            raise InvalidRequest(f"token id {bad} is outside the vocabulary", param="prompt")
+        bad = first_outside(prompt, self.tokenizer.vocab_size)
+        if bad is not None:
+            raise InvalidRequest(f"token id {prompt[bad]} is outside the vocabulary", param="prompt")
         one_turn = session_id is None
         sid = session_id or f"cmpl-{secrets.token_hex(16)}"
         lock = self.sessions.lock(sid)

@@ -497,7 +497,16 @@ async def test_sessions_stick_and_new_sessions_spread(
     [
         ({"input_ids": [], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
         ({"input_ids": [1, 999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
-        ({"input_ids": [1, -3], "sampling_params": {"max_tokens": 4}}, "input_ids.1", 400),
+        ({"input_ids": [1, -3], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        # Long prompts are checked in one buffer pass (gateway.api.token_ids): one id outside, at the end.
+        ({"input_ids": [1] * 3000 + [-1], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1] * 3000 + [999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1] * 3000 + [2**64], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        (
+            {"input_ids": [1], "sampling_params": {"max_tokens": 4, "stop_token_ids": [-2]}},
+            "sampling_params.stop_token_ids",
+            400,
+        ),
         ({"input_ids": [1], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens", 400),
         ({"input_ids": [1], "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens", 400),
         ({"input_ids": [1]}, "sampling_params", 400),
@@ -537,6 +546,11 @@ async def test_a_token_outside_the_vocabulary_is_named_and_nothing_runs(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "prompt" and error["message"] == f"token id {vocab + 9} is outside the vocabulary"
+    long_prompt = [i % vocab for i in range(3000)]  # checked in one buffer pass (gateway.api.token_ids)
+    for bad in (-1, vocab):
+        response = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [*long_prompt, bad, 3]})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"].startswith(f"input_ids[3000] = {bad} is outside the vocabulary")
     ok = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [5, 7, vocab - 1]})
     assert ok.status_code == 200, ok.text
     assert sim.engine.counters["prompt_tokens"] == 3  # only the valid request reached the engine

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -20,11 +20,10 @@ from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
+from gateway.api.token_ids import TokenId, first_outside
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
-
-TokenId = Annotated[int, Field(ge=0)]
 
 
 class GenerateSampling(BaseModel):
@@ -52,16 +51,18 @@ class GenerateBody(BaseModel):
 
 
 def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
-    if max(body.input_ids) >= vocab_size:  # one pass in C (half the time of a Python scan); the index for the error
-        bad = next(i for i, t in enumerate(body.input_ids) if t >= vocab_size)
+    bad = first_outside(body.input_ids, vocab_size)
+    if bad is not None:
         raise InvalidRequest(
             f"input_ids[{bad}] = {body.input_ids[bad]} is outside the vocabulary (size {vocab_size})",
             param="input_ids",
         )
     stop_ids = body.sampling_params.stop_token_ids
-    if stop_ids and max(stop_ids) >= vocab_size:
-        stop = next(t for t in stop_ids if t >= vocab_size)
-        raise InvalidRequest(f"stop token id {stop} is outside the vocabulary", param="sampling_params.stop_token_ids")
+    bad = first_outside(stop_ids, vocab_size)
+    if bad is not None:
+        raise InvalidRequest(
+            f"stop token id {stop_ids[bad]} is outside the vocabulary", param="sampling_params.stop_token_ids"
+        )
     total = len(body.input_ids) + body.sampling_params.max_tokens
     if total > max_model_len:
         raise InvalidRequest(

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.api.token_ids import TokenId
+
 
 def _storable(value: Any) -> Any:
     """Refuse what the trajectory store cannot encode as JSON (orjson): integers beyond 64 bits."""
@@ -166,7 +168,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    prompt: str | list[TokenId] = Field(min_length=1)  # ids checked against the vocabulary by the route
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: None = None

@@ -1,4 +1,5 @@
-"""Property tests (hypothesis): the token/expert merge of the resume loop and the Redis codecs of trajectories."""
+"""Property tests (hypothesis): the token/expert merge of the resume loop, the Redis codecs of trajectories and the
+vocabulary check of token-id lists."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
+from gateway.api.token_ids import first_outside
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
 from gateway.routing import Replica, ReplicaPool
 from gateway.trajectory import ENV_VERSION, Sample, SessionMeta, TrajectoryFormatError
@@ -219,3 +221,35 @@ def test_session_meta_round_trips(
     back = SessionMeta.from_redis("s", as_stored(meta.to_redis()))
     assert back == meta
     assert orjson.loads(orjson.dumps(back.metadata)) == metadata
+
+
+VOCAB = 2048
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    inside=st.lists(st.integers(0, VOCAB - 1), max_size=700),
+    outside=st.lists(
+        st.tuples(st.integers(0, 700), st.one_of(st.integers(max_value=-1), st.integers(min_value=VOCAB))),
+        max_size=3,
+    ),
+)
+def test_the_first_id_outside_the_vocabulary_is_found_at_any_length(
+    inside: list[int], outside: list[tuple[int, int]]
+) -> None:
+    # Lists short and long (the long ones are checked in an int64 buffer), ids just outside either bound, and ids
+    # beyond 64 bits, which the buffer cannot hold.
+    ids = list(inside)
+    for position, token in outside:
+        ids.insert(min(position, len(ids)), token)
+    expected = next((i for i, token in enumerate(ids) if not 0 <= token < VOCAB), None)
+    assert first_outside(ids, VOCAB) == expected
+
+
+@pytest.mark.parametrize("length", [1, 255, 256, 5000])
+@pytest.mark.parametrize("bad", [-1, VOCAB, 2**63, -(2**70)])
+def test_one_id_outside_among_many_is_found(length: int, bad: int) -> None:
+    ids = [i % VOCAB for i in range(length)]
+    assert first_outside(ids, VOCAB) is None
+    for position in sorted({0, length // 2, length - 1}):
+        assert first_outside([*ids[:position], bad, *ids[position + 1 :]], VOCAB) == position
