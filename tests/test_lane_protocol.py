@@ -31,6 +31,7 @@ from gateway.http_protocol import HeadWithBodyProtocol
 from gateway.lane_protocol import LaneCycle, LaneProtocol
 from gateway.server import uvicorn_config
 from tests.gateway_helpers import until_a_request_is_in
+from tests.sim_helpers import wait_for
 
 MAX_BODY = 4096
 
@@ -255,14 +256,6 @@ async def test_a_client_gone_mid_body_ends_alike_and_the_server_serves_on(caplog
     assert logged[0] == logged[1]
 
 
-async def until_heard(text: str) -> None:
-    for _ in range(500):
-        if text in HEARD:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"the disconnect of {text!r} was not heard within 5 s (a late watch starts after 30 s)")
-
-
 @pytest.mark.parametrize("before_the_watch", [False, True])
 async def test_a_lane_request_hears_its_client_leave_at_once(before_the_watch: bool) -> None:
     # The lane's notice tells the request's watch when the connection is lost, whether its watch was already named
@@ -280,16 +273,12 @@ async def test_a_lane_request_hears_its_client_leave_at_once(before_the_watch: b
             await until_a_request_is_in(served.server, "/wait")
             assert served.cycles() == [LaneCycle]
             cycle = next(iter(served.server.server_state.connections)).cycle  # type: ignore[attr-defined]
-            for _ in range(500):  # the endpoint is waiting: at the gate, or watching with its listener named
-                if before_the_watch or cycle.notice.listener is not None:
-                    break
-                await asyncio.sleep(0.01)
-        for _ in range(500):
-            if not served.server.server_state.connections:
-                break  # the server saw the connection go
-            await asyncio.sleep(0.01)
+            if not before_the_watch:  # the endpoint is watching, its listener named
+                await wait_for(lambda: cycle.notice.listener is not None, what="the watch's listener")
+        await wait_for(lambda: not served.server.server_state.connections, what="the server to see the connection go")
         GATE.set()
-        await until_heard("left")
+        # Within 5 s: a late watch would start after 30 s.
+        await wait_for(lambda: "left" in HEARD, timeout=5, what="the disconnect heard through the notice")
         assert cycle.notice.disconnected and cycle.notice.listener is None  # the ended watch let go of it
         async with connected(served) as (reader, writer):  # a watch that ends normally leaves no listener named
             writer.write(post(orjson.dumps({"text": "stayed", "seconds": 0}), "/wait"))
