@@ -299,6 +299,13 @@ class translate_errors:  # used like the function it was: `with translate_errors
             raise BackendProtocolError(f"replica {replica}: unexpected response: {exc!r}", replica=replica) from exc
 
 
+def encodable_ids(token_ids: Sequence[int]) -> Sequence[int]:
+    """`token_ids` as orjson encodes it: a list or tuple as it is (no copy of a long prompt per request), any other
+    sequence copied into a list. The caller encodes the result at once: a list it did not copy must not change
+    before that."""
+    return token_ids if type(token_ids) is list or type(token_ids) is tuple else list(token_ids)
+
+
 def raise_for_status(replica: str, status: int, body: bytes) -> None:
     """Raise the right BackendError for a non-2xx answer (4xx: rejected, 503: unavailable, else 5xx)."""
     if status < 300:

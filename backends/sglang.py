@@ -33,6 +33,7 @@ from backends.base import (
     SamplingParams,
     VersionSpan,
     WholeAnswer,
+    encodable_ids,
     merge_deltas,
     one_chunk,
     raise_for_status,
@@ -211,7 +212,7 @@ class SglangBackend(HttpEngineBackend):
             params["min_new_tokens"] = sampling.min_tokens
         body: dict[str, Any] = {
             "rid": request_id,  # the id /abort_request names
-            "input_ids": list(token_ids),
+            "input_ids": encodable_ids(token_ids),
             "sampling_params": params,
             "stream": True,
             "return_logprob": True,  # output tokens only (logprob_start_len defaults to -1)

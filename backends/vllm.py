@@ -45,6 +45,7 @@ from backends.base import (
     SamplingParams,
     VersionSpan,
     WholeAnswer,
+    encodable_ids,
     merge_deltas,
     one_chunk,
     translate_errors,
@@ -219,7 +220,7 @@ class VllmBackend(HttpEngineBackend):
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.spec.model,
-            "prompt": list(token_ids),
+            "prompt": encodable_ids(token_ids),
             **self._sampling_fields(sampling),
             "return_token_ids": True,
             # Top logprobs are otherwise keyed by decoded text, and tokens that decode alike collapse.
@@ -248,7 +249,7 @@ class VllmBackend(HttpEngineBackend):
             params["routed_experts_prompt_start"] = experts_start
         body: dict[str, Any] = {
             "model": self.spec.model,
-            "token_ids": list(token_ids),
+            "token_ids": encodable_ids(token_ids),
             "sampling_params": params,
             "request_id": request_id,
         }

@@ -348,7 +348,8 @@ class Generator:
         """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go;
         `whole`: awaited as one answer (`complete`), else iterated (`stream`)."""
         backend = replica.backend
-        prompt = request.prompt_ids + state.output_ids
+        # The first segment sends the prompt as it is (the backend encodes it at once, nothing changes it meanwhile).
+        prompt = request.prompt_ids + state.output_ids if state.output_ids else request.prompt_ids
         sampling = request.sampling
         if state.output_ids or remaining != sampling.max_tokens:  # a continuation (the first segment runs as asked)
             sampling = dataclasses.replace(

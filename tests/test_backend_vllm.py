@@ -7,6 +7,7 @@ simulator's.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import socket
@@ -524,6 +525,28 @@ async def test_request_body_follows_the_contract(backend_for: BackendFactory, sc
     await backend.pause("keep")  # 0.33 reports weight_versions on /v1/completions: keep stays keep
     assert seen[2].path == "/version"
     assert seen[3].path == "/pause" and seen[3].query["mode"] == "keep"
+
+
+@pytest.mark.parametrize("scale_out", [False, True])
+@pytest.mark.parametrize("kind", [list, tuple, range, "array"])
+async def test_a_prompt_is_encoded_when_the_request_is_built(
+    backend_for: BackendFactory, scripted: Scripted, kind: Any, scale_out: bool
+) -> None:
+    """Any sequence of ids makes the body's prompt, and the body is encoded as the request is built: a list passed
+    uncopied (a first segment's prompt) may change afterwards without changing what the engine gets."""
+
+    answer = choice([9], "length")
+    if scale_out:  # /inference/v1/generate's logprobs
+        answer["choices"][0]["logprobs"] = {"content": [{"token_id": 9, "logprob": -0.5}]}
+    server = await scripted(replying(orjson.dumps(answer)))
+    backend = backend_for(server.url, scale_out=scale_out)
+    ids = [5, 6, 7]
+    prompt = array.array("q", ids) if kind == "array" else range(5, 8) if kind is range else kind(ids)
+    request = backend.whole_answer(prompt, SamplingParams(max_tokens=1), "rq")
+    ids.append(8)  # the caller's list changes before the request is sent
+    assert (await request(None)).token_ids == [9]
+    body = server.seen[0].json()
+    assert (body["token_ids"] if scale_out else body["prompt"]) == [5, 6, 7]
 
 
 @pytest.mark.parametrize(("version", "scale_out", "sent"), [("0.32.0", False, "abort"), ("0.32.0", True, "keep")])
