@@ -188,7 +188,8 @@ class EngineBackend(Protocol):
         what the engine had generated (the caller generates it again).
 
         The call itself builds the request (its body encoded); nothing is sent before the first iteration. So a
-        caller may build a request ahead, while it cannot be sent yet, and drop it unstarted."""
+        caller may build a request ahead, while it cannot be sent yet, and drop it unstarted. `token_ids` may be the
+        caller's own list (a first segment's prompt, uncopied): nothing of it is kept past the call."""
         ...
 
     def whole_answer(
