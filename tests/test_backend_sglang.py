@@ -7,6 +7,7 @@ never produces (a stream cut before the finish, aborts carrying an HTTP status) 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from backends.base import (
@@ -35,7 +37,7 @@ from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from tests.conftest import SimFactory
-from tests.scripted_server import Answer, scripted_server, sse_body
+from tests.scripted_server import Answer, Seen, scripted_server, sse_body
 from tests.sim_helpers import sim_state, wait_for
 
 SHAPE = ModelShape()
@@ -513,6 +515,31 @@ async def test_scripted_stream_shapes(make_backend: BackendFactory) -> None:
             await collect(await backend(event([7], 1, logprobs=[8])), PROMPT, greedy())
         with pytest.raises(BackendError, match="boom"):
             await collect(await backend({"error": {"message": "boom"}}), PROMPT, greedy())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("kind", [list, tuple, range, "array"])
+async def test_a_prompt_is_encoded_when_the_request_is_built(
+    make_backend: BackendFactory, kind: Any, stream: bool
+) -> None:
+    """Any sequence of ids makes the body's `input_ids`, encoded as the request is built: a list passed uncopied
+    (a first segment's prompt) may change afterwards without changing what the engine gets."""
+    finished = event([9], 1, {"type": "length", "length": 1})
+
+    def answer(seen: Seen) -> Answer:
+        if seen.json().get("stream"):
+            return Answer(200, sse_body(finished), "text/event-stream")
+        return Answer(200, orjson.dumps(finished))
+
+    async with scripted_server(answer) as server:
+        backend = make_backend(server.url)
+        ids = [5, 6, 7]
+        prompt = array.array("q", ids) if kind == "array" else range(5, 8) if kind is range else kind(ids)
+        request = backend.generate(prompt, greedy(1), "rq", stream=stream)
+        ids.append(8)  # the caller's list changes before the request is sent
+        async with contextlib.aclosing(request) as chunks:
+            assert [t async for chunk in chunks for t in chunk.token_ids] == [9]
+        assert server.seen[0].json()["input_ids"] == [5, 6, 7]
 
 
 async def _state_is(http: httpx.AsyncClient, url: str, **expected: Any) -> bool:
