@@ -13,7 +13,7 @@ import itertools
 import os
 import secrets
 
-__all__ = ["new_request_id"]
+__all__ = ["new_name", "new_request_id"]
 
 _prefix = secrets.token_hex(8)
 _counter = itertools.count()
@@ -22,6 +22,11 @@ _counter = itertools.count()
 def new_request_id(kind: str) -> str:
     """`kind-` and 32 hex digits, unique in this process and, with overwhelming odds, across processes."""
     return f"{kind}-{_prefix}{next(_counter):016x}"
+
+
+def new_name() -> str:
+    """32 hex digits, unique as `new_request_id`'s are: a name with no kind (a turn's writer id, a suffix)."""
+    return f"{_prefix}{next(_counter):016x}"
 
 
 def _reseed() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ import numpy.typing as npt
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
+from gateway.request_ids import new_name
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SampleSaved, SessionMeta, StoredChunks
 
@@ -244,7 +244,7 @@ class Turn:
     # The turn that wrote `sample` last when this one began (None: a new sample), and this turn's own id: its
     # writes replace only what one of the two wrote (`TrajectoryStore.save_sample`).
     base_writer: str | None = None
-    writer: str = field(default_factory=lambda: secrets.token_hex(8))
+    writer: str = field(default_factory=new_name)
     # Where the sample went instead of `sample.index`, that index having been taken by another process's turn.
     moved_to: int | None = None
 

@@ -21,6 +21,7 @@ from gateway.api.token_ids import first_outside
 from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
 from gateway.quotas import SessionLease
+from gateway.request_ids import new_name
 from gateway.sessions import SessionManager, Turn
 from gateway.tokenization import (
     ChatTokenizer,
@@ -246,7 +247,7 @@ class TurnRunner:
             await self.sessions.save(turn, self.sessions.partial(turn, state), final=False)
 
         return GenerationRequest(
-            request_id=f"{session_id}-{turn.sample.index}-{secrets.token_hex(4)}",
+            request_id=f"{session_id}-{turn.sample.index}-{new_name()}",
             prompt_ids=turn.prompt_ids,
             sampling=sampling,
             session_id=session_id,
