@@ -18,7 +18,7 @@ _AGENT_KEY = "rollout_gateway.agent_key"
 
 
 def _services(request: Request) -> Services:
-    found: Services | None = getattr(request.scope["app"], "services", None)  # `services_of`, inlined (per request)
+    found = services_of(request.scope["app"])
     if found is None:
         raise RuntimeError("the gateway's services are not running: its app's lifespan has not started them")
     return found
