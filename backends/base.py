@@ -139,7 +139,10 @@ class Timeouts:
     read: float = 600.0
     write: float = 30.0
     pool: float = 30.0
-    control: float = 30.0  # pause/resume/health: short calls that must not hang a weight update forever
+    # Pause, resume, abort, version and cache calls: short, but an engine busy on a loaded host answers them late
+    # (a pause waits for the scheduler's step); bounded so they cannot hang a weight update forever.
+    control: float = 30.0
+    health: float = 2.0  # a health or load probe: an engine that cannot answer this fast is unhealthy
     # A whole (non-streamed) answer's wait for its first byte is its whole generation: bounded by this instead of
     # `read` (the gateway passes its request deadline; None: `read`).
     whole_answer: float | None = None

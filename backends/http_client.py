@@ -31,6 +31,7 @@ __all__ = [
     "Reply",
     "ReplicaClient",
     "control_timeout",
+    "probe_timeout",
     "error_event_status",
     "parse_gauges",
     "post_for_whole_answer",
@@ -44,8 +45,13 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 
 def control_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
-    """Timeouts of a short control call (health, pause, resume, version): the read gap is `control`, not `read`."""
+    """Timeouts of a control call (pause, resume, abort, version): the read gap is `control`, not `read`."""
     return timeouts.client(read=timeouts.control)
+
+
+def probe_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
+    """Timeouts of a health or load probe: the read gap is `health`."""
+    return timeouts.client(read=timeouts.health)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +446,7 @@ class HttpEngineBackend:
         self.url = spec.url
         self._client = ReplicaClient(spec)
         self._control = control_timeout(spec.timeouts)
+        self._probe = probe_timeout(spec.timeouts)
         self._long = spec.timeouts.client()
 
     def __repr__(self) -> str:
@@ -451,11 +458,11 @@ class HttpEngineBackend:
 
     async def health(self) -> bool:
         """True when `GET /health` answers 200; never raises."""
-        return await probe(self._client, self.id, "/health", timeout=self._control)
+        return await probe(self._client, self.id, "/health", timeout=self._probe)
 
     async def load(self) -> Load:
         """Running and waiting requests from `/metrics`, summed over label sets (engines, models)."""
-        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._control)
+        response = await request(self._client, self.id, "GET", "/metrics", timeout=self._probe)
         with translate_errors(self.id):
             gauges = parse_gauges(response.text, (self.running_gauge, self.waiting_gauge))
         running, waiting = gauges.get(self.running_gauge), gauges.get(self.waiting_gauge)

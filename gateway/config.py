@@ -236,6 +236,9 @@ class WeightsConfig(_Section):
     pause_mode: PauseMode = Field("abort", description="abort | keep | wait; overridable per update.")
     max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
     update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
+    control_timeout_s: Seconds = Field(
+        30.0, description="Timeout of one pause, resume, abort or version call to a replica, seconds."
+    )
 
 
 class StoreConfig(_Section):

@@ -435,7 +435,7 @@ async def test_engine_errors_are_translated(
         await collect(backend, [SHAPE.vocab_size + 5], greedy())
     assert await backend.health() is True
 
-    hung = make_backend(sim.url, timeouts=Timeouts(read=0.2, control=0.2))
+    hung = make_backend(sim.url, timeouts=Timeouts(read=0.2, control=0.2, health=0.2))
     await http.post(f"{sim.url}/sim/faults", json={"hang": True})
     try:
         with pytest.raises(BackendTimeout):

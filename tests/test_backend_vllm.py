@@ -372,7 +372,7 @@ async def test_hung_replica_times_out(
     make_sim: SimFactory, backend_for: BackendFactory, http: httpx.AsyncClient
 ) -> None:
     sim = await make_sim("vllm")
-    backend = backend_for(sim, timeouts=Timeouts(read=0.2, control=0.2))
+    backend = backend_for(sim, timeouts=Timeouts(read=0.2, control=0.2, health=0.2))
     await http.post(f"{sim.url}/sim/faults", json={"hang": True})
     try:
         with pytest.raises(BackendTimeout):

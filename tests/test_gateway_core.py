@@ -599,6 +599,22 @@ async def test_stale_replica_is_held_out_until_a_later_update(
     assert {r["id"]: r["stale"] for r in status["replicas"]}[bad_id] is True
 
 
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_pause_slower_than_a_health_probe_still_updates_the_replica(
+    dialect: str, make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """An engine on a busy host answers a pause only after its current step: the pause is bounded by
+    `weights.control_timeout_s`, not by the health probe's timeout (with which the replica was marked stale and
+    the fleet served nothing, seen on SGLang while a trainer held the CPU)."""
+    sim = await make_sim(dialect)
+    gw = await make_gateway([sim], routing={"health_timeout_s": 0.2, "health_interval_s": 30})
+    await http.post(f"{sim.url}/sim/faults", json={"pause_delay": 0.6})
+    report = (await publish(http, gw.url, 1)).json()
+    assert report["updated"] == [sim.url.removeprefix("http://")] and report["stale"] == []
+    body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))).json()
+    assert body["versions"] == [1, 1, 1]
+
+
 async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_another(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

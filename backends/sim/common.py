@@ -28,6 +28,7 @@ Dialect = Literal["vllm", "sglang"]
 __all__ = ["unless_disconnected", "watch_disconnect"]  # re-exported for the dialects
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"})
+PAUSE_PATHS = frozenset({"/pause", "/pause_generation"})  # vLLM's and SGLang's
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class FaultState:
         self.ready_at = time.monotonic() + settings.startup_delay_s
         self.rng = random.Random(settings.fault_seed)
         self.hang = False
+        self.pause_delay_s = 0.0  # a pause answered this late (an engine finishing its step on a busy host)
         self._unhung = asyncio.Event()
         self._unhung.set()
 
@@ -74,6 +76,17 @@ class FaultState:
         else:
             self._unhung.set()
         self.engine.set_stalled(hang)
+
+    def switch(self, update: FaultsUpdate) -> None:
+        """Set the faults `update` names; leave the others as they are."""
+        if update.hang is not None:
+            self.set_hang(update.hang)
+        if update.error_rate is not None:
+            self.error_rate = update.error_rate
+        if update.pause_delay is not None:
+            self.pause_delay_s = update.pause_delay
+        if update.ready is not None:
+            self.ready_at = 0.0 if update.ready else float("inf")
 
     async def wait_unhung(self) -> None:
         await self._unhung.wait()
@@ -100,6 +113,8 @@ class FaultMiddleware:
             return
         if self.faults.hang:
             await self.faults.wait_unhung()  # accept, never answer (until the fault is cleared)
+        if path in PAUSE_PATHS and self.faults.pause_delay_s:
+            await asyncio.sleep(self.faults.pause_delay_s)
         if path in GENERATION_PATHS and self.faults.should_fail():
             await _send_json(send, 500, self.error_body("injected fault: internal server error", 500))
             return
@@ -120,6 +135,7 @@ class FaultsUpdate(BaseModel):
     error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
     abort_all: bool = False
     ready: bool | None = None
+    pause_delay: float | None = Field(default=None, ge=0.0)
 
 
 class SpeedUpdate(BaseModel):
@@ -162,6 +178,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             "held": engine.held,
             "hang": faults.hang,
             "error_rate": faults.error_rate,
+            "pause_delay": faults.pause_delay_s,
             "ready": faults.ready,
             "counters": dict(engine.counters),
         }
@@ -170,12 +187,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
     async def set_faults(update: FaultsUpdate) -> Response:
         if update.crash and not faults.allow_crash:
             return json_response({"error": "crash needs a replica running in its own process"}, 409)
-        if update.hang is not None:
-            faults.set_hang(update.hang)
-        if update.error_rate is not None:
-            faults.error_rate = update.error_rate
-        if update.ready is not None:
-            faults.ready_at = 0.0 if update.ready else float("inf")
+        faults.switch(update)
         aborted = engine.abort_all("injected fault: abort everything") if update.abort_all else 0
         if update.crash:
             # Answer first, then die like a crashed engine: the process exits and its connections reset.
@@ -210,6 +222,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
     async def reset() -> dict[str, str]:
         faults.set_hang(False)
         faults.error_rate = 0.0
+        faults.pause_delay_s = 0.0
         faults.ready_at = 0.0
         engine.reset()
         return {"status": "ok"}
