@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -137,3 +138,10 @@ async def test_routed_experts_splice_on_resume(
     if not sglang_server.routed_experts:
         pytest.skip("routed-expert capture crashes on the CPU (hard-coded pin_memory); GPU: scripts/gpu_check.sh")
     await checks.routed_experts_splice_on_resume(http, await make(), sglang_server)
+
+
+@pytest.mark.timeout(600)
+async def test_the_reference_trainer_learns_through_the_gateway(
+    make: MakeGateway, sglang_server: EngineServer, tmp_path: Path
+) -> None:
+    await checks.reference_trainer_learns(await make(), sglang_server, str(tmp_path / "checkpoints"))

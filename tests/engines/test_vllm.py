@@ -6,6 +6,7 @@ Needs scripts/engines/setup.sh (see docs/engines.md); skips without it, fails wi
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import orjson
@@ -117,3 +118,10 @@ async def test_the_echoed_prompt_is_cut_from_real_answers(vllm_server: EngineSer
         expected = orjson.loads(raw)
         expected["choices"][0]["prompt_token_ids"] = None
         assert orjson.loads(cut) == expected
+
+
+@pytest.mark.timeout(600)
+async def test_the_reference_trainer_learns_through_the_gateway(
+    gw: RunningGateway, vllm_server: EngineServer, tmp_path: Path
+) -> None:
+    await checks.reference_trainer_learns(gw, vllm_server, str(tmp_path / "checkpoints"))

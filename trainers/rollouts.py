@@ -1,0 +1,130 @@
+"""Groups of samples generated through the gateway, as an asynchronous GRPO trainer's rollout workers make them.
+
+A group is `group_size` sessions that share `group_id` (the consumer's `group_by` key) and `group_size`: each is
+created with that metadata (`POST /v1/sessions`), generates one answer to the group's prompt by token ids
+(`POST /v1/completions`, the session named by `X-Session-ID`), and is finished with its own reward
+(`POST /v1/sessions/{id}/finish`), which hands its trajectory to the trainer. Weight updates may interrupt any
+of these requests: the gateway resumes them, and `num_resumes` in the answer says how often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import httpx
+
+from agents.sessions import SessionsClient
+from trainers.task import DigitsTask
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How each answer is sampled."""
+
+    group_size: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+
+
+@dataclass
+class RolloutStats:
+    """What the rollout workers did so far."""
+
+    groups: int = 0
+    samples: int = 0
+    resumed_samples: int = 0  # answers that spanned at least one interruption (a weight update)
+    resumes: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+
+class RolloutWorkers:
+    """`workers` coroutines, each generating one group after another until `stop()`; at most `max_ahead` groups
+    may be finished but not yet taken by the trainer (`taken`), which bounds how stale a sample can get."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        task: DigitsTask,
+        model: str,
+        sampling: SamplingConfig,
+        *,
+        workers: int,
+        max_ahead: int,
+        seed: int = 0,
+        run_id: str = "grpo",
+    ) -> None:
+        self.http = http
+        self.sessions = SessionsClient(http)
+        self.task = task
+        self.model = model
+        self.sampling = sampling
+        self.workers = workers
+        self.max_ahead = max_ahead
+        self.rng = random.Random(seed)
+        self.run_id = run_id
+        self.stats = RolloutStats()
+        self._started = 0
+        self._taken = 0
+        self._room = asyncio.Condition()
+        self._stopping = False
+
+    async def run(self) -> None:
+        """Generate groups until `stop()`; an error in any request ends the run with that error."""
+        async with asyncio.TaskGroup() as tasks:
+            for _ in range(self.workers):
+                tasks.create_task(self._worker())
+
+    async def stop(self) -> None:
+        async with self._room:
+            self._stopping = True
+            self._room.notify_all()
+
+    async def taken(self, groups: int) -> None:
+        """The trainer took `groups` more groups: that much room for new ones."""
+        async with self._room:
+            self._taken += groups
+            self._room.notify_all()
+
+    async def _worker(self) -> None:
+        while True:
+            async with self._room:
+                await self._room.wait_for(lambda: self._stopping or self._started - self._taken < self.max_ahead)
+                if self._stopping:
+                    return
+                index = self._started
+                self._started += 1
+            await self._group(index)
+
+    async def _group(self, index: int) -> None:
+        size = self.sampling.group_size
+        group_id = f"{self.run_id}-g{index}"
+        prompt = self.task.prompt(self.rng)
+        seeds = [self.rng.randrange(2**31) for _ in range(size)]
+        names = [f"{group_id}-s{i}" for i in range(size)]
+        for i, name in enumerate(names):
+            await self.sessions.create(name, {"group_id": group_id, "group_size": size, "sample_index": i})
+        answers = await asyncio.gather(*(self._answer(n, prompt, seed) for n, seed in zip(names, seeds, strict=True)))
+        for name, (output_ids, resumes) in zip(names, answers, strict=True):
+            reward = self.task.reward(output_ids)
+            await self.sessions.finish(name, reward)
+            self.stats.samples += 1
+            self.stats.resumes += resumes
+            self.stats.resumed_samples += resumes > 0
+            self.stats.rewards.append(reward)
+        self.stats.groups += 1
+
+    async def _answer(self, session_id: str, prompt: list[int], seed: int) -> tuple[list[int], int]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": self.sampling.max_tokens,
+            "temperature": self.sampling.temperature,
+            "seed": seed,
+        }
+        response = await self.http.post("/v1/completions", json=body, headers={"X-Session-ID": session_id})
+        if not response.is_success:
+            raise RuntimeError(f"POST /v1/completions for {session_id}: {response.status_code} {response.text}")
+        choice = response.json()["rollout"]["choices"][0]
+        return list(choice["output_ids"]), int(choice["num_resumes"])
