@@ -589,8 +589,11 @@ async def test_stale_replica_is_held_out_until_a_later_update(
 ) -> None:
     good, bad = await make_sim("vllm"), await make_sim("vllm", engine=EngineSettings(), dev_mode=False)
     gw = await make_gateway([good, bad], routing={"health_interval_s": 30})
-    report = (await publish(http, gw.url, 1)).json()
+    response = await publish(http, gw.url, 1)
+    assert response.status_code == 207  # partial: the replica without the dev-mode routes could not load it
+    report = response.json()
     bad_id = bad.url.removeprefix("http://")
+    assert report["status"] == "partial" and list(report["errors"]) == [bad_id]
     assert report["stale"] == [bad_id] and report["updated"] == [good.url.removeprefix("http://")]
     for i in range(6):
         body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"x{i}"))).json()

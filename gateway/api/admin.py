@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from fastapi import APIRouter, Depends, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import PauseMode
@@ -43,10 +44,12 @@ class ResumeRequest(BaseModel):
 
 def _report(report: UpdateReport) -> dict[str, Any]:
     return {
+        "status": report.status,
         "version": report.version,
         "mode": report.mode,
         "updated": report.updated,
         "stale": report.stale,
+        "errors": report.errors,
         "flush_pending": report.flush_pending,
         "duration_s": round(report.duration_s, 4),
     }
@@ -65,9 +68,21 @@ def replica_status(replica: Replica) -> dict[str, Any]:
     }
 
 
-@router.post("/weights")
-async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> dict[str, Any]:
-    return _report(await svc.weights.update(body.version, body.path, body.mode))
+@router.post(
+    "/weights",
+    responses={
+        207: {
+            "description": 'Some replicas loaded the version, the others are stale: `"status": "partial"`.',
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        502: {"description": "No replica loaded it: the previous version serves on (per-replica `errors`)."},
+    },
+)
+async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> Response:
+    """Pause, load `path` on every replica (or relabel without one), verify, resume. 200 `updated`; 207 `partial`;
+    502 when it loaded nowhere (raised by the coordinator after its rollback)."""
+    report = await svc.weights.update(body.version, body.path, body.mode)
+    return JSONResponse(_report(report), status_code=207 if report.status == "partial" else 200)
 
 
 @router.post("/pause")
