@@ -215,7 +215,8 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
                 assert set().union(*held.values()) == listening, held
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
             assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] == "length"
-            update = httpx.post(f"{url}/admin/weights", json={"version": 3}, headers=admin, timeout=30)
+            relabel = {"version": 3, "source": "external"}  # no checkpoint: the simulator's weights, relabelled
+            update = httpx.post(f"{url}/admin/weights", json=relabel, headers=admin, timeout=30)
             assert update.status_code == 200, update.text
             deadline = time.monotonic() + 20
             while set(statuses(50).values()) != {3}:  # the other worker follows through Redis

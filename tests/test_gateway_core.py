@@ -442,7 +442,7 @@ async def test_admin_auth_and_conflicts(
     assert (await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)).status_code == 200
     again = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
     assert again.status_code == 409 and again.json()["error"]["param"] == "version"
-    older = await http.post(f"{gw.url}/admin/weights", json={"version": 0}, headers=ADMIN)
+    older = await http.post(f"{gw.url}/admin/weights", json={"version": 0, "source": "external"}, headers=ADMIN)
     assert older.status_code == 409
     bad = await http.post(f"{gw.url}/admin/weights", json={"version": "x"}, headers=ADMIN)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "version"

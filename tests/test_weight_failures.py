@@ -1,5 +1,5 @@
-"""Weight updates that fail, over real simulator replicas, real HTTP and the session's Redis (issue 35: the traps
-a trainer author trips on).
+"""Weight updates that fail, and what `POST /admin/weights` asks for, over real simulator replicas, real HTTP and
+the session's Redis (issue 35: the traps a trainer author trips on).
 
 The replicas run with `weights_must_exist`: a load from a path that is not on disk fails as on the real engines
 (vLLM answers 500, SGLang 400 `success: false`), keeping the weights and the label. `publish` loads `ckpt-<v>`,
@@ -8,6 +8,7 @@ which is never on disk, so with the fault on it fails."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,3 +150,38 @@ async def test_a_partial_update_is_a_207_and_holds_the_failed_replicas_out(
     for i in range(6):  # never mixed: the replica still on version 0 serves nothing
         body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"p{i}"))).json()
         assert body["replicas"] == [replica_id(good.url)] and body["versions"] == [1, 1, 1]
+
+
+# -- path or source: external, never a relabel by omission -------------------------------------------------------
+
+
+async def test_a_relabel_must_be_asked_for_and_a_path_is_loaded(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    url = f"{gw.url}/admin/weights"
+
+    neither = await http.post(url, json={"version": 1}, headers=ADMIN)
+    assert neither.status_code == 400, neither.text
+    error = neither.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "path")
+    assert '"path"' in error["message"] and '"source": "external"' in error["message"]
+    both = await http.post(url, json={"version": 1, "path": str(tmp_path), "source": "external"}, headers=ADMIN)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "source"
+    assert "not both" in both.json()["error"]["message"]
+    other = await http.post(url, json={"version": 1, "source": "disk"}, headers=ADMIN)
+    assert other.status_code == 400 and other.json()["error"]["param"] == "source"
+    state = await sim_state(http, sim.url)
+    assert (state["version"], state["counters"].get("weight_loads", 0)) == ("default", 0)  # nothing happened
+    assert gw.services.weights.version == 0
+
+    relabel = await http.post(url, json={"version": 1, "source": "external"}, headers=ADMIN)
+    assert relabel.status_code == 200 and relabel.json()["status"] == "updated"
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["version"], state["counters"].get("weight_loads", 0)) == ("init", "1", 0)
+
+    load = await http.post(url, json={"version": 2, "path": str(tmp_path)}, headers=ADMIN)
+    assert load.status_code == 200
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["version"], state["counters"].get("weight_loads", 0)) == (str(tmp_path), "2", 1)
