@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import PauseMode
 from gateway.api.deps import ServicesDep, require_admin
-from gateway.config import ReplicaConfig
+from gateway.config import ReplicaConfig, without_credentials
 from gateway.errors import InvalidRequest, NotFound
 from gateway.routing import Replica
 from gateway.trajectory import MAX_VERSION
@@ -123,6 +123,8 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
     await svc.metrics.refresh()  # the pending count, read from Redis with a short timeout
     return {
         "pid": os.getpid(),  # which gateway process answered (`serve --workers N` runs several on one port)
+        # Where the trainer reads trajectories (the embedded server's too), credentials removed.
+        "redis_url": without_credentials(svc.redis_url),
         "version": svc.weights.version,
         "state": svc.weights.state,
         "updates": svc.weights.updates,
