@@ -20,6 +20,7 @@ from backends.errors import (
     BackendRejected,
     BackendTimeout,
     BackendUnavailable,
+    WeightsNotLoaded,
 )
 from backends.lean_http import IDLE_EXPIRY_S
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
@@ -223,7 +224,9 @@ class EngineBackend(Protocol):
         """Load new weights from `source` (a path the engine can read) and label them `version`; with no
         source the weights were synced out of band (NCCL, checkpoint engine) and only the label changes.
         Returns whether the prefix cache is clean: False when the engine switched weights but could not
-        flush (requests still hold KV), so the caller must `flush_cache` before new work reuses stale KV."""
+        flush (requests still hold KV), so the caller must `flush_cache` before new work reuses stale KV.
+        Raises `WeightsNotLoaded` only where the engine answered that the load from `source` failed and it kept
+        its weights (and label); any other failure leaves the engine's weights unknown."""
         ...
 
     async def weight_version(self) -> str: ...
@@ -321,6 +324,17 @@ def raise_for_status(replica: str, status: int, body: bytes) -> None:
     if 400 <= status < 500 and status not in (408, 429):
         raise BackendRejected(message, replica=replica, code=str(status))
     raise BackendError(message, replica=replica, code=str(status))
+
+
+def raise_for_load_status(replica: str, status: int, body: bytes, what: str) -> None:
+    """`raise_for_status` for the answer to a weight load: an error status is the engine saying the load failed,
+    so `WeightsNotLoaded` (see there for why the engines then keep their weights); except 408, 429 and 503, which
+    say the engine did not take the call up at all and stay what `raise_for_status` makes of them."""
+    if status < 300 or status in (408, 429, 503):
+        raise_for_status(replica, status, body)
+        return
+    text = body[:500].decode("utf-8", "replace")
+    raise WeightsNotLoaded(f"replica {replica}: {what} failed ({status}): {text}", replica=replica, code=str(status))
 
 
 def spans_to_versions(spans: Sequence[VersionSpan], count: int, fallback: str) -> list[str]:

@@ -12,6 +12,8 @@ class GatewayError(Exception):
 
     status_code: int = 500
     error_type: str = "internal_error"
+    # Extra fields of the error object in the HTTP answer, beside message, type, param and code (None: none).
+    details: dict[str, object] | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -52,6 +54,15 @@ class BackendProtocolError(BackendError):
     status_code = 502
 
 
+class WeightsNotLoaded(BackendError):
+    """The engine answered that a weight load failed, and kept the weights it had: SGLang's
+    `/update_weights_from_disk` rolls back to them; vLLM's `reload_weights` fails before it touches them when the
+    checkpoint cannot be read (a missing path). Raised only on such an answer: after a timeout or a lost connection
+    nobody knows which weights the engine holds, and the error stays a plain `BackendTimeout`/`BackendUnavailable`."""
+
+    retryable = False
+
+
 class BackendRejected(BackendError):
     """The replica refused the request itself (4xx): resending it elsewhere will not help."""
 
@@ -67,4 +78,5 @@ __all__ = [
     "BackendTimeout",
     "BackendUnavailable",
     "GatewayError",
+    "WeightsNotLoaded",
 ]

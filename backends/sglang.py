@@ -36,10 +36,10 @@ from backends.base import (
     encodable_ids,
     merge_deltas,
     one_chunk,
-    raise_for_status,
+    raise_for_load_status,
     translate_errors,
 )
-from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable
+from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable, WeightsNotLoaded
 from backends.http_client import HttpEngineBackend, post_for_whole_answer, request, request_json, sse_batches
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 
@@ -333,7 +333,8 @@ class SglangBackend(HttpEngineBackend):
         """From `source`: `/update_weights_from_disk` with the version label and a cache flush. It returns False
         (without raising) when SGLang switched weights and version but could not flush the radix cache because
         in_place-paused requests hold KV. Without a source only the label changes (`/update_weight_version`,
-        in-flight requests kept), then the cache is flushed if the engine allows it."""
+        in-flight requests kept), then the cache is flushed if the engine allows it. A load SGLang answers as
+        failed raises `WeightsNotLoaded`: it rolled back to the weights it had."""
         if source is None:
             body = {"new_version": version, "abort_all_requests": False}
             answer = await self._call("POST", "/update_weight_version", json=body)
@@ -358,9 +359,12 @@ class SglangBackend(HttpEngineBackend):
                 )
                 await self._relabel(str(body["weight_version"]))
                 return False
-            raise_for_status(self.id, response.status, response.content)
+            # Any other error answer: the load failed and SGLang rolled back to the weights (and label) it had.
+            what = f"update_weights_from_disk {body['model_path']!r}"
+            raise_for_load_status(self.id, response.status, response.content, what)
             answer = orjson.loads(response.content) if response.content.strip() else None
-        self._expect_success(answer, f"update_weights_from_disk {body['model_path']!r}")
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightsNotLoaded(f"replica {self.id}: {what} failed: {answer.get('message')}", replica=self.id)
         return True
 
     async def _relabel(self, version: str) -> None:

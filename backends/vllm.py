@@ -48,6 +48,7 @@ from backends.base import (
     encodable_ids,
     merge_deltas,
     one_chunk,
+    raise_for_load_status,
     translate_errors,
     version_tuple,
 )
@@ -439,7 +440,12 @@ class VllmBackend(HttpEngineBackend):
         keeps KV computed under the old weights otherwise). Returns whether the flush succeeded."""
         if source is not None:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": source}}
-            await self._call("POST", "/collective_rpc", json=rpc, timeout=self._long)
+            # An error answer is vLLM saying the reload failed (`WeightsNotLoaded`): a checkpoint it cannot read
+            # fails before any weight is touched. The answer's body (`{"results": [...]}`) says nothing more.
+            reply = await request(
+                self._client, self.id, "POST", "/collective_rpc", json=rpc, timeout=self._long, check=False
+            )
+            raise_for_load_status(self.id, reply.status, reply.content, f"reload_weights from {source!r}")
         answer = await self._call("POST", "/update_weight_version", json={"new_version": version})
         if isinstance(answer, dict) and answer.get("success") is False:
             raise BackendError(

@@ -18,7 +18,7 @@ shorter delay on a bigger machine. `--max-tokens` defaults to a budget that outl
 
 Each N gets a fresh stack, so every run starts at weight version 0 and publishes version 1. The N streams ask
 for `--max-tokens` tokens each (`ignore_eos`); once every one has streamed `--warm-tokens` tokens, the trainer's
-call `POST /admin/weights {version: 1, mode: abort}` is sent. The gateway answers it after the replicas paused
+call `POST /admin/weights {version: 1, path, mode: abort}` is sent. The gateway answers it after the replicas paused
 (aborting every request), loaded the weights, reported the new version and resumed. For each request, the first
 token sampled by version 1 is found from the per-token `versions` of its final event, and
 

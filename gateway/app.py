@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +18,7 @@ from gateway.api.openapi import install_openapi
 from gateway.api.streaming import GatewayApp
 from gateway.config import Settings
 from gateway.gc_tuning import tune_gc
-from gateway.services import BackendFactory, default_backend_factory, open_services
+from gateway.services import BackendFactory, Services, default_backend_factory, open_services
 
 
 def create_app(
@@ -27,18 +27,22 @@ def create_app(
     *,
     server_process: bool = False,
     lean_routes: bool = True,
+    on_started: Callable[[Services], None] | None = None,
 ) -> FastAPI:
     """The gateway app; its services start with the app's lifespan and close with it. `server_process`: this
     process serves only the gateway (`rollout-gateway serve`), so its garbage collector is tuned after startup
     (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone. `lean_routes`: serve
     `/generate` and the OpenAI routes with `LeanRoute`'s handler (`gateway.api.lean_route`); False serves them
-    with FastAPI's own, which answers the same (tests compare the two)."""
+    with FastAPI's own, which answers the same (tests compare the two). `on_started` is called once the services
+    are up, before the first request (the `serve` command prints the Redis URL from it)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with open_services(settings, backend_factory) as services:
             app.state.services = services
             app.services = services
+            if on_started is not None:
+                on_started(services)
             if server_process:
                 tune_gc()
             yield

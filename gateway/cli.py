@@ -47,7 +47,7 @@ def serve(
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.config import load_config
+    from gateway.config import load_config, without_credentials
     from gateway.server import uvicorn_config
 
     _configure_logging(log_level)
@@ -63,12 +63,19 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"rollout-gateway: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from exc
+    embedded = not settings.redis.url
+
+    def print_redis(url: str) -> None:
+        # Printed, not logged: a trainer needs this URL whatever the log level (the embedded one is new each run).
+        where = " (embedded redis-server; it stops with the gateway)" if embedded else ""
+        typer.echo(f"rollout-gateway: Redis at {without_credentials(url)}{where}", err=True)
+
     if workers > 1:
         from gateway.workers import serve_workers
 
-        raise typer.Exit(serve_workers(settings, workers, log_level))
+        raise typer.Exit(serve_workers(settings, workers, log_level, on_redis=print_redis))
     uv = uvicorn_config(
-        create_app(settings, server_process=True),
+        create_app(settings, server_process=True, on_started=lambda services: print_redis(services.redis_url)),
         log_level=log_level,
         in_process=False,
         shutdown_timeout_s=settings.server.shutdown_timeout_s,

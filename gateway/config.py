@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -66,6 +66,19 @@ def _check_redis_url(url: str) -> str:
     if url and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
         raise ValueError('must be "" (embedded redis-server) or a redis://, rediss:// or unix:// URL')
     return url
+
+
+def without_credentials(url: str) -> str:
+    """`url` fit to print or show: without a user, password or `password=` query parameter (redis-py reads both
+    `redis://:secret@host` and `?password=secret`); otherwise exactly as given (a unix:// URL included)."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    query = [(key, value) for key, value in pairs if key != "password"]
+    if "@" not in parts.netloc and len(query) == len(pairs):
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    rest = parts.path + (f"?{urlencode(query)}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return f"{parts.scheme}://{netloc}{rest}"
 
 
 HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]

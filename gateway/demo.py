@@ -115,7 +115,9 @@ async def _trainer(
             if not agents_done.is_set() and time.monotonic() >= next_update:
                 version = stats.version + 1
                 body = {"version": version, "path": f"demo-ckpt-{version}", "mode": options.mode}
-                report = (await admin.post("/admin/weights", json=body)).json()
+                response = await admin.post("/admin/weights", json=body)
+                response.raise_for_status()  # a load that failed everywhere is a 502: the trainer stops on it
+                report = response.json()
                 stats.version, stats.updates = version, stats.updates + 1
                 stats.update_ms.append(report.get("duration_s", 0.0) * 1000)
                 next_update = time.monotonic() + options.update_every_s

@@ -15,7 +15,9 @@ GatewayError                      base of every error the gateway raises on purp
 │   ├── BackendTimeout            504: connect/read/pool timeout
 │   │   └── DeadlinePassed        504: the request's own deadline passed (not retried, no replica blamed)
 │   ├── BackendProtocolError      502: the replica answered something the contract does not allow
+│   ├── WeightsNotLoaded          502: the replica refused a weight load and kept the weights it had
 │   └── BackendRejected           400: the replica refused the request itself (not retryable)
+├── WeightsNotUpdated             502: a weight update loaded on no replica; the previous version still serves
 └── StoreError                    503: Redis unreachable past the retry budget
 ```
 
@@ -33,6 +35,7 @@ from backends.errors import (
     BackendTimeout,
     BackendUnavailable,
     GatewayError,
+    WeightsNotLoaded,
 )
 
 
@@ -89,6 +92,19 @@ class DeadlinePassed(BackendTimeout):
     retryable = False
 
 
+class WeightsNotUpdated(GatewayError):
+    """`POST /admin/weights` loaded the new version on no replica. The gateway's version is unchanged, and every
+    replica that kept the previous weights serves on; `details` carries the report (`errors` per replica, `kept`,
+    `stale`) into the error object of the answer."""
+
+    status_code = 502
+    error_type = "backend_error"
+
+    def __init__(self, message: str, details: dict[str, object]) -> None:
+        super().__init__(message, code="weights_not_updated")
+        self.details = details
+
+
 class StoreError(GatewayError):
     status_code = 503
     error_type = "store_unavailable"
@@ -111,4 +127,6 @@ __all__ = [
     "SessionNotFound",
     "StoreError",
     "Unauthorized",
+    "WeightsNotLoaded",
+    "WeightsNotUpdated",
 ]

@@ -4,6 +4,11 @@ Generation awaits `until_serving()`, which returns at once unless an update (or 
 way, so requests interrupted by an update wait on an event rather than polling. Updates are serialized; a
 version older than or equal to the current one is a 409. A replica that fails to update is drained and marked
 stale (it serves nothing until a later update succeeds on it), so no request ever mixes weights silently.
+
+An update that loads on no replica is rolled back instead (`WeightsNotUpdated`, a 502): the version stays, and
+each replica whose engine refused the load (`WeightsNotLoaded`) and still reports the previous version's label
+resumes on the weights it kept, so the interrupted requests finish under the previous version. A replica that
+failed otherwise (a timeout: its weights are unknown) or reports another label is held out as stale.
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from backends.base import PauseMode
-from backends.errors import BackendError
-from gateway.errors import Conflict, InvalidRequest, StoreError
+from backends.errors import BackendError, WeightsNotLoaded
+from gateway.errors import Conflict, InvalidRequest, StoreError, WeightsNotUpdated
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import WeightsBus
 
 logger = logging.getLogger(__name__)
 
 CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming", "following"]
+UpdateStatus = Literal["updated", "partial", "failed"]
 INITIAL_LABELS = frozenset({"default", ""})
 
 
@@ -62,14 +68,32 @@ def _ids(value: object) -> set[str]:
 
 @dataclass
 class UpdateReport:
-    """What one update did, for the admin API and metrics."""
+    """What one update did, for the admin API and metrics: the replicas that run `version` (`updated`), those
+    held out (`stale`), those rolled back onto the previous weights after a failed update (`kept`), and the
+    engines' errors by replica."""
 
     version: int
     mode: PauseMode
     updated: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
     flush_pending: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    # Replicas whose engine refused the load and said it kept its weights: rolled back if no replica updated.
+    refused: list[str] = field(default_factory=list)
+
+    def note(self, replica: str, error: str) -> None:
+        """Record a replica's failure (after any earlier one of the same update)."""
+        earlier = self.errors.get(replica)
+        self.errors[replica] = f"{earlier}; {error}" if earlier else error
+
+    @property
+    def status(self) -> UpdateStatus:
+        """`updated`: every replica runs `version`; `partial`: some do, the others are stale; `failed`: none do."""
+        if not self.updated:
+            return "failed"
+        return "partial" if self.stale else "updated"
 
 
 class WeightCoordinator:
@@ -147,10 +171,13 @@ class WeightCoordinator:
     # -- full update ---------------------------------------------------------------------------
 
     async def update(self, version: int, source: str | None = None, mode: PauseMode | None = None) -> UpdateReport:
-        """Pause every replica, load `version` (from `source`, or already synced out of band), verify, resume."""
+        """Pause every replica, load `version` (from the path `source`, or with None: synced out of band, only
+        relabel), verify, resume. Some replicas failing is a `partial` report (they are stale); all of them
+        failing raises `WeightsNotUpdated` after the rollback (see the module docstring)."""
         mode = mode or self.default_mode
         async with self._lock, self._leadership(version) as token:
             started = time.monotonic()
+            previous = self.version
             report = UpdateReport(version, mode)
             self._serving.clear()
             try:
@@ -158,6 +185,7 @@ class WeightCoordinator:
                     await self._pause_all(mode, report)
                     self.state = "updating"
                     await self._update_all(version, source, report)
+                    await self._settle_refusals(previous, report)
                     self.state = "resuming"
                     await self._resume_all(report)
             finally:
@@ -167,6 +195,8 @@ class WeightCoordinator:
                 self.state = "serving"
                 self._release()
             report.duration_s = time.monotonic() - started
+            if not report.updated:
+                raise self._failed(previous, report)
             self.updates += 1
             logger.info(
                 "weights: version %d (%s) on %s; stale: %s",
@@ -178,6 +208,28 @@ class WeightCoordinator:
             )
             await self._announce(report)
             return report
+
+    def _failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated:
+        """The error for an update that loaded nowhere, naming each replica's failure."""
+        why = "; ".join(f"{replica}: {error}" for replica, error in report.errors.items()) or "no replica in the pool"
+        serving = f"replicas {report.kept} serve version {previous} as before" if report.kept else "no replica serves"
+        logger.error(
+            "weights: version %d loaded on no replica (%s); %s; stale: %s",
+            report.version,
+            why,
+            serving,
+            report.stale,
+            extra={"version": report.version},
+        )
+        details: dict[str, object] = {
+            "version": previous,
+            "requested_version": report.version,
+            "status": report.status,
+            "kept": report.kept,
+            "stale": report.stale,
+            "errors": report.errors,
+        }
+        return WeightsNotUpdated(f"weight version {report.version} loaded on no replica ({why}); {serving}", details)
 
     def _check_newer(self, version: int) -> None:
         if version <= self.version:
@@ -197,6 +249,7 @@ class WeightCoordinator:
             else:
                 await replica.backend.pause(mode)
         except BackendError as exc:
+            report.note(replica.id, f"pause failed: {exc}")
             self._mark_stale(replica, report, f"pause failed: {exc}")
 
     async def _drain(self, replica: Replica) -> None:
@@ -214,11 +267,20 @@ class WeightCoordinator:
         try:
             cache_clean = await replica.backend.update_weights(label, source)
             reported = await replica.backend.weight_version()
+        except WeightsNotLoaded as exc:
+            # Not stale yet: if no replica loads `version`, this one may serve on (`_settle_refusals`).
+            logger.error("replica %s: %s", replica.id, exc, extra={"replica": replica.id, "version": version})
+            report.note(replica.id, str(exc))
+            report.refused.append(replica.id)
+            return
         except BackendError as exc:
+            report.note(replica.id, f"update failed: {exc}")
             self._mark_stale(replica, report, f"update failed: {exc}")
             return
         if reported != label:
-            self._mark_stale(replica, report, f"reports version {reported!r} after the update, not {label!r}")
+            why = f"reports version {reported!r} after the update, not {label!r}"
+            report.note(replica.id, why)
+            self._mark_stale(replica, report, why)
             return
         replica.version = version
         replica.stale = False
@@ -226,6 +288,40 @@ class WeightCoordinator:
         if not cache_clean:
             report.flush_pending.append(replica.id)
             self._flush_when_idle(replica)
+
+    async def _settle_refusals(self, previous: int, report: UpdateReport, rollback: bool = True) -> None:
+        """The replicas whose engine refused the load kept the previous weights. If another replica loaded the new
+        version, they are stale (no request may mix versions). If none did, the update is rolled back: each one
+        that still reports the previous version's label serves on as before (its stale flag, too, is as before);
+        one that reports anything else is stale, since nobody can tell which weights it runs. Without `rollback`
+        (weights synced out of band are in the engines already), they are stale."""
+        replicas = [r for r in self.pool.all() if r.id in report.refused]
+        if report.updated or not rollback:
+            for replica in replicas:
+                self._mark_stale(replica, report, f"did not load version {report.version}; runs {previous} still")
+            return
+        labels = version_labels(previous)
+        async with asyncio.TaskGroup() as group:
+            readings = {replica.id: group.create_task(self._label_of(replica)) for replica in replicas}
+        for replica in replicas:
+            label = readings[replica.id].result()
+            if label not in labels:
+                why = f"reports version {label!r} after the failed update, not {version_label(previous)!r}"
+                report.note(replica.id, why)
+                self._mark_stale(replica, report, why)
+            elif replica.stale:
+                report.stale.append(replica.id)  # held out before the update; nothing changed that
+            else:
+                report.kept.append(replica.id)
+
+    async def _label_of(self, replica: Replica) -> str | None:
+        try:
+            return await replica.backend.weight_version()
+        except BackendError as exc:
+            logger.error(
+                "replica %s: cannot read its weight version: %s", replica.id, exc, extra={"replica": replica.id}
+            )
+            return None
 
     async def _resume_all(self, report: UpdateReport) -> None:
         async with asyncio.TaskGroup() as group:
@@ -240,7 +336,10 @@ class WeightCoordinator:
                 await replica.backend.pause("abort")
             await replica.backend.resume()
         except BackendError as exc:
+            report.note(replica.id, f"resume failed: {exc}")
             self._mark_stale(replica, report, f"resume failed: {exc}")
+            if replica.id in report.kept:
+                report.kept.remove(replica.id)
 
     def _mark_stale(self, replica: Replica, report: UpdateReport, why: str) -> None:
         logger.error(
@@ -330,6 +429,7 @@ class WeightCoordinator:
         try:
             self.state = "updating"
             await self._update_all(version, None, report)
+            await self._settle_refusals(self.version, report, rollback=False)
             self.state = "resuming"
             await self._resume_all(report)
             self.version = version
@@ -376,8 +476,9 @@ class WeightCoordinator:
             return
         event = {
             "event": "serving",
-            "version": self.version,
+            "version": self.version,  # the previous one after a failed update: the followers keep it
             "source": self.last_source,
+            "status": report.status,
             "updated": report.updated,
             "stale": report.stale,
         }
@@ -435,7 +536,8 @@ class WeightCoordinator:
                     replica.version, replica.stale = version, False
                 elif replica.id in stale:
                     replica.stale = True
-            self.updates += 1
+            if event.get("status") != "failed":
+                self.updates += 1
             self.pool.notify()
         self.state = "serving"
         self._release()

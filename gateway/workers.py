@@ -100,13 +100,18 @@ def _shared_redis(settings: Settings) -> Iterator[Settings]:
         yield settings.model_copy(update={"redis": redis_config})
 
 
-def serve_workers(settings: Settings, workers: int, log_level: str = "info") -> int:
-    """Run `workers` gateway processes until SIGTERM/SIGINT; returns the exit status for the command line."""
+def serve_workers(
+    settings: Settings, workers: int, log_level: str = "info", on_redis: Callable[[str], None] | None = None
+) -> int:
+    """Run `workers` gateway processes until SIGTERM/SIGINT; returns the exit status for the command line.
+    `on_redis` gets the URL of the Redis they share (the embedded server's, once it runs)."""
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     context = multiprocessing.get_context("fork")  # before any event loop or thread exists in this process
     server = settings.server
     with _shared_redis(settings) as shared, listening_sockets(server.host, server.port, workers) as socks:
+        if on_redis is not None:
+            on_redis(shared.redis.url)
         processes = [
             context.Process(target=_worker, args=(shared, socks, i, log_level), name=f"gateway-{i}", daemon=False)
             for i in range(workers)

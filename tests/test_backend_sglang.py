@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,7 +31,14 @@ from backends.base import (
     Timeouts,
     VersionSpan,
 )
-from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
+from backends.errors import (
+    BackendError,
+    BackendProtocolError,
+    BackendRejected,
+    BackendTimeout,
+    BackendUnavailable,
+    WeightsNotLoaded,
+)
 from backends.routed_experts import decode_int32_b64
 from backends.sglang import SglangBackend
 from backends.sim.engine import EngineSettings
@@ -322,6 +330,21 @@ async def test_update_weights_from_disk_changes_outputs(make_sim: SimFactory, ma
     after = await collect(backend, PROMPT, greedy(12))
     assert tokens(after) == reference_tokens(SHAPE, PROMPT, V2, 12, ignore_eos=True) != before
     assert after[-1].weight_version == "v2" and after[-1].cached_tokens == 0  # the update flushed the cache
+
+
+async def test_a_load_sglang_refuses_is_weights_not_loaded(
+    make_sim: SimFactory, make_backend: BackendFactory, tmp_path: Path
+) -> None:
+    """SGLang answers a failed `/update_weights_from_disk` with 400 `success: false` and keeps (or rolls back to)
+    its weights and label: `WeightsNotLoaded`, with the engine's message."""
+    sim = await make_sim("sglang", engine=sg(), weights_must_exist=True)
+    backend = make_backend(sim.url)
+    with pytest.raises(WeightsNotLoaded, match="Failed to get weights iterator") as failed:
+        await backend.update_weights("v2", str(tmp_path / "missing"))
+    assert failed.value.code == "400"
+    assert await backend.weight_version() == "default" and sim.engine.weights == "init"
+    assert await backend.update_weights("v2", str(tmp_path)) is True
+    assert await backend.weight_version() == "v2"
 
 
 @pytest.mark.parametrize(("keep_mode", "clean"), [("retract", True), ("in_place", False)])

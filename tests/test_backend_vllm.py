@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from backends.errors import (
     BackendRejected,
     BackendTimeout,
     BackendUnavailable,
+    WeightsNotLoaded,
 )
 from backends.http_client import parse_gauges
 from backends.sim.engine import EngineSettings
@@ -269,6 +271,39 @@ async def test_update_weights_changes_outputs(make_sim: SimFactory, backend_for:
     assert sim.engine.weights == "w3" and await backend.weight_version() == "v4"
     again = tokens_of(await collect(backend.generate(PROMPT, greedy(12), "u2")))
     assert again == reference_tokens(SHAPE, PROMPT, ("w3", "v4"), 12, ignore_eos=True)
+
+
+async def test_a_reload_from_a_missing_path_is_weights_not_loaded(
+    make_sim: SimFactory, backend_for: BackendFactory, tmp_path: Path
+) -> None:
+    """vLLM answers a reload it cannot read with an error and keeps its weights: the adapter says so with
+    `WeightsNotLoaded` (the one failure a weight update may roll back), and does not relabel."""
+    sim = await make_sim("vllm", weights_must_exist=True)
+    backend = backend_for(sim)
+    with pytest.raises(WeightsNotLoaded, match="no checkpoint") as failed:
+        await backend.update_weights("v2", str(tmp_path / "missing"))
+    assert failed.value.code == "500"
+    assert await backend.weight_version() == "default" and sim.engine.weights == "init"
+    assert await backend.update_weights("v2", str(tmp_path)) is True  # a path that is there loads
+    assert await backend.weight_version() == "v2" and sim.engine.weights == str(tmp_path)
+
+
+async def test_a_failed_relabel_after_a_reload_is_not_weights_not_loaded(
+    backend_for: BackendFactory, scripted: Scripted
+) -> None:
+    """The reload succeeded and only the relabel failed: the engine runs the new weights under the old label, so
+    this must not read as "kept its weights" (the coordinator would roll back onto weights that are gone)."""
+    answers = {
+        "/collective_rpc": (200, b'{"results":[null]}'),
+        "/update_weight_version": (500, b'{"error":{"message":"boom"}}'),
+    }
+    backend = backend_for((await scripted(lambda r: Answer(*answers[r.path]))).url)
+    with pytest.raises(BackendError) as failed:
+        await backend.update_weights("v2", "/ckpt")
+    assert not isinstance(failed.value, WeightsNotLoaded)
+    answers["/collective_rpc"] = (503, b'{"error":{"message":"starting"}}')  # not taken up: weights unknown
+    with pytest.raises(BackendUnavailable):
+        await backend.update_weights("v2", "/ckpt")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -108,6 +108,30 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
             assert "Application shutdown complete" in stderr and "Traceback" not in stderr
 
 
+def test_serve_prints_the_embedded_redis_url_at_any_log_level(tmp_path: Path) -> None:
+    """The embedded Redis gets a new URL every run, and a trainer needs it: `serve` prints it at start even with
+    `--log-level error`, and `/admin/status` shows the same URL, which a client can use."""
+    import redis
+
+    with SimProcess() as sim:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = sim_config(tmp_path, sim, port)
+        with serving("--config", str(config), "--log-level", "error") as process:
+            wait_for_health(process, url)
+            shown = httpx.get(f"{url}/admin/status", headers={"authorization": "Bearer t0k"}, timeout=10).json()
+            client = redis.Redis.from_url(shown["redis_url"])
+            try:
+                assert client.ping() is True  # the URL the gateway shows is one a trainer can connect to
+            finally:
+                client.close()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+            stderr = process.stderr.read() if process.stderr else ""
+    printed = re.findall(r"^rollout-gateway: Redis at (\S+) \(embedded redis-server", stderr, re.MULTILINE)
+    assert printed == [shown["redis_url"]], stderr
+
+
 @pytest.mark.slow
 def test_demo_runs_and_checks_itself() -> None:
     result = run_cli("demo", "--duration", "3", "--update-every", "1", "--concurrency", "16", timeout=120)
@@ -215,7 +239,8 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
                 assert set().union(*held.values()) == listening, held
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
             assert httpx.post(f"{url}/generate", json=body, timeout=10).json()["finish_reason"] == "length"
-            update = httpx.post(f"{url}/admin/weights", json={"version": 3}, headers=admin, timeout=30)
+            relabel = {"version": 3, "source": "external"}  # no checkpoint: the simulator's weights, relabelled
+            update = httpx.post(f"{url}/admin/weights", json=relabel, headers=admin, timeout=30)
             assert update.status_code == 200, update.text
             deadline = time.monotonic() + 20
             while set(statuses(50).values()) != {3}:  # the other worker follows through Redis
@@ -224,5 +249,7 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
             assert process.wait(timeout=30) == 0
             stderr = process.stderr.read() if process.stderr else ""
             assert "Traceback" not in stderr, stderr
+            # The supervisor started the one embedded Redis the workers share, and printed its URL once.
+            assert len(re.findall(r"^rollout-gateway: Redis at \S+ \(embedded", stderr, re.MULTILINE)) == 1, stderr
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"{url}/health", timeout=2)

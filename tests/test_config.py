@@ -16,6 +16,7 @@ from gateway.config import (
     dotted_key,
     env_var_name,
     load_config,
+    without_credentials,
 )
 from gateway.errors import ConfigError
 from gateway.services import replica_spec
@@ -385,3 +386,20 @@ def test_load_config_does_not_leak_its_file_into_later_loads(tmp_path: Path) -> 
     assert load_config(path).server.port == 1234
     assert Settings().server.port == 8000
     assert config_module._yaml_file.get() is None
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:secret@10.0.0.5:6379/0", "redis://10.0.0.5:6379/0"),
+        ("redis://trainer:secret@redis:6379/1", "redis://redis:6379/1"),
+        ("rediss://default:secret@[::1]:6380/0?ssl_cert_reqs=none", "rediss://[::1]:6380/0?ssl_cert_reqs=none"),
+        ("redis://redis:6379/0?password=secret&db=2", "redis://redis:6379/0?db=2"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("unix:///tmp/rg%20redis/redis.sock?db=0", "unix:///tmp/rg%20redis/redis.sock?db=0"),  # as it is
+        ("unix://:secret@/tmp/redis.sock?db=0", "unix:///tmp/redis.sock?db=0"),
+        ("unix:///tmp/redis.sock?db=0&password=secret", "unix:///tmp/redis.sock?db=0"),
+    ],
+)
+def test_a_redis_url_is_shown_without_credentials(url: str, shown: str) -> None:
+    assert without_credentials(url) == shown

@@ -18,9 +18,10 @@ from redis.asyncio import Redis
 from backends.routed_experts import decode_npy_b64
 from backends.sim.engine import EngineSettings
 from backends.sim.model import PREFIX_HASH_START, TokenModel, extend_prefix_hash, weights_key
-from gateway.config import ReplicaConfig
-from gateway.server import RunningGateway
-from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from gateway.config import ReplicaConfig, Settings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.server import RunningGateway, serve_gateway
+from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.gateway_helpers import (
     SHAPE,
     Streamed,
@@ -442,11 +443,34 @@ async def test_admin_auth_and_conflicts(
     assert (await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)).status_code == 200
     again = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
     assert again.status_code == 409 and again.json()["error"]["param"] == "version"
-    older = await http.post(f"{gw.url}/admin/weights", json={"version": 0}, headers=ADMIN)
+    older = await http.post(f"{gw.url}/admin/weights", json={"version": 0, "source": "external"}, headers=ADMIN)
     assert older.status_code == 409
     bad = await http.post(f"{gw.url}/admin/weights", json={"version": "x"}, headers=ADMIN)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "version"
     assert (await http.post(f"{gw.url}/admin/resume", json={"version": 5}, headers=ADMIN)).status_code == 409
+
+
+async def test_admin_status_shows_the_redis_url_without_credentials(
+    make_sim: SimFactory, redis_server: EmbeddedRedis, redis: Redis, http: httpx.AsyncClient
+) -> None:
+    """A trainer finds the gateway's Redis in `/admin/status`; a password in the configured URL is not shown."""
+    await redis.execute_command("ACL", "SETUSER", "rg-status-test", "on", ">s3cret-pw", "~*", "&*", "+@all")
+    try:
+        url = redis_server.url.replace("redis://", "redis://rg-status-test:s3cret-pw@")
+        sim = await make_sim("vllm")
+        settings = Settings(
+            server={"port": 0, "admin_token": ADMIN_TOKEN},
+            redis={"url": url},
+            replicas=[ReplicaConfig(url=sim.url, backend="sim", dialect="vllm")],
+        )
+        async with serve_gateway(settings) as gw:
+            # The credentials work: the gateway stores a session through them.
+            assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2))).status_code == 200
+            response = await http.get(f"{gw.url}/admin/status", headers=ADMIN)
+        assert response.json()["redis_url"] == redis_server.url
+        assert "s3cret-pw" not in response.text and "rg-status-test" not in response.text
+    finally:
+        await redis.execute_command("ACL", "DELUSER", "rg-status-test")
 
 
 async def test_health_ejects_and_readmits(
@@ -589,8 +613,11 @@ async def test_stale_replica_is_held_out_until_a_later_update(
 ) -> None:
     good, bad = await make_sim("vllm"), await make_sim("vllm", engine=EngineSettings(), dev_mode=False)
     gw = await make_gateway([good, bad], routing={"health_interval_s": 30})
-    report = (await publish(http, gw.url, 1)).json()
+    response = await publish(http, gw.url, 1)
+    assert response.status_code == 207  # partial: the replica without the dev-mode routes could not load it
+    report = response.json()
     bad_id = bad.url.removeprefix("http://")
+    assert report["status"] == "partial" and list(report["errors"]) == [bad_id]
     assert report["stale"] == [bad_id] and report["updated"] == [good.url.removeprefix("http://")]
     for i in range(6):
         body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"x{i}"))).json()

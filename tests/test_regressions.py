@@ -241,7 +241,8 @@ async def test_weight_version_beyond_int32_is_refused_not_a_500(
     400 naming `version` now, and the gateway's version is unchanged."""
     gw = await make_gateway([await make_sim("vllm")])
     headers = ADMIN | {"content-type": "application/json"}
-    response = await http.post(f"{gw.url}{path}", content=_dumps({"version": version}), headers=headers)
+    body = {"version": version} | ({"source": "external"} if path == "/admin/weights" else {})
+    response = await http.post(f"{gw.url}{path}", content=_dumps(body), headers=headers)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "version"
     status = await http.get(f"{gw.url}/admin/status", headers=ADMIN)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -575,3 +576,23 @@ async def test_slow_start_answers_503(make_sim: SimFactory, http: httpx.AsyncCli
     assert starting.status_code == 503 and "starting" in starting.json()["error"]["message"]
     assert (await http.post(f"{sim.url}/sim/faults", json={"ready": True})).status_code == 200
     assert (await http.get(f"{sim.url}/health")).status_code == 200
+
+
+async def test_a_load_from_a_missing_path_fails_and_keeps_the_weights_when_weights_must_exist(
+    make_sim: SimFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The `weights_must_exist` fault: SGLang answers 400 `success: false` and keeps its weights and label."""
+    sim = await make_sim("sglang", weights_must_exist=True)
+    failed = await post(
+        http, sim.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "no"), "weight_version": "v2"}
+    )
+    assert failed.status_code == 400 and failed.json()["success"] is False
+    assert failed.json()["message"].startswith("Failed to get weights iterator")
+    info = (await http.get(f"{sim.url}/model_info")).json()
+    assert (info["model_path"], info["weight_version"], sim.engine.version) == ("init", "default", "default")
+    loaded = await post(
+        http, sim.url, "/update_weights_from_disk", {"model_path": str(tmp_path), "weight_version": "v2"}
+    )
+    assert loaded.status_code == 200 and loaded.json()["success"] is True
+    await post(http, sim.url, "/sim/reset")
+    assert (await sim_state(http, sim.url))["weights_must_exist"] is False  # a reset clears the fault

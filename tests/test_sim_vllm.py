@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -225,6 +226,25 @@ async def test_keep_mode_weight_update_spans_and_tokens(make_sim: SimFactory, ht
     per_token = [("init", "default")] * k + [("ckpt2", "v2")] * (120 - k)
     assert choice["token_ids"] == reference_tokens(SHAPE, PROMPT, per_token, 120, ignore_eos=True)
     assert choice["token_ids"][k:] != reference_tokens(SHAPE, PROMPT, ("init", "default"), 120, ignore_eos=True)[k:]
+
+
+async def test_a_reload_from_a_missing_path_fails_when_weights_must_exist(
+    make_sim: SimFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The `weights_must_exist` fault (off by default, switched at run time): vLLM's reload of a checkpoint that is
+    not there answers 500 and leaves the weights as they were; one that is there loads."""
+    sim = await make_sim("vllm")
+    missing = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "missing")}}
+    assert (await http.post(f"{sim.url}/collective_rpc", json=missing)).status_code == 200  # off: any path loads
+    await http.post(f"{sim.url}/sim/faults", json={"weights_must_exist": True})
+    assert (await sim_state(http, sim.url))["weights_must_exist"] is True
+    sim.engine.load_weights("init")
+    failed = await http.post(f"{sim.url}/collective_rpc", json=missing)
+    assert failed.status_code == 500 and "no checkpoint" in failed.json()["error"]["message"]
+    assert sim.engine.weights == "init" and sim.engine.counters["weight_loads"] == 2
+    there = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    assert (await http.post(f"{sim.url}/collective_rpc", json=there)).json() == {"results": [None]}
+    assert sim.engine.weights == str(tmp_path)
 
 
 async def test_dev_routes_are_404_without_dev_mode(make_sim: SimFactory, http: httpx.AsyncClient) -> None:

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--error-rate", type=float, default=0.0, help="fraction of generate requests answered 500")
     x.add_argument("--fault-seed", type=int, default=0)
     x.add_argument("--allow-crash", action="store_true", help="let POST /sim/faults {crash} exit the process")
+    x.add_argument(
+        "--weights-must-exist", action="store_true", help="fail weight loads from a path that is not on disk"
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -106,6 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> SimServerSettings:
         startup_delay_s=args.startup_delay,
         error_rate=args.error_rate,
         fault_seed=args.fault_seed,
+        weights_must_exist=args.weights_must_exist,
         allow_crash=args.allow_crash,
     )
 

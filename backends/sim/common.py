@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +49,9 @@ class SimServerSettings:
     error_rate: float = 0.0
     fault_seed: int = 0
     allow_crash: bool = False
+    # A weight load from a path that is not on disk fails as on a real engine (vLLM answers 500, SGLang 400 and
+    # rolls back), keeping the weights and the label. Off by default: tests and the demo load made-up paths.
+    weights_must_exist: bool = False
 
 
 class FaultState:
@@ -60,6 +63,7 @@ class FaultState:
         self.allow_crash = settings.allow_crash
         self.ready_at = time.monotonic() + settings.startup_delay_s
         self.rng = random.Random(settings.fault_seed)
+        self.weights_must_exist = settings.weights_must_exist
         self.hang = False
         self.pause_delay_s = 0.0  # a pause answered this late (an engine finishing its step on a busy host)
         self._unhung = asyncio.Event()
@@ -77,22 +81,28 @@ class FaultState:
             self._unhung.set()
         self.engine.set_stalled(hang)
 
-    def switch(self, update: FaultsUpdate) -> None:
-        """Set the faults `update` names; leave the others as they are."""
-        if update.hang is not None:
-            self.set_hang(update.hang)
-        if update.error_rate is not None:
-            self.error_rate = update.error_rate
-        if update.pause_delay is not None:
-            self.pause_delay_s = update.pause_delay
-        if update.ready is not None:
-            self.ready_at = 0.0 if update.ready else float("inf")
-
     async def wait_unhung(self) -> None:
         await self._unhung.wait()
 
     def should_fail(self) -> bool:
         return self.error_rate > 0 and self.rng.random() < self.error_rate
+
+    def apply(self, update: FaultsUpdate) -> None:
+        """Switch the faults `update` names (crash and abort_all are actions, taken by the route)."""
+        if update.hang is not None:
+            self.set_hang(update.hang)
+        if update.error_rate is not None:
+            self.error_rate = update.error_rate
+        if update.ready is not None:
+            self.ready_at = 0.0 if update.ready else float("inf")
+        if update.weights_must_exist is not None:
+            self.weights_must_exist = update.weights_must_exist
+        if update.pause_delay is not None:
+            self.pause_delay_s = update.pause_delay
+
+    def load_fails(self, path: str) -> bool:
+        """Whether a weight load from `path` must fail (`weights_must_exist` and nothing there)."""
+        return self.weights_must_exist and not Path(path).exists()
 
 
 class FaultMiddleware:
@@ -136,6 +146,7 @@ class FaultsUpdate(BaseModel):
     abort_all: bool = False
     ready: bool | None = None
     pause_delay: float | None = Field(default=None, ge=0.0)
+    weights_must_exist: bool | None = None
 
 
 class SpeedUpdate(BaseModel):
@@ -180,6 +191,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             "error_rate": faults.error_rate,
             "pause_delay": faults.pause_delay_s,
             "ready": faults.ready,
+            "weights_must_exist": faults.weights_must_exist,
             "counters": dict(engine.counters),
         }
 
@@ -187,7 +199,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
     async def set_faults(update: FaultsUpdate) -> Response:
         if update.crash and not faults.allow_crash:
             return json_response({"error": "crash needs a replica running in its own process"}, 409)
-        faults.switch(update)
+        faults.apply(update)
         aborted = engine.abort_all("injected fault: abort everything") if update.abort_all else 0
         if update.crash:
             # Answer first, then die like a crashed engine: the process exits and its connections reset.
@@ -224,6 +236,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
         faults.error_rate = 0.0
         faults.pause_delay_s = 0.0
         faults.ready_at = 0.0
+        faults.weights_must_exist = False
         engine.reset()
         return {"status": "ok"}
 
@@ -250,6 +263,12 @@ class TextDecoder:
         if self._tokenizer is None:
             return None
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def faults_of(raw: Request) -> FaultState:
+    """The replica's `FaultState` (for the routes that apply a fault themselves, like a failing weight load)."""
+    faults: FaultState = raw.app.state.faults
+    return faults
 
 
 def json_response(content: Any, status_code: int = 200, background: BackgroundTask | None = None) -> Response:

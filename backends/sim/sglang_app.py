@@ -32,6 +32,7 @@ from backends.sim.common import (
     TextDecoder,
     build_app,
     count_transport,
+    faults_of,
     json_response,
     sse,
     unless_disconnected,
@@ -447,20 +448,26 @@ class SglangDialect:
 
     # -- weights ---------------------------------------------------------------------------------------------
 
-    async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput) -> Response:
+    async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput, fails: bool = False) -> Response:
+        """`fails`: the load fails (the `weights_must_exist` fault, on a path that is not there)."""
         engine = self.engine
         if body.abort_all_requests:
             engine.abort_all()
         if engine.paused:  # a paused server updates at once, without the writer lock
-            return self._load(body)
+            return self._load(body, fails)
         await engine.drain()  # the writer lock: wait for in-flight requests, hold new ones
         try:
-            return self._load(body)
+            return self._load(body, fails)
         finally:
             engine.release()
 
-    def _load(self, body: UpdateWeightFromDiskReqInput) -> Response:
+    def _load(self, body: UpdateWeightFromDiskReqInput, fails: bool) -> Response:
         engine = self.engine
+        if fails:
+            # SGLang's model runner: the weights iterator fails on the path before anything is loaded (a failure
+            # later in the load rolls back to the original weights); the label is only changed on success.
+            message = f"Failed to get weights iterator: no checkpoint at {body.model_path!r}."
+            return json_response({"success": False, "message": message, "num_paused_requests": 0}, 400)
         engine.load_weights(body.model_path)
         if body.weight_version is not None:
             engine.set_version(body.weight_version)
@@ -570,7 +577,7 @@ async def continue_generation(raw: Request, body: ContinueGenerationReqInput | N
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(raw: Request, body: UpdateWeightFromDiskReqInput) -> Response:
-    return await _dialect(raw).update_weights_from_disk(body)
+    return await _dialect(raw).update_weights_from_disk(body, faults_of(raw).load_fails(body.model_path))
 
 
 @router.post("/update_weight_version")

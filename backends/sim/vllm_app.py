@@ -28,6 +28,7 @@ from backends.sim.common import (
     TextDecoder,
     build_app,
     count_transport,
+    faults_of,
     json_response,
     sse,
     unless_disconnected,
@@ -572,6 +573,9 @@ async def collective_rpc(raw: Request, body: CollectiveRpc) -> Response:
             f"the simulator implements only collective_rpc 'reload_weights', not {body.method!r}", 400
         )
     path = body.call_kwargs.get("weights_path") or (body.args[0] if body.args else None)
+    if path is not None and faults_of(raw).load_fails(str(path)):
+        # vLLM's worker raises while it opens the checkpoint, before any weight changes; the RPC answers 500.
+        return error_response(f"reload_weights failed: no checkpoint at {str(path)!r} (FileNotFoundError)", 500)
     engine.load_weights(str(path) if path is not None else f"{engine.weights}+reloaded")
     return json_response({"results": [None]})
 

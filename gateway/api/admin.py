@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import PauseMode
 from gateway.api.deps import ServicesDep, require_admin
-from gateway.config import ReplicaConfig
-from gateway.errors import NotFound
+from gateway.config import ReplicaConfig, without_credentials
+from gateway.errors import InvalidRequest, NotFound
 from gateway.routing import Replica
 from gateway.trajectory import MAX_VERSION
 from gateway.weights import UpdateReport
@@ -20,13 +21,35 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requir
 
 
 class WeightsUpdate(BaseModel):
+    """Exactly one of `path` (the engines load that checkpoint) and `source: "external"` (the weights were synced
+    into the engines out of band; they are only relabelled `version`): a relabel must never happen by omission."""
+
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(
         ge=0, le=MAX_VERSION, description="The new weight version (the trainer's step); must increase."
     )
-    path: str | None = Field(None, min_length=1, description="Checkpoint path every engine can read.")
+    path: str | None = Field(None, min_length=1, description="Checkpoint path every engine can read and loads.")
+    source: Literal["external"] | None = Field(
+        None,
+        description='"external": the weights are in the engines already (NCCL, checkpoint engine); only relabel them.',
+    )
     mode: PauseMode | None = Field(None, description="abort | keep | wait; default weights.pause_mode.")
+
+    def checked_path(self) -> str | None:
+        """The path to load, or None to relabel only; a body with neither or both is a 400 saying which to give."""
+        if self.path is None and self.source is None:
+            raise InvalidRequest(
+                'give "path" (a checkpoint the engines load) or "source": "external" (the weights were synced into '
+                "the engines out of band; they are only relabelled)",
+                param="path",
+            )
+        if self.path is not None and self.source is not None:
+            raise InvalidRequest(
+                'give either "path" (the engines load it) or "source": "external" (relabel only), not both',
+                param="source",
+            )
+        return self.path
 
 
 class PauseRequest(BaseModel):
@@ -43,10 +66,12 @@ class ResumeRequest(BaseModel):
 
 def _report(report: UpdateReport) -> dict[str, Any]:
     return {
+        "status": report.status,
         "version": report.version,
         "mode": report.mode,
         "updated": report.updated,
         "stale": report.stale,
+        "errors": report.errors,
         "flush_pending": report.flush_pending,
         "duration_s": round(report.duration_s, 4),
     }
@@ -65,9 +90,21 @@ def replica_status(replica: Replica) -> dict[str, Any]:
     }
 
 
-@router.post("/weights")
-async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> dict[str, Any]:
-    return _report(await svc.weights.update(body.version, body.path, body.mode))
+@router.post(
+    "/weights",
+    responses={
+        207: {
+            "description": 'Some replicas loaded the version, the others are stale: `"status": "partial"`.',
+            "content": {"application/json": {"schema": {"type": "object"}}},
+        },
+        502: {"description": "No replica loaded it: the previous version serves on (per-replica `errors`)."},
+    },
+)
+async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> Response:
+    """Pause, load `path` on every replica (or relabel, with `source: external`), verify, resume. 200 `updated`;
+    207 `partial`; 502 when it loaded nowhere (raised by the coordinator after its rollback)."""
+    report = await svc.weights.update(body.version, body.checked_path(), body.mode)
+    return JSONResponse(_report(report), status_code=207 if report.status == "partial" else 200)
 
 
 @router.post("/pause")
@@ -86,6 +123,8 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
     await svc.metrics.refresh()  # the pending count, read from Redis with a short timeout
     return {
         "pid": os.getpid(),  # which gateway process answered (`serve --workers N` runs several on one port)
+        # Where the trainer reads trajectories (the embedded server's too), credentials removed.
+        "redis_url": without_credentials(svc.redis_url),
         "version": svc.weights.version,
         "state": svc.weights.state,
         "updates": svc.weights.updates,

@@ -1,7 +1,8 @@
 """Exceptions become OpenAI-style error responses here, and nowhere else.
 
-Body: `{"error": {"message", "type", "param", "code"}}`. Status comes from the exception class (see
-`gateway/errors.py`); request-validation errors are 400 and name the offending field.
+Body: `{"error": {"message", "type", "param", "code"}}`, plus the exception's `details` where it has any (a failed
+weight update's per-replica errors). Status comes from the exception class (see `gateway/errors.py`);
+request-validation errors are 400 and name the offending field.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
+    details: Mapping[str, object] | None = None,
 ) -> Response:
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    error: dict[str, object] = {"message": message, "type": error_type, "param": param, "code": code}
+    if details:
+        error |= {key: value for key, value in details.items() if key not in error}  # the OpenAI four come first
+    body = {"error": error}
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
@@ -68,7 +73,7 @@ async def on_gateway_error(_: Request, exc: Exception) -> Response:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
+    return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers, exc.details)
 
 
 async def on_http_error(_: Request, exc: Exception) -> Response:

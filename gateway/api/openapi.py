@@ -48,7 +48,8 @@ def _document(path: str, operation: dict[str, Any]) -> None:
     responses.pop("422", None)
     error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_BODY}"}}}}
     for status, description in ERRORS.items():
-        responses.setdefault(status, {"description": description, **error})
+        # A route may describe an error status its own way (`/admin/weights`' 502); the body is the same.
+        responses.setdefault(status, {"description": description}).update(error)
     ok = responses.get("200")
     if path in STREAMING and ok is not None:
         ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
