@@ -1,4 +1,4 @@
-"""The engine launcher (`backends/launcher.py`), without the engines installed.
+"""The engine launcher (`backends/launcher.py`) and `rollout-gateway engine`, without the engines installed.
 
 The command lines and environments are compared with the recipe the engine tiers run. The lifecycle (start,
 /health, pinning, stopping the process group, a server that dies or never answers) runs real processes: the
@@ -7,12 +7,18 @@ simulator and can build vLLM's CPU process tree (an EngineCore with a worker bou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import select
+import selectors
+import signal
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,6 +40,7 @@ from gateway.errors import EngineLaunchError, EngineNotInstalled
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
+CLI = [sys.executable, "-c", "from gateway.cli import main; main()"]
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs to move between")
 
 
@@ -302,3 +309,81 @@ def test_no_health_in_time_is_an_error_and_stops_the_server(standin: Path, model
     ):
         pytest.fail("an engine that never listened was reported healthy")
     assert gone(json.loads(record.read_text())["pid"])
+
+
+# -- rollout-gateway engine ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def engine_cli(*args: str, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [*CLI, "engine", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pipe in (process.stdout, process.stderr):
+            if pipe:
+                pipe.close()
+
+
+def ready_url(process: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    """The URL `rollout-gateway engine` prints on stdout once the engine is healthy."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while (remaining := deadline - time.monotonic()) > 0:
+            if selector.select(remaining):
+                line = process.stdout.readline()
+                assert line, f"exited with {process.wait()}: {process.stderr.read() if process.stderr else ''}"
+                if found := re.search(r"at (http://\S+)", line):
+                    return found.group(1)
+    raise AssertionError("no URL printed")
+
+
+def cli_env(models: Path, tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "RG_ENGINE_MODELS": str(models), "RG_ENGINE_CACHE": str(tmp_path / "cache")}
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_cli_serves_in_the_foreground_until_a_signal(
+    stop: signal.Signals, standin: Path, models: Path, tmp_path: Path
+) -> None:
+    record = tmp_path / "record.json"
+    args = ("vllm", "--model", "dense", "--python", str(standin), "--port", "0", "--", "--standin-tree")
+    with engine_cli(*args, "--standin-record", str(record), env=cli_env(models, tmp_path)) as process:
+        url = ready_url(process)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        started = json.loads(record.read_text())
+        assert started["argv"][started["argv"].index("--model") + 1] == str(models / "dense")
+        port = int(url.rsplit(":", 1)[1])
+        assert (tmp_path / "cache" / "logs" / f"vllm-{port}.log").exists()
+        process.send_signal(stop)
+        assert process.wait(timeout=60) == 0
+        assert "vllm stopped" in (process.stderr.read() if process.stderr else "")
+    assert all(gone(pid) for pid in [started["pid"], *started["children"]])
+
+
+def test_cli_without_the_engine_installed(models: Path, tmp_path: Path) -> None:
+    env = cli_env(models, tmp_path)
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with engine_cli("sglang", "--model", "dense", "--python", str(missing), env=env) as process:
+        assert process.wait(timeout=60) == 2
+        assert process.stderr is not None and "scripts/engines/setup.sh" in process.stderr.read()
+    with engine_cli("vllm", "--model", "moe", "--python", sys.executable, env=env) as process:
+        assert process.wait(timeout=60) == 2  # no `moe` in the models folder
+        assert process.stderr is not None and "scripts/engines/setup.sh" in process.stderr.read()
+    with engine_cli("tgi", "--model", "dense", env=env) as process:
+        assert process.wait(timeout=60) == 2
+
+
+def test_cli_reports_an_engine_that_dies_during_startup(standin: Path, models: Path, tmp_path: Path) -> None:
+    args = ("vllm", "--model", "dense", "--python", str(standin), "--port", "0", "--", "--standin-exit", "5")
+    with engine_cli(*args, env=cli_env(models, tmp_path)) as process:
+        assert process.wait(timeout=60) == 1
+        stderr = process.stderr.read() if process.stderr else ""
+        assert "exited with 5 during startup" in stderr and "fatal error during startup" in stderr
