@@ -1,10 +1,13 @@
-"""Errors raised by engine adapters: the backend branch of the gateway's exception tree.
+"""Errors raised by engine adapters (the backend branch of the gateway's exception tree) and by the engine
+launcher (`backends/launcher.py`).
 
 They live here (not in `gateway/`) so that `backends/` depends on nothing in `gateway/`; `gateway/errors.py`
 re-exports them and documents the whole tree. `GatewayError` is defined here for the same reason.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class GatewayError(Exception):
@@ -71,12 +74,30 @@ class BackendRejected(BackendError):
     retryable = False
 
 
+class EngineLaunchError(GatewayError):
+    """A local engine server (`backends/launcher.py`) could not be started: it exited during startup or was not
+    healthy in time. `log` is the file with its output, where it ran at all."""
+
+    error_type = "engine_launch_error"
+
+    def __init__(self, message: str, *, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.log = log
+
+
+class EngineNotInstalled(EngineLaunchError):
+    """The engine's python or the model to serve is missing; the message says where it was looked for and that
+    `scripts/engines/setup.sh` prepares both."""
+
+
 __all__ = [
     "BackendError",
     "BackendProtocolError",
     "BackendRejected",
     "BackendTimeout",
     "BackendUnavailable",
+    "EngineLaunchError",
+    "EngineNotInstalled",
     "GatewayError",
     "WeightsNotLoaded",
 ]

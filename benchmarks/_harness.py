@@ -32,6 +32,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+# child_pids and pin_process live with the engine launcher (it pins vLLM's EngineCore); the benchmarks use them too.
+from backends.launcher import child_pids, pin_process
 from backends.sim.server import SimProcess
 
 ADMIN_TOKEN = "bench-admin-token"
@@ -96,31 +98,11 @@ def _proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child_pids(pid: int) -> list[int]:
-    """The direct children of a live process, from /proc (the gateway's embedded redis-server, for instance)."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
 def is_redis(pid: int) -> bool:
     """Whether a live process is a redis-server (the embedded Redis a gateway starts)."""
     with contextlib.suppress(OSError):
         return "redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     return False
-
-
-def pin_process(pid: int, cpus: set[int] | None) -> None:
-    """Move every thread of a live process onto `cpus` (None: leave it alone); threads it starts later inherit."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(task.name), cpus)
 
 
 def pinned(cpus: set[int] | None) -> Callable[[], None] | None:

@@ -1,16 +1,20 @@
-"""The `rollout-gateway` command: serve, sim, demo."""
+"""The `rollout-gateway` command: serve, sim, engine, demo, trajectories."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from gateway.errors import ConfigError
+
+if TYPE_CHECKING:
+    from backends.launcher import EngineLaunch
 
 T = TypeVar("T")
 
@@ -136,6 +140,119 @@ def demo(
     )
     ok = uvloop.run(run_demo(options))
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def engine(
+    kind: Annotated[str, typer.Argument(help="vllm | sglang", show_default=False)],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="A model folder, or the name of one under RG_ENGINE_MODELS (the tiny models: dense, dense_v2, "
+            "moe, moe_v2).",
+            show_default=False,
+        ),
+    ],
+    extra: Annotated[
+        list[str] | None,
+        typer.Argument(help="Engine arguments, after `--`; they come last, so they override the defaults."),
+    ] = None,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="0 picks a free port.")] = 8001,
+    host: Annotated[str, typer.Option(help="Where the engine listens.")] = "127.0.0.1",
+    python: Annotated[
+        Path | None,
+        typer.Option(help="The engine venv's python (default: RG_<KIND>_PYTHON, else .engines/<kind>-venv)."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weights and activations (float32 keeps greedy runs exact).")] = "float32",
+    served_name: Annotated[str, typer.Option(help="The model name the engine answers to.")] = "tiny",
+    max_model_len: Annotated[int, typer.Option(min=16, help="Context length.")] = 4096,
+    routed_experts: Annotated[
+        bool, typer.Option(help="Capture routed experts (the CPU builds cannot; docs/engines.md).")
+    ] = False,
+    startup_timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for /health.")] = 240.0,
+    log: Annotated[
+        Path | None,
+        typer.Option(help="The engine's output (default: $RG_ENGINE_CACHE/logs/<kind>-<port>.log)."),
+    ] = None,
+) -> None:
+    """Run a real vLLM or SGLang server (the CPU recipe of docs/engines.md) in the foreground: print its URL once
+    /health answers, stop its whole process group on Ctrl-C or SIGTERM."""
+    from backends.launcher import ENGINE_KINDS, EngineLaunch, default_python, engine_cache, free_port, resolve_model
+    from gateway.errors import EngineLaunchError, EngineNotInstalled
+
+    if kind not in ENGINE_KINDS:
+        typer.echo("rollout-gateway engine: KIND is vllm or sglang", err=True)
+        raise typer.Exit(2)
+    _configure_logging("info")
+    try:
+        launch = EngineLaunch(
+            kind,
+            python or default_python(kind),
+            resolve_model(model),
+            port or free_port(host),
+            host=host,
+            served_name=served_name,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            routed_experts=routed_experts,
+            extra_args=tuple(extra or ()),
+        )
+        code = _run_engine(launch, log or engine_cache() / "logs" / f"{kind}-{launch.port}.log", startup_timeout)
+    except EngineNotInstalled as exc:
+        typer.echo(f"rollout-gateway engine: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except EngineLaunchError as exc:
+        typer.echo(f"rollout-gateway engine: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)
+
+
+def _run_engine(launch: EngineLaunch, log: Path, startup_timeout_s: float) -> int:
+    """Start the engine, wait for it, stop it: 0 when stopped by a signal, else the engine's own exit status."""
+    import tempfile
+
+    from backends.launcher import start_engine
+
+    typer.echo(f"starting {launch.kind} on {launch.model} (log {log})", err=True)
+    try:
+        with (
+            _signals_interrupt(),
+            tempfile.TemporaryDirectory(prefix=f"rollout-gateway-{launch.kind}-") as scratch,
+            start_engine(launch, Path(scratch), log=log, startup_timeout_s=startup_timeout_s) as running,
+        ):
+            typer.echo(f"{launch.kind} serving {launch.model} as {launch.served_name!r} at {running.url}")
+            code = running.process.wait()
+    except KeyboardInterrupt:
+        typer.echo(f"{launch.kind} stopped", err=True)
+        return 0
+    typer.echo(f"{launch.kind} exited by itself with {code} (log {log})", err=True)
+    if code < 0:
+        return 128 - code  # killed by signal N: 128 + N, as a shell reports it
+    return code or 1  # a server that ends by itself has failed, whatever its status says
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT raise KeyboardInterrupt once, so the engine's process group is stopped on the way out;
+    a second one while it stops is only reported (the stop is bounded: SIGKILL after 30 s)."""
+    import signal
+
+    received: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+        typer.echo("stopping the engine already", err=True)
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 trajectories = typer.Typer(help="Inspect the trajectory store in Redis.", no_args_is_help=True)

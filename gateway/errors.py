@@ -18,12 +18,15 @@ GatewayError                      base of every error the gateway raises on purp
 │   ├── WeightsNotLoaded          502: the replica refused a weight load and kept the weights it had
 │   └── BackendRejected           400: the replica refused the request itself (not retryable)
 ├── WeightsNotUpdated             502: a weight update loaded on no replica; the previous version still serves
-└── StoreError                    503: Redis unreachable past the retry budget
+├── StoreError                    503: Redis unreachable past the retry budget
+└── EngineLaunchError             a local engine server could not be started (backends/launcher.py)
+    └── EngineNotInstalled        its python or model is missing (scripts/engines/setup.sh)
 ```
 
-`GatewayError` and the `Backend*` branch are defined in `backends/errors.py` so that engine adapters depend
-on nothing in `gateway/`; they are re-exported here. Foreign errors (aiohttp, redis) are translated into this
-tree inside `backends/` and `gateway/store.py` only; nothing above those layers catches `aiohttp.*` or `redis.*`.
+`GatewayError`, the `Backend*` branch and the `Engine*` branch are defined in `backends/errors.py` so that
+engine adapters (and the engine launcher) depend on nothing in `gateway/`; they are re-exported here. Foreign
+errors (aiohttp, redis) are translated into this tree inside `backends/` and `gateway/store.py` only; nothing above
+those layers catches `aiohttp.*` or `redis.*`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from backends.errors import (
     BackendRejected,
     BackendTimeout,
     BackendUnavailable,
+    EngineLaunchError,
+    EngineNotInstalled,
     GatewayError,
     WeightsNotLoaded,
 )
@@ -119,6 +124,8 @@ __all__ = [
     "DeadlinePassed",
     "ConfigError",
     "Conflict",
+    "EngineLaunchError",
+    "EngineNotInstalled",
     "Forbidden",
     "GatewayError",
     "InvalidRequest",

@@ -74,7 +74,7 @@ def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[subproces
 def test_help_lists_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("serve", "sim", "demo"):
+    for command in ("serve", "sim", "engine", "demo"):
         assert command in result.stdout
 
 

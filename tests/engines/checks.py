@@ -65,7 +65,7 @@ async def interrupted(
     The gateway's own pause/update calls are what the test checks.
 
     The stalls of several seconds once seen here (every other request ran to its end before the test saw a token)
-    were vLLM's EngineCore spinning on the core the test needs: `servers.pin_engine_core_beside_its_worker`."""
+    were vLLM's EngineCore spinning on the core the test needs (`launcher.pin_engine_core_beside_its_worker`)."""
     total = LONG[server.kind]
     for _attempt in range(ATTEMPTS):
         before = await metric(http, server, GENERATED[server.kind])
