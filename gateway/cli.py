@@ -99,6 +99,35 @@ def sim(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
+def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode: str) -> int:
+    """`demo --engine vllm|sglang`; the exit status (2: it could not start)."""
+    import uvloop
+
+    if engine not in ("vllm", "sglang") or mode not in ("abort", "keep", "wait"):
+        typer.echo("rollout-gateway demo: --engine sim|vllm|sglang, --mode abort|keep|wait", err=True)
+        return 2
+    try:
+        from trainers.demo import EngineDemoOptions, run_engine_demo
+    except ImportError as exc:
+        typer.echo(f"rollout-gateway demo --engine: {exc}; install the `trainer` extra (torch)", err=True)
+        return 2
+    from backends.errors import EngineLaunchError, EngineNotInstalled
+
+    _configure_logging("warning")
+    options = EngineDemoOptions(
+        engine=engine,  # type: ignore[arg-type]
+        model=model,
+        steps=steps,
+        target_reward=target_reward,
+        mode=mode,  # type: ignore[arg-type]
+    )
+    try:
+        return 0 if uvloop.run(run_engine_demo(options)) else 1
+    except (EngineNotInstalled, EngineLaunchError, FileNotFoundError) as exc:
+        typer.echo(f"rollout-gateway demo --engine {engine}: {exc}", err=True)
+        return 2
+
+
 @app.command()
 def demo(
     duration: Annotated[float, typer.Option(min=1, max=3600, help="Seconds of agent traffic (rounds of tasks).")] = 20,
@@ -110,11 +139,24 @@ def demo(
     token_delay: Annotated[float, typer.Option(min=0, help="Simulated seconds per decode step.")] = 0.003,
     mode: Annotated[str, typer.Option(help="Pause mode of the updates: abort | keep | wait")] = "abort",
     agent: Annotated[str, typer.Option(help="math | tool")] = "tool",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="sim: simulator replicas and tool agents (the default). vllm | sglang: the reference GRPO trainer "
+            "learns on that real engine (prepared by scripts/engines/setup.sh; needs the `trainer` extra)."
+        ),
+    ] = "sim",
+    steps: Annotated[int, typer.Option(min=1, max=10000, help="--engine: most training steps.")] = 60,
+    model: Annotated[str, typer.Option(help="--engine: a tiny model's name (dense) or a checkpoint folder.")] = "dense",
+    target_reward: Annotated[float, typer.Option(min=0, max=1, help="--engine: stop once a step reaches it.")] = 0.95,
 ) -> None:
     """Everything in one process: embedded Redis, simulator replicas, the gateway, GRPO agents, a trainer
-    that consumes trajectories and publishes weight updates mid-generation."""
+    that consumes trajectories and publishes weight updates mid-generation. With --engine vllm|sglang: a real
+    engine, and a trainer whose checkpoints the engine loads while it learns."""
     import uvloop
 
+    if engine != "sim":
+        raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode))
     from gateway.demo import DemoOptions, run_demo
 
     if (

@@ -103,8 +103,7 @@ class Learner:
         versions = t["versions"][:, 1:]
         advantages = group_advantages(t["rewards"], t["group_index"])[:, None]
 
-        logits = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, t["input_ids"][:, 1:, None]).squeeze(-1)
+        logp = self.token_logprobs(t["input_ids"], t["attention_mask"])
         prox = logp.detach()
         weight, kept = behaviour_weight(prox, old, mask, self.config.off_policy, self.config.tis_cap)
         ratio = torch.exp(logp - prox)
@@ -133,6 +132,11 @@ class Learner:
             stale_mismatch_mean=float(gap[older].mean()) if older.any() else float("nan"),
             grad_norm=float(grad_norm.detach()),
         )
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T - 1): the log-probability of `input_ids[:, t + 1]` given the tokens before it, in float32."""
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
     def save(self, out_dir: str | Path, version: int) -> Path:
         """Write the weights as version `version` (safetensors, with the files an engine loads beside them) into
