@@ -1,7 +1,8 @@
 """One agent turn end to end: session → prompt ids → n generations (resume loop) → text, tool calls → Redis.
 
-The OpenAI routes shape requests and responses; everything between lives here. A turn holds its session's
-lock from `prepare_*` until `close()`, so the turns of one session never interleave in this process.
+The OpenAI routes and `POST /generate` in a session shape requests and responses; everything between lives here.
+A turn holds its session's lock from `prepare_*` until `close()`, so the turns of one session never interleave in
+this process.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from backends.base import SamplingParams
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
 from gateway.errors import InvalidRequest, NotFound
-from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
+from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
 from gateway.sessions import SessionManager, Turn
@@ -72,6 +73,9 @@ class ChoiceEvent:
 
 @dataclass
 class PreparedTurn:
+    """A turn ready to generate, holding its session's lock. `conversation`: record the reply as a chat message in
+    the sample (not for token-in/token-out turns)."""
+
     session_id: str
     one_turn: bool
     choices: list[Choice]
@@ -79,6 +83,7 @@ class PreparedTurn:
     lock: asyncio.Lock
     closed: bool = False
     leases: list[SessionLease] = field(default_factory=list)
+    conversation: bool = True
 
 
 class TurnRunner:
@@ -197,6 +202,36 @@ class TurnRunner:
             self._refused(sid, one_turn, lock)
             raise
 
+    async def prepare_tokens(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        stream: bool,
+        want_routed_experts: bool,
+    ) -> PreparedTurn:
+        """A token-in/token-out turn of a session (`POST /generate` with `session_id`): `prompt_ids` are the caller's,
+        taken as they are. Where they extend one of the session's samples (its prompt and response ids, then more),
+        the turn continues that sample, the extension an environment span (loss mask 0), as a raw completion does
+        (`SessionManager.begin_completion_turn`); else a new sample starts in the session. The session is created on
+        first use; a finished one is a 409. The caller checked the ids and the context length."""
+        lock = self.sessions.lock(session_id)
+        await self._acquire(lock)
+        try:
+            meta = await self.sessions.open(session_id)
+            turn = await self.sessions.begin_completion_turn(session_id, prompt_ids)
+            want = want_routed_experts or self.want_routed_experts
+            request = self._generation_request(session_id, turn, sampling, None, stream, want)
+            detokenizer = IncrementalDetokenizer(self.tokenizer)  # unused: the caller decodes, if at all
+            choice = Choice(0, turn, request, GenerationState(request), detokenizer, None)
+            prepared = PreparedTurn(session_id, False, [choice], turn.prompt_ids, lock, conversation=False)
+            await self._open_session(session_id, False, meta)
+            return prepared
+        except BaseException:
+            self._refused(session_id, False, lock)
+            raise
+
     def _prepare(
         self,
         session_id: str,
@@ -242,21 +277,34 @@ class TurnRunner:
             min_tokens=body.min_tokens,
             top_logprobs=top_logprobs,
         )
+        stop = make_stop_checker(self.tokenizer, body.stops)
+        return self._generation_request(session_id, turn, sampling, stop, body.stream, self.want_routed_experts)
+
+    def _generation_request(
+        self,
+        session_id: str,
+        turn: Turn,
+        sampling: SamplingParams,
+        stop: StopChecker | None,
+        stream: bool,
+        want_routed_experts: bool,
+    ) -> GenerationRequest:
+        """The generation of `turn`, placed as `session_id`, its sample written at every segment boundary."""
 
         async def on_partial(state: GenerationState) -> None:
             await self.sessions.save(turn, self.sessions.partial(turn, state), final=False)
 
         return GenerationRequest(
-            request_id=f"{session_id}-{turn.sample.index}-{new_name()}",
+            request_id=f"{turn.session_id}-{turn.sample.index}-{new_name()}",
             prompt_ids=turn.prompt_ids,
             sampling=sampling,
             session_id=session_id,
-            want_routed_experts=self.want_routed_experts,
-            stop=make_stop_checker(self.tokenizer, body.stops),
-            experts_start=turn.experts_start,
-            routed_experts=turn.sample.routed_experts,
+            want_routed_experts=want_routed_experts,
+            stop=stop,
+            experts_start=turn.experts_start if want_routed_experts else 0,
+            routed_experts=turn.sample.routed_experts if want_routed_experts else None,
             on_partial=on_partial,
-            stream=body.stream,
+            stream=stream,
         )
 
     # -- running ---------------------------------------------------------------------------------
@@ -364,7 +412,8 @@ class TurnRunner:
     async def _record(self, prepared: PreparedTurn) -> None:
         try:
             for choice in prepared.choices:
-                assistant = None if choice.state.cancelled else assistant_message(choice)
+                recorded = prepared.conversation and not choice.state.cancelled
+                assistant = assistant_message(choice) if recorded else None
                 sample = self.sessions.record(choice.turn, choice.state, assistant)
                 replicas = choice.state.replica_ids
                 await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
