@@ -1,9 +1,10 @@
 """`POST /generate` in a session: its turns are recorded like the OpenAI routes' (token-in/token-out, the caller's
-ids as the prompt, the prefix rule for continuing a sample) and reach the trainer once the session is finished.
-Without a session, /generate records nothing."""
+ids as the prompt, the prefix rule for continuing a sample), reach the trainer once the session is finished, and
+carry where their tokens came from (resumes, segments). Without a session, /generate records nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -16,8 +17,10 @@ from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from gateway.store import Keys
 from gateway.trainer import TrajectoryConsumer
+from gateway.trajectory import Sample, SampleSegment
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway_helpers import generate_body, stream_generate
+from tests.gateway_helpers import generate_body, publish, stream_generate
+from tests.sim_helpers import wait_for
 
 PROMPT = [11, 22, 33, 44, 55]
 KEYS = Keys()
@@ -90,6 +93,72 @@ async def test_generate_in_a_finished_session_is_a_conflict(
     again = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id="done"))
     assert again.status_code == 409
     assert [s["num_turns"] for s in (await http.get(f"{gw.url}/v1/sessions/done")).json()["samples"]] == [1]
+
+
+async def test_a_stored_sample_says_how_many_resumes_and_which_replica_served_each_segment(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A weight update in the middle of a turn: two segments, versions 0 then 1, the resume counted; the next turn's
+    segment comes after its environment span."""
+    sim = await make_sim("vllm", engine=EngineSettings(block_size=16, token_delay_s=0.003))
+    gw = await make_gateway([sim])
+    replica = gw.services.generator.pool.all()[0].id
+    task = asyncio.create_task(generate(http, gw, generate_body(PROMPT, 200, session_id="seg")))
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] > 30, what="tokens")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    first = await task
+    assert first["num_resumes"] == 1
+    cut = first["versions"].index(1)
+    second = await generate(http, gw, generate_body(PROMPT + first["output_ids"] + [5], 4, session_id="seg"))
+
+    (sample,) = await gw.services.store.load_samples("seg")
+    assert sample.num_resumes == 1
+    assert sample.segments == [
+        SampleSegment(0, cut, replica, 0),
+        SampleSegment(cut, 200, replica, 1),
+        SampleSegment(201, 205, replica, 1),
+    ]
+    assert second["replicas"] == [replica]
+    view = (await http.get(f"{gw.url}/v1/sessions/seg")).json()["samples"][0]
+    assert view["num_resumes"] == 1
+    assert view["segments"][0] == {"start": 0, "end": cut, "replica": replica, "version": 0}
+
+
+async def test_a_sample_stored_without_resumes_and_segments_reads_with_defaults(redis: Redis) -> None:
+    """Backwards compatible: a sample hash written before `num_resumes` and `segments` existed still decodes."""
+    sample = Sample(
+        prompt_ids=np.asarray([1, 2], np.int32),
+        response_ids=np.asarray([3], np.int32),
+        loss_mask=np.asarray([1], np.uint8),
+        logprobs=np.asarray([-0.5], np.float32),
+        versions=np.asarray([0], np.int32),
+        num_resumes=2,
+        segments=[SampleSegment(0, 1, "http://127.0.0.1:1", 0)],
+    )
+    key = KEYS.sample("old", 0)
+    await redis.hset(key, mapping=sample.to_redis())  # type: ignore[arg-type]
+    assert Sample.from_redis(await redis.hgetall(key)).segments == sample.segments
+    await redis.hdel(key, "num_resumes", "segments", "segment_replicas")
+    old = Sample.from_redis(await redis.hgetall(key))
+    assert (old.num_resumes, old.segments, old.response_ids.tolist()) == (0, [], [3])
+
+
+async def test_an_engine_request_that_goes_on_across_an_update_is_one_segment_per_version(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Pause mode `keep`: the request stays in the engine (no resume), its tokens labelled 0 then 1."""
+    sim = await make_sim("sglang", engine=EngineSettings(block_size=1, token_delay_s=0.002))
+    gw = await make_gateway([sim])
+    replica = gw.services.generator.pool.all()[0].id
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200, session_id="kept"), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    versions = (await task).final["versions"]
+    cut = versions.index(1)
+    (sample,) = await gw.services.store.load_samples("kept")
+    assert sample.num_resumes == 0
+    assert sample.segments == [SampleSegment(0, cut, replica, 0), SampleSegment(cut, 200, replica, 1)]
 
 
 async def test_routed_experts_of_a_continued_turn_cover_its_whole_input(

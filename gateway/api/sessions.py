@@ -51,6 +51,10 @@ async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str
             "min_version": s.min_version,
             "max_version": s.max_version,
             "cancelled": s.cancelled,
+            "num_resumes": s.num_resumes,
+            "segments": [
+                {"start": g.start, "end": g.end, "replica": g.replica, "version": g.version} for g in s.segments
+            ],
         }
         for i, s in enumerate(samples)
     ]
