@@ -60,7 +60,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -184,6 +184,24 @@ def _meta_of(session_id: str, flat: list[Any]) -> SessionMeta:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def metadata_additions(stored: Mapping[str, Any], metadata: Mapping[str, str], session_id: str) -> dict[str, str]:
+    """The keys of a request's `metadata` (OpenAI's, str → str) that a session holding `stored` does not have yet.
+    A key it holds with another value is `InvalidRequest`: a session's metadata (its task, its GRPO group) never
+    changes under a trainer's feet. A stored non-string value (`POST /v1/sessions` takes any JSON) equals the string
+    of its JSON (4 and "4")."""
+    added: dict[str, str] = {}
+    for key, value in metadata.items():
+        if key not in stored:
+            added[key] = value
+        elif (old := stored[key]) != value and (isinstance(old, str) or orjson.dumps(old).decode() != value):
+            raise InvalidRequest(
+                f"metadata.{key} = {value!r} conflicts with session {session_id}'s {key} = {old!r}; a session's "
+                "metadata keys are set once",
+                param="metadata",
+            )
+    return added
 
 
 class WeightsBus:
@@ -650,6 +668,32 @@ class TrajectoryStore:
         if meta is not None and meta.status != "active":
             raise Conflict(f"session {meta.id} is {meta.status}", param="session_id")
         return meta
+
+    async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
+        """Add to an active session's metadata the keys of `metadata` it does not hold (`metadata_additions`: a key
+        it holds with another value is `InvalidRequest`, and nothing is written). Returns the meta as it is then.
+        Unknown session: `SessionNotFound`; finished or abandoned: `Conflict`."""
+        result: list[SessionMeta] = []
+
+        def plan(before: SessionMeta | None) -> _Writes | None:
+            if before is None:
+                raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+            if before.status != "active":
+                raise Conflict(f"session {session_id} is {before.status}", param="session_id")
+            added = metadata_additions(before.metadata, metadata, session_id)
+            after = dataclasses.replace(before, metadata=before.metadata | added)
+            result.append(after)
+            if not added:
+                return None
+            key, value = self.keys.meta(session_id), orjson.dumps(after.metadata)
+
+            def writes(pipe: Pipeline) -> None:
+                pipe.hset(key, "metadata", value)
+
+            return writes
+
+        await self._transact(_check_session_id(session_id), plan, "add session metadata")
+        return result[-1]
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         raw = await _call(self.client.hgetall(self.keys.meta(session_id)), "read session")

@@ -3,6 +3,10 @@
 The OpenAI routes and `POST /generate` in a session shape requests and responses; everything between lives here.
 A turn holds its session's lock from `prepare_*` until `close()`, so the turns of one session never interleave in
 this process.
+
+Session metadata. A request's OpenAI `metadata` (str → str) reaches its session: the turn that creates the session
+stores it as the session's metadata; a later turn adds the keys the session does not have yet, and a key the
+session holds with another value is refused (400, `param` "metadata"), nothing stored (`metadata_additions`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from gateway.generation import Delta, GenerationRequest, GenerationState, Genera
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
 from gateway.sessions import SessionManager, Turn
+from gateway.store import metadata_additions
 from gateway.tokenization import (
     ChatTokenizer,
     EncodedPrefix,
@@ -128,14 +133,20 @@ class TurnRunner:
             self.sessions.forget(session_id)  # nothing of it was stored, and nobody will send its id again
         self._release(lock)
 
-    async def _open_session(self, session_id: str, one_turn: bool, meta: SessionMeta | None) -> None:
+    async def _open_session(
+        self, session_id: str, one_turn: bool, meta: SessionMeta | None, metadata: dict[str, str] | None = None
+    ) -> None:
         """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
-        request stores nothing). A new session is refused with 429 while the trainer lags (backpressure)."""
+        request stores nothing), with the request's `metadata` (see the module docstring). A new session is refused
+        with 429 while the trainer lags (backpressure)."""
         if one_turn:
-            await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # 128 random bits we just made
+            # 128 random bits we just made: nobody else can know the id.
+            await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True)
             return
         if meta is None:
-            meta = await self.store.create_session({}, session_id, absent=True)
+            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True)
+        if metadata and metadata_additions(meta.metadata, metadata, session_id):
+            await self.store.add_metadata(session_id, metadata)  # checks again against what is stored then
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.generator.pool.remember(session_id, meta.replica)
 
@@ -154,7 +165,7 @@ class TurnRunner:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             top = body.top_logprobs or 0
             prepared = self._prepare(sid, one_turn, turn, body, body.budget, top, tools is not None, lock)
-            await self._open_session(sid, one_turn, meta)
+            await self._open_session(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
             self._refused(sid, one_turn, lock)
@@ -196,7 +207,7 @@ class TurnRunner:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             budget, top = body.max_tokens or 16, body.logprobs or 0
             prepared = self._prepare(sid, one_turn, turn, body, budget, top, False, lock)
-            await self._open_session(sid, one_turn, meta)
+            await self._open_session(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
             self._refused(sid, one_turn, lock)
@@ -210,6 +221,7 @@ class TurnRunner:
         *,
         stream: bool,
         want_routed_experts: bool,
+        metadata: dict[str, str] | None = None,
     ) -> PreparedTurn:
         """A token-in/token-out turn of a session (`POST /generate` with `session_id`): `prompt_ids` are the caller's,
         taken as they are. Where they extend one of the session's samples (its prompt and response ids, then more),
@@ -226,7 +238,7 @@ class TurnRunner:
             detokenizer = IncrementalDetokenizer(self.tokenizer)  # unused: the caller decodes, if at all
             choice = Choice(0, turn, request, GenerationState(request), detokenizer, None)
             prepared = PreparedTurn(session_id, False, [choice], turn.prompt_ids, lock, conversation=False)
-            await self._open_session(session_id, False, meta)
+            await self._open_session(session_id, False, meta, metadata)
             return prepared
         except BaseException:
             self._refused(session_id, False, lock)

@@ -39,7 +39,7 @@ async def test_generate_in_a_session_records_its_turns_for_the_trainer(
     """Turn 2 resends turn 1's prompt + output + environment tokens: the same sample, the extension masked 0; turn 3
     (streamed) starts over: a new sample. Finished with a reward, the session reaches the trainer exactly."""
     gw = await make_gateway([await make_sim("vllm")])
-    first = await generate(http, gw, generate_body(PROMPT, 5, session_id="loop"))
+    first = await generate(http, gw, generate_body(PROMPT, 5, session_id="loop", metadata={"task_id": "t1"}))
     assert (first["session_id"], first["sample_index"], first["new_sample"]) == ("loop", 0, True)
     env = [7, 8, 9]
     second_prompt = PROMPT + first["output_ids"] + env
@@ -49,6 +49,7 @@ async def test_generate_in_a_session_records_its_turns_for_the_trainer(
     assert (third.final["sample_index"], third.final["new_sample"]) == (1, True)
 
     session = (await http.get(f"{gw.url}/v1/sessions/loop")).json()
+    assert session["metadata"] == {"task_id": "t1"}
     assert [s["num_turns"] for s in session["samples"]] == [2, 1]
     finished = await http.post(f"{gw.url}/v1/sessions/loop/finish", json={"reward": 1.5})
     assert finished.status_code == 200
@@ -82,6 +83,8 @@ async def test_generate_without_a_session_records_nothing(
     assert answer["session_id"] is None and "sample_index" not in answer
     assert streamed.final["session_id"] is None
     assert sorted(await redis.keys("*")) == keys
+    refused = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, metadata={"task_id": "t"}))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
 
 
 async def test_generate_in_a_finished_session_is_a_conflict(

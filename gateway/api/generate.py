@@ -10,6 +10,7 @@ session's samples (its prompt + response ids, then more), the turn continues tha
 environment span (loss mask 0); else a new sample starts in the session. The sampled tokens get loss mask 1, their
 logprobs and versions. The response adds `sample_index` and `new_sample`. The turn is stored before the response (or
 a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it delivers the trajectory with this turn.
+`metadata` (str → str) goes to the session as on the OpenAI routes (`gateway.turns`); without a session it is a 400.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ class GenerateBody(BaseModel):
     sampling_params: GenerateSampling
     stream: bool = False
     return_routed_experts: bool = False
+    metadata: dict[str, str] | None = Field(None, description="The session's metadata (needs `session_id`).")
 
 
 def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
+    if body.metadata is not None and body.session_id is None:
+        raise InvalidRequest("metadata goes to a session: name one with session_id", param="metadata")
     bad = first_outside(body.input_ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(
@@ -208,6 +212,7 @@ async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: 
             _sampling(body),
             stream=body.stream,
             want_routed_experts=body.return_routed_experts,
+            metadata=body.metadata,
         )
     except BaseException:
         lease.release()

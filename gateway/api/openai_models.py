@@ -132,6 +132,8 @@ class _Sampling(_Body):
     # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # OpenAI's metadata reaches the session (`gateway.turns`: set on the turn that creates it, new keys added later,
+    # a changed value refused).
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
