@@ -396,6 +396,15 @@ _Writes = Callable[[Pipeline], None]
 _Fields = dict[bytes | str, bytes | str]  # a hash as redis-py returns it (bytes) or as we encode it
 
 
+def _check_rewards(meta: SessionMeta, rewards: list[float] | None) -> None:
+    if rewards is not None and len(rewards) != meta.sample_count:
+        raise InvalidRequest(
+            f"rewards has {len(rewards)} entries; session {meta.id} has {meta.sample_count} samples (one reward per "
+            "sample, in index order)",
+            param="rewards",
+        )
+
+
 def _backoff_s(attempt: int) -> float:
     """Exponential backoff with equal jitter: half the step fixed (progress), half random (no lockstep)."""
     step = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0**attempt)
@@ -989,8 +998,16 @@ class TrajectoryStore:
 
     # -- finish ---------------------------------------------------------------------------------------------
 
-    async def finish(self, session_id: str, reward: float | None = None, metadata: dict[str, Any] | None = None) -> str:
+    async def finish(
+        self,
+        session_id: str,
+        reward: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        rewards: list[float] | None = None,
+    ) -> str:
         """Finish the session and return its entry id in `rg:trajectories` (see the module docstring's steps).
+        `reward` is the session's; `rewards`, if given, one per sample (`SessionMeta.rewards`): a count other than
+        the session's samples is `InvalidRequest`, and the session stays active.
 
         Idempotent: a finished session returns its existing entry id; concurrent calls in this process share
         one run (the first call's reward and metadata win), and across processes the WATCHed transaction and
@@ -1000,7 +1017,7 @@ class TrajectoryStore:
         """
         task = self._finishing.get(session_id)
         if task is None:
-            task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata))
+            task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata, rewards))
             task.set_name(f"finish-{session_id}")
             self._finishing[session_id] = task
             task.add_done_callback(functools.partial(self._finish_done, session_id))
@@ -1014,12 +1031,14 @@ class TrajectoryStore:
         if exc is not None and not isinstance(exc, GatewayError):
             logger.error("session=%s: finish crashed", session_id, exc_info=exc)
 
-    async def _finish_with_retries(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+    async def _finish_with_retries(
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None
+    ) -> str:
         deadline = time.monotonic() + self.retry_budget_s
         attempt = 0
         while True:
             try:
-                return await self._finish_once(session_id, reward, metadata)
+                return await self._finish_once(session_id, reward, metadata, rewards)
             except StoreError as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -1033,9 +1052,11 @@ class TrajectoryStore:
                 logger.warning("session=%s: finish failed (%s); retry %d in %.2fs", session_id, exc, attempt, delay)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
 
-    async def _finish_once(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+    async def _finish_once(
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None
+    ) -> str:
         await self._flush_buffered(session_id)  # (1) what the trainer gets includes every buffered write
-        if not metadata:  # nothing to merge: (1) and (2) in one round trip, shared with other callers
+        if not metadata and rewards is None:  # nothing to merge: (1) and (2) in one round trip, shared with others
             finished = await self._finish_active(session_id, reward)
             if finished is not None:
                 return await self._deliver(finished)
@@ -1047,10 +1068,16 @@ class TrajectoryStore:
         if meta.stream_id is not None:  # delivered before: make sure the repair set forgets it, answer the same id
             await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
             return meta.stream_id
+        if meta.status == "active":
+            _check_rewards(meta, rewards)  # before the session is registered for repair: a refusal leaves no trace
         # Registered for repair BEFORE the status changes, so no crash can leave a finished, undelivered session
         # that nothing will deliver.
         await _call(self.client.sadd(self.keys.undelivered, session_id), "register finish")
-        meta = await self._mark_finished(session_id, reward, metadata)  # (2)
+        try:
+            meta = await self._mark_finished(session_id, reward, metadata, rewards)  # (2)
+        except InvalidRequest:  # rewards that a sample written meanwhile made too few: still active, not finished
+            await _call(self.client.srem(self.keys.undelivered, session_id), "forget undelivered")
+            raise
         await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
         return await self._deliver(meta)  # (3)-(5)
 
@@ -1075,7 +1102,7 @@ class TrajectoryStore:
         return None
 
     async def _mark_finished(
-        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None = None
     ) -> SessionMeta:
         """Step (2): the session-slot transaction. Returns the meta as finished (the first finish's, if any)."""
         now = time.time()
@@ -1090,8 +1117,16 @@ class TrajectoryStore:
                 result.append(before)
                 return None
             merged = before.metadata | (metadata or {})
+            if rewards is not None:
+                _check_rewards(before, rewards)  # a sample written since the check above (another turn)
             after = dataclasses.replace(
-                before, status="finished", reward=reward, metadata=merged, finished_at=now, updated_at=now
+                before,
+                status="finished",
+                reward=reward,
+                rewards=rewards,
+                metadata=merged,
+                finished_at=now,
+                updated_at=now,
             )
             result.append(after)
             return self._writes_closing(after, after.to_redis())

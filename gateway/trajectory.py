@@ -354,6 +354,9 @@ class SessionMeta:
     # Sample writes so far: every write bumps it in Redis (never set from here), so a process that remembers a
     # session's samples at revision r knows them current exactly when the stored revision is still r.
     revision: int = 0
+    # One reward per sample, in index order, where the finish gave them (`POST /v1/sessions/{id}/finish {rewards}`);
+    # stored as their reprs joined by commas.
+    rewards: list[float] | None = None
 
     @property
     def group_id(self) -> str | None:
@@ -372,6 +375,7 @@ class SessionMeta:
             "updated_at": self.updated_at,
             "finished_at": "" if self.finished_at is None else self.finished_at,
             "replica": self.replica or "",
+            "rewards": "" if self.rewards is None else ",".join(repr(r) for r in self.rewards),
         }
 
     @classmethod
@@ -390,6 +394,7 @@ class SessionMeta:
                 replica=fields.get("replica") or None,
                 stream_id=fields.get("stream_id") or None,
                 revision=int(fields.get("revision") or 0),
+                rewards=[float(r) for r in fields["rewards"].split(",")] if fields.get("rewards") else None,
             )
         except (ValueError, orjson.JSONDecodeError) as exc:
             raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc
@@ -409,7 +414,16 @@ class Trajectory:
 
     @property
     def reward(self) -> float | None:
+        """The session's reward (`finish {reward}`)."""
         return self.meta.reward
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """One reward per sample: those the finish gave per sample (`finish {rewards}`), else the session's reward
+        for every sample."""
+        if self.meta.rewards is not None:
+            return list(self.meta.rewards)
+        return [self.meta.reward] * len(self.samples)
 
 
 def _text(value: bytes | str) -> str:

@@ -183,4 +183,6 @@ class SessionCreate(_Body):
 
 class SessionFinish(_Body):
     reward: float | None = Field(None, allow_inf_nan=False)
+    # One reward per sample of the session, in sample index order (`rollout.choices[].sample_index`).
+    rewards: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(None, max_length=100_000)
     metadata: Annotated[dict[str, Any] | None, AfterValidator(_storable)] = None

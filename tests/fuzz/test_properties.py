@@ -226,6 +226,7 @@ def test_a_corrupt_sample_hash_decodes_or_says_so(sample: Sample, name: str, gar
     st.sampled_from(["active", "finished", "abandoned"]),
     st.floats(0, 2e9),
     st.none() | st.text(min_size=1, max_size=12),
+    st.none() | st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=4),
 )
 def test_session_meta_round_trips(
     metadata: dict[str, Any],
@@ -233,8 +234,10 @@ def test_session_meta_round_trips(
     status: str,
     created: float,
     replica: str | None,
+    rewards: list[float] | None,
 ) -> None:
     meta = SessionMeta("s", status, metadata, reward, 3, created, created, None, replica)  # type: ignore[arg-type]
+    meta.rewards = rewards
     back = SessionMeta.from_redis("s", as_stored(meta.to_redis()))
     assert back == meta
     assert orjson.loads(orjson.dumps(back.metadata)) == metadata
