@@ -136,6 +136,9 @@ class _Sampling(_Body):
     # a changed value refused).
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # Vendor field: the n choices become the first turns of n new sessions `<session>-<i>` of one GRPO group, each
+    # finished with its own reward (`gateway.turns`).
+    group: bool = False
 
     @property
     def stops(self) -> list[str]:
