@@ -40,7 +40,8 @@ which would decrement `rg:pending` a second time), and an operator can still ins
 `ack_ttl_s=0` deletes them at once.
 
 GRPO groups (`group_by`). A trajectory joins the group `metadata[group_by]`; the group is complete when it
-has `group_size` members (the constructor's, else the first member's `metadata["group_size"]`). Members wait
+has `group_size` members (the constructor's, else the first member's `metadata["group_size"]`); a gateway request
+with `group: true` and `n=K` makes K sessions with `group_id` and `group_size` K (`gateway.turns`). Members wait
 in memory, un-acked, so a crash of this consumer hands them to another. A batch holds whole complete groups
 only: `n` counts trajectories, a group is never split, and a group that does not fit the room left in a batch
 waits for the next call (a group larger than `n` comes alone). A group still incomplete `max_group_wait_s`
