@@ -29,7 +29,17 @@ from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
 from gateway.request_ids import new_name
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
-from gateway.trajectory import ENV_VERSION, F32, I32, U8, Sample, SampleSaved, SessionMeta, StoredChunks
+from gateway.trajectory import (
+    ENV_VERSION,
+    F32,
+    I32,
+    U8,
+    Sample,
+    SampleSaved,
+    SampleSegment,
+    SessionMeta,
+    StoredChunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +115,8 @@ class SampleArrays:
         cancelled: bool,
         conversation: list[Message],
         tools: list[Tool] | None,
+        num_resumes: int = 0,
+        segments: list[SampleSegment] | None = None,
     ) -> Sample:
         """The sample these arrays are the token arrays of."""
         return Sample(
@@ -118,6 +130,8 @@ class SampleArrays:
             cancelled=cancelled,
             conversation=conversation,
             tools=tools,
+            num_resumes=num_resumes,
+            segments=list(segments or ()),
         )
 
 
@@ -153,6 +167,8 @@ class WorkingSample:
     tools: list[Tool] | None = None
     num_turns: int = 0
     cancelled: bool = False
+    num_resumes: int = 0
+    segments: list[SampleSegment] = field(default_factory=list)
     # The template's rendering of `conversation`, kept for matching later turns against it (a new one whenever
     # `conversation` changes).
     rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
@@ -186,7 +202,15 @@ class WorkingSample:
         return done
 
     def to_sample(self) -> Sample:
-        return self.arrays().sample(self.routed_experts, self.num_turns, self.cancelled, self.conversation, self.tools)
+        return self.arrays().sample(
+            self.routed_experts,
+            self.num_turns,
+            self.cancelled,
+            self.conversation,
+            self.tools,
+            self.num_resumes,
+            self.segments,
+        )
 
     @classmethod
     def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
@@ -202,6 +226,8 @@ class WorkingSample:
             tools=sample.tools,
             num_turns=sample.num_turns,
             cancelled=sample.cancelled,
+            num_resumes=sample.num_resumes,
+            segments=list(sample.segments),
             writer=sample.writer,
             converted=SampleArrays(
                 _read_only(sample.prompt_ids, I32),
@@ -223,6 +249,7 @@ class WorkingSample:
             logprobs=list(self.logprobs),
             versions=list(self.versions),
             conversation=list(self.conversation),
+            segments=list(self.segments),
             rendering=Rendering(),
             stored=None,
             writer=None,
@@ -507,6 +534,8 @@ class SessionManager:
         """Append the turn to its sample (env ids mask 0, sampled ids mask 1) and return the sample to store."""
         sample = turn.sample
         was = None if turn.new_sample else _end(sample)
+        sample.segments += _turn_segments(turn, state, len(sample.response_ids))
+        sample.num_resumes += state.num_resumes
         ids, mask, logprobs, versions = _turn_entries(turn, state)
         sample.response_ids += ids
         sample.loss_mask += mask
@@ -544,7 +573,9 @@ class SessionManager:
         sample = turn.sample
         arrays = sample.arrays().extended(*_turn_entries(turn, state))
         experts = self._merge_experts(sample, turn, state)
-        written = arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools)
+        segments = sample.segments + _turn_segments(turn, state, len(sample.response_ids))
+        resumes = sample.num_resumes + state.num_resumes
+        written = arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools, resumes, segments)
         # The last write of the sample stored this conversation: the turn changes it only once it ends.
         written.conversation_stored = True
         return written
@@ -560,6 +591,30 @@ def _turn_entries(turn: Turn, state: GenerationState) -> tuple[list[int], list[i
         [0.0] * len(env) + state.logprobs,
         [ENV_VERSION] * len(env) + state.versions,
     )
+
+
+def _turn_segments(turn: Turn, state: GenerationState, response_tokens: int) -> list[SampleSegment]:
+    """The segments of the turn's model span, as positions of the sample's response (it had `response_tokens` before
+    the turn; the turn's environment ids come first). An engine request that went on across a weight update (pause
+    mode `keep`) is split where the version changes; one that produced no token is left out."""
+    offset = response_tokens + len(turn.env_ids)
+    versions = state.versions
+    out: list[SampleSegment] = []
+    for segment in state.segments:
+        start, end = segment.start, min(segment.end, len(versions))
+        while start < end:
+            version = versions[start]
+            # Versions never decrease along a sample: one version throughout when the first and last agree.
+            stop = end if versions[end - 1] == version else _version_ends(versions, start, end)
+            out.append(SampleSegment(offset + start, offset + stop, segment.replica, version))
+            start = stop
+    return out
+
+
+def _version_ends(versions: list[int], start: int, end: int) -> int:
+    """The first position in (start, end) whose version differs from `versions[start]` (`end` if none)."""
+    first = versions[start]
+    return next((i for i in range(start + 1, end) if versions[i] != first), end)
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:

@@ -60,7 +60,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -184,6 +184,24 @@ def _meta_of(session_id: str, flat: list[Any]) -> SessionMeta:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def metadata_additions(stored: Mapping[str, Any], metadata: Mapping[str, str], session_id: str) -> dict[str, str]:
+    """The keys of a request's `metadata` (OpenAI's, str → str) that a session holding `stored` does not have yet.
+    A key it holds with another value is `InvalidRequest`: a session's metadata (its task, its GRPO group) never
+    changes under a trainer's feet. A stored non-string value (`POST /v1/sessions` takes any JSON) equals the string
+    of its JSON (4 and "4")."""
+    added: dict[str, str] = {}
+    for key, value in metadata.items():
+        if key not in stored:
+            added[key] = value
+        elif (old := stored[key]) != value and (isinstance(old, str) or orjson.dumps(old).decode() != value):
+            raise InvalidRequest(
+                f"metadata.{key} = {value!r} conflicts with session {session_id}'s {key} = {old!r}; a session's "
+                "metadata keys are set once",
+                param="metadata",
+            )
+    return added
 
 
 class WeightsBus:
@@ -376,6 +394,15 @@ _SESSION_ID_MAX_LEN = 256
 
 _Writes = Callable[[Pipeline], None]
 _Fields = dict[bytes | str, bytes | str]  # a hash as redis-py returns it (bytes) or as we encode it
+
+
+def _check_rewards(meta: SessionMeta, rewards: list[float] | None) -> None:
+    if rewards is not None and len(rewards) != meta.sample_count:
+        raise InvalidRequest(
+            f"rewards has {len(rewards)} entries; session {meta.id} has {meta.sample_count} samples (one reward per "
+            "sample, in index order)",
+            param="rewards",
+        )
 
 
 def _backoff_s(attempt: int) -> float:
@@ -650,6 +677,32 @@ class TrajectoryStore:
         if meta is not None and meta.status != "active":
             raise Conflict(f"session {meta.id} is {meta.status}", param="session_id")
         return meta
+
+    async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
+        """Add to an active session's metadata the keys of `metadata` it does not hold (`metadata_additions`: a key
+        it holds with another value is `InvalidRequest`, and nothing is written). Returns the meta as it is then.
+        Unknown session: `SessionNotFound`; finished or abandoned: `Conflict`."""
+        result: list[SessionMeta] = []
+
+        def plan(before: SessionMeta | None) -> _Writes | None:
+            if before is None:
+                raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+            if before.status != "active":
+                raise Conflict(f"session {session_id} is {before.status}", param="session_id")
+            added = metadata_additions(before.metadata, metadata, session_id)
+            after = dataclasses.replace(before, metadata=before.metadata | added)
+            result.append(after)
+            if not added:
+                return None
+            key, value = self.keys.meta(session_id), orjson.dumps(after.metadata)
+
+            def writes(pipe: Pipeline) -> None:
+                pipe.hset(key, "metadata", value)
+
+            return writes
+
+        await self._transact(_check_session_id(session_id), plan, "add session metadata")
+        return result[-1]
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         raw = await _call(self.client.hgetall(self.keys.meta(session_id)), "read session")
@@ -945,8 +998,16 @@ class TrajectoryStore:
 
     # -- finish ---------------------------------------------------------------------------------------------
 
-    async def finish(self, session_id: str, reward: float | None = None, metadata: dict[str, Any] | None = None) -> str:
+    async def finish(
+        self,
+        session_id: str,
+        reward: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        rewards: list[float] | None = None,
+    ) -> str:
         """Finish the session and return its entry id in `rg:trajectories` (see the module docstring's steps).
+        `reward` is the session's; `rewards`, if given, one per sample (`SessionMeta.rewards`): a count other than
+        the session's samples is `InvalidRequest`, and the session stays active.
 
         Idempotent: a finished session returns its existing entry id; concurrent calls in this process share
         one run (the first call's reward and metadata win), and across processes the WATCHed transaction and
@@ -956,7 +1017,7 @@ class TrajectoryStore:
         """
         task = self._finishing.get(session_id)
         if task is None:
-            task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata))
+            task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata, rewards))
             task.set_name(f"finish-{session_id}")
             self._finishing[session_id] = task
             task.add_done_callback(functools.partial(self._finish_done, session_id))
@@ -970,12 +1031,14 @@ class TrajectoryStore:
         if exc is not None and not isinstance(exc, GatewayError):
             logger.error("session=%s: finish crashed", session_id, exc_info=exc)
 
-    async def _finish_with_retries(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+    async def _finish_with_retries(
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None
+    ) -> str:
         deadline = time.monotonic() + self.retry_budget_s
         attempt = 0
         while True:
             try:
-                return await self._finish_once(session_id, reward, metadata)
+                return await self._finish_once(session_id, reward, metadata, rewards)
             except StoreError as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -989,9 +1052,11 @@ class TrajectoryStore:
                 logger.warning("session=%s: finish failed (%s); retry %d in %.2fs", session_id, exc, attempt, delay)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
 
-    async def _finish_once(self, session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> str:
+    async def _finish_once(
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None
+    ) -> str:
         await self._flush_buffered(session_id)  # (1) what the trainer gets includes every buffered write
-        if not metadata:  # nothing to merge: (1) and (2) in one round trip, shared with other callers
+        if not metadata and rewards is None:  # nothing to merge: (1) and (2) in one round trip, shared with others
             finished = await self._finish_active(session_id, reward)
             if finished is not None:
                 return await self._deliver(finished)
@@ -1003,10 +1068,16 @@ class TrajectoryStore:
         if meta.stream_id is not None:  # delivered before: make sure the repair set forgets it, answer the same id
             await _call(self.client.srem(self.keys.undelivered, session_id), "confirm delivery")
             return meta.stream_id
+        if meta.status == "active":
+            _check_rewards(meta, rewards)  # before the session is registered for repair: a refusal leaves no trace
         # Registered for repair BEFORE the status changes, so no crash can leave a finished, undelivered session
         # that nothing will deliver.
         await _call(self.client.sadd(self.keys.undelivered, session_id), "register finish")
-        meta = await self._mark_finished(session_id, reward, metadata)  # (2)
+        try:
+            meta = await self._mark_finished(session_id, reward, metadata, rewards)  # (2)
+        except InvalidRequest:  # rewards that a sample written meanwhile made too few: still active, not finished
+            await _call(self.client.srem(self.keys.undelivered, session_id), "forget undelivered")
+            raise
         await _call(self.client.zrem(self.keys.active_sessions, session_id), "unindex session")
         return await self._deliver(meta)  # (3)-(5)
 
@@ -1031,7 +1102,7 @@ class TrajectoryStore:
         return None
 
     async def _mark_finished(
-        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None
+        self, session_id: str, reward: float | None, metadata: dict[str, Any] | None, rewards: list[float] | None = None
     ) -> SessionMeta:
         """Step (2): the session-slot transaction. Returns the meta as finished (the first finish's, if any)."""
         now = time.time()
@@ -1046,8 +1117,16 @@ class TrajectoryStore:
                 result.append(before)
                 return None
             merged = before.metadata | (metadata or {})
+            if rewards is not None:
+                _check_rewards(before, rewards)  # a sample written since the check above (another turn)
             after = dataclasses.replace(
-                before, status="finished", reward=reward, metadata=merged, finished_at=now, updated_at=now
+                before,
+                status="finished",
+                reward=reward,
+                rewards=rewards,
+                metadata=merged,
+                finished_at=now,
+                updated_at=now,
             )
             result.append(after)
             return self._writes_closing(after, after.to_redis())

@@ -40,7 +40,8 @@ which would decrement `rg:pending` a second time), and an operator can still ins
 `ack_ttl_s=0` deletes them at once.
 
 GRPO groups (`group_by`). A trajectory joins the group `metadata[group_by]`; the group is complete when it
-has `group_size` members (the constructor's, else the first member's `metadata["group_size"]`). Members wait
+has `group_size` members (the constructor's, else the first member's `metadata["group_size"]`); a gateway request
+with `group: true` and `n=K` makes K sessions with `group_id` and `group_size` K (`gateway.turns`). Members wait
 in memory, un-acked, so a crash of this consumer hands them to another. A batch holds whole complete groups
 only: `n` counts trajectories, a group is never split, and a group that does not fit the room left in a batch
 waits for the next call (a group larger than `n` comes alone). A group still incomplete `max_group_wait_s`
@@ -219,7 +220,8 @@ class Batch:
         - `old_logprobs` (B, T) float32, 0 where `loss_mask` of the stored sample is 0;
         - `versions` (B, T) long, -1 on prompt, environment tokens and padding;
         - `routed_experts` (B, T - 1, layers, top_k) long;
-        - `rewards` (B,) float32 (the trajectory's reward; NaN when the session finished without one);
+        - `rewards` (B,) float32: the row's sample's reward where the session was finished with one per sample
+          (`finish {rewards}`), else the trajectory's reward; NaN when the session finished without one;
         - `trajectory_index`, `sample_index`, `group_index` (B,) long: which trajectory of the batch, which
           sample of it, and which group of the batch each row comes from.
         """
@@ -239,7 +241,8 @@ class Batch:
         experts = self._experts(rows, width)
         if experts is not None:
             arrays["routed_experts"] = experts
-        rewards = [self.trajectories[t].reward for t, _ in rows]
+        per_trajectory = [trajectory.rewards for trajectory in self.trajectories]
+        rewards = [per_trajectory[t][s] for t, s in rows]
         arrays["rewards"] = np.array([np.nan if r is None else r for r in rewards], np.float32)
         arrays["trajectory_index"] = np.array([t for t, _ in rows], np.int64)
         arrays["sample_index"] = np.array([s for _, s in rows], np.int64)

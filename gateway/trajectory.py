@@ -19,6 +19,12 @@ list, or no field: none), so a turn that extends the conversation sends its new 
 earlier message sends it whole, as chunk 0, and empties the others. `prompt_ids`, the scalars and the tools are
 written whole; an extending write leaves out a conversation and tools the hash holds already (a write at a segment
 boundary, `Sample.conversation_stored`), and the hash keeps them.
+
+Where the model spans came from is written whole at every write (a few bytes per segment): `num_resumes` (the
+resumes the sample's model spans needed, all turns together) and `segments`, int32 quadruples `start, end,
+version, replica` (response token positions [start, end), the weight version that sampled them, an index into
+`segment_replicas`, the replica ids joined by newlines). A hash written before these fields existed reads as 0
+resumes and no segments.
 """
 
 from __future__ import annotations
@@ -54,6 +60,19 @@ only where a write appended messages)."""
 def chunk_field(name: str, chunk: int) -> str:
     """The hash field of chunk `chunk` of a chunked field."""
     return name if chunk == 0 else f"{name}.{chunk}"
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSegment:
+    """Response tokens [start, end) of a sample (positions in `response_ids`): a run of model tokens sampled by one
+    engine request on `replica` under weight `version` (DESIGN §3). A generation interrupted by a weight update or a
+    replica failure is several segments; an engine request that went on across an update (pause mode `keep`) is
+    one segment per version."""
+
+    start: int
+    end: int
+    replica: str
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +132,10 @@ class Sample:
     # The hash this sample extends holds its conversation and tools already (a partial write of a turn in flight:
     # the conversation changes only when the turn ends): an extending write leaves them out. Not part of the data.
     conversation_stored: bool = False
+    # How many times its model spans were resumed (weight updates, replica failures), and where each run of them
+    # was sampled; defaults for a sample stored before these were recorded.
+    num_resumes: int = 0
+    segments: list[SampleSegment] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -212,11 +235,15 @@ class Sample:
     def _scalar_fields(self, conversation: bool = True) -> dict[str, bytes | int | str]:
         """The scalars, and (`conversation`) the conversation and tools that are not None."""
         sampled = self.model_versions  # once: min and max of one boolean selection
+        table, replicas = _encode_segments(self.segments)
         fields: dict[str, bytes | int | str] = {
             "num_turns": self.num_turns,
             "cancelled": int(self.cancelled),
             "min_version": int(sampled.min()) if sampled.size else "",
             "max_version": int(sampled.max()) if sampled.size else "",
+            "num_resumes": self.num_resumes,
+            "segments": table,
+            "segment_replicas": replicas,
         }
         if conversation and self.conversation is not None:
             fields["conversation"] = orjson.dumps(self.conversation)
@@ -252,9 +279,29 @@ class Sample:
                 conversation=_stored_conversation(fields, chunks),
                 tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
                 writer=_text(fields["writer"]) if "writer" in fields else None,
+                num_resumes=int(fields.get("num_resumes", 0)),
+                segments=_decode_segments(fields),
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
+
+
+def _encode_segments(segments: list[SampleSegment]) -> tuple[bytes, str]:
+    """`segments` as the `segments` and `segment_replicas` fields (see the module docstring)."""
+    replicas: dict[str, int] = {}
+    table = [(s.start, s.end, s.version, replicas.setdefault(s.replica, len(replicas))) for s in segments]
+    return np.asarray(table, I32).reshape(-1, 4).tobytes(), "\n".join(replicas)
+
+
+def _decode_segments(fields: Mapping[str, bytes | str]) -> list[SampleSegment]:
+    raw = fields.get("segments")
+    if not raw:
+        return []
+    table = np.frombuffer(_bytes(raw), I32).reshape(-1, 4).tolist()
+    replicas = _text(fields.get("segment_replicas", "")).split("\n")
+    if any(not 0 <= row[3] < len(replicas) for row in table):
+        raise ValueError("a segment names a replica that segment_replicas does not list")
+    return [SampleSegment(start, end, replicas[replica], version) for start, end, version, replica in table]
 
 
 def _messages(conversation: list[dict[str, Any]] | None) -> tuple[dict[str, Any], ...] | None:
@@ -307,6 +354,9 @@ class SessionMeta:
     # Sample writes so far: every write bumps it in Redis (never set from here), so a process that remembers a
     # session's samples at revision r knows them current exactly when the stored revision is still r.
     revision: int = 0
+    # One reward per sample, in index order, where the finish gave them (`POST /v1/sessions/{id}/finish {rewards}`);
+    # stored as their reprs joined by commas.
+    rewards: list[float] | None = None
 
     @property
     def group_id(self) -> str | None:
@@ -325,6 +375,7 @@ class SessionMeta:
             "updated_at": self.updated_at,
             "finished_at": "" if self.finished_at is None else self.finished_at,
             "replica": self.replica or "",
+            "rewards": "" if self.rewards is None else ",".join(repr(r) for r in self.rewards),
         }
 
     @classmethod
@@ -343,6 +394,7 @@ class SessionMeta:
                 replica=fields.get("replica") or None,
                 stream_id=fields.get("stream_id") or None,
                 revision=int(fields.get("revision") or 0),
+                rewards=[float(r) for r in fields["rewards"].split(",")] if fields.get("rewards") else None,
             )
         except (ValueError, orjson.JSONDecodeError) as exc:
             raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc
@@ -362,7 +414,16 @@ class Trajectory:
 
     @property
     def reward(self) -> float | None:
+        """The session's reward (`finish {reward}`)."""
         return self.meta.reward
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """One reward per sample: those the finish gave per sample (`finish {rewards}`), else the session's reward
+        for every sample."""
+        if self.meta.rewards is not None:
+            return list(self.meta.rewards)
+        return [self.meta.reward] * len(self.samples)
 
 
 def _text(value: bytes | str) -> str:

@@ -1,7 +1,19 @@
 """One agent turn end to end: session → prompt ids → n generations (resume loop) → text, tool calls → Redis.
 
-The OpenAI routes shape requests and responses; everything between lives here. A turn holds its session's
-lock from `prepare_*` until `close()`, so the turns of one session never interleave in this process.
+The OpenAI routes and `POST /generate` in a session shape requests and responses; everything between lives here.
+A turn holds its session's lock from `prepare_*` until `close()`, so the turns of one session never interleave in
+this process.
+
+Session metadata. A request's OpenAI `metadata` (str → str) reaches its session: the turn that creates the session
+stores it as the session's metadata; a later turn adds the keys the session does not have yet, and a key the
+session holds with another value is refused (400, `param` "metadata"), nothing stored (`metadata_additions`).
+
+A group (`group: true`, GRPO): the n choices of one request become n new sessions `<session>-<i>` (the session
+named by the request, or a generated one, names only them: no session of that id is created), each holding one
+sample of the shared prompt, with the request's metadata plus `group_id` (the metadata's, else the session id),
+`group_size` n and `group_index` i. Each member is finished with its own reward and continued as a session of its
+own; `TrajectoryConsumer(group_by="group_id")` delivers the n of them together. A member session that exists
+already is a 409: a group's members are new.
 """
 
 from __future__ import annotations
@@ -18,11 +30,12 @@ from typing import Any
 from backends.base import SamplingParams
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
-from gateway.errors import InvalidRequest, NotFound
-from gateway.generation import Delta, GenerationRequest, GenerationState, Generator
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
-from gateway.sessions import SessionManager, Turn
+from gateway.sessions import SessionManager, Turn, WorkingSample
+from gateway.store import metadata_additions
 from gateway.tokenization import (
     ChatTokenizer,
     EncodedPrefix,
@@ -72,13 +85,19 @@ class ChoiceEvent:
 
 @dataclass
 class PreparedTurn:
+    """A turn ready to generate. `session_id`: the session named (or made up) for the request; the choices' turns
+    are in it, or in the sessions of its group (`group_id` set). `locks`: the sessions' locks the turn holds.
+    `conversation`: record the reply as a chat message in the sample (not for token-in/token-out turns)."""
+
     session_id: str
     one_turn: bool
     choices: list[Choice]
     prompt_ids: list[int]
-    lock: asyncio.Lock
+    locks: list[asyncio.Lock]
     closed: bool = False
     leases: list[SessionLease] = field(default_factory=list)
+    group_id: str | None = None
+    conversation: bool = True
 
 
 class TurnRunner:
@@ -123,14 +142,20 @@ class TurnRunner:
             self.sessions.forget(session_id)  # nothing of it was stored, and nobody will send its id again
         self._release(lock)
 
-    async def _open_session(self, session_id: str, one_turn: bool, meta: SessionMeta | None) -> None:
+    async def _open_session(
+        self, session_id: str, one_turn: bool, meta: SessionMeta | None, metadata: dict[str, str] | None = None
+    ) -> None:
         """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
-        request stores nothing). A new session is refused with 429 while the trainer lags (backpressure)."""
+        request stores nothing), with the request's `metadata` (see the module docstring). A new session is refused
+        with 429 while the trainer lags (backpressure)."""
         if one_turn:
-            await self.store.create_session({"one_turn": True}, session_id, fresh=True)  # 128 random bits we just made
+            # 128 random bits we just made: nobody else can know the id.
+            await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True)
             return
         if meta is None:
-            meta = await self.store.create_session({}, session_id, absent=True)
+            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True)
+        if metadata and metadata_additions(meta.metadata, metadata, session_id):
+            await self.store.add_metadata(session_id, metadata)  # checks again against what is stored then
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.generator.pool.remember(session_id, meta.replica)
 
@@ -140,6 +165,11 @@ class TurnRunner:
         tools = None
         if body.tools and body.tool_choice != "none":
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        top = body.top_logprobs or 0
+        if body.group:
+            base = session_id or f"chat-{secrets.token_hex(16)}"
+            prompt = await self.tokenizer.render_async(messages, tools)
+            return await self._prepare_group(base, prompt, messages, tools, body, body.budget, top)
         one_turn = session_id is None
         sid = session_id or f"chat-{secrets.token_hex(16)}"
         lock = self.sessions.lock(sid)
@@ -147,9 +177,9 @@ class TurnRunner:
         try:
             meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
-            top = body.top_logprobs or 0
-            prepared = self._prepare(sid, one_turn, turn, body, body.budget, top, tools is not None, lock)
-            await self._open_session(sid, one_turn, meta)
+            turns = self.sessions.branch(turn, body.n)
+            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock])
+            await self._open_session(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
             self._refused(sid, one_turn, lock)
@@ -174,7 +204,7 @@ class TurnRunner:
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = await self._encode_prompt(body.prompt, session_id)
+            prompt = await self._encode_prompt(body.prompt, None if body.group else session_id)
         else:
             prompt = list(body.prompt)
         if not prompt:
@@ -182,6 +212,11 @@ class TurnRunner:
         bad = first_outside(prompt, self.tokenizer.vocab_size)
         if bad is not None:
             raise InvalidRequest(f"token id {prompt[bad]} is outside the vocabulary", param="prompt")
+        budget, top = body.max_tokens or 16, body.logprobs or 0
+        if body.group:
+            return await self._prepare_group(
+                session_id or f"cmpl-{secrets.token_hex(16)}", prompt, [], None, body, budget, top
+            )
         one_turn = session_id is None
         sid = session_id or f"cmpl-{secrets.token_hex(16)}"
         lock = self.sessions.lock(sid)
@@ -189,40 +224,114 @@ class TurnRunner:
         try:
             meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_completion_turn(sid, prompt)
-            budget, top = body.max_tokens or 16, body.logprobs or 0
-            prepared = self._prepare(sid, one_turn, turn, body, budget, top, False, lock)
-            await self._open_session(sid, one_turn, meta)
+            turns = self.sessions.branch(turn, body.n)
+            prepared = self._prepare(sid, one_turn, turns, body, budget, top, False, [lock])
+            await self._open_session(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
             self._refused(sid, one_turn, lock)
+            raise
+
+    async def prepare_tokens(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        stream: bool,
+        want_routed_experts: bool,
+        metadata: dict[str, str] | None = None,
+    ) -> PreparedTurn:
+        """A token-in/token-out turn of a session (`POST /generate` with `session_id`): `prompt_ids` are the caller's,
+        taken as they are. Where they extend one of the session's samples (its prompt and response ids, then more),
+        the turn continues that sample, the extension an environment span (loss mask 0), as a raw completion does
+        (`SessionManager.begin_completion_turn`); else a new sample starts in the session. The session is created on
+        first use; a finished one is a 409. The caller checked the ids and the context length."""
+        lock = self.sessions.lock(session_id)
+        await self._acquire(lock)
+        try:
+            meta = await self.sessions.open(session_id)
+            turn = await self.sessions.begin_completion_turn(session_id, prompt_ids)
+            want = want_routed_experts or self.want_routed_experts
+            request = self._generation_request(session_id, turn, sampling, None, stream, want)
+            detokenizer = IncrementalDetokenizer(self.tokenizer)  # unused: the caller decodes, if at all
+            choice = Choice(0, turn, request, GenerationState(request), detokenizer, None)
+            prepared = PreparedTurn(session_id, False, [choice], turn.prompt_ids, [lock], conversation=False)
+            await self._open_session(session_id, False, meta, metadata)
+            return prepared
+        except BaseException:
+            self._refused(session_id, False, lock)
+            raise
+
+    async def _prepare_group(
+        self,
+        base: str,
+        prompt: list[int],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        body: _Sampling,
+        budget: int | None,
+        top_logprobs: int,
+    ) -> PreparedTurn:
+        """The n choices of a group request as the first turns of n new sessions (see the module docstring)."""
+        group_id = (body.metadata or {}).get("group_id", base)
+        members = [f"{base}-{i}" for i in range(body.n)]
+        metadata = _group_metadata(body.metadata or {}, group_id, body.n)
+        locks: list[asyncio.Lock] = []
+        try:
+            for member in members:  # in one order: two requests of one group cannot each hold a lock the other needs
+                lock = self.sessions.lock(member)
+                await self._acquire(lock)
+                locks.append(lock)
+            for member in members:
+                if await self.sessions.open(member) is not None:
+                    raise Conflict(
+                        f"session {member} exists: the {body.n} sessions of a group are new ({base}-0 ... {base}-"
+                        f"{body.n - 1}); name another session for this group",
+                        param="session_id",
+                    )
+            turns = [
+                Turn(member, WorkingSample(0, list(prompt), tools=tools), list(prompt), [], messages, new_sample=True)
+                for member in members
+            ]
+            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools is not None, locks)
+            prepared.group_id = group_id
+            for index, member in enumerate(members):
+                await self.store.create_session(metadata | {"group_index": index}, member, absent=True)
+            return prepared
+        except BaseException:
+            for lock in locks:
+                self._release(lock)
             raise
 
     def _prepare(
         self,
         session_id: str,
         one_turn: bool,
-        turn: Turn,
+        turns: list[Turn],
         body: _Sampling,
         budget: int | None,
         top_logprobs: int,
         parse_tools: bool,
-        lock: asyncio.Lock,
+        locks: list[asyncio.Lock],
     ) -> PreparedTurn:
-        room = self.max_model_len - len(turn.prompt_ids)
+        """The choices of `turns` (one per choice, all of one prompt), checked against the context length."""
+        prompt_ids = turns[0].prompt_ids
+        room = self.max_model_len - len(prompt_ids)
         max_tokens = budget if budget is not None else room
         if max_tokens > room or room <= 0:
             raise InvalidRequest(
-                f"{len(turn.prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the context length "
+                f"{len(prompt_ids)} prompt tokens + max_tokens {max_tokens} exceed the context length "
                 f"{self.max_model_len}",
                 param="max_tokens",
             )
         choices = []
-        for index, branch in enumerate(self.sessions.branch(turn, body.n)):
-            request = self._request(session_id, branch, body, max_tokens, top_logprobs, index)
+        for index, turn in enumerate(turns):
+            request = self._request(session_id, turn, body, max_tokens, top_logprobs, index)
             detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, stop=body.stops)
             tool_stream = self.tool_parser.streaming() if parse_tools else None
-            choices.append(Choice(index, branch, request, GenerationState(request), detokenizer, tool_stream))
-        return PreparedTurn(session_id, one_turn, choices, turn.prompt_ids, lock)
+            choices.append(Choice(index, turn, request, GenerationState(request), detokenizer, tool_stream))
+        return PreparedTurn(session_id, one_turn, choices, prompt_ids, locks)
 
     def _request(
         self, session_id: str, turn: Turn, body: _Sampling, max_tokens: int, top_logprobs: int, index: int
@@ -242,21 +351,35 @@ class TurnRunner:
             min_tokens=body.min_tokens,
             top_logprobs=top_logprobs,
         )
+        stop = make_stop_checker(self.tokenizer, body.stops)
+        return self._generation_request(session_id, turn, sampling, stop, body.stream, self.want_routed_experts)
+
+    def _generation_request(
+        self,
+        session_id: str,
+        turn: Turn,
+        sampling: SamplingParams,
+        stop: StopChecker | None,
+        stream: bool,
+        want_routed_experts: bool,
+    ) -> GenerationRequest:
+        """The generation of `turn`, placed as `session_id` (a group's members all as the group's session, so that
+        their shared prompt lands on one replica's prefix cache), its sample written at every segment boundary."""
 
         async def on_partial(state: GenerationState) -> None:
             await self.sessions.save(turn, self.sessions.partial(turn, state), final=False)
 
         return GenerationRequest(
-            request_id=f"{session_id}-{turn.sample.index}-{new_name()}",
+            request_id=f"{turn.session_id}-{turn.sample.index}-{new_name()}",
             prompt_ids=turn.prompt_ids,
             sampling=sampling,
             session_id=session_id,
-            want_routed_experts=self.want_routed_experts,
-            stop=make_stop_checker(self.tokenizer, body.stops),
-            experts_start=turn.experts_start,
-            routed_experts=turn.sample.routed_experts,
+            want_routed_experts=want_routed_experts,
+            stop=stop,
+            experts_start=turn.experts_start if want_routed_experts else 0,
+            routed_experts=turn.sample.routed_experts if want_routed_experts else None,
             on_partial=on_partial,
-            stream=body.stream,
+            stream=stream,
         )
 
     # -- running ---------------------------------------------------------------------------------
@@ -364,7 +487,8 @@ class TurnRunner:
     async def _record(self, prepared: PreparedTurn) -> None:
         try:
             for choice in prepared.choices:
-                assistant = None if choice.state.cancelled else assistant_message(choice)
+                recorded = prepared.conversation and not choice.state.cancelled
+                assistant = assistant_message(choice) if recorded else None
                 sample = self.sessions.record(choice.turn, choice.state, assistant)
                 replicas = choice.state.replica_ids
                 await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
@@ -387,7 +511,8 @@ class TurnRunner:
             record.add_done_callback(self._recorded)
             await asyncio.shield(record)
         finally:
-            self._release(prepared.lock)
+            for lock in prepared.locks:
+                self._release(lock)
             for lease in prepared.leases:
                 lease.release()
 
@@ -401,6 +526,18 @@ def assistant_message(choice: Choice) -> dict[str, Any]:
             for c in choice.tool_calls
         ]
     return message
+
+
+def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[str, Any]:
+    """The metadata every member of a group gets (its `group_index` besides): the request's, with the group's id and
+    size. A `group_size` or `group_index` in the request that says otherwise is refused."""
+    if metadata.get("group_size", str(size)) != str(size):
+        raise InvalidRequest(
+            f"metadata.group_size {metadata['group_size']!r} disagrees with the group's n = {size}", param="metadata"
+        )
+    if "group_index" in metadata:
+        raise InvalidRequest("metadata.group_index is set per member of a group; leave it out", param="metadata")
+    return {**metadata, "group_id": group_id, "group_size": size}
 
 
 def _split(deltas: list[Any]) -> tuple[str, list[ToolCallDelta]]:

@@ -503,8 +503,10 @@ async def test_sessions_stick_and_new_sessions_spread(
         homes[session] = seen.pop()
     assert gw.services.pool.affinity.ratio == 1.0
     # Bounded load: while one replica is busy, new sessions avoid it even where HRW prefers it.
-    slow_sim = await make_sim(*slow("vllm", 0.01))
-    gw2 = await make_gateway([slow_sim, await make_sim("vllm")], routing={"balance_factor": 0.0})
+    # Both replicas slow: all four requests are in flight together, however long each takes to be dispatched (a
+    # turn of a session reads and creates it in Redis first; a fast replica could finish one before the last starts).
+    replicas = [await make_sim(*slow("vllm", 0.01)) for _ in range(2)]
+    gw2 = await make_gateway(replicas, routing={"balance_factor": 0.0})
     busy = [
         asyncio.create_task(http.post(f"{gw2.url}/generate", json=generate_body(PROMPT, 300, session_id=f"b{i}")))
         for i in range(4)

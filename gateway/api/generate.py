@@ -1,10 +1,24 @@
-"""`POST /generate`: token-in/token-out over the resume loop (DESIGN §12), for trainer-side agent loops."""
+"""`POST /generate`: token-in/token-out over the resume loop (DESIGN §12), for trainer-side agent loops.
+
+Without `session_id` a request is a one-shot: nothing is recorded (no session, nothing in Redis, no Redis round
+trip), which keeps the route as lean as the engines' own (benchmarks, evaluation, a caller that records itself).
+
+With `session_id` it is a turn of that session, recorded as the OpenAI routes record theirs
+(`TurnRunner.prepare_tokens`): the session is created on first use (a finished one is a 409), and `input_ids` are
+the prompt as the caller gives them (token-in/token-out: the caller owns the ids). Where they extend one of the
+session's samples (its prompt + response ids, then more), the turn continues that sample with the extension as an
+environment span (loss mask 0); else a new sample starts in the session. The sampled tokens get loss mask 1, their
+logprobs and versions. The response adds `sample_index` and `new_sample`. The turn is stored before the response (or
+a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it delivers the trajectory with this turn.
+`metadata` (str → str) goes to the session as on the OpenAI routes (`gateway.turns`); without a session it is a 400.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -14,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.base import SamplingParams
 from backends.errors import GatewayError
-from backends.routed_experts import encode_npy_b64
+from backends.routed_experts import ExpertArray, encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
@@ -24,6 +38,8 @@ from gateway.api.token_ids import TokenId, first_outside
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
+from gateway.services import Services
+from gateway.turns import PreparedTurn
 
 
 class GenerateSampling(BaseModel):
@@ -48,9 +64,12 @@ class GenerateBody(BaseModel):
     sampling_params: GenerateSampling
     stream: bool = False
     return_routed_experts: bool = False
+    metadata: dict[str, str] | None = Field(None, description="The session's metadata (needs `session_id`).")
 
 
 def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
+    if body.metadata is not None and body.session_id is None:
+        raise InvalidRequest("metadata goes to a session: name one with session_id", param="metadata")
     bad = first_outside(body.input_ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(
@@ -72,9 +91,9 @@ def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
         )
 
 
-def _request(body: GenerateBody) -> GenerationRequest:
+def _sampling(body: GenerateBody) -> SamplingParams:
     s = body.sampling_params
-    sampling = SamplingParams(
+    return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
@@ -85,10 +104,13 @@ def _request(body: GenerateBody) -> GenerationRequest:
         min_tokens=s.min_tokens,
         top_logprobs=s.top_logprobs,
     )
+
+
+def _request(body: GenerateBody) -> GenerationRequest:
     return GenerationRequest(
         request_id=new_request_id("gen"),
         prompt_ids=body.input_ids,  # pydantic made the list for this request; nothing changes it
-        sampling=sampling,
+        sampling=_sampling(body),
         session_id=body.session_id,
         want_routed_experts=body.return_routed_experts,
         stream=body.stream,
@@ -110,9 +132,24 @@ def _final(state: GenerationState, body: GenerateBody) -> dict[str, Any]:
         "replicas": state.replica_ids,
     }
     if body.return_routed_experts:
-        experts = state.routed_experts if state.routed_experts_complete else None
+        experts = _all_experts(state)
         out["routed_experts"] = encode_npy_b64(experts) if experts is not None else None
     return out
+
+
+def _all_experts(state: GenerationState) -> ExpertArray | None:
+    """The routed experts of every position of `input_ids + output_ids` but the last. A turn that continues a
+    session's sample fetched only its new positions' (`GenerationRequest.experts_start`): the sample's come first."""
+    experts = state.routed_experts if state.routed_experts_complete else None
+    earlier = state.request.routed_experts
+    if experts is None or earlier is None or state.routed_experts_start == 0:
+        return experts
+    return np.concatenate([earlier, experts.astype(earlier.dtype)])
+
+
+def _in_session(prepared: PreparedTurn) -> dict[str, Any]:
+    turn = prepared.choices[0].turn
+    return {"sample_index": turn.stored_index, "new_sample": turn.new_sample}
 
 
 def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
@@ -123,8 +160,12 @@ def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
 
 
 async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
+    """Token-in/token-out. Without `session_id`, a one-shot that records nothing; with it, a recorded turn of that
+    session (see the module docstring)."""
     check_max_tokens(body.sampling_params.max_tokens, "sampling_params.max_tokens", svc.settings.server)
     _validate(body, svc.vocab.vocab_size, svc.settings.model.max_model_len)
+    if body.session_id is not None:
+        return await _session_turn(body, body.session_id, raw, svc)
     request = _request(body)
     lease = svc.quota.acquire(agent_key(raw), body.session_id)
     if body.stream:
@@ -156,3 +197,59 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
         return
     if state.finish_reason is not None:  # the summary and [DONE] in one write, with the body's end
         yield LastChunk(b"data: " + orjson.dumps(_final(state, body)) + b"\n\ndata: [DONE]\n\n")
+
+
+# -- a turn of a session -------------------------------------------------------------------------------------
+
+
+async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: Services) -> Response:
+    runner = svc.turns
+    lease = svc.quota.acquire(agent_key(raw), session_id)
+    try:
+        prepared = await runner.prepare_tokens(
+            session_id,
+            body.input_ids,
+            _sampling(body),
+            stream=body.stream,
+            want_routed_experts=body.return_routed_experts,
+            metadata=body.metadata,
+        )
+    except BaseException:
+        lease.release()
+        raise
+    prepared.leases.append(lease)
+    choice = prepared.choices[0]
+    if body.stream:
+        chunks = _session_stream(raw, svc, prepared, body)
+        return GuardedStreamingResponse(chunks, lambda: runner.close(prepared), media_type="text/event-stream")
+    try:
+        complete = svc.generator.complete(choice.request, choice.state)
+        await unless_disconnected(raw, complete, _nothing, DISCONNECT_WATCH_AFTER_S)
+    finally:
+        await runner.close(prepared)  # recorded (shielded) before the answer
+    result = _final(choice.state, body) | _in_session(prepared)
+    result["output_ids"] = choice.state.output_ids
+    result["logprobs"] = choice.state.logprobs
+    return json_answer(result)
+
+
+async def _session_stream(
+    raw: Request, svc: Services, prepared: PreparedTurn, body: GenerateBody
+) -> AsyncIterator[bytes]:
+    """`_stream` for a turn of a session: the turn is recorded before the last event (a finish right after the
+    stream never races its write), and however the stream ends."""
+    choice = prepared.choices[0]
+    try:
+        stream = svc.generator.stream(choice.request, choice.state)
+        async for delta in relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S):
+            yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
+        await svc.turns.close(prepared)
+    except GatewayError as exc:
+        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
+        yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+        return
+    finally:
+        await svc.turns.close(prepared)
+    if choice.state.finish_reason is not None:
+        final = _final(choice.state, body) | _in_session(prepared)
+        yield LastChunk(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")

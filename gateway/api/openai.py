@@ -49,11 +49,14 @@ async def models(svc: ServicesDep) -> dict[str, Any]:
 
 
 def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
-    return {
+    """The vendor field: the request's session, and per choice its session (a group's member, else the same), the
+    sample it was recorded in, its per-token versions, resumes and output ids; `group_id` for a group request."""
+    out: dict[str, Any] = {
         "session_id": prepared.session_id,
         "choices": [
             {
                 "index": c.index,
+                "session_id": c.turn.session_id,
                 "sample_index": c.turn.stored_index,
                 "new_sample": c.turn.new_sample,
                 "versions": c.state.versions,
@@ -63,6 +66,9 @@ def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
             for c in choices
         ],
     }
+    if prepared.group_id is not None:
+        out["group_id"] = prepared.group_id
+    return out
 
 
 async def _prepare(

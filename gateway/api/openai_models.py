@@ -132,8 +132,13 @@ class _Sampling(_Body):
     # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # OpenAI's metadata reaches the session (`gateway.turns`: set on the turn that creates it, new keys added later,
+    # a changed value refused).
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # Vendor field: the n choices become the first turns of n new sessions `<session>-<i>` of one GRPO group, each
+    # finished with its own reward (`gateway.turns`).
+    group: bool = False
 
     @property
     def stops(self) -> list[str]:
@@ -181,4 +186,6 @@ class SessionCreate(_Body):
 
 class SessionFinish(_Body):
     reward: float | None = Field(None, allow_inf_nan=False)
+    # One reward per sample of the session, in sample index order (`rollout.choices[].sample_index`).
+    rewards: list[Annotated[float, Field(allow_inf_nan=False)]] | None = Field(None, max_length=100_000)
     metadata: Annotated[dict[str, Any] | None, AfterValidator(_storable)] = None

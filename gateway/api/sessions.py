@@ -23,6 +23,7 @@ def _meta(meta: SessionMeta) -> dict[str, Any]:
         "status": meta.status,
         "metadata": meta.metadata,
         "reward": meta.reward,
+        "rewards": meta.rewards,
         "sample_count": meta.sample_count,
         "created_at": meta.created_at,
         "finished_at": meta.finished_at,
@@ -51,6 +52,10 @@ async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str
             "min_version": s.min_version,
             "max_version": s.max_version,
             "cancelled": s.cancelled,
+            "num_resumes": s.num_resumes,
+            "segments": [
+                {"start": g.start, "end": g.end, "replica": g.replica, "version": g.version} for g in s.segments
+            ],
         }
         for i, s in enumerate(samples)
     ]
@@ -59,5 +64,8 @@ async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str
 
 @router.post("/{session_id}/finish")
 async def finish_session(body: SessionFinish, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
-    stream_id = await svc.store.finish(session_id, body.reward, body.metadata)
+    """`{reward?, rewards?, metadata?}`: `reward` is the session's, `rewards` one per sample (their count must be
+    the session's sample count, else 400 and the session stays active). Idempotent: a finished session answers
+    its entry again, the first finish's rewards standing."""
+    stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
     return {"id": session_id, "object": "session", "status": "finished", "stream_id": stream_id}

@@ -16,7 +16,7 @@ from backends.factory import create_backend
 from gateway.api.token_ids import first_outside
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
 from gateway.routing import Replica, ReplicaPool
-from gateway.trajectory import ENV_VERSION, Sample, SessionMeta, TrajectoryFormatError
+from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
 LAYERS, TOP_K = 2, 3
@@ -162,7 +162,15 @@ def samples(draw: st.DrawFn) -> Sample:
         cancelled=draw(st.booleans()),
         conversation=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3))),
         tools=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3))),
+        num_resumes=draw(st.integers(0, 1000)),
+        segments=draw(st.lists(segments(), max_size=4)),
     )
+
+
+def segments() -> st.SearchStrategy[SampleSegment]:
+    replica = st.text(st.characters(blacklist_characters="\n", blacklist_categories=["Cs"]), max_size=12)
+    position = st.integers(0, 2**31 - 1)
+    return st.builds(SampleSegment, position, position, replica, position)
 
 
 def as_stored(fields: dict[str, Any]) -> dict[bytes, bytes]:
@@ -177,6 +185,7 @@ def test_sample_round_trips_through_its_redis_hash(sample: Sample) -> None:
     for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"):
         assert np.array_equal(getattr(back, name), getattr(sample, name)), name
     assert (back.num_turns, back.cancelled) == (sample.num_turns, sample.cancelled)
+    assert (back.num_resumes, back.segments) == (sample.num_resumes, sample.segments)
     assert back.conversation == sample.conversation and back.tools == sample.tools
     assert (back.min_version, back.max_version) == (sample.min_version, sample.max_version)
     if sample.routed_experts is None:
@@ -191,7 +200,11 @@ FIELD_NAMES = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"
 
 
 @settings(max_examples=100, deadline=None)
-@given(samples(), st.sampled_from(FIELD_NAMES + ["experts_shape", "num_turns"]), st.binary(max_size=24))
+@given(
+    samples(),
+    st.sampled_from([*FIELD_NAMES, "experts_shape", "num_turns", "num_resumes", "segments", "segment_replicas"]),
+    st.binary(max_size=24),
+)
 def test_a_corrupt_sample_hash_decodes_or_says_so(sample: Sample, name: str, garbage: bytes) -> None:
     """Whatever one field holds, decoding gives a consistent sample or TrajectoryFormatError, nothing else."""
     stored = as_stored(sample.to_redis())
@@ -213,11 +226,18 @@ def test_a_corrupt_sample_hash_decodes_or_says_so(sample: Sample, name: str, gar
     st.sampled_from(["active", "finished", "abandoned"]),
     st.floats(0, 2e9),
     st.none() | st.text(min_size=1, max_size=12),
+    st.none() | st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=4),
 )
 def test_session_meta_round_trips(
-    metadata: dict[str, Any], reward: float | None, status: str, created: float, replica: str | None
+    metadata: dict[str, Any],
+    reward: float | None,
+    status: str,
+    created: float,
+    replica: str | None,
+    rewards: list[float] | None,
 ) -> None:
     meta = SessionMeta("s", status, metadata, reward, 3, created, created, None, replica)  # type: ignore[arg-type]
+    meta.rewards = rewards
     back = SessionMeta.from_redis("s", as_stored(meta.to_redis()))
     assert back == meta
     assert orjson.loads(orjson.dumps(back.metadata)) == metadata
