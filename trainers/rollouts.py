@@ -1,10 +1,9 @@
 """Groups of samples generated through the gateway, as an asynchronous GRPO trainer's rollout workers make them.
 
-A group is `group_size` sessions that share `group_id` (the consumer's `group_by` key) and `group_size`: each is
-created with that metadata (`POST /v1/sessions`), generates one answer to the group's prompt by token ids
-(`POST /v1/completions`, the session named by `X-Session-ID`), and is finished with its own reward
-(`POST /v1/sessions/{id}/finish`), which hands its trajectory to the trainer. Weight updates may interrupt any
-of these requests: the gateway resumes them, and `num_resumes` in the answer says how often.
+A group is one request: `POST /v1/completions` with the prompt's token ids, `n = group_size` and `group: true`
+makes its `n` answers `n` sessions that share `group_id` (the consumer's `group_by` key) and `group_size`; each
+is then finished with its own reward (`POST /v1/sessions/{id}/finish`), which hands its trajectory to the
+trainer. Weight updates may interrupt any answer: the gateway resumes it, and `num_resumes` says how often.
 """
 
 from __future__ import annotations
@@ -98,33 +97,26 @@ class RolloutWorkers:
             await self._group(index)
 
     async def _group(self, index: int) -> None:
-        size = self.sampling.group_size
+        """One request makes the whole group (`group: true`): its `n` answers are `n` sessions of one group."""
         group_id = f"{self.run_id}-g{index}"
-        prompt = self.task.prompt(self.rng)
-        seeds = [self.rng.randrange(2**31) for _ in range(size)]
-        names = [f"{group_id}-s{i}" for i in range(size)]
-        for i, name in enumerate(names):
-            await self.sessions.create(name, {"group_id": group_id, "group_size": size, "sample_index": i})
-        answers = await asyncio.gather(*(self._answer(n, prompt, seed) for n, seed in zip(names, seeds, strict=True)))
-        for name, (output_ids, resumes) in zip(names, answers, strict=True):
-            reward = self.task.reward(output_ids)
-            await self.sessions.finish(name, reward)
+        body = {
+            "model": self.model,
+            "prompt": self.task.prompt(self.rng),
+            "n": self.sampling.group_size,
+            "group": True,
+            "max_tokens": self.sampling.max_tokens,
+            "temperature": self.sampling.temperature,
+            "seed": self.rng.randrange(2**31),  # answer i is sampled with seed + i
+        }
+        response = await self.http.post("/v1/completions", json=body, headers={"X-Session-ID": group_id})
+        if not response.is_success:
+            raise RuntimeError(f"POST /v1/completions for group {group_id}: {response.status_code} {response.text}")
+        for choice in response.json()["rollout"]["choices"]:
+            reward = self.task.reward(choice["output_ids"])
+            await self.sessions.finish(choice["session_id"], reward)
+            resumes = int(choice["num_resumes"])
             self.stats.samples += 1
             self.stats.resumes += resumes
             self.stats.resumed_samples += resumes > 0
             self.stats.rewards.append(reward)
         self.stats.groups += 1
-
-    async def _answer(self, session_id: str, prompt: list[int], seed: int) -> tuple[list[int], int]:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": self.sampling.max_tokens,
-            "temperature": self.sampling.temperature,
-            "seed": seed,
-        }
-        response = await self.http.post("/v1/completions", json=body, headers={"X-Session-ID": session_id})
-        if not response.is_success:
-            raise RuntimeError(f"POST /v1/completions for {session_id}: {response.status_code} {response.text}")
-        choice = response.json()["rollout"]["choices"][0]
-        return list(choice["output_ids"]), int(choice["num_resumes"])
