@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
+import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -34,14 +36,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from backends.launcher import (
-    EngineLaunch,
-    EngineLaunchError,
-    EngineNotInstalled,
-    default_python,
-    free_port,
-    start_engine,
-)
+from backends.errors import EngineLaunchError, EngineNotInstalled
+from backends.launcher import EngineLaunch, default_python, free_port, start_engine
 from gateway.config import ReplicaConfig, Settings
 from gateway.server import serve_gateway
 from gateway.trainer import Batch
@@ -129,7 +125,14 @@ def as_batch(answers: Sequence[Answer], task: DigitsTask, samples: int) -> Batch
 
 
 async def measure_through(
-    gateway_url: str, model: Path, dtype: str, checkpoints: Path, prompts: int, samples: int, max_tokens: int
+    gateway_url: str,
+    model: Path,
+    dtype: str,
+    checkpoints: Path,
+    prompts: int,
+    samples: int,
+    max_tokens: int,
+    token: str = ADMIN_TOKEN,
 ) -> tuple[Gaps, Gaps]:
     """Same-version and previous-version gaps through a gateway whose engine serves `model` at version 0."""
     from transformers import AutoTokenizer
@@ -137,7 +140,7 @@ async def measure_through(
     task = DigitsTask.for_tokenizer(AutoTokenizer.from_pretrained(model))
     asked = [task.prompts[i % len(task.prompts)] for i in range(prompts)]
     learner = Learner(model, GRPOConfig(dtype=dtype, threads=1))  # type: ignore[arg-type]
-    headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    headers = {"authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=gateway_url, headers=headers, timeout=600) as http:
         before = await sample(http, [list(p) for p in asked], samples, max_tokens)
         same = [gaps(learner, before)]
@@ -209,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="answers a prompt (one GRPO group)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 132))  # the table's nine columns, unabridged
     rows = []
     for engine in args.engines:
         for dtype in args.dtypes:
@@ -220,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (EngineNotInstalled, EngineLaunchError) as exc:
                 console.print(f"[red]{engine} {dtype}: {exc}[/]")
     console.print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     return 0 if rows else 1
 
 

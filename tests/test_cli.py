@@ -149,6 +149,22 @@ def test_demo_runs_and_checks_itself() -> None:
 def test_demo_rejects_bad_flags() -> None:
     result = run_cli("demo", "--dialect", "tgi")
     assert result.returncode == 2
+    assert run_cli("demo", "--engine", "tgi").returncode == 2
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_engine_demo_says_how_to_prepare_a_missing_engine(engine: str, tmp_path: Path) -> None:
+    """Without the engine's venv the demo stops at once (exit 2), naming what is missing and the setup script."""
+    (tmp_path / "models" / "dense").mkdir(parents=True)
+    (tmp_path / "models" / "dense" / "config.json").write_text("{}")  # the model is there, the venv is not
+    env = {
+        **os.environ,
+        "RG_ENGINE_MODELS": str(tmp_path / "models"),
+        f"RG_{engine.upper()}_PYTHON": str(tmp_path / "no-venv" / "bin" / "python"),
+    }
+    result = subprocess.run([*CLI, "demo", "--engine", engine], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no-venv" in result.stderr and "scripts/engines/setup.sh" in result.stderr
 
 
 async def test_trajectories_stats_and_tail(redis_server: Any, redis: Any) -> None:

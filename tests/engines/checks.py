@@ -370,3 +370,19 @@ async def reference_trainer_learns(gw: RunningGateway, server: EngineServer, che
     mismatch = [s.stats.mismatch_mean for s in result.steps if s.stats.mismatch_mean == s.stats.mismatch_mean]
     assert mismatch and max(mismatch) < 1e-3, mismatch  # float32 on both sides
     assert gw.services.weights.version == last.version  # every step's checkpoint was posted and taken
+
+
+async def logprob_mismatch_is_numerical(gw: RunningGateway, server: EngineServer, scratch: str) -> None:
+    """`benchmarks.mismatch` through the gateway on the tier's float32 server: under the same weights the engine's
+    log-probabilities of the sampled tokens equal torch's to float32 noise, before and after the engine loaded a
+    checkpoint the trainer wrote; under the previous version (one training step) they differ far more."""
+    from pathlib import Path
+
+    from benchmarks.mismatch import measure_through
+
+    same, previous = await measure_through(
+        gw.url, server.model_path, "float32", Path(scratch), prompts=4, samples=4, max_tokens=16, token=ADMIN_TOKEN
+    )
+    print(f"\n{server.kind} float32 mismatch: same {same}, previous {previous}")
+    assert same.tokens == 2 * 4 * 4 * 16 and same.p99 < 1e-3 and same.max < 1e-2, same
+    assert previous.mean > 10 * same.mean, (same, previous)

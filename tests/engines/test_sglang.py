@@ -145,3 +145,9 @@ async def test_the_reference_trainer_learns_through_the_gateway(
     make: MakeGateway, sglang_server: EngineServer, tmp_path: Path
 ) -> None:
     await checks.reference_trainer_learns(await make(), sglang_server, str(tmp_path / "checkpoints"))
+
+
+async def test_engine_and_trainer_logprobs_agree_under_the_same_weights(
+    make: MakeGateway, sglang_server: EngineServer, tmp_path: Path
+) -> None:
+    await checks.logprob_mismatch_is_numerical(await make(), sglang_server, str(tmp_path))
