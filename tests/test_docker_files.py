@@ -487,7 +487,8 @@ def test_the_image_healthcheck_probes_health_with_python() -> None:
 def test_the_entrypoint_is_a_console_script_of_the_project() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, func = scripts["rollout-gateway"].partition(":")
-    source = ROOT / (module.replace(".", "/") + ".py")
+    path = ROOT / module.replace(".", "/")
+    source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     assert source.is_file(), f"{module} is not a module of the project"
     assert f"def {func}(" in source.read_text()
 

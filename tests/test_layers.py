@@ -1,0 +1,52 @@
+"""The import rules between the project's layers (docs/architecture.md §2), read from the source: the service
+core (`gateway/` but its command line) imports neither the example agents, the reference trainer nor the engine
+simulator; engine adapters import nothing of the gateway."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function-level imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def offenders(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...] = ()) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith(exempt):
+            continue
+        for module in sorted(imported_modules(path)):
+            if any(module == f or module.startswith(f + ".") for f in forbidden):
+                bad.append(f"{relative} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden", "exempt"),
+    [
+        ("gateway", ("agents", "trainers", "backends.sim", "backends.launcher"), ("gateway/cli/",)),
+        ("backends", ("gateway", "agents", "trainers"), ()),
+    ],
+)
+def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...]) -> None:
+    assert offenders(folder, forbidden, exempt) == []
+
+
+def test_the_rule_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from backends.sim.server import SimReplica\n    import agents.runner\n")
+    assert imported_modules(module) == {"backends.sim.server", "agents.runner"}
