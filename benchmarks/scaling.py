@@ -1,4 +1,5 @@
-"""How `rollout-gateway serve --workers N` scales (DESIGN §13): projected on a small machine, measured on a large one.
+"""How `rollout-gateway serve --workers N` scales (docs/architecture.md §13): projected on a small machine, measured
+on a large one.
 
     python -m benchmarks.scaling                          # workers 1 2 4; /generate and /v1/completions
     python -m benchmarks.scaling --workers 1 2 --agents 64 --apis generate

@@ -1,4 +1,4 @@
-"""Several gateway processes on one port and one Redis (DESIGN §13): `rollout-gateway serve --workers N`.
+"""Several gateway processes on one port and one Redis (docs/architecture.md §13): `rollout-gateway serve --workers N`.
 
 One gateway process is one event loop, so one core. To use N cores the supervisor here binds the port, starts the
 embedded Redis once (when `redis.url` is empty) and forks N workers. On Linux each worker gets a listening socket
