@@ -35,8 +35,8 @@ class SamplingParams:
     """Sampling for one engine request. Logprobs of sampled tokens are always requested (RL needs them).
 
     A value: nothing changes one once made (a continuation's is a `dataclasses.replace` copy). Not frozen only
-    because one is made per request, and a frozen dataclass sets each field through `object.__setattr__` (twice
-    the time of the whole construction)."""
+    because one is made per request, and a frozen dataclass sets each field through `object.__setattr__`, which
+    costs more than the whole construction otherwise does."""
 
     max_tokens: int
     temperature: float = 1.0

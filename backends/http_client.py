@@ -2,7 +2,7 @@
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
 Generation requests, streamed (`sse_batches`) or whole (`post_for_whole_answer`), go through a `KeepAlivePool`
-(`backends.lean_http`: a sixth of aiohttp's CPU per request, and a stream is handed over in whatever the socket
+(`backends.lean_http`: far less CPU per request than aiohttp's, and a stream is handed over in whatever the socket
 delivered, so a burst of engine events costs one Python iteration instead of one per event). Control calls go
 through aiohttp (`request`). Every function here translates client errors at the boundary (`translate_errors` /
 `raise_for_status`), so an adapter never sees one.
@@ -224,8 +224,8 @@ def error_event_status(payload: Any) -> tuple[int, str] | None:
 class _ReadGapWatch:
     """Fails a stream whose replica sends nothing for `gap_s` while it is being waited for (`Timeouts.read`), at the
     cost of no timer per read. aiohttp's `sock_read` re-arms a timer at every socket read (a timer handle made and
-    another cancelled per engine event: replacing it cut the gateway's CPU per RL-shaped token, one event per token,
-    to 0.88×); this watch notes the time a wait began and re-arms its one timer only when that fires, at most once
+    another cancelled per engine event, a visible share of the gateway's CPU per RL-shaped token, one event per token);
+    this watch notes the time a wait began and re-arms its one timer only when that fires, at most once
     per `gap_s`.
 
     The clock runs only while the stream is waited for (not while the consumer is behind), and from the request on,
@@ -389,7 +389,7 @@ def _decode_events(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, st
 def decode_latest(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str] | None]:
     """`_decode_events`, for a stream whose every event repeats all the ones before it (SGLang's cumulative
     default): of the complete events at the start of `buffer`, only the last is decoded, the others are skipped
-    unparsed (their JSON grows with the output: at 4,096 tokens an event is ~48 kB). Where any event could be an
+    unparsed (their JSON grows with the output). Where any event could be an
     in-band error (its bytes hold `"error"`), or a skipped one the end (`[DONE]`), every event is decoded as usual:
     an error still comes after the events before it."""
     lines = buffer.split(b"\n")

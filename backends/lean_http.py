@@ -1,12 +1,13 @@
 """Generation requests to one replica over kept-alive HTTP/1.1 connections, without a general client's per-call work.
 
-aiohttp's `ClientSession.request` spends about 60 µs of Python on every call (URL and header objects, cookie
-filtering, trace hooks, a writer task, timer contexts): a sixth of all the gateway does for a 1–8-token answer,
-and most of what dispatching a continuation costs after a weight update, a thousand of them at once. A generation
-request needs none of it: one POST of an encoded JSON body to a path known in advance, and one answer framed by
+aiohttp's `ClientSession.request` runs a lot of Python on every call (URL and header objects, cookie filtering,
+trace hooks, a writer task, timer contexts): a large share of all the gateway does for a 1–8-token answer, and most
+of what dispatching a continuation costs after a weight update, a thousand of them at once. A generation request
+needs none of it: one POST of an encoded JSON body to a path known in advance, and one answer framed by
 Content-Length or chunked encoding, read whole or as it streams. `KeepAlivePool` writes that request in one socket
-write on an idle connection and parses the answer with httptools (llhttp, the parser uvicorn serves with): about
-10 µs a call. Control calls (health, pause, weights, metrics) stay on aiohttp (`backends.http_client`).
+write on an idle connection and parses the answer with httptools (llhttp, the parser uvicorn serves with)
+(`benchmarks/engine_client.py`, docs/benchmarks.md). Control calls (health, pause, weights, metrics) stay on aiohttp
+(`backends.http_client`).
 
 Failures are the standard library's, for `translate_errors` to map: `ConnectionError` (refused, reset, closed
 before the answer ended, the pool closed), `TimeoutError` (connect, pool wait, a whole answer not complete within

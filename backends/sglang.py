@@ -181,8 +181,8 @@ class SglangBackend(HttpEngineBackend):
         self.cumulative_streams = True
         logger.warning(
             "replica %s streams cumulative events (SGLang's default): every event repeats the whole output so far, so "
-            "the gateway's CPU per token grows with the output (about 0.1 ms a token at 1,024 tokens, 1 ms at 4,096, "
-            "against a few us for deltas); it decodes only the last event of each read, which helps while many "
+            "the gateway's CPU per token grows with the output (a delta's stays the same whatever the length; "
+            "docs/benchmarks.md); it decodes only the last event of each read, which helps while many "
             "streams are open. Start the server with --incremental-streaming-output",
             self.id,
             extra={"replica": self.id},

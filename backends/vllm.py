@@ -70,8 +70,8 @@ _SHORTEST_CUT = len(_PROMPT_ECHO_KEY) + PROMPT_ECHO_MIN_BYTES
 def without_prompt_echo(answer: bytes) -> bytes:
     """`answer` (the JSON of a whole answer or of a stream's first event) with the prompt ids that vLLM echoes back
     (`"prompt_token_ids": [...]`, with `return_token_ids`) replaced by `null`, unparsed: the gateway sent that
-    prompt and never reads it back, and parsing it is a Python int per prompt token on the event loop (145 µs for an
-    8,000-token prompt, per turn), where the cut scans bytes. Only a flat array of at least
+    prompt and never reads it back, and parsing it is a Python int per prompt token on the event loop, every turn,
+    where the cut scans bytes. Only a flat array of at least
     `PROMPT_ECHO_MIN_BYTES` is cut; anything else is returned as it is.
 
     The key cannot be matched inside a string: there its quotes are escaped (`\\"prompt_token_ids\\":`), and an

@@ -13,7 +13,7 @@ Each checkout runs as its own `rollout-gateway serve` (the package imported from
 `PYTHONPATH`), pinned to the same core, over the same two simulator replicas; the load generator drives them in
 turns, ABBA (A B, B A, A B, ...), so that drift in the machine's speed falls on both alike. Reported: each run's
 CPU per request (or per token for streamed workloads) from its CPU clock, the median of each side and their ratio. On
-this kind of shared 2-core machine one run moves by ±10 %, a ratio of medians over 4-6 rounds by a few percent.
+a shared machine one run moves by more than most changes save; a ratio of medians over 4-6 rounds moves far less.
 `--together` loads both in the same moments instead (each its own load generators, both on the proxy's core), so
 that a slower or faster spell of the machine, which moves single runs by far more than most changes save, falls on
 both within each round; the column "paired" reads the median of the rounds' own ratios. `--set-b NAME=VALUE` sets an

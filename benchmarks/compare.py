@@ -1,7 +1,7 @@
 """This gateway side by side with direct access and the two Rust routers, on the same simulator replicas, in one run.
 
-    python -m benchmarks.compare              # the real figures: 10-15 minutes on a busy 2-core machine
-    python -m benchmarks.compare --quick      # about 3 minutes, for development
+    python -m benchmarks.compare              # the real figures (the longest run)
+    python -m benchmarks.compare --quick      # a small version, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
 
 What runs where (`--layout shared`, written for a 2-core machine; `--layout dedicated` gives each replica, each

@@ -1,4 +1,5 @@
-"""How `rollout-gateway serve --workers N` scales (DESIGN §13): projected on a small machine, measured on a large one.
+"""How `rollout-gateway serve --workers N` scales (docs/architecture.md §13): projected on a small machine, measured
+on a large one.
 
     python -m benchmarks.scaling                          # workers 1 2 4; /generate and /v1/completions
     python -m benchmarks.scaling --workers 1 2 --agents 64 --apis generate
@@ -75,9 +76,8 @@ from benchmarks.compare import GATEWAY_SETTINGS, REPLICA_ARGS, Bench, RunResult,
 
 APIS = {"generate": "gateway-generate", "completions": "gateway"}  # compare.py's target names pick the route
 BUSY = 0.85  # below this share of its core, the busiest worker was not what limited the run
-# Of the CPUs left for replicas and load generators, the load generators' share: per request a replica spent about
-# 3.5 times a load generator's CPU on /generate (0.51 against 0.15 ms; the load generator tokenizes there), 7 times
-# on /v1/completions.
+# Of the CPUs left for replicas and load generators, the load generators' share: per request a replica spends several
+# times a load generator's CPU (more on /v1/completions than on /generate, where the load generator tokenizes).
 LOADGEN_SHARE = 1 / 4
 
 
@@ -241,7 +241,7 @@ class Options:
 
 def workload(options: Options) -> Workload:
     # The count bound must not end a run before its duration: on dedicated cores it allows 50,000 requests a second
-    # per worker CPU, over ten times what one gateway process serves.
+    # per worker CPU, far more than one gateway process serves.
     requests = options.agents * 40
     if options.layout.dedicated:
         requests = max(requests, int(options.duration_s * 50_000 * len(options.layout.workers)))

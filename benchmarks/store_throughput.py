@@ -37,8 +37,8 @@ sent); Redis `MEMORY USAGE key SAMPLES 0` summed over each session's keys (store
 sample hash), and the stream's per entry; Redis commands, this process's CPU and redis-server's CPU per
 trajectory. Then binary ÷ JSON ratios: the numbers to compare across machines.
 
-    python -m benchmarks.store_throughput             # 500 plain + 100 with experts per variant (~80 s on 2 cores)
-    python -m benchmarks.store_throughput --quick     # 100 + 20 per variant (~20 s on 2 cores)
+    python -m benchmarks.store_throughput             # 500 plain + 100 with experts per variant
+    python -m benchmarks.store_throughput --quick     # 100 + 20 per variant, a few times faster
     python -m benchmarks.store_throughput --cases experts --baselines orjson --writers 16 --json out.json
 """
 

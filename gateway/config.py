@@ -198,7 +198,7 @@ DEFAULT_REPLICAS = (
 
 
 class RoutingConfig(_Section):
-    """Placement of sessions on replicas, and replica health (DESIGN §6)."""
+    """Placement of sessions on replicas, and replica health (docs/architecture.md §6)."""
 
     policy: RoutingPolicy = Field("sticky", description="sticky (HRW + bounded load) | least_loaded | round_robin.")
     balance_factor: float = Field(0.25, ge=0, description="ε: skip replicas above (1+ε)×mean in-flight.")
@@ -209,7 +209,7 @@ class RoutingConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    """The generate-with-resume loop and its upstream HTTP client (DESIGN §4)."""
+    """The generate-with-resume loop and its upstream HTTP client (docs/architecture.md §4)."""
 
     max_resumes: int = Field(32, ge=0, description="Re-issues of one request after aborts/failures.")
     request_timeout_s: Seconds = Field(600.0, description="Overall deadline of one request, seconds.")
@@ -244,7 +244,7 @@ class GenerationConfig(_Section):
 
 
 class WeightsConfig(_Section):
-    """Weight updates and versions (DESIGN §5)."""
+    """Weight updates and versions (docs/architecture.md §5)."""
 
     pause_mode: PauseMode = Field("abort", description="abort | keep | wait; overridable per update.")
     max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
@@ -255,7 +255,7 @@ class WeightsConfig(_Section):
 
 
 class StoreConfig(_Section):
-    """Redis layout and trajectory lifecycle (DESIGN §8)."""
+    """Redis layout and trajectory lifecycle (docs/architecture.md §8)."""
 
     prefix: str = Field("rg:", min_length=1, description="Prefix of every Redis key.")
     max_pending: int = Field(10000, ge=1, description="Unconsumed trajectories before new sessions get 429.")

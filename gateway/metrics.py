@@ -1,4 +1,5 @@
-"""Prometheus metrics of one gateway process, and the log fields that go with them (DESIGN §14: no per-token work).
+"""Prometheus metrics of one gateway process, and the log fields that go with them (docs/architecture.md §14: no
+per-token work).
 
 Names are a contract (a Grafana dashboard is built against them); never rename one:
 

@@ -15,7 +15,7 @@ failed each of their own pipelines; a command error reaches only its caller, as 
 Since one batch at a time is in flight, the batcher sends on one connection of its own (checked out of the client's
 pool once and kept) instead of checking one out per pipeline, and times the whole round trip once:
 redis-py's `Pipeline.execute` wraps each socket write in `asyncio.wait_for` (a task per write) and each reply's read
-in a timeout of its own, besides the pool's checkout and its metrics hooks, about a third of the gateway's CPU on a
+in a timeout of its own, besides the pool's checkout and its metrics hooks: a large share of the gateway's CPU on a
 session turn at concurrency 1. Commands are queued, packed and parsed by redis-py as in its pipeline (the client's
 reply callbacks included), and a connection error or timeout is retried by the connection's retry policy, as
 `Pipeline.execute` retries it; a client whose pool cannot make such a connection keeps `Pipeline.execute`.

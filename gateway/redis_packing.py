@@ -2,8 +2,8 @@
 
 redis-py's asyncio `Connection` packs every command into the RESP wire format in Python, argument by argument,
 even when hiredis is installed (its sync `Connection` uses hiredis's C packer then). A session turn's pipeline
-(the sample write's script and fields, the meta read, the touch) takes about 30 µs to pack that way, 5 µs with
-hiredis; packing was 6.8 % of a profile of short `/v1/completions` turns, 1.5 % with hiredis.
+(the sample write's script and fields, the meta read, the touch) costs several times more to pack that way than
+with hiredis, a visible share of a profile of short `/v1/completions` turns (docs/benchmarks.md).
 
 The bytes on the wire are the same: hiredis's packer, which the sync client uses, and for what that packer does
 not take as it is (a command name with a space, memoryviews, arguments of other types) the sync client's own
@@ -33,7 +33,7 @@ _PACKED: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 def _pack(args: tuple[Any, ...]) -> bytes:
     """One command in RESP. The common command (a name without a space, arguments of the types hiredis takes) goes
-    to hiredis at once; the rest through redis-py's serializer (2.6 times slower on a turn's pipeline), which splits
+    to hiredis at once; the rest through redis-py's serializer (slower, pure Python), which splits
     the name, converts memoryviews and raises `DataError` for arguments Redis cannot take."""
     name = args[0]
     if (" " not in name) if isinstance(name, str) else (b" " not in name):

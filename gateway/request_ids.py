@@ -1,6 +1,6 @@
 """Request ids that are unique without a system call per request.
 
-`secrets.token_hex(16)` reads the kernel's random source on every call: about 1 % of the gateway's CPU on a short
+`secrets.token_hex(16)` reads the kernel's random source on every call: a system call per id, on every short
 request. An id here is a random prefix drawn once per process (again in a forked worker) and a counter: unique
 across the gateway's processes and their restarts as long as 64 random bits do not collide, and as long as
 `token_hex(16)`'s (32 hex digits). They are names, not secrets: nothing is granted to whoever knows one (session

@@ -1,4 +1,4 @@
-"""Sessions with exact multi-turn tokens (DESIGN §3, §7).
+"""Sessions with exact multi-turn tokens (docs/architecture.md §3, §7).
 
 Turn N+1 of a session reuses turn N's exact ids (prompt + sampled tokens) and tokenizes only what the new
 messages add (`ChatTokenizer.render_delta`); sampled tokens get loss mask 1, everything else 0, and what the
@@ -618,7 +618,7 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
 
 
 def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:
-    """`X-Session-ID` header, else `session_id` in the body, else `user` (DESIGN §1)."""
+    """`X-Session-ID` header, else `session_id` in the body, else `user` (docs/architecture.md §1)."""
     for candidate in (header, body_session, user):
         if candidate:
             return candidate

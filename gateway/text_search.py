@@ -1,10 +1,10 @@
 """`AnyOf`: whether a text holds any of a fixed set of strings, in one pass over the text.
 
 The chat path asks at every turn whether a conversation holds the text of an added token (`ConversationMatch`). One
-substring search per token scans the whole conversation once per token: a Llama 3 tokenizer has 256 added tokens,
-so a 60,000-character conversation took ~6 ms on the event loop, every turn. A regular expression built from the
-strings' trie (`<\\|(?:im_(?:end|start)\\|>|endoftext\\|>)`) scans it once: at each position the engine follows one
-path down the trie, never one alternative per string.
+substring search per token scans the whole conversation once per token: a Llama 3 tokenizer has 256 added tokens, so
+a long conversation held the event loop for one pass per token, every turn (docs/benchmarks.md). A regular
+expression built from the strings' trie (`<\\|(?:im_(?:end|start)\\|>|endoftext\\|>)`) scans it once: at each
+position the engine follows one path down the trie, never one alternative per string.
 """
 
 from __future__ import annotations

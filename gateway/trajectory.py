@@ -65,9 +65,9 @@ def chunk_field(name: str, chunk: int) -> str:
 @dataclass(frozen=True, slots=True)
 class SampleSegment:
     """Response tokens [start, end) of a sample (positions in `response_ids`): a run of model tokens sampled by one
-    engine request on `replica` under weight `version` (DESIGN §3). A generation interrupted by a weight update or a
-    replica failure is several segments; an engine request that went on across an update (pause mode `keep`) is
-    one segment per version."""
+    engine request on `replica` under weight `version` (docs/architecture.md §3). A generation interrupted by a weight
+    update or a replica failure is several segments; an engine request that went on across an update (pause mode
+    `keep`) is one segment per version."""
 
     start: int
     end: int

@@ -143,7 +143,7 @@ class WeightCoordinator:
         defer_gc = gc.isenabled()
         if defer_gc:
             # A cyclic collection inside those passes stalls every request behind it, and the burst of new objects
-            # triggers them: a full one takes hundreds of ms with 1,000 streams' state on the heap. Collect once
+            # triggers them: a full one walks every held stream's state on the heap. Collect once
             # the requests are out instead: `gc.enable` is queued behind the waiters' wake-ups, then (one hop
             # later) behind the write tasks they started.
             gc.disable()

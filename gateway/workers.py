@@ -1,11 +1,11 @@
-"""Several gateway processes on one port and one Redis (DESIGN §13): `rollout-gateway serve --workers N`.
+"""Several gateway processes on one port and one Redis (docs/architecture.md §13): `rollout-gateway serve --workers N`.
 
 One gateway process is one event loop, so one core. To use N cores the supervisor here binds the port, starts the
 embedded Redis once (when `redis.url` is empty) and forks N workers. On Linux each worker gets a listening socket
 of its own on that port (SO_REUSEPORT), and the kernel spreads new connections over them by a hash of their
 addresses: an even split, whatever each worker is doing when a burst of clients connects. (With one socket shared
 by all, whichever worker wakes first takes what is queued; agents keep their connections, so a lopsided start stays
-lopsided: `benchmarks/scaling.py` measured a worker with 8 % of the load beside one with 37 %.) Elsewhere the
+lopsided, as `benchmarks/scaling.py` showed.) Elsewhere the
 workers share one socket. Nothing else is shared in memory: placement is rendezvous
 hashing, sessions and trajectories live in Redis, and weight updates are coordinated through Redis (one process
 takes the update lock, the others follow), exactly as for gateways on separate hosts.

@@ -2,7 +2,7 @@
 
 A short `POST /generate` went through eleven ASGI layers before its handler: Starlette's and FastAPI's app calls,
 the error, telemetry and body-limit middlewares, the gateway's two, the exception middleware, an exit stack, the
-router's matching over every route, and FastAPI's per-route wrappers; together about a tenth of the gateway's CPU
+router's matching over every route, and FastAPI's per-route wrappers; together a visible share of the gateway's CPU
 on that request. For a request to one of the `LeanRoute` routes (`gateway.api.lean_route`) that declares a
 content-length within the body limit and whose body the lean path accepts, the lane keeps only what decides anything
 for such a request, from the middlewares the app stack is built with, in one layer instead of three (each wraps

@@ -1,4 +1,4 @@
-"""`POST /generate`: token-in/token-out over the resume loop (DESIGN §12), for trainer-side agent loops.
+"""`POST /generate`: token-in/token-out over the resume loop (docs/architecture.md §12), for trainer-side agent loops.
 
 Without `session_id` a request is a one-shot: nothing is recorded (no session, nothing in Redis, no Redis round
 trip), which keeps the route as lean as the engines' own (benchmarks, evaluation, a caller that records itself).

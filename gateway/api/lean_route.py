@@ -1,12 +1,13 @@
 """`LeanRoute`: FastAPI's `APIRoute` with a shorter request path for routes of one plain shape.
 
 FastAPI's request handler is generic: on a short `/generate` it reads the body, parses it with the standard
-library's `json`, checks the content type by building an `email.message.Message`, validates the resulting dict
-with a `TypeAdapter`, and runs `solve_dependencies` over the route's dependency tree; together about 12% of the
-gateway's CPU. For a route whose endpoint takes exactly one pydantic model as its body, the raw `Request`, and
-dependencies that are plain `async def dependency(request)` (the gateway's `require_agent` and `services`), the
-lean handler does the same work directly: read the body, apply FastAPI's content-type rule, validate the JSON
-in one pass in pydantic-core (`model_validate_json`), await the dependencies in FastAPI's order, call the endpoint.
+library's `json`, checks the content type by building an `email.message.Message`, validates the resulting dict with
+a `TypeAdapter`, and runs `solve_dependencies` over the route's dependency tree; together a visible share of the
+gateway's CPU on a short request (docs/benchmarks.md). For a route whose endpoint takes exactly one pydantic model
+as its body, the raw `Request`, and dependencies that are plain `async def dependency(request)` (the gateway's
+`require_agent` and `services`), the lean handler does the same work directly: read the body, apply FastAPI's
+content-type rule, validate the JSON in one pass in pydantic-core (`model_validate_json`), await the dependencies in
+FastAPI's order, call the endpoint.
 
 It takes only the path where nothing goes wrong. Anything else goes to FastAPI's own handler for the same request
 (Starlette keeps the body it read), so every refusal is FastAPI's answer, byte for byte: an empty body, a content

@@ -1,4 +1,4 @@
-"""Session routes: create, inspect, finish (DESIGN §1)."""
+"""Session routes: create, inspect, finish (docs/architecture.md §1)."""
 
 from __future__ import annotations
 

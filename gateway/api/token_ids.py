@@ -1,10 +1,10 @@
 """Token-id lists checked against the vocabulary, at C speed for the long prompts of RL turns.
 
-pydantic checks a per-item constraint such as `ge=0` at about 16 ns an id, and Python's `max` takes 9 ns more: for
-a prompt of thousands of ids (an RL turn) that was the largest cost of a `/generate` request. The request models
-therefore parse token ids as plain integers (`TokenId`, whose schema still says `minimum: 0`), and the route checks
-the whole list at once: a short one with Python's `min` and `max`, a long one copied into an int64 buffer (one C
-pass) whose bounds numpy reads in place, about 10 ns an id in all.
+pydantic checks a per-item constraint such as `ge=0` id by id, and Python's `max` walks the list again: for a prompt
+of thousands of ids (an RL turn) that was the largest cost of a `/generate` request (docs/benchmarks.md). The
+request models therefore parse token ids as plain integers (`TokenId`, whose schema still says `minimum: 0`), and
+the route checks the whole list at once: a short one with Python's `min` and `max`, a long one copied into an int64
+buffer (one C pass) whose bounds numpy reads in place.
 """
 
 from __future__ import annotations

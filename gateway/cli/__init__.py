@@ -44,7 +44,10 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Override server.port.")] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
     workers: Annotated[
-        int, typer.Option(min=1, help="Gateway processes sharing the port and Redis (one per core; DESIGN §13).")
+        int,
+        typer.Option(
+            min=1, help="Gateway processes sharing the port and Redis (one per core; docs/architecture.md §13)."
+        ),
     ] = 1,
 ) -> None:
     """Run the gateway from a configuration file until SIGINT/SIGTERM (graceful shutdown)."""
