@@ -58,17 +58,26 @@ def sim_config(tmp_path: Path, sim: SimProcess, port: int) -> Path:
 
 
 @contextlib.contextmanager
-def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    """`rollout-gateway serve ARGS` as a child process (stderr piped), killed if the test leaves it running."""
-    process = subprocess.Popen([*CLI, "serve", *args], stderr=subprocess.PIPE, text=True, env=env)
+def cli_child(
+    *args: str, env: dict[str, str] | None = None, stdout: int | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """`rollout-gateway ARGS` as a child process (stderr piped, stdout as asked), killed if the test leaves it
+    running."""
+    process = subprocess.Popen([*CLI, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
     try:
         yield process
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        if process.stderr:
-            process.stderr.close()
+        for pipe in (process.stdout, process.stderr):
+            if pipe:
+                pipe.close()
+
+
+def serving(*args: str, env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    """`rollout-gateway serve ARGS` as a child process (stderr piped)."""
+    return cli_child("serve", *args, env=env)
 
 
 def test_help_lists_commands() -> None:

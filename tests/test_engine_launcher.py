@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -37,10 +36,10 @@ from backends.launcher import (
     start_engine,
 )
 from gateway.errors import EngineLaunchError, EngineNotInstalled
+from tests.test_cli import cli_child
 
 REPO = Path(__file__).resolve().parents[1]
 STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
-CLI = [sys.executable, "-c", "from gateway.cli import main; main()"]
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs to move between")
 
 
@@ -314,20 +313,8 @@ def test_no_health_in_time_is_an_error_and_stops_the_server(standin: Path, model
 # -- rollout-gateway engine ------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def engine_cli(*args: str, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
-    process = subprocess.Popen(
-        [*CLI, "engine", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pipe in (process.stdout, process.stderr):
-            if pipe:
-                pipe.close()
+def engine_cli(*args: str, env: dict[str, str]) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    return cli_child("engine", *args, env=env, stdout=subprocess.PIPE)
 
 
 def ready_url(process: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
