@@ -1,4 +1,4 @@
-"""The model's tokenizer, chat template, conversation matching and streaming detokenizer (DESIGN §7).
+"""The model's tokenizer, chat template, conversation matching and streaming detokenizer (docs/architecture.md §7).
 
 The gateway owns tokenization: it renders chat messages to ids with the model's own template, sends ids to the
 engines, turns output ids back into text as they stream, and parses tool calls out of that text. One module per
