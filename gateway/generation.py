@@ -25,13 +25,14 @@ from typing import Literal
 
 import numpy as np
 
-from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer, spans_to_versions
+from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.loop_local import running_loop
 from backends.routed_experts import ExpertArray
-from gateway.errors import DeadlinePassed, InvalidRequest
+from gateway.errors import DeadlinePassed
 from gateway.routing import Replica, ReplicaPool
-from gateway.weights import WeightCoordinator, parse_version, version_label, version_labels
+from gateway.token_versions import stale_version, token_versions
+from gateway.weights import WeightCoordinator, version_label, version_labels
 
 logger = logging.getLogger(__name__)
 
@@ -165,13 +166,6 @@ class _Resume:
     interrupted_at: float | None = None
     preempted_at: float | None = None
     ahead: _EngineCall | None = None  # a continuation built while the weight update runs
-
-
-def _version_or_none(label: str) -> int | None:
-    try:
-        return parse_version(label)
-    except InvalidRequest:  # an engine label that is no gateway version: nothing to compare
-        return None
 
 
 class Generator:
@@ -467,26 +461,15 @@ class Generator:
         return running_loop().time() + max(0.0, deadline - time.monotonic())
 
     def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
-        """Refuse tokens sampled under weights older than the replica is known to run. A replica that crashed and
-        restarted on its initial weights just after a health probe looks healthy until the next one; its labelled
-        chunk gives it away. That chunk is dropped, the replica taken out (the health loop re-admits it only once
-        it runs the current version) and the request resumes elsewhere. Engines that label only their last chunk
-        (vLLM) have streamed the segment's earlier tokens by then: those keep their true (older) version."""
-        spans, label = chunk.version_spans, chunk.weight_version
-        if label is None and spans is None:
-            return  # the common case of a stream: a delta without labels (engines label the last chunk)
-        current = run.dispatch_labels
-        if (label is None or label in current) and (spans is None or all(s.version in current for s in spans)):
-            return  # the common case of a last chunk: the version the segment was dispatched under, throughout
-        labels = [span.version for span in spans or ()]
-        if label is not None:
-            labels.append(label)
-        known = [v for v in map(_version_or_none, labels) if v is not None]
-        oldest = min(known, default=None)
-        if oldest is not None and oldest < run.dispatch_version:
-            # Label what this segment already produced truthfully (engines whose labels come with the last chunk).
-            run.spans = list(spans) if spans is not None else run.spans
-            run.weight_version = label or run.weight_version
+        """Refuse tokens sampled under weights older than the replica is known to run (`stale_version`): that chunk
+        is dropped, the replica taken out (the health loop re-admits it only once it runs the current version) and
+        the request resumes elsewhere."""
+        oldest = stale_version(chunk, run.dispatch_labels, run.dispatch_version)
+        if oldest is not None:
+            # Engines that label only their last chunk (vLLM) have streamed the segment's earlier tokens by then:
+            # label those truthfully, with their (older) version.
+            run.spans = list(chunk.version_spans) if chunk.version_spans is not None else run.spans
+            run.weight_version = chunk.weight_version or run.weight_version
             raise BackendUnavailable(
                 f"replica {run.replica.id} sampled under weight version {oldest}, but runs {run.dispatch_version} "
                 "as far as the gateway knows (restarted?)",
@@ -524,18 +507,7 @@ class Generator:
 
     def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
         count = len(state.output_ids) - run.start
-        fallback = run.weight_version or run.dispatch_label
-        spans = run.spans
-        if count == 0:
-            versions: list[int] = []  # nothing to label (a label the segment carried is not parsed, as none is used)
-        elif not spans or (len(spans) == 1 and spans[0].start <= 0 and spans[0].end >= count):
-            # The common case: one label throughout, most often the one the segment was dispatched under.
-            label = spans[0].version if spans else fallback
-            versions = [run.dispatch_version if label == run.dispatch_label else parse_version(label)] * count
-        else:
-            labels = spans_to_versions(spans, count, fallback)
-            parsed = {label: parse_version(label) for label in set(labels)}  # a few labels, not a parse per token
-            versions = [parsed[label] for label in labels]
+        versions = token_versions(run.spans, count, run.weight_version, run.dispatch_label, run.dispatch_version)
         if versions and state.versions and versions[0] < state.versions[-1]:
             # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
             logger.error(

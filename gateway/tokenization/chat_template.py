@@ -1,0 +1,88 @@
+"""Chat messages in the shape chat templates expect, and the template applied to them.
+
+Agents send OpenAI-style messages; templates follow transformers' convention. The differences handled here: content
+given as a list of parts (text parts only; a text-only template cannot take others) and tool-call `arguments` sent as
+a JSON string, which templates expect as an object (they `tojson` it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from gateway.errors import InvalidRequest
+from gateway.parsers.base import json_object
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["Message", "Tool", "apply_chat_template"]
+
+Message = Mapping[str, Any]
+"""An OpenAI-style chat message: `role`, `content`, and for assistants `tool_calls`, for tools `tool_call_id`."""
+Tool = Mapping[str, Any]
+"""An OpenAI-style tool definition: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Message],
+    tools: Sequence[Tool] | None,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    *,
+    tokenize: bool,
+    sanitize_control_tokens: bool,
+) -> object:
+    """The template's text (`tokenize=False`) or ids of `messages`; a message or template the template rejects
+    raises `InvalidRequest` naming `messages`. With `sanitize_control_tokens` (ids only) control tokens inside
+    messages or tools are encoded as ordinary text."""
+    conversation = [_template_message(i, message) for i, message in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(
+            conversation,
+            tools=[dict(tool) for tool in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            return_dict=False,
+            sanitize_control_tokens=sanitize_control_tokens and tokenize,
+            **(chat_template_kwargs or {}),
+        )
+    except (TemplateError, ValueError, TypeError) as exc:  # the template rejects these messages
+        raise InvalidRequest(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+
+
+def _template_message(index: int, message: Message) -> dict[str, Any]:
+    """A copy of `message` in the shape chat templates expect (transformers' convention)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = _text_of_parts(index, content)
+    tool_calls = out.get("tool_calls")
+    if isinstance(tool_calls, list):
+        out["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
+    return out
+
+
+def _text_of_parts(index: int, parts: list[Any]) -> str:
+    """OpenAI content parts to one string; only text parts can be tokenized by a text-only template."""
+    texts = []
+    for part in parts:
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidRequest("only text content parts are supported", param=f"messages[{index}].content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _template_tool_call(call: Any) -> Any:
+    """Templates expect `arguments` as an object (they `tojson` it); the OpenAI API sends a JSON string."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        parsed = json_object(arguments) if arguments.strip() else {}
+        function["arguments"] = arguments if parsed is None else parsed  # not a JSON object: as the agent sent it
+    return {**call, "function": function}
