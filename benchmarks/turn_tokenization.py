@@ -4,7 +4,8 @@ Every chat turn of a session needs the ids the new messages add after the previo
 (`ChatTokenizer.render_delta`). The reference way renders and tokenizes the previous conversation and the new
 one and takes the difference: its cost grows with the conversation, so an episode costs O(turns²). The text
 way renders both conversations' text (cheap) and tokenizes only the new tail, where that provably gives the
-same ids (see `ConversationMatch` in gateway/tokenization.py). Each row checks that both ways agree before timing them.
+same ids (see `ConversationMatch` in gateway/tokenization/conversation.py). Each row checks that both ways
+agree before timing them.
 
 A second table times the choice of the sample a chat turn extends, in a session that holds many (the n samples
 of one request, or unrelated conversations under one session id): the session manager's matching (texts first,
