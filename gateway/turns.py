@@ -34,7 +34,7 @@ from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
-from gateway.sessions import SessionManager, Turn, WorkingSample
+from gateway.sessions import SessionManager, Turn
 from gateway.store import metadata_additions
 from gateway.tokenization import (
     ChatTokenizer,
@@ -47,6 +47,7 @@ from gateway.tokenization import (
     make_stop_checker,
 )
 from gateway.trajectory import SessionMeta
+from gateway.working_sample import WorkingSample
 
 MAX_RANDOM_SEED = 2**31 - 1
 

@@ -20,9 +20,10 @@ from tokenizers.normalizers import NFC
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
 from gateway.generation import GenerationRequest, GenerationState
-from gateway.sessions import SessionManager, Turn, WorkingSample
+from gateway.sessions import SessionManager, Turn
 from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, TextCheck
+from gateway.working_sample import WorkingSample
 
 TOKENIZER = ChatTokenizer.load(DEFAULT_TOKENIZER)
 
