@@ -1,0 +1,38 @@
+"""Everything the gateway keeps in Redis. All keys are named here, and redis errors become `StoreError` here.
+
+One module per concept:
+
+- `keys`: the schema (every key, its type and lifetime), `Keys`, `connect`, the redis error boundary;
+- `scripts`: the Lua scripts, each atomic on one session's slot, as redis-py script objects;
+- `core`: what the parts share (client, batcher, scripts, counters, the session-slot transaction);
+- `records`: session metas (create, read, activity, metadata); `backpressure`: `rg:pending`;
+- `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
+- `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
+- `weights_bus`: `WeightsBus` (weight version, update lock, control channel);
+- `inspection`: what the command line shows of the store;
+- `trajectory_store`: `TrajectoryStore`, the one object the gateway holds, composed of those parts.
+"""
+
+from __future__ import annotations
+
+from gateway.store.core import StoreStats
+from gateway.store.inspection import inspect_store, tail_trajectories
+from gateway.store.keys import Keys, connect
+from gateway.store.records import metadata_additions
+from gateway.store.samples import SampleWrite
+from gateway.store.trajectory_store import TrajectoryStore
+from gateway.store.weights_bus import WeightsBus, WeightsRecord
+
+_SampleWrite = SampleWrite  # its name before the store was split in modules (tests build one)
+
+__all__ = [
+    "Keys",
+    "StoreStats",
+    "TrajectoryStore",
+    "WeightsBus",
+    "WeightsRecord",
+    "connect",
+    "inspect_store",
+    "metadata_additions",
+    "tail_trajectories",
+]

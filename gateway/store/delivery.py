@@ -1,0 +1,125 @@
+"""Delivery of finished sessions to `rg:trajectories` (steps (3)-(5) of a finish, see gateway/store/finish.py), and
+the repair sweeper that completes a delivery a crash or an outage interrupted.
+
+The stream and a session's keys live in different Redis Cluster slots, so delivery is not atomic; every step is
+idempotent instead: (3) XADD the session's summary (a crash may leave a duplicate); (4) the `stream_id` claim, a
+script on the session's slot, stores the first entry id it is given and answers the one stored: the writer
+whose entry won INCRs `rg:pending`, a loser XDELs its duplicate; (5) SREM `rg:sessions:undelivered`.
+
+Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
+other; an entry whose meta has no `stream_id` yet is not arbitrated yet: leave it pending and look again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Container
+
+from redis.asyncio.client import Pipeline
+
+from gateway.errors import SessionNotFound, StoreError
+from gateway.store.backpressure import Backpressure
+from gateway.store.core import StoreCore
+from gateway.store.keys import call, optional_text, text
+from gateway.store.scripts import queue, rerun_unknown
+from gateway.trajectory import SessionMeta
+
+__all__ = ["Delivery"]
+
+logger = logging.getLogger(__name__)
+
+
+class Delivery:
+    """Delivers finished sessions to the stream exactly once after arbitration; repairs interrupted deliveries.
+
+    `finishing`: the sessions whose finish runs in this process (the repair sweeper leaves them to it).
+    """
+
+    def __init__(self, core: StoreCore, backpressure: Backpressure, finishing: Container[str]) -> None:
+        self._core = core
+        self._backpressure = backpressure
+        self._finishing = finishing
+
+    async def deliver(self, meta: SessionMeta) -> str:
+        """Steps (3)-(5) for a finished session; its real entry's id. Safe to run any number of times,
+        concurrently."""
+        entry_id = await self.append_entry(meta)
+        return await self.claim_entry(meta.id, entry_id)
+
+    async def append_entry(self, meta: SessionMeta) -> str:
+        """Step (3): XADD the session's summary. May leave a duplicate; `claim_entry` arbitrates."""
+        entry = {
+            "session_id": meta.id,
+            "group_id": meta.group_id or "",
+            "reward": "" if meta.reward is None else repr(meta.reward),
+            "samples": meta.sample_count,
+        }
+        stream = self._core.keys.trajectories
+
+        def build(pipe: Pipeline) -> None:
+            pipe.xadd(stream, entry)  # type: ignore[arg-type]
+
+        (entry_id,) = await self._core.batched(build, "append trajectory")  # with the other callers' commands
+        return text(entry_id)
+
+    async def claim_entry(self, session_id: str, entry_id: str) -> str:
+        """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
+        keys, claim = self._core.keys, self._core.scripts.claim_stream_id
+        script_keys = [keys.meta(session_id)]
+
+        def build(pipe: Pipeline) -> None:
+            queue(pipe, claim, script_keys, [entry_id])
+
+        (reply,) = await call(self._core.batcher.execute(build), "claim stream entry")
+        stored = await call(rerun_unknown(reply, claim, script_keys, [entry_id]), "claim stream entry")
+        if isinstance(stored, Exception):
+            raise StoreError(f"redis: claim stream entry failed: {stored}") from stored
+        winner = optional_text(stored)
+        if winner is None:
+            raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
+        if winner == entry_id:
+            await self._backpressure.count_delivery()
+        else:
+            self._core.stats.duplicate_entries += 1
+            with contextlib.suppress(StoreError):  # best effort: consumers skip entries other than `stream_id`
+                await call(self._core.client.xdel(keys.trajectories, entry_id), "delete duplicate entry")
+
+        def confirm(pipe: Pipeline) -> None:
+            pipe.srem(keys.undelivered, session_id)
+
+        await self._core.batched(confirm, "confirm delivery")
+        return winner
+
+    async def repair_undelivered(self, older_than_s: float = 0.0) -> int:
+        """Deliver sessions finished but not confirmed in the stream (a finish that crashed or gave up midway).
+
+        Sessions finished less than `older_than_s` ago, and those finishing in this process, are left to their
+        own finish. Ids whose session is gone or abandoned leave the set; active ones (a finish that has not
+        marked them yet) stay. Returns how many sessions this call confirmed in the stream.
+        """
+        members = await call(self._core.client.smembers(self._core.keys.undelivered), "read undelivered")
+        cutoff = time.time() - older_than_s
+        delivered = 0
+        for session_id in sorted(text(m) for m in members):
+            if session_id not in self._finishing and await self._repair_one(session_id, cutoff):
+                delivered += 1
+        self._core.stats.repaired += delivered
+        return delivered
+
+    async def _repair_one(self, session_id: str, cutoff: float) -> bool:
+        client, keys = self._core.client, self._core.keys
+        meta = await self._core.get_session(session_id)
+        if meta is None or meta.status == "abandoned":
+            await call(client.srem(keys.undelivered, session_id), "forget undelivered")
+            return False
+        if meta.status != "finished" or (meta.finished_at or 0.0) > cutoff:
+            return False
+        await call(client.zrem(keys.active_sessions, session_id), "unindex session")
+        if meta.stream_id is not None:
+            await call(client.srem(keys.undelivered, session_id), "confirm delivery")
+        else:
+            await self.deliver(meta)
+        logger.info("session=%s: repaired an interrupted finish", session_id)
+        return True

@@ -1,0 +1,59 @@
+"""What `rollout-gateway trajectories` shows of the store: counts, and the newest stream entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.store.keys import Keys, call, text
+
+__all__ = ["inspect_store", "tail_trajectories"]
+
+
+async def inspect_store(client: aioredis.Redis, keys: Keys) -> dict[str, Any]:
+    """Counts for `rollout-gateway trajectories stats`: stream, pending, sessions, weights, consumer groups."""
+
+    async def read() -> dict[str, Any]:
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.xlen(keys.trajectories)
+            pipe.get(keys.pending)
+            pipe.zcard(keys.active_sessions)
+            pipe.scard(keys.undelivered)
+            pipe.xlen(keys.abandoned)
+            pipe.hgetall(keys.weights)
+            stream, pending, active, undelivered, abandoned, weights = await pipe.execute()
+        groups: list[dict[str, Any]] = []
+        if stream:
+            for group in await client.xinfo_groups(keys.trajectories):
+                groups.append({text(k): text(v) if isinstance(v, bytes) else v for k, v in group.items()})
+        return {
+            "stream_entries": stream,
+            "pending": int(pending or 0),
+            "active_sessions": active,
+            "undelivered": undelivered,
+            "abandoned": abandoned,
+            "weights": {text(k): text(v) for k, v in weights.items()},
+            "consumer_groups": groups,
+        }
+
+    return await call(read(), "inspect the store")
+
+
+async def tail_trajectories(client: aioredis.Redis, keys: Keys, count: int) -> list[dict[str, Any]]:
+    """The newest `count` entries of the trajectories stream, newest first, with their sessions' sample sizes."""
+
+    async def read() -> list[dict[str, Any]]:
+        entries = await client.xrevrange(keys.trajectories, count=count) or []
+        out: list[dict[str, Any]] = []
+        for entry_id, fields in entries:
+            row: dict[str, Any] = {"entry_id": text(entry_id or b"")}
+            row |= {text(k): text(v) for k, v in (fields or {}).items()}
+            found = await client.hgetall(keys.meta(str(row.get("session_id", ""))))
+            meta = {text(k): text(v) for k, v in found.items()}
+            row["status"] = meta.get("status", "expired")
+            row["real"] = meta.get("stream_id", "") == row["entry_id"]
+            out.append(row)
+        return out
+
+    return await call(read(), "read the trajectories stream")

@@ -1,0 +1,134 @@
+"""The Redis schema: every key the gateway uses, the one pooled client, and the boundary where redis errors
+become `StoreError`.
+
+Keys (prefix configurable, default `rg:`). Every key of one session shares the hash tag `{id}`, so a session's
+multi-key writes stay in one Redis Cluster slot; what crosses slots is idempotent (docs/architecture.md §8):
+
+- `rg:{id}:meta` (hash): `SessionMeta.to_redis()` — status, metadata JSON, reward, sample_count, timestamps,
+  replica; plus `stream_id`, set (HSETNX) by whoever delivered the session to the trajectories stream first, and
+  `revision`, counted up by every sample write (a process's copy of the samples is current while it matches).
+- `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py), in chunks, so
+  that a write extending the sample adds what is new instead of rewriting it all; and `writer`, the turn that
+  wrote it last, so that turns of one session on two processes at once never replace each other's (`save_sample`).
+- `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
+  A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
+  one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
+- `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
+- `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
+- `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
+- `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
+- `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
+- `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
+
+Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
+`ttl_s` once it is finished or abandoned. The global keys (both streams, both sets, the counter) have no TTL:
+the trainer trims `rg:trajectories` and `rg:abandoned` is capped (approximate MAXLEN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.errors import StoreError
+from gateway.redis_packing import with_hiredis_packing
+
+__all__ = ["Keys", "call", "connect", "optional_text", "text"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every Redis key the gateway uses, from one prefix."""
+
+    prefix: str = "rg:"
+
+    def meta(self, session_id: str) -> str:
+        return f"{self.prefix}{{{session_id}}}:meta"
+
+    def sample(self, session_id: str, index: int) -> str:
+        return f"{self.prefix}{{{session_id}}}:sample:{index}"
+
+    @property
+    def trajectories(self) -> str:
+        return f"{self.prefix}trajectories"
+
+    @property
+    def pending(self) -> str:
+        return f"{self.prefix}pending"
+
+    @property
+    def active_sessions(self) -> str:
+        return f"{self.prefix}sessions:active"
+
+    @property
+    def undelivered(self) -> str:
+        return f"{self.prefix}sessions:undelivered"
+
+    @property
+    def abandoned(self) -> str:
+        return f"{self.prefix}abandoned"
+
+    @property
+    def weights(self) -> str:
+        return f"{self.prefix}weights"
+
+    @property
+    def weights_lock(self) -> str:
+        return f"{self.prefix}weights:lock"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}control"
+
+
+def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512) -> aioredis.Redis:
+    """One pooled client. Commands retry on connection loss (a Redis restart) with backoff (~2.5 s in all).
+
+    The pool blocks (up to `socket_timeout_s`) for a free connection when all `max_connections` are busy: the
+    default pool fails at once with "Too many connections", which under a burst of concurrent sessions turned
+    ordinary turns into 503s.
+
+    Commands are packed by hiredis (`gateway.redis_packing`), not by the asyncio client's Python packer.
+
+    The asyncio client needs `redis.asyncio.retry.Retry`: given the sync `redis.retry.Retry`, its
+    `call_with_retry` only returns the coroutine and every error escapes the retry loop (no retry at all).
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=socket_timeout_s,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        health_check_interval=30,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    )
+    pool.connection_class = with_hiredis_packing(pool.connection_class)
+    return aioredis.Redis.from_pool(pool)
+
+
+async def call(awaitable: Awaitable[T], what: str) -> T:
+    """`awaitable`'s result; a redis error becomes `StoreError` naming `what` failed."""
+    try:
+        return await awaitable
+    except RedisError as exc:
+        raise StoreError(f"redis: {what} failed: {exc}") from exc
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def optional_text(value: bytes | str | None) -> str | None:
+    return None if value is None else text(value)

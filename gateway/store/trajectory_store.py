@@ -1,0 +1,254 @@
+"""`TrajectoryStore`: the session lifecycle on the store's keys (docs/architecture.md §3, §5, §8, §10), one object
+for the gateway to hold, composed of the parts that do the work: `Sessions` (records), `WriteBuffer` over
+`SampleWriter` (samples), `Finisher` and `Delivery` (finish, the stream, the repair sweeper), `IdleSweeper`
+(abandoned sessions) and `Backpressure` (`rg:pending`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+
+from gateway.errors import Conflict, InvalidRequest, SessionNotFound
+from gateway.store.backpressure import Backpressure
+from gateway.store.buffer import WriteBuffer
+from gateway.store.core import StoreCore, background, cancel
+from gateway.store.delivery import Delivery
+from gateway.store.finish import Finisher
+from gateway.store.keys import Keys
+from gateway.store.records import Sessions
+from gateway.store.samples import SampleWrite, SampleWriter, read_samples
+from gateway.store.sweepers import IdleSweeper, sweep_forever
+from gateway.trajectory import Sample, SampleSaved, SessionMeta, StoredChunks
+
+if TYPE_CHECKING:
+    from gateway.config import RedisConfig, StoreConfig
+
+__all__ = ["TrajectoryStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class TrajectoryStore:
+    """Sessions, samples and finished trajectories in Redis, with the invariants of docs/architecture.md §8 and §10.
+
+    Invariants:
+
+    - A session's keys share the hash tag `{id}`; multi-key writes of a session are one atomic script or one
+      WATCHed MULTI on that slot. Every cross-slot step is idempotent and ordered so that a crash between any
+      two steps leaves a state the sweepers (`repair_undelivered`, `abandon_idle`) complete.
+    - A finished or abandoned session never changes again: sample writes to it are refused.
+    - `finish` returns an entry id only once that entry is in `rg:trajectories` and recorded as the session's
+      `stream_id`; however often and however concurrently it runs, exactly one entry is real and `rg:pending`
+      counts it at most once (a crash or a lost connection at that INCR undercounts; see
+      gateway/store/backpressure.py).
+    - No sample write is dropped in silence: while Redis is down it is buffered (latest version per sample),
+      and when the buffer is full `save_sample` raises `StoreError`.
+
+    The store does not own `client` (the caller closes it); the client must return bytes (the default
+    `decode_responses=False`), since sample fields are binary. `start()` runs the flusher and the sweeper;
+    `aclose()` stops them.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        ttl_s: int = 86_400,
+        max_pending: int = 10_000,
+        session_idle_ttl_s: int = 1_800,
+        retry_budget_s: float = 30.0,
+        max_buffered_writes: int = 10_000,
+        sweep_interval_s: float | None = 30.0,
+        repair_grace_s: float = 10.0,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
+        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper."""
+        self.client = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.max_pending = max_pending
+        self.session_idle_ttl_s = session_idle_ttl_s
+        self.retry_budget_s = retry_budget_s
+        self.max_buffered_writes = max_buffered_writes
+        self.sweep_interval_s = sweep_interval_s
+        self.repair_grace_s = repair_grace_s
+        self.retry_after_s = retry_after_s
+        core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s)
+        self.stats = core.stats
+        self.batcher = core.batcher
+        self._core = core
+        self._backpressure = Backpressure(core, max_pending=max_pending, retry_after_s=retry_after_s)
+        self._sessions = Sessions(core, self._backpressure)
+        self._writer = SampleWriter(core)
+        self._buffer = WriteBuffer(self._writer, core.stats, max_buffered_writes=max_buffered_writes)
+        # The finishes running in this process, by session; the sweepers leave those sessions alone.
+        self._finishing: dict[str, asyncio.Task[str]] = {}
+        self._delivery = Delivery(core, self._backpressure, self._finishing)
+        self._finisher = Finisher(core, self._buffer, self._delivery, self._finishing, retry_budget_s=retry_budget_s)
+        self._idle = IdleSweeper(core, self._finishing)
+        self._sweeper: asyncio.Task[None] | None = None  # a hard reference: the event loop keeps only weak ones
+        # The steps of a finish and of a buffered write, reachable here as before the store was split in parts
+        # (tests drive them one by one).
+        self._buffer_write = self._buffer.buffer_write
+        self._mark_finished = self._finisher.mark_finished
+        self._append_entry = self._delivery.append_entry
+        self._claim_entry = self._delivery.claim_entry
+        self._count_pending = self._backpressure.count_delivery
+
+    @classmethod
+    def from_settings(
+        cls, client: aioredis.Redis, store: StoreConfig, redis: RedisConfig, **options: Any
+    ) -> TrajectoryStore:
+        return cls(
+            client,
+            Keys(store.prefix),
+            ttl_s=store.ttl_s,
+            max_pending=store.max_pending,
+            session_idle_ttl_s=store.session_idle_ttl_s,
+            retry_budget_s=redis.retry_budget_s,
+            **options,
+        )
+
+    @property
+    def buffered(self) -> int:
+        """Sample writes waiting in memory for Redis."""
+        return len(self._buffer)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the buffered-write flusher and, unless `sweep_interval_s` is None, the periodic sweeper."""
+        self._buffer.start()
+        if self._sweeper is None and self.sweep_interval_s is not None:
+            sweep = sweep_forever(self._delivery, self._idle, self.sweep_interval_s, self.repair_grace_s)
+            self._sweeper = background(sweep, "trajectory-store-sweeper")
+
+    async def aclose(self, drain_timeout_s: float = 5.0) -> None:
+        """Staged stop: the sweeper; in-flight finishes get `drain_timeout_s`; buffered writes get one last flush
+        bounded by `drain_timeout_s`. Writes that still could not be written are logged as lost, by count."""
+        await cancel(self._sweeper)
+        self._sweeper = None
+        if self._finishing:
+            _, late = await asyncio.wait(list(self._finishing.values()), timeout=drain_timeout_s)
+            for task in late:
+                task.cancel()
+        await self._buffer.aclose(drain_timeout_s)
+        await self.batcher.aclose()
+
+    # -- sessions -------------------------------------------------------------------------------------------
+
+    async def create_session(
+        self,
+        metadata: dict[str, Any] | None = None,
+        session_id: str | None = None,
+        *,
+        fresh: bool = False,
+        absent: bool = False,
+    ) -> SessionMeta:
+        """A new active session; see `Sessions.create_session`."""
+        return await self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent)
+
+    async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
+        """The session named by a client (header or body), created on first use; see `create_session`."""
+        return await self._sessions.create_session(metadata, session_id)
+
+    async def touch_session(self, session_id: str) -> SessionMeta | None:
+        """An active session's meta, with activity recorded; None if there is no such session. A finished or
+        abandoned one is a `Conflict`."""
+        return await self._sessions.touch_session(session_id)
+
+    async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
+        """Add to an active session's metadata the keys it does not hold; see `Sessions.add_metadata`."""
+        return await self._sessions.add_metadata(session_id, metadata)
+
+    async def get_session(self, session_id: str) -> SessionMeta | None:
+        return await self._core.get_session(session_id)
+
+    async def pending(self) -> int:
+        """Finished sessions delivered to the stream and not yet acknowledged by a trainer."""
+        return await self._backpressure.pending()
+
+    # -- samples --------------------------------------------------------------------------------------------
+
+    async def save_sample(
+        self,
+        session_id: str,
+        index: int,
+        sample: Sample,
+        *,
+        replica: str | None = None,
+        stored: StoredChunks | None = None,
+        writer: str | None = None,
+        base: str | None = None,
+    ) -> SampleSaved | None:
+        """Write (replace) sample `index` of an active session; `sample_count` becomes at least `index + 1`.
+        Returns what the write made (`SampleSaved`), or None when the write waits in the buffer.
+
+        `stored`: what the sample's hash holds of this sample already (what the last write of it answered), so
+        only what came after it is sent; should the hash hold anything else, the whole sample is written instead.
+
+        `writer` (the id of the turn writing; every write of one turn names the same) and `base` (the writer of
+        the sample this turn extends, as last read or written; None for a new sample) arbitrate between processes
+        serving one session at once (docs/architecture.md §13): the write replaces what `writer` or `base` wrote
+        last, and nothing else. If another turn wrote the sample meanwhile, both are kept: this turn's sample
+        moves, whole, to the session's first free index, where the turn's later writes follow it
+        (`SampleSaved.index`). A write without `writer` replaces whatever is stored.
+
+        If Redis is unreachable (after the client's own retries) the write is buffered and this returns: the
+        flusher, and `finish` of the session, write it later; a newer version of the same sample replaces the
+        buffered one. With `max_buffered_writes` writes already waiting, a write of another sample raises
+        `StoreError` (the request fails loudly; nothing is dropped). A finished or abandoned session is a
+        `Conflict`, an unknown one `SessionNotFound`.
+        """
+        if index < 0:
+            raise InvalidRequest(f"sample index must be >= 0, got {index}", param="index")
+        write = SampleWrite(session_id, index, sample, replica or "", time.time(), stored, writer or "", base or "")
+        verdict = await self._buffer.save(write)
+        if verdict is None or isinstance(verdict, SampleSaved):
+            return verdict
+        if verdict == "missing":
+            raise SessionNotFound(f"session {session_id} does not exist (or expired)", param="session_id")
+        raise Conflict(f"session {session_id} is {verdict}; its samples can no longer change", param="session_id")
+
+    async def load_samples(self, session_id: str) -> list[Sample]:
+        """The session's samples in index order (gaps skipped), including writes still buffered here."""
+        meta = await self._core.get_session(session_id)
+        found = await read_samples(self._core, session_id, meta.sample_count if meta is not None else 0)
+        found |= self._buffer.waiting(session_id)
+        return [Sample.from_redis(found[index]) for index in sorted(found)]
+
+    # -- finish and the sweepers ----------------------------------------------------------------------------
+
+    async def finish(
+        self,
+        session_id: str,
+        reward: float | None = None,
+        metadata: dict[str, Any] | None = None,
+        rewards: list[float] | None = None,
+    ) -> str:
+        """Finish the session and return its entry id in `rg:trajectories` (steps: gateway/store/finish.py).
+        `reward` is the session's; `rewards`, if given, one per sample (`SessionMeta.rewards`): a count other than
+        the session's samples is `InvalidRequest`, and the session stays active.
+
+        Idempotent: a finished session returns its existing entry id; concurrent calls in this process share
+        one run (the first call's reward and metadata win), and across processes the WATCHed transaction and
+        the `stream_id` claim keep exactly one real entry. The run is shielded: a cancelled caller does not stop
+        it. Redis failures are retried with backoff for `retry_budget_s`, then `StoreError`; a returned id is
+        durable. Unknown session: `SessionNotFound`; abandoned: `Conflict`.
+        """
+        return await self._finisher.finish(session_id, reward, metadata, rewards)
+
+    async def repair_undelivered(self, older_than_s: float = 0.0) -> int:
+        """Deliver sessions finished but not confirmed in the stream; see `Delivery.repair_undelivered`."""
+        return await self._delivery.repair_undelivered(older_than_s)
+
+    async def abandon_idle(self, now: float | None = None, limit: int = 1_000) -> list[str]:
+        """Close idle active sessions as `abandoned`; see `IdleSweeper.abandon_idle`."""
+        return await self._idle.abandon_idle(now, limit)

@@ -1,0 +1,87 @@
+"""The store's and the trainer's Lua scripts after the server forgot them (SCRIPT FLUSH, as a restart does): every
+path that runs a script by SHA, in a batched pipeline or directly, loads it again and answers as before."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.errors import Conflict
+from gateway.store import Keys, TrajectoryStore, WeightsBus, connect
+from gateway.trainer import TrajectoryConsumer
+from gateway.trajectory import F32, I32, U8, Sample
+
+KEYS = Keys("scripts:")
+
+
+def make_sample(response: int = 4) -> Sample:
+    return Sample(
+        prompt_ids=np.arange(3, dtype=I32),
+        response_ids=np.arange(response, dtype=I32),
+        logprobs=np.zeros(response, F32),
+        loss_mask=np.ones(response, U8),
+        versions=np.zeros(response, I32),
+    )
+
+
+@pytest.fixture
+async def client(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[Redis]:
+    client = connect(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(client: Redis) -> AsyncIterator[TrajectoryStore]:
+    store = TrajectoryStore(client, KEYS, sweep_interval_s=None)
+    yield store
+    await store.aclose()
+
+
+async def test_a_session_lives_through_forgotten_scripts(store: TrajectoryStore, redis: Redis) -> None:
+    await redis.script_flush()
+    created = await store.ensure_session("forgetful", {"group_id": "g"})  # the creation script
+    await redis.script_flush()
+    assert (await store.ensure_session("forgetful")).created_at == created.created_at  # the touch script
+    await redis.script_flush()
+    saved = await store.save_sample("forgetful", 0, make_sample(), writer="t1")  # the sample script
+    assert saved is not None and saved.index == 0 and saved.revision == 1
+    await redis.script_flush()
+    taken = await store.save_sample("forgetful", 0, make_sample(6), writer="t2")  # another turn: it moves
+    assert taken is not None and taken.index == 1
+    await redis.script_flush()
+    entry_id = await store.finish("forgetful", 1.0)  # the stream_id claim
+    assert (await store.get_session("forgetful")).stream_id == entry_id  # type: ignore[union-attr]
+    assert [s.response_ids.size for s in await store.load_samples("forgetful")] == [4, 6]
+
+
+async def test_a_refused_write_answers_the_session_status(store: TrajectoryStore, redis: Redis) -> None:
+    meta = await store.create_session()
+    await store.finish(meta.id)
+    await redis.script_flush()
+    with pytest.raises(Conflict, match="is finished"):
+        await store.save_sample(meta.id, 0, make_sample())
+
+
+async def test_the_weights_lock_and_the_trainer_touch_after_a_flush(
+    client: Redis, redis: Redis, redis_server: EmbeddedRedis, store: TrajectoryStore
+) -> None:
+    bus = WeightsBus(client, KEYS, origin="here")
+    assert await bus.acquire("token", ttl_s=10)
+    await redis.script_flush()
+    await bus.release("token")
+    assert not await redis.exists(KEYS.weights_lock)
+
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 0, make_sample())
+    await store.finish(meta.id)
+    async with TrajectoryConsumer(redis_server.url, "g", "c", prefix=KEYS.prefix) as consumer:
+        first = await consumer.next_batch(1, timeout=1.0)
+        await redis.script_flush()
+        again = await consumer.next_batch(1, timeout=0.0)  # refreshes the entry handed out: the touch script
+        assert len(first) == 1 and len(again) == 0
+        assert await consumer.ack(first) == 1
