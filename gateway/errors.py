@@ -25,7 +25,7 @@ GatewayError                      base of every error the gateway raises on purp
 
 `GatewayError`, the `Backend*` branch and the `Engine*` branch are defined in `backends/errors.py` so that
 engine adapters (and the engine launcher) depend on nothing in `gateway/`; they are re-exported here. Foreign
-errors (aiohttp, redis) are translated into this tree inside `backends/` and `gateway/store.py` only; nothing above
+errors (aiohttp, redis) are translated into this tree inside `backends/` and `gateway/store/` only; nothing above
 those layers catches `aiohttp.*` or `redis.*`.
 """
 
