@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from gateway.trainer import Batch
 from gateway.trajectory import Sample, SessionMeta, Trajectory
-from tests.conftest import ADMIN_TOKEN, GatewayFactory, SimFactory
+from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.sim_helpers import sim_state
 from trainers.grpo import GRPOConfig, Learner, behaviour_weight, group_advantages
 from trainers.loop import LoopConfig, train
@@ -134,9 +134,12 @@ async def test_the_loop_trains_and_publishes_each_step_over_the_simulator(
     tiny_model: Path, tmp_path: Path, make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     """Mechanics, not learning (the simulator's tokens are no model's): each step trains on complete groups, writes
-    its checkpoint, and the gateway loads it on the replica as the next version, while rollouts go on."""
+    its checkpoint, and the gateway loads it on the replica as the next version after the one it serves, while
+    rollouts go on."""
     sim = await make_sim("vllm")
     gw = await make_gateway([sim], model={"tokenizer": str(tiny_model)})
+    synced = {"version": 2, "source": "external"}  # the gateway is at version 2 before the trainer starts
+    (await http.post(f"{gw.url}/admin/weights", json=synced, headers=ADMIN)).raise_for_status()
     config = LoopConfig(
         steps=3,
         groups_per_step=2,
@@ -150,7 +153,8 @@ async def test_the_loop_trains_and_publishes_each_step_over_the_simulator(
         gw.url, gw.services.redis_url, tiny_model, tmp_path, config, admin_token=ADMIN_TOKEN, on_step=seen.append
     )
     assert [s.step for s in result.steps] == [1, 2, 3] and seen == result.steps
+    assert [s.version for s in result.steps] == [3, 4, 5]
     assert all(s.groups == 2 and s.stats.tokens > 0 for s in result.steps)
-    assert gw.services.weights.version == 3
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["v2", "v3"]  # the older ones pruned
-    assert (await sim_state(http, sim.url))["weights"] == str(tmp_path / "v3")
+    assert gw.services.weights.version == 5
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["v4", "v5"]  # the older ones pruned
+    assert (await sim_state(http, sim.url))["weights"] == str(tmp_path / "v5")

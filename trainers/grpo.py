@@ -82,9 +82,9 @@ class StepStats:
 
 
 class Learner:
-    """A causal LM being trained with GRPO, starting from the checkpoint the engines serve at version 0."""
+    """A causal LM being trained with GRPO, starting from the checkpoint the engines serve as `version`."""
 
-    def __init__(self, model_path: str | Path, config: GRPOConfig | None = None) -> None:
+    def __init__(self, model_path: str | Path, config: GRPOConfig | None = None, version: int = 0) -> None:
         self.config = config or GRPOConfig()
         torch.manual_seed(self.config.seed)
         if self.config.threads is not None:
@@ -93,7 +93,7 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.lr)
-        self.version = 0  # the weight version the learner's parameters are
+        self.version = version  # the weight version the learner's parameters are
 
     def step(self, batch: Batch, pad_token_id: int = 0) -> StepStats:
         """One optimiser step on `batch` (complete groups); the learner's version is unchanged until `save`."""

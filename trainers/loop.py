@@ -85,16 +85,20 @@ async def train(
     model_name: str | None = None,
     on_step: Callable[[StepReport], None] | None = None,
 ) -> LoopResult:
-    """Train the model at `model_path` (the one the gateway's engines serve at version 0) through the gateway;
-    checkpoints go to `checkpoints/v{N}` (the newest `keep_checkpoints` are kept)."""
+    """Train the model at `model_path` (the weights the gateway's engines serve at its current version) through the
+    gateway; step `k` publishes version current + k from `checkpoints/v{version}` (the newest `keep_checkpoints`
+    are kept)."""
     config = config or LoopConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task = DigitsTask.for_tokenizer(tokenizer)
-    learner = await asyncio.to_thread(Learner, model_path, config.grpo)
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     result = LoopResult()
     async with httpx.AsyncClient(base_url=gateway_url, headers=headers, timeout=httpx.Timeout(600.0)) as http:
         name = model_name or (await http.get("/v1/models")).json()["data"][0]["id"]
+        status = await http.get("/admin/status")
+        if not status.is_success:
+            raise RuntimeError(f"GET /admin/status: {status.status_code} {status.text} (is the admin token right?)")
+        learner = await asyncio.to_thread(Learner, model_path, config.grpo, status.json()["version"])
         workers = RolloutWorkers(
             http,
             task,
@@ -145,15 +149,16 @@ async def _step(
     stats = await asyncio.to_thread(learner.step, batch)
     await consumer.ack(batch)
     updated = time.monotonic()
-    path = await asyncio.to_thread(learner.save, checkpoints, step)
-    answer = await http.post("/admin/weights", json={"version": step, "path": str(path), "mode": config.mode})
+    version = learner.version + 1
+    path = await asyncio.to_thread(learner.save, checkpoints, version)
+    answer = await http.post("/admin/weights", json={"version": version, "path": str(path), "mode": config.mode})
     if not answer.is_success:
-        raise RuntimeError(f"weight update to version {step} failed: {answer.status_code} {answer.text}")
-    _prune(Path(checkpoints), keep=config.keep_checkpoints, newest=step)
+        raise RuntimeError(f"weight update to version {version} failed: {answer.status_code} {answer.text}")
+    _prune(Path(checkpoints), keep=config.keep_checkpoints, newest=version)
     done = time.monotonic()
     return StepReport(
         step=step,
-        version=step,
+        version=version,
         stats=stats,
         generation_s=trained - started,
         train_s=updated - trained,
