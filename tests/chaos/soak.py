@@ -302,8 +302,20 @@ class Soak:
                 self.report.update_modes[mode] += 1
             elif response.status_code == 503:
                 self.report.retries["update 503"] += 1  # Redis (the coordination lock) is restarting
+            elif self._loaded_nowhere(response, version):
+                # Every replica was down or dropped its connections (kills): the documented 502, the gateway kept
+                # the version it had; the next update asks for the same version again.
+                self.report.retries["update 502"] += 1
             else:
                 self.report.violations.append(f"weight update answered {response.status_code}: {response.text}")
+
+    @staticmethod
+    def _loaded_nowhere(response: httpx.Response, version: int) -> bool:
+        """A 502 `weights_not_updated` that says the gateway still serves `version`."""
+        if response.status_code != 502:
+            return False
+        error = response.json().get("error", {})
+        return bool(error.get("code") == "weights_not_updated" and error.get("version") == version)
 
     async def _kills(self) -> None:
         while await self._pause(self.o.kill_every_s):
