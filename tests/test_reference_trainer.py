@@ -5,7 +5,6 @@ where the log-probabilities are the model's own."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.mismatch import build_model
 from gateway.trainer import Batch
 from gateway.trajectory import Sample, SessionMeta, Trajectory
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
@@ -24,18 +24,11 @@ from trainers.loop import LoopConfig, train
 from trainers.rollouts import SamplingConfig
 from trainers.task import DigitsTask
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The engine tiers' `dense` model (scripts/build_tiny_models.py), built here in a second."""
-    spec = importlib.util.spec_from_file_location("build_tiny_models", REPO / "scripts" / "build_tiny_models.py")
-    assert spec is not None and spec.loader is not None
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    path: Path = builder.build("dense", tmp_path_factory.mktemp("models"), "float32")
-    return path
+    return build_model(tmp_path_factory.mktemp("models"), "float32")
 
 
 def test_advantages_are_normalised_within_each_group() -> None:
