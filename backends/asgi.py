@@ -23,7 +23,7 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.loop_local import loop_local, running_loop
+from backends.loop_local import loop_local
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ class _DisconnectWatch:
     __slots__ = ("_notice", "_watcher", "gone", "on_disconnect", "request", "task", "waiting")
 
     def __init__(self, request: Request, on_disconnect: Callable[[], object], watch_after_s: float) -> None:
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         task = asyncio.current_task(loop)
         assert task is not None
         self.task: asyncio.Task[object] | None = task
@@ -96,7 +96,7 @@ class _DisconnectWatch:
 
     def start(self) -> None:
         if self.request is not None:  # not closed
-            self._watcher = running_loop().create_task(watch_disconnect(self.request, self._disconnected))
+            self._watcher = asyncio.get_running_loop().create_task(watch_disconnect(self.request, self._disconnected))
 
     def _disconnected(self) -> None:
         if self.task is None or self.on_disconnect is None:

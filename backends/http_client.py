@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from backends.base import Load, ReplicaSpec, Timeouts, raise_for_status, translate_errors
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.lean_http import KeepAlivePool
-from backends.loop_local import running_loop
 from backends.read_pacing import ReadPacer
 
 __all__ = [
@@ -236,7 +235,7 @@ class _ReadGapWatch:
     __slots__ = ("_handle", "_loop", "_task", "expired", "gap_s", "started", "waiting")
 
     def __init__(self, gap_s: float) -> None:
-        self._loop = running_loop()
+        self._loop = asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None
         self._task = task

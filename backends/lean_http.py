@@ -29,8 +29,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from backends.loop_local import running_loop
-
 __all__ = ["IDLE_EXPIRY_S", "KeepAlivePool", "StreamedAnswer"]
 
 IDLE_EXPIRY_S = 4.0
@@ -157,7 +155,7 @@ class _Connection(asyncio.Protocol):
     def send_streamed(self, request: bytes) -> asyncio.Future[int]:
         """Write one request; the future gets the answer's status once its head arrived (then `read` the body)."""
         self._reset(streaming=True)
-        self.head = running_loop().create_future()
+        self.head = asyncio.get_running_loop().create_future()
         self._write(request)
         return self.head
 
@@ -168,7 +166,7 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             if self.ended:
                 return b""
-            self.reader = running_loop().create_future()
+            self.reader = asyncio.get_running_loop().create_future()
             await self.reader
         pieces, self.pieces, self.buffered = self.pieces, [], 0
         if self.flow_paused:
@@ -203,7 +201,7 @@ class _Connection(asyncio.Protocol):
         self._timer = None
         if self.answer is None or self.answer.done():
             return  # idle, or a stream (timed by its reader): the next whole answer arms the timer again
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         if loop.time() < self.deadline:  # a later request than the one that armed it: wait for its own deadline
             self._timer, self._timer_at = loop.call_at(self.deadline, self._check_deadline), self.deadline
             return
@@ -360,7 +358,7 @@ class KeepAlivePool:
         connection = self._idle_connection()  # most requests find one idle: no coroutine of `acquire` for them
         if connection is None:
             connection = await self.acquire()
-        loop = running_loop()
+        loop = asyncio.get_running_loop()
         read_until = loop.time() + self.read_timeout_s
         answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until), loop)
         try:
@@ -455,7 +453,7 @@ class KeepAlivePool:
         return False
 
     async def _wait_for_room(self) -> _Connection | None:
-        waiter: asyncio.Future[_Connection | None] = running_loop().create_future()
+        waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(self.pool_timeout_s):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-from backends.loop_local import running_loop
-
 __all__ = ["ReadPacer"]
 
 
@@ -61,7 +59,7 @@ class ReadPacer:
         self.holds += 1
         self._held.append(transport)
         if self._handle is None:
-            self._handle = running_loop().call_later(self.interval_s, self._release)
+            self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._release)
 
     def suspend(self) -> None:
         """Read every held socket now, and hold none until `restore`."""

@@ -20,8 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tokenizers import Tokenizer
 
-from backends.loop_local import running_loop
-
 __all__ = ["EncodeThreads", "encode_ids", "encode_pieces"]
 
 
@@ -81,7 +79,7 @@ class EncodeThreads:
         cancelled; one already started runs to its end, its ids dropped."""
         pending = self._pending.get(text)
         if pending is None or pending.future.cancelled():  # (withdrawn: its entry goes at the loop's next pass)
-            future = running_loop().run_in_executor(self._executor, encode_ids, self._tokenizer, text)
+            future = asyncio.get_running_loop().run_in_executor(self._executor, encode_ids, self._tokenizer, text)
             pending = self._pending[text] = _Pending(future)
             future.add_done_callback(lambda _: self._forget(text, pending))
             self.encodes += 1
@@ -101,7 +99,7 @@ class EncodeThreads:
     async def encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """`encode_pieces` of `texts`, in a worker thread; a cancelled caller withdraws them if no worker has started
         on them."""
-        pieces = await running_loop().run_in_executor(self._executor, encode_pieces, self._tokenizer, texts)
+        pieces = await asyncio.get_running_loop().run_in_executor(self._executor, encode_pieces, self._tokenizer, texts)
         self.encodes += 1
         return pieces
 

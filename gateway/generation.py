@@ -27,7 +27,6 @@ import numpy as np
 
 from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
-from backends.loop_local import running_loop
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed
 from gateway.routing import Replica, ReplicaPool
@@ -403,7 +402,7 @@ class Generator:
                 try:
                     chunk = await answer(loop_deadline)
                 except BackendTimeout:
-                    if running_loop().time() >= loop_deadline:
+                    if asyncio.get_running_loop().time() >= loop_deadline:
                         raise self._deadline_passed(run) from None
                     raise
                 engine_done = True
@@ -435,7 +434,7 @@ class Generator:
         # The engine call's first iteration writes the request, in this pass of the event loop on a kept-alive
         # connection (`backends.lean_http`; a new one writes after its connect, which this leaves out). This
         # callback runs in the next pass: after the write of every request of a burst released together.
-        running_loop().call_soon(self._observe_dispatch, preempted_at)
+        asyncio.get_running_loop().call_soon(self._observe_dispatch, preempted_at)
 
     def _observe_dispatch(self, preempted_at: float) -> None:
         if self.on_dispatch is not None:
@@ -458,7 +457,7 @@ class Generator:
         return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
 
     def _loop_deadline(self, deadline: float) -> float:
-        return running_loop().time() + max(0.0, deadline - time.monotonic())
+        return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
 
     def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
         """Refuse tokens sampled under weights older than the replica is known to run (`stale_version`): that chunk
@@ -591,7 +590,7 @@ class Generator:
                     "abort of %s on %s failed: %s", engine_request_id, replica.id, exc, extra={"replica": replica.id}
                 )
 
-        task = running_loop().create_task(abort())
+        task = asyncio.get_running_loop().create_task(abort())
         self._aborts.add(task)  # hard reference until it ran
         task.add_done_callback(self._aborts.discard)
 

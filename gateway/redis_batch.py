@@ -35,8 +35,6 @@ from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from backends.loop_local import running_loop
-
 __all__ = ["Build", "PipelineBatcher"]
 
 Build = Callable[[Pipeline], None]
@@ -76,7 +74,7 @@ class PipelineBatcher:
         object), a transport failure raises. Cancelling a caller that waits for a batch withdraws its commands if
         they were not sent yet."""
         if self._busy:
-            call = _Call(build, running_loop().create_future())
+            call = _Call(build, asyncio.get_running_loop().create_future())
             self._queue.append(call)
             return await call.replies
         self._busy = True
@@ -89,7 +87,7 @@ class PipelineBatcher:
     def _hand_over(self) -> None:
         """The caller's own pipeline returned: the callers queued meanwhile go next, from a task of their own."""
         if self._queue:
-            self._flusher = running_loop().create_task(self._flush(), name="redis-pipeline-batcher")
+            self._flusher = asyncio.get_running_loop().create_task(self._flush(), name="redis-pipeline-batcher")
         else:
             self._busy = False
 
