@@ -22,7 +22,7 @@ from backends.errors import (
     BackendUnavailable,
     WeightsNotLoaded,
 )
-from backends.lean_http import IDLE_EXPIRY_S
+from backends.generation_transport import IDLE_EXPIRY_S, TransportFactory
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -274,6 +274,8 @@ class ReplicaSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_connections: int = 1024
     stream_pacing: StreamPacing = field(default_factory=StreamPacing)
+    generation_transport: TransportFactory | None = None
+    """Builds the replica's `GenerationTransport`; None: aiohttp's (`AiohttpTransport`)."""
 
 
 class translate_errors:  # used like the function it was: `with translate_errors(replica):`

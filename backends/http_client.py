@@ -1,11 +1,11 @@
 """HTTP plumbing shared by the engine adapters (vLLM, SGLang): one pooled client per replica, JSON calls and SSE
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
-Generation requests, streamed (`sse_batches`) or whole (`post_for_whole_answer`), go through a `KeepAlivePool`
-(`backends.lean_http`: far less CPU per request than aiohttp's, and a stream is handed over in whatever the socket
-delivered, so a burst of engine events costs one Python iteration instead of one per event). Control calls go
-through aiohttp (`request`). Every function here translates client errors at the boundary (`translate_errors` /
-`raise_for_status`), so an adapter never sees one.
+Generation requests, streamed (`sse_batches`) or whole (`post_for_whole_answer`), go through the replica's
+`GenerationTransport` (`backends.generation_transport`: aiohttp's, or the gateway fast path's own pool); a stream is
+handed over in whatever the socket delivered, so a burst of engine events costs one Python iteration instead of one
+per event. Control calls go through aiohttp (`request`). Every function here translates client errors at the
+boundary (`translate_errors` / `raise_for_status`), so an adapter never sees one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backends.base import Load, ReplicaSpec, Timeouts, raise_for_status, translate_errors
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
-from backends.lean_http import KeepAlivePool
+from backends.generation_transport import AiohttpTransport
 from backends.read_pacing import ReadPacer
 
 __all__ = [
@@ -66,7 +66,7 @@ class Reply:
 
 
 class ReplicaClient:
-    """The pooled HTTP clients of a replica: a `KeepAlivePool` for generation requests (streamed and whole) and
+    """The pooled HTTP clients of a replica: a `GenerationTransport` for generation requests (streamed and whole) and
     aiohttp's for control calls; each keeps its connections alive and opens at most `spec.max_connections`. A path
     in the replica's URL prefixes every request's path.
 
@@ -86,7 +86,7 @@ class ReplicaClient:
         self.read_gap_s = spec.timeouts.read  # the longest silence of a stream's replica (`sse_batches`)
         self.pacer = ReadPacer(spec.stream_pacing.interval_s, spec.stream_pacing.min_streams)
         timeouts = spec.timeouts
-        self.generation_pool = KeepAlivePool(
+        self.generation_pool = (spec.generation_transport or AiohttpTransport)(
             spec.url,
             spec.max_connections,
             connect_timeout_s=timeouts.connect,
@@ -180,7 +180,7 @@ async def post_for_whole_answer(
     decode: Callable[[bytes], Any] = orjson.loads,
 ) -> Any:
     """POST an encoded JSON `body` and decode the answer (with `decode`): a generation request that waits for its
-    whole answer, over the replica's `KeepAlivePool` (read timeout: `Timeouts.whole_answer`, else `read`; also
+    whole answer, over the replica's `GenerationTransport` (read timeout: `Timeouts.whole_answer`, else `read`; also
     `deadline`, a loop time, if given). Failures and non-2xx answers raise the matching `BackendError`
     (`BackendTimeout` for either limit); a cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`

@@ -29,15 +29,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["IDLE_EXPIRY_S", "KeepAlivePool", "StreamedAnswer"]
+from backends.generation_transport import IDLE_EXPIRY_S
 
-IDLE_EXPIRY_S = 4.0
-"""How long an unused connection is kept, by default (`generation.keepalive_expiry_s`). Under the 5 s after which
-vLLM and SGLang close an idle one (uvicorn's keep-alive: `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, `SGLANG_TIMEOUT_KEEP_ALIVE`,
-5 by default), so the pool gives a connection up first and never sends a request into the server's close. With an
-engine (or a proxy in between) set below the expiry that race is possible: such a request fails as a broken
-connection (a POST is not retried: the engine may have taken it), the replica is out until its next health probe,
-and the request resumes on another one; set the expiry under it."""
+__all__ = ["KeepAlivePool", "StreamedAnswer"]
 
 STREAM_BUFFER_BYTES = 1 << 16
 """A streamed answer's bytes held for a reader that is behind, beyond which the socket is no longer read."""

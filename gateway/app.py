@@ -26,14 +26,13 @@ def create_app(
     backend_factory: BackendFactory = default_backend_factory,
     *,
     server_process: bool = False,
-    lean_routes: bool = True,
     on_started: Callable[[Services], None] | None = None,
 ) -> FastAPI:
     """The gateway app; its services start with the app's lifespan and close with it. `server_process`: this
     process serves only the gateway (`rollout-gateway serve`), so its garbage collector is tuned after startup
-    (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone. `lean_routes`: serve
-    `/generate` and the OpenAI routes with `LeanRoute`'s handler (`gateway.api.lean_route`); False serves them
-    with FastAPI's own, which answers the same (tests compare the two). `on_started` is called once the services
+    (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone. The fast path's parts
+    on the app (`settings.fastpath`: one-pass routes, hot routes) answer exactly as FastAPI alone does (tests
+    compare the two). `on_started` is called once the services
     are up, before the first request (the `serve` command prints the Redis URL from it)."""
 
     @asynccontextmanager
@@ -48,10 +47,11 @@ def create_app(
             yield
 
     app = GatewayApp(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
+    app.hot_routes = settings.fastpath.on("hot_routes")
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)
-    route_class = LeanRoute if lean_routes else APIRoute
+    route_class = LeanRoute if settings.fastpath.on("one_pass_routes") else APIRoute
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
     app.include_router(sessions.router)

@@ -267,6 +267,25 @@ class StoreConfig(_Section):
     )
 
 
+class FastPathConfig(_Section):
+    """The fast path (`gateway/fastpath/`, docs/architecture.md): the gateway's own, shorter versions of library
+    code on its hot routes. `enabled: false` runs the gateway on the libraries alone (same answers, more CPU); the
+    other switches turn one part off each, for measuring it (`benchmarks/ab.py --set-b RG_FASTPATH__<PART>=false`)."""
+
+    enabled: bool = Field(True, description="Off: every part below is off.")
+    body_handoff: bool = Field(True, description="The server hands a hot route's whole body to the app at once.")
+    head_with_body: bool = Field(True, description="A response's head goes out in the same write as its body.")
+    hot_routes: bool = Field(True, description="Hot routes served from the app's entry, past router and wrappers.")
+    one_pass_routes: bool = Field(True, description="Hot routes' bodies read and validated in one pass.")
+    redis_batching: bool = Field(True, description="Concurrent turns' Redis pipelines sent as one.")
+    redis_packing: bool = Field(True, description="Redis commands packed by hiredis.")
+    engine_client: bool = Field(True, description="Generation requests over the gateway's own HTTP/1.1 pool.")
+
+    def on(self, part: str) -> bool:
+        """Whether `part` (a switch's name) is on: its own switch and `enabled` both."""
+        return self.enabled and bool(getattr(self, part))
+
+
 # The YAML file of the `load_config` call in progress. pydantic-settings builds its sources in a
 # classmethod that cannot see per-call arguments (pydantic-settings#259); a ContextVar scopes the
 # path to one call, thread- and task-safely, and leaves `Settings` itself the returned class.
@@ -323,6 +342,7 @@ class Settings(BaseSettings):
     generation: GenerationConfig = GenerationConfig()
     weights: WeightsConfig = WeightsConfig()
     store: StoreConfig = StoreConfig()
+    fastpath: FastPathConfig = FastPathConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -445,6 +465,7 @@ __all__ = [
     "ENV_PREFIX",
     "Backend",
     "Dialect",
+    "FastPathConfig",
     "GenerationConfig",
     "ModelConfig",
     "PauseMode",

@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["Build", "PipelineBatcher"]
+from gateway.store.pipelines import Build
 
-Build = Callable[[Pipeline], None]
-"""Queues one caller's commands on a pipeline (and does nothing else: it may run in another caller's task)."""
+__all__ = ["PipelineBatcher"]
 
 
 @dataclass(slots=True)

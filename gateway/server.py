@@ -12,7 +12,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.config import FastPathConfig, Settings
+from gateway.http_protocol import HeadWithBodyProtocol
 from gateway.lane_protocol import LaneProtocol
 from gateway.services import BackendFactory, Services, default_backend_factory
 
@@ -37,14 +38,20 @@ class RunningGateway:
 
 
 def uvicorn_config(
-    app: FastAPI, *, log_level: str = "warning", in_process: bool = True, shutdown_timeout_s: float = 10.0
+    app: FastAPI,
+    *,
+    log_level: str = "warning",
+    in_process: bool = True,
+    shutdown_timeout_s: float = 10.0,
+    fastpath: FastPathConfig | None = None,
 ) -> uvicorn.Config:
     """Graceful shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
-    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services."""
+    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services.
+    The HTTP protocol is uvicorn's httptools one, or the fast path's subclass of it (`fastpath`, default on)."""
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http=LaneProtocol,
+        http=server_protocol(fastpath or FastPathConfig()),
         lifespan="on",
         log_level=log_level,
         access_log=False,
@@ -57,23 +64,31 @@ def uvicorn_config(
     )
 
 
+def server_protocol(fastpath: FastPathConfig) -> type[asyncio.Protocol] | str:
+    """uvicorn's `http` setting for these switches: the whole-body handoff (which writes heads with bodies too),
+    heads with bodies alone, or uvicorn's own httptools protocol."""
+    if fastpath.on("body_handoff") and fastpath.on("hot_routes"):
+        return LaneProtocol
+    if fastpath.on("head_with_body"):
+        return HeadWithBodyProtocol
+    return "httptools"
+
+
 @contextlib.asynccontextmanager
 async def serve_gateway(
     settings: Settings,
     backend_factory: BackendFactory = default_backend_factory,
     host: str = "127.0.0.1",
-    *,
-    lean_routes: bool = True,
 ) -> AsyncIterator[RunningGateway]:
-    """Run the gateway on the current event loop on a free port until the block exits (`lean_routes`: see
-    `create_app`)."""
+    """Run the gateway on the current event loop on a free port until the block exits."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP;
     # without it every JSON answer (headers, then body) waits ~40 ms for the peer's delayed ACK.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, settings.server.port))
-    app = create_app(settings, backend_factory, lean_routes=lean_routes)
-    server = uvicorn.Server(uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s))
+    app = create_app(settings, backend_factory)
+    config = uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s, fastpath=settings.fastpath)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.errors import BackendError
 from backends.factory import create_backend
+from backends.lean_http import KeepAlivePool
 from gateway import store
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
@@ -19,6 +20,8 @@ from gateway.errors import Conflict, InvalidRequest
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
+from gateway.redis_batch import PipelineBatcher
+from gateway.redis_packing import with_hiredis_packing
 from gateway.routing import Replica, ReplicaPool
 from gateway.sessions import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
@@ -58,6 +61,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
         ),
         max_connections=g.max_connections_per_replica,
         stream_pacing=StreamPacing(g.stream_pacing_s, g.stream_pacing_min_streams),
+        generation_transport=KeepAlivePool if settings.fastpath.on("engine_client") else None,
     )
 
 
@@ -175,6 +179,10 @@ async def open_services(
             await stack.enter_async_context(embedded)
             redis_url = embedded.local_url
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
+        fastpath = settings.fastpath
+        if fastpath.on("redis_packing"):
+            redis_pool = redis.connection_pool
+            redis_pool.connection_class = with_hiredis_packing(redis_pool.connection_class)
         stack.push_async_callback(redis.aclose)
         bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)
         r = settings.routing
@@ -239,6 +247,7 @@ async def open_services(
             max_pending=s.max_pending,
             session_idle_ttl_s=s.session_idle_ttl_s,
             retry_budget_s=settings.redis.retry_budget_s,
+            pipelines=PipelineBatcher(redis) if fastpath.on("redis_batching") else None,
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)

@@ -77,11 +77,11 @@ GatewayFactory = Callable[..., Awaitable[RunningGateway]]
 
 @pytest.fixture
 async def make_gateway(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[GatewayFactory]:
-    """Gateways on the session's Redis (flushed for this test by the `redis` fixture); `lean_routes=False` serves
-    the hot routes with FastAPI's own handler (see `create_app`)."""
+    """Gateways on the session's Redis (flushed for this test by the `redis` fixture); sections as keywords
+    (`fastpath={"enabled": False}` serves everything through the libraries alone)."""
     async with contextlib.AsyncExitStack() as stack:
 
-        async def make(replicas: list[Any], *, lean_routes: bool = True, **sections: Any) -> RunningGateway:
+        async def make(replicas: list[Any], **sections: Any) -> RunningGateway:
             configs = [
                 r if isinstance(r, ReplicaConfig) else ReplicaConfig(url=r.url, backend="sim", dialect=r.dialect)
                 for r in replicas
@@ -91,6 +91,6 @@ async def make_gateway(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterat
             settings = Settings(
                 server=server, redis={"url": redis_server.url}, replicas=configs, routing=routing, **sections
             )
-            return await stack.enter_async_context(serve_gateway(settings, lean_routes=lean_routes))
+            return await stack.enter_async_context(serve_gateway(settings))
 
         yield make

@@ -118,8 +118,8 @@ def _normalized(value: Any) -> Any:
 async def pair(make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient) -> Pair:
     sim = await make_sim("vllm")
     server = {"api_keys": [AGENT_KEY], "max_body_bytes": 64 * 1024, "max_tokens_limit": 64}
-    lean = await make_gateway([sim], server=server)
-    stock = await make_gateway([sim], server=server, lean_routes=False)
+    lean = await make_gateway([sim], server=server, fastpath={"enabled": True})
+    stock = await make_gateway([sim], server=server, fastpath={"enabled": False})
     return Pair(lean, stock, http)
 
 

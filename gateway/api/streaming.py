@@ -45,6 +45,8 @@ class GatewayApp(FastAPI):
     """
 
     _lane: FastLane | None | Literal[False] = False  # False: not built yet
+    hot_routes = True
+    """Whether to serve the hot routes through a lane at all (`fastpath.hot_routes`)."""
     services: Services | None = None
     """The running services, set by the lifespan beside `state.services` (a plain attribute: Starlette's `State`
     finds its entries by raising and catching an AttributeError, at every read)."""
@@ -70,7 +72,7 @@ class GatewayApp(FastAPI):
         """The lane (built at the first call, when the routes, middlewares and handlers are final), or None."""
         lane = self._lane
         if lane is False:
-            lane = self._lane = FastLane.of(self, self._stack)
+            lane = self._lane = FastLane.of(self, self._stack) if self.hot_routes else None
         return lane
 
     @property

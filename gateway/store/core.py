@@ -15,8 +15,8 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, WatchError
 
 from gateway.errors import StoreError
-from gateway.redis_batch import Build, PipelineBatcher
 from gateway.store.keys import Keys, call
+from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
 from gateway.trajectory import SessionMeta
 
@@ -52,14 +52,23 @@ class StoreCore:
     `ttl_s`: a finished or abandoned session's lifetime; an active one's is `active_ttl_s` from its last write.
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, *, ttl_s: int, session_idle_ttl_s: int) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        *,
+        ttl_s: int,
+        session_idle_ttl_s: int,
+        pipelines: Pipelines | None = None,
+    ) -> None:
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
         self.session_idle_ttl_s = session_idle_ttl_s
         self.scripts = Scripts(client)
-        # The per-turn round trips (read a session, write a sample, create one) of concurrent turns share pipelines.
-        self.batcher = PipelineBatcher(client)
+        # The per-turn round trips (read a session, write a sample, create one): a pipeline each, or shared by
+        # concurrent turns (the fast path's batcher).
+        self.batcher: Pipelines = pipelines or OwnPipelines(client)
         self.stats = StoreStats()
 
     @property
@@ -71,7 +80,7 @@ class StoreCore:
         return SessionMeta.from_redis(session_id, raw) if raw else None
 
     async def batched(self, build: Build, what: str) -> list[Any]:
-        """The replies to `build`'s commands, sent with the other turns' (`PipelineBatcher`); a transport failure
+        """The replies to `build`'s commands (`Pipelines`); a transport failure
         or a command's error is a `StoreError`."""
         replies = await call(self.batcher.execute(build), what)
         for reply in replies:

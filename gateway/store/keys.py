@@ -40,7 +40,6 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StoreError
-from gateway.redis_packing import with_hiredis_packing
 
 __all__ = ["Keys", "call", "connect", "optional_text", "text"]
 
@@ -99,8 +98,6 @@ def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512)
     default pool fails at once with "Too many connections", which under a burst of concurrent sessions turned
     ordinary turns into 503s.
 
-    Commands are packed by hiredis (`gateway.redis_packing`), not by the asyncio client's Python packer.
-
     The asyncio client needs `redis.asyncio.retry.Retry`: given the sync `redis.retry.Retry`, its
     `call_with_retry` only returns the coroutine and every error escapes the retry loop (no retry at all).
     """
@@ -114,7 +111,6 @@ def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512)
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
-    pool.connection_class = with_hiredis_packing(pool.connection_class)
     return aioredis.Redis.from_pool(pool)
 
 

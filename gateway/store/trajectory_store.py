@@ -20,6 +20,7 @@ from gateway.store.core import StoreCore, background, cancel
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
 from gateway.store.keys import Keys
+from gateway.store.pipelines import Pipelines
 from gateway.store.records import Sessions
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
 from gateway.store.sweepers import IdleSweeper, sweep_forever
@@ -67,9 +68,11 @@ class TrajectoryStore:
         sweep_interval_s: float | None = 30.0,
         repair_grace_s: float = 10.0,
         retry_after_s: float = 5.0,
+        pipelines: Pipelines | None = None,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
-        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper."""
+        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper;
+        `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`)."""
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
@@ -80,7 +83,7 @@ class TrajectoryStore:
         self.sweep_interval_s = sweep_interval_s
         self.repair_grace_s = repair_grace_s
         self.retry_after_s = retry_after_s
-        core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s)
+        core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s, pipelines=pipelines)
         self.stats = core.stats
         self.batcher = core.batcher
         self._core = core
