@@ -9,8 +9,8 @@ cancels that task when the client is gone.
 
 A server that tells of a disconnect itself needs no watcher at all: a request whose scope holds a
 `DisconnectNotice` (under `DISCONNECT_NOTICE`, as the gateway's own server protocol gives its fast-lane requests,
-`gateway.lane_protocol`) is watched by naming a listener on it, which the server calls when the client goes away:
-no watcher task and no queued late start, and the disconnect is noticed at once.
+`gateway.fastpath.body_handoff`) is watched by naming a listener on it, which the server calls when the client goes
+away: no watcher task and no queued late start, and the disconnect is noticed at once.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ connections:
 
 * `aiohttp`: one `ClientSession` with the settings the gateway used for its engine calls (base URL, no
   decompression, no User-Agent), `session.post(...)` then `read()` (whole) or `readany()` to the end (streamed);
-* `KeepAlivePool` (`backends.lean_http`): `post` (whole) or `stream` with `read()` to the end (streamed).
+* `KeepAlivePool` (`gateway.fastpath.engine_client`): `post` (whole) or `stream` with `read()` to the end (streamed).
 
 The figure is this process's CPU (user + system) per request over the timed part, and the ratio of the pool's to
 aiohttp's, per round and as the median; the load is the same, so the ratio is what the client costs.
@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import aiohttp
 import uvloop
 
-from backends.lean_http import KeepAlivePool
 from benchmarks._harness import free_port, machine_line, make_console, print_table
+from gateway.fastpath.engine_client import KeepAlivePool
 
 WHOLE = b'{"choices":[{"index":0,"token_ids":[5],"logprobs":{"token_logprobs":[-0.5]},"finish_reason":"length"}]}'
 EVENT = b'data: {"choices":[{"index":0,"token_ids":[5],"logprobs":{"token_logprobs":[-0.5]},"finish_reason":null}]}\n\n'

@@ -5,11 +5,11 @@ client, nothing more.
 
 `benchmarks/compare.py --targets python-relay ...` runs it like the Rust routers (same flags). It forwards each POST's
 body to the replica picked by a hash of `X-Session-ID` through that replica's `KeepAlivePool` (the client the gateway
-sends its generation requests with, `backends.lean_http`) and relays the answer's bytes as they come: no parsing, no
-validation, no token bookkeeping, no Redis. Other methods go through one pooled aiohttp session, as the gateway's
-control calls do. Whatever the gateway costs above this row is the gateway's own work; what this row costs above the
-Rust routers is the price of the stack (a Python event loop, uvicorn's server, the engine client), which no change
-inside the gateway's request handling can remove.
+sends its generation requests with, `gateway.fastpath.engine_client`) and relays the answer's bytes as they come: no
+parsing, no validation, no token bookkeeping, no Redis. Other methods go through one pooled aiohttp session, as the
+gateway's control calls do. Whatever the gateway costs above this row is the gateway's own work; what this row costs
+above the Rust routers is the price of the stack (a Python event loop, uvicorn's server, the engine client), which no
+change inside the gateway's request handling can remove.
 
 The pool keeps no answer headers: an answer whose body starts as an event stream (`data:`, `event:`, `:`) is relayed
 as `text/event-stream`, any other as `application/json` (what the engines send on these routes).
@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from backends.lean_http import KeepAlivePool
+from gateway.fastpath.engine_client import KeepAlivePool
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

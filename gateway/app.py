@@ -12,11 +12,12 @@ from fastapi.routing import APIRoute
 
 from gateway.api import admin, generate, health, observability, openai, sessions
 from gateway.api.errors import install_error_handlers
-from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import BodySizeLimit
 from gateway.api.openapi import install_openapi
 from gateway.api.streaming import GatewayApp
 from gateway.config import Settings
+from gateway.fastpath.hot_routes import HotRoutes
+from gateway.fastpath.one_pass_route import OnePassRoute
 from gateway.gc_tuning import tune_gc
 from gateway.services import BackendFactory, Services, default_backend_factory, open_services
 
@@ -47,11 +48,12 @@ def create_app(
             yield
 
     app = GatewayApp(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
-    app.hot_routes = settings.fastpath.on("hot_routes")
+    if settings.fastpath.on("hot_routes"):
+        app.shortcut_factory = HotRoutes.of
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)
-    route_class = LeanRoute if settings.fastpath.on("one_pass_routes") else APIRoute
+    route_class = OnePassRoute if settings.fastpath.on("one_pass_routes") else APIRoute
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
     app.include_router(sessions.router)

@@ -432,7 +432,7 @@ class Generator:
         if self.on_dispatch is None:
             return
         # The engine call's first iteration writes the request, in this pass of the event loop on a kept-alive
-        # connection (`backends.lean_http`; a new one writes after its connect, which this leaves out). This
+        # connection (`gateway.fastpath.engine_client`; a new one writes after its connect, which this leaves out). This
         # callback runs in the next pass: after the write of every request of a burst released together.
         asyncio.get_running_loop().call_soon(self._observe_dispatch, preempted_at)
 

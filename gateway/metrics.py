@@ -28,7 +28,8 @@ nothing for them. What is pushed is pushed rarely: one counter increment per HTT
 observation per resumed segment (two after a preemption: dispatch and first token) and per weight update.
 
 `store_calls_total / store_pipelines_total` is the mean number of the turns' Redis round trips that shared one
-pipeline (`gateway.redis_batch`): 1 at low load, more as concurrent turns queue behind the pipeline in flight.
+pipeline (`gateway.fastpath.redis_batching`): 1 at low load, more as concurrent turns queue behind the pipeline in
+flight.
 
 `samples_moved_total` counts sample writes that found their index taken by another turn of the same session on
 another process (parallel requests of one session across gateways): both samples are kept, the later one at the

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import FastPathConfig, Settings
-from gateway.http_protocol import HeadWithBodyProtocol
-from gateway.lane_protocol import LaneProtocol
+from gateway.fastpath.body_handoff import BodyHandoffProtocol
+from gateway.fastpath.head_with_body import HeadWithBodyProtocol
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -68,7 +68,7 @@ def server_protocol(fastpath: FastPathConfig) -> type[asyncio.Protocol] | str:
     """uvicorn's `http` setting for these switches: the whole-body handoff (which writes heads with bodies too),
     heads with bodies alone, or uvicorn's own httptools protocol."""
     if fastpath.on("body_handoff") and fastpath.on("hot_routes"):
-        return LaneProtocol
+        return BodyHandoffProtocol
     if fastpath.on("head_with_body"):
         return HeadWithBodyProtocol
     return "httptools"

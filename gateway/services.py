@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.errors import BackendError
 from backends.factory import create_backend
-from backends.lean_http import KeepAlivePool
 from gateway import store
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
+from gateway.fastpath.engine_client import KeepAlivePool
+from gateway.fastpath.redis_batching import PipelineBatcher
+from gateway.fastpath.redis_packing import with_hiredis_packing
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
-from gateway.redis_batch import PipelineBatcher
-from gateway.redis_packing import with_hiredis_packing
 from gateway.routing import Replica, ReplicaPool
 from gateway.sessions import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus

@@ -46,6 +46,14 @@ def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...
     assert offenders(folder, forbidden, exempt) == []
 
 
+def test_only_the_wiring_imports_the_fast_path() -> None:
+    """The fast path (`gateway/fastpath/`) is chosen where the gateway is assembled, from `settings.fastpath`; no
+    domain module depends on it, so turning it off leaves nothing half on."""
+    wiring = ("gateway/fastpath/", "gateway/app.py", "gateway/server.py", "gateway/services.py")
+    assert offenders("gateway", ("gateway.fastpath",), wiring) == []
+    assert offenders("backends", ("gateway.fastpath",)) == []
+
+
 def test_the_rule_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from backends.sim.server import SimReplica\n    import agents.runner\n")

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import DataError
 
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.fastpath.redis_packing import with_hiredis_packing
 from gateway.store import connect
 
 COMMANDS: list[tuple[Any, ...]] = [
@@ -24,8 +25,10 @@ COMMANDS: list[tuple[Any, ...]] = [
 
 async def test_the_store_client_packs_as_redis_py_does(redis_server: EmbeddedRedis) -> None:
     client = connect(redis_server.url)
+    pool = client.connection_pool
+    pool.connection_class = with_hiredis_packing(pool.connection_class)  # as the gateway's services wire it
     try:
-        connection_class = client.connection_pool.connection_class
+        connection_class = pool.connection_class
         assert connection_class.pack_command is not aioredis.Connection.pack_command, "not packed by hiredis"
         packed = connection_class(host="127.0.0.1")
         python = aioredis.Connection(host="127.0.0.1")

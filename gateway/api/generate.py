@@ -31,7 +31,6 @@ from backends.errors import GatewayError
 from backends.routed_experts import ExpertArray, encode_npy_b64
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
-from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.api.token_ids import TokenId, first_outside
@@ -152,7 +151,7 @@ def _in_session(prepared: PreparedTurn) -> dict[str, Any]:
     return {"sample_index": turn.stored_index, "new_sample": turn.new_sample}
 
 
-def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
+def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
     """The router of `POST /generate`, made per app so that `create_app` chooses its route class."""
     router = APIRouter(tags=["generate"], dependencies=[Depends(require_agent)], route_class=route_class)
     router.add_api_route("/generate", generate, methods=["POST"])

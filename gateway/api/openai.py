@@ -19,7 +19,6 @@ from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
-from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
@@ -33,7 +32,7 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def create_router(route_class: type[APIRoute] = LeanRoute) -> APIRouter:
+def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
     """The router of the OpenAI-compatible routes, made per app so that `create_app` chooses its route class."""
     router = APIRouter(tags=["openai"], dependencies=[Depends(require_agent)], route_class=route_class)
     router.add_api_route("/v1/models", models, methods=["GET"])

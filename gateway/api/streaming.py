@@ -10,15 +10,14 @@ scope. Flow control is the server's (uvicorn waits for the socket to drain insid
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.asgi import ClientDisconnected, unless_disconnected
-from gateway.api.fast_lane import SERVER_SEND, FastLane
 from gateway.services import Services
 
 
@@ -31,22 +30,37 @@ DISCONNECT_WATCH_AFTER_S = 0.25
 """How long a request that FastAPI serves itself runs before the gateway starts watching for its client's disconnect
 (`backends.asgi`): most requests end sooner and never pay for a watcher task; a client that leaves is noticed at most
 1.25 times this late, and the engine request it abandoned is aborted then. The fast lane's requests need no watcher:
-their server tells them at once (`gateway.lane_protocol`)."""
+their server tells them at once (`gateway.fastpath.body_handoff`)."""
+
+
+SERVER_SEND = "rollout_gateway.server_send"
+"""The scope key under which the app keeps the server's `send` (for `GuardedStreamingResponse`'s body)."""
+
+
+class Shortcut(Protocol):
+    """Serves some requests from the app's entry instead of the full stack (the fast path's hot routes)."""
+
+    def serves(self, scope: Scope) -> bool: ...
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+ShortcutFactory = Callable[["GatewayApp", ASGIApp], "Shortcut | None"]
+"""Builds an app's shortcut from the app and its full stack (None: the app has none)."""
 
 
 class GatewayApp(FastAPI):
     """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`, and
-    serves the ordinary requests of its `LeanRoute` routes through a `FastLane` (`gateway.api.fast_lane`, built at
-    the first request, when the routes, middlewares and handlers are final).
+    serves the requests its `shortcut` takes through it (built by `shortcut_factory` at the first request, when the
+    routes, middlewares and handlers are final; the fast path's hot routes, `gateway.fastpath.hot_routes`).
 
     The `send` kept is the one this app was called with, so middlewares *around* the app still see every
     message; middlewares added *to* it (`add_middleware`) see only the head of a stream, and so must not
     transform response bodies (compression, say): none of the gateway's does.
     """
 
-    _lane: FastLane | None | Literal[False] = False  # False: not built yet
-    hot_routes = True
-    """Whether to serve the hot routes through a lane at all (`fastpath.hot_routes`)."""
+    _shortcut: Shortcut | None | Literal[False] = False  # False: not built yet
+    shortcut_factory: ShortcutFactory | None = None
     services: Services | None = None
     """The running services, set by the lifespan beside `state.services` (a plain attribute: Starlette's `State`
     finds its entries by raising and catching an AttributeError, at every read)."""
@@ -55,11 +69,11 @@ class GatewayApp(FastAPI):
         scope[SERVER_SEND] = send
         try:
             if scope["type"] == "http":
-                lane = self._lane
-                if lane is False:
-                    lane = self.lane()
-                if lane is not None and lane.serves(scope):
-                    await lane(scope, receive, send)
+                shortcut = self._shortcut
+                if shortcut is False:
+                    shortcut = self.shortcut()
+                if shortcut is not None and shortcut.serves(scope):
+                    await shortcut(scope, receive, send)
                     return
             await super().__call__(scope, receive, send)
         finally:
@@ -68,17 +82,18 @@ class GatewayApp(FastAPI):
             # cyclic collector frees.
             scope.pop(SERVER_SEND, None)
 
-    def lane(self) -> FastLane | None:
-        """The lane (built at the first call, when the routes, middlewares and handlers are final), or None."""
-        lane = self._lane
-        if lane is False:
-            lane = self._lane = FastLane.of(self, self._stack) if self.hot_routes else None
-        return lane
+    def shortcut(self) -> Shortcut | None:
+        """The shortcut (built at the first call, when the routes, middlewares and handlers are final), or None."""
+        shortcut = self._shortcut
+        if shortcut is False:
+            factory = self.shortcut_factory
+            shortcut = self._shortcut = factory(self, self._stack) if factory is not None else None
+        return shortcut
 
     @property
-    def fast_lane(self) -> FastLane | None:
-        """The lane, once the first request built it (None before, and for an app without one)."""
-        return self._lane or None
+    def built_shortcut(self) -> Shortcut | None:
+        """The shortcut, once the first request built it (None before, and for an app without one)."""
+        return self._shortcut or None
 
     async def _stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app as FastAPI serves it: every middleware, the router, the route's own handler."""

@@ -6,7 +6,7 @@ slot; nothing that crosses slots (the activity index, the undelivered set, the s
 A script with more than one outcome answers a Lua table, `{outcome, value}`, which Python reads as a list.
 
 A direct call (`await scripts.touch(keys=..., args=...)`) runs by SHA and loads the script where the server does
-not know it (e.g. after a restart). Batched pipelines (`gateway.redis_batch`) queue a script by SHA too
+not know it (e.g. after a restart). Batched pipelines (`gateway.fastpath.redis_batching`) queue a script by SHA too
 (`queue`); a NOSCRIPT reply there means the script did not run, and `rerun_unknown` runs it directly. The one
 exception is `FINISH_ACTIVE`, sent as source (EVAL) in a pipeline whose later command must not run without it.
 """

@@ -1,5 +1,6 @@
-"""`backends.lean_http.KeepAlivePool` over real sockets: raw servers on 127.0.0.1 that answer with exactly the bytes a
-test needs (framings, interim answers, cut answers, silence), and the engine simulator through the adapters."""
+"""`gateway.fastpath.engine_client.KeepAlivePool` over real sockets: raw servers on 127.0.0.1 that answer with exactly
+the bytes a test needs (framings, interim answers, cut answers, silence), and the engine simulator through the
+adapters."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import pytest
 from backends.base import ReplicaSpec, SamplingParams, Timeouts
 from backends.errors import BackendProtocolError, BackendRejected, BackendTimeout, BackendUnavailable
 from backends.http_client import ReplicaClient, decode_latest, post_for_whole_answer, request, sse_batches
-from backends.lean_http import KeepAlivePool
 from backends.vllm import VllmBackend
+from gateway.fastpath.engine_client import KeepAlivePool
 from tests.conftest import SimFactory
 from tests.scripted_server import Answer, Seen, scripted_server, sse_body
 from tests.sim_helpers import wait_for
@@ -539,7 +540,7 @@ async def test_streams_and_calls_of_aiohttp_take_the_path_prefix_too() -> None:
 
 async def test_the_simulator_serves_generation_pool_on_one_kept_alive_connection(make_sim: SimFactory) -> None:
     sim = await make_sim("vllm")
-    backend = VllmBackend(ReplicaSpec(id="r0", url=sim.url))
+    backend = VllmBackend(ReplicaSpec(id="r0", url=sim.url, generation_transport=KeepAlivePool))
     try:
         for i in range(10):
             sampling = SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True)

@@ -1,9 +1,9 @@
-"""`FastLane`: the hot routes' ordinary requests served from the app's entry, past FastAPI's router and wrappers.
+"""`HotRoutes`: the hot routes' ordinary requests served from the app's entry, past FastAPI's router and wrappers.
 
 A short `POST /generate` went through eleven ASGI layers before its handler: Starlette's and FastAPI's app calls,
 the error, telemetry and body-limit middlewares, the gateway's two, the exception middleware, an exit stack, the
 router's matching over every route, and FastAPI's per-route wrappers; together a visible share of the gateway's CPU
-on that request. For a request to one of the `LeanRoute` routes (`gateway.api.lean_route`) that declares a
+on that request. For a request to one of the `OnePassRoute` routes (`gateway.fastpath.one_pass_route`) that declares a
 content-length within the body limit and whose body the lean path accepts, the lane keeps only what decides anything
 for such a request, from the middlewares the app stack is built with, in one layer instead of three (each wraps
 `send` and adds its frames to every request), with the app's handlers and in their order:
@@ -15,7 +15,7 @@ for such a request, from the middlewares the app stack is built with, in one lay
 * Starlette's `ServerErrorMiddleware`: any other error answers the app's 500 (if no response started), then
   re-raises;
 
-and calls the route's dependencies and endpoint (`LeanCall.respond`). What it leaves out cannot act on such a
+and calls the route's dependencies and endpoint (`OnePassCall.respond`). What it leaves out cannot act on such a
 request: the body limit refuses only bodies over it (the declared length is within it, and HTTP/1.1 framing holds
 the body to it); FastAPI's own body limit, form limits and OpenTelemetry are off; the router would pick this very
 route (checked when the lane is built). Everything else goes to the full stack: another method or path, no or an
@@ -44,10 +44,11 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.json_answer import JSONAnswer
-from gateway.api.lean_route import LeanCall, LeanRoute, lean_call
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import DISCONNECTED, RequestMetrics, count_request
-from gateway.http_protocol import send_whole_answer
+from gateway.api.streaming import SERVER_SEND
+from gateway.fastpath.head_with_body import send_whole_answer
+from gateway.fastpath.one_pass_route import OnePassCall, OnePassRoute, one_pass_call
 
 try:
     from fastapi.routing import iter_route_contexts
@@ -61,28 +62,25 @@ try:
 except ImportError:  # pragma: no cover - a Starlette that moved it
     is_async_callable = inspect.iscoroutinefunction  # type: ignore[assignment]
 
-__all__ = ["FastLane"]
+__all__ = ["HotRoutes"]
 
 logger = logging.getLogger(__name__)
 
 _PLAIN_CALL = Response.__call__
 """How a plain `Response` sends itself (its head, then its whole body); the lane sends such answers directly."""
 
-SERVER_SEND = "rollout_gateway.server_send"
-"""Scope key of the ASGI server's `send`, as the server passed it to the application."""
-
 
 @dataclass(frozen=True, slots=True)
 class _Lane:
     """One hot route: what the router would put in the scope for it, and its lean path."""
 
-    route: LeanRoute
-    call: LeanCall
+    route: OnePassRoute
+    call: OnePassCall
 
 
-class FastLane:
-    """Serves the ordinary requests of the app's `LeanRoute` routes (see the module docstring); `full` serves the
-    rest. Build it with `FastLane.of(app, full)`, once the app's routes, middlewares and handlers are final."""
+class HotRoutes:
+    """Serves the ordinary requests of the app's `OnePassRoute` routes (see the module docstring); `full` serves the
+    rest. Build it with `HotRoutes.of(app, full)`, once the app's routes, middlewares and handlers are final."""
 
     def __init__(
         self, app: FastAPI, lanes: Mapping[str, _Lane], max_body_bytes: int, full: ASGIApp, *, debug: bool
@@ -101,7 +99,7 @@ class FastLane:
         self._exception_handlers: dict[Any, Any] = dict(exceptions._exception_handlers)
 
     @classmethod
-    def of(cls, app: FastAPI, full: ASGIApp) -> FastLane | None:
+    def of(cls, app: FastAPI, full: ASGIApp) -> HotRoutes | None:
         """The lane of `app` (as `create_app` builds it), or None if the app is not built that way."""
         max_body_bytes = _body_limit(app)
         if max_body_bytes is None or not _ROUTE_CONTEXTS:
@@ -155,7 +153,7 @@ class FastLane:
         """Whether a POST to `path` with this content-length header goes down the lane once its whole body is read
         (`serve_read`): a lane path, a declared length within the body limit, no dependency overrides.
 
-        FastAPI's request telemetry, the other reason `LeanCall.bypassed` gives, is not looked up: FastAPI sets it
+        FastAPI's request telemetry, the other reason `OnePassCall.bypassed` gives, is not looked up: FastAPI sets it
         only inside its own app call, which a request served by `serve_read` never enters (and `create_app` turns
         FastAPI's telemetry off), and the server asks before the request has a task or a context of its own."""
         lane = self._lanes.get(path)
@@ -172,8 +170,8 @@ class FastLane:
         self, scope: Scope, body: bytes, content_type: bytes | None, receive: Receive, send: Send
     ) -> Awaitable[None]:
         """Serve a request that `takes` admitted, its whole body already read by the server (the gateway's own
-        server protocol, `gateway.lane_protocol`), as the app would serve it: `receive` has nothing more of the body
-        to give (the full stack, where the lane hands the request on, gets the body first), `send` is the server's
+        server protocol, `gateway.fastpath.body_handoff`), as the app would serve it: `receive` has nothing more of the
+        body to give (the full stack, where the lane hands the request on, gets the body first), `send` is the server's
         (kept in the scope as `SERVER_SEND` while the request is served, as `GatewayApp` keeps it).
 
         A plain function that parses the body and returns what serves the request (the caller awaits it): one
@@ -201,7 +199,7 @@ class FastLane:
         scope["path_params"] = {}
         return scope
 
-    async def _serve(self, scope: Scope, call: LeanCall, value: Any, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, call: OnePassCall, value: Any, receive: Receive, send: Send) -> None:
         """Dependencies and endpoint on the parsed body, under the error handling and counting of the app's
         middlewares (see the module docstring)."""
         status = 0  # of the response, once its head went out
@@ -313,18 +311,18 @@ def _split_handlers(app: FastAPI) -> tuple[Any, dict[Any, Any]]:
 
 
 def _lanes(app: FastAPI) -> dict[str, _Lane]:
-    """The app's `LeanRoute` routes of one method (POST) and a fixed path, with a lean path, that the router would
+    """The app's `OnePassRoute` routes of one method (POST) and a fixed path, with a lean path, that the router would
     pick for a POST to their path (no earlier route matches it)."""
     contexts = list(iter_route_contexts(app.routes))
     lanes: dict[str, _Lane] = {}
     for index, context in enumerate(contexts):
         route = context.original_route
-        if not isinstance(route, LeanRoute) or context.methods != {"POST"}:
+        if not isinstance(route, OnePassRoute) or context.methods != {"POST"}:
             continue
         path = context.path
         if not isinstance(path, str) or "{" in path or getattr(context, "max_body_size", None) is not None:
             continue
-        call = lean_call(context._route_context or route)
+        call = one_pass_call(context._route_context or route)
         if call is None:
             continue
         scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}

@@ -1,14 +1,14 @@
-"""`LaneProtocol`: the gateway's server protocol. A hot route's ordinary request reaches the app's fast lane with its
-whole body, past the steps of uvicorn's that only a generic ASGI app needs.
+"""`BodyHandoffProtocol`: the gateway's server protocol. A hot route's ordinary request reaches the app's fast lane with
+its whole body, past the steps of uvicorn's that only a generic ASGI app needs.
 
 For every request, uvicorn's httptools protocol parses the URL into an object, makes an `asyncio.Event` and a
 `RequestResponseCycle`, and starts a task that calls the ASGI app from the moment the headers are in; the app then
 asks for the body with `receive()` (a coroutine, an event wait, a message dict, the body copied into a bytearray and
-out again). For a `POST` to one of the paths of the app's `FastLane` (`gateway.api.fast_lane`), written exactly (no
-query, no escapes), with a content-length that the lane takes, this protocol keeps the body's pieces as they arrive
-and, once the body is whole, starts the task that hands it to the lane directly (`FastLane.serve_read`).
+out again). For a `POST` to one of the paths of the app's `HotRoutes` (`gateway.fastpath.hot_routes`), written exactly
+(no query, no escapes), with a content-length that the lane takes, this protocol keeps the body's pieces as they arrive
+and, once the body is whole, starts the task that hands it to the lane directly (`HotRoutes.serve_read`).
 
-The request's cycle is still uvicorn's own class (`LaneCycle`, whose event is made only if something awaits
+The request's cycle is still uvicorn's own class (`HandoffCycle`, whose event is made only if something awaits
 `receive`), so everything after the body is read is uvicorn's: answers through `send` (or `send_whole_answer`),
 flow control, keep-alive, disconnects, graceful shutdown, the 500 of an app that fails. Everything else goes
 uvicorn's way unchanged: other methods and paths, a request pipelined behind one still being answered, `Expect:
@@ -30,11 +30,11 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from backends.asgi import DISCONNECT_NOTICE, DisconnectNotice
-from gateway.api.fast_lane import FastLane, length_and_type
 from gateway.api.streaming import GatewayApp
-from gateway.http_protocol import HeadWithBodyProtocol
+from gateway.fastpath.head_with_body import HeadWithBodyProtocol
+from gateway.fastpath.hot_routes import HotRoutes, length_and_type
 
-__all__ = ["LaneCycle", "LaneProtocol"]
+__all__ = ["HandoffCycle", "BodyHandoffProtocol"]
 
 _STARTS_TASKS = hasattr(HttpToolsProtocol, "_start_asgi_task")
 """Whether this uvicorn starts a cycle's task the way the lane relies on (a private method of its protocol)."""
@@ -56,12 +56,14 @@ class _Unawaited:
 _UNAWAITED = cast(asyncio.Event, _Unawaited())
 
 
-class LaneCycle(RequestResponseCycle):
+class HandoffCycle(RequestResponseCycle):
     """uvicorn's request cycle for a lane request: its body gathered by the protocol (`parts`) and served by
     `serve`, its event made at the first `receive`, and the request's disconnect notice (`notice`, also in the
     scope)."""
 
-    def __init__(self, protocol: LaneProtocol, lane: FastLane, content_type: bytes | None, keep_alive: bool) -> None:
+    def __init__(
+        self, protocol: BodyHandoffProtocol, lane: HotRoutes, content_type: bytes | None, keep_alive: bool
+    ) -> None:
         super().__init__(
             scope=protocol.scope,
             transport=protocol.transport,
@@ -93,11 +95,11 @@ class LaneCycle(RequestResponseCycle):
         return await super().receive()
 
 
-class LaneProtocol(HeadWithBodyProtocol):
+class BodyHandoffProtocol(HeadWithBodyProtocol):
     """`HeadWithBodyProtocol` whose lane requests are read whole before their task starts (see the module
-    docstring); `uvicorn.Config(http=LaneProtocol)`."""
+    docstring); `uvicorn.Config(http=BodyHandoffProtocol)`."""
 
-    _reading: LaneCycle | None = None
+    _reading: HandoffCycle | None = None
     """The lane request whose body is arriving."""
 
     def on_headers_complete(self) -> None:
@@ -128,14 +130,14 @@ class LaneProtocol(HeadWithBodyProtocol):
         cycle, self._reading = self._reading, None
         current = self.cycle
         super().connection_lost(exc)
-        if type(current) is LaneCycle and current.disconnected:
+        if type(current) is HandoffCycle and current.disconnected:
             current.notice.client_left(self.loop)
         if cycle is not None:
             # The client left before its body was whole: the app hears of the request, and of the disconnect at
             # its first `receive`, as it does when uvicorn's own task has been waiting for the body all along.
             self._start_asgi_task(cycle, self.app)
 
-    def _lane_cycle(self) -> LaneCycle | None:
+    def _lane_cycle(self) -> HandoffCycle | None:
         """A cycle for this request if it takes the lane (the scope completed as uvicorn completes it), else None."""
         app = self.app
         if not _STARTS_TASKS or type(app) is not GatewayApp or self.root_path or self.expect_100_continue:
@@ -145,9 +147,9 @@ class LaneProtocol(HeadWithBodyProtocol):
         parser = self.parser
         if parser.get_method() != b"POST" or parser.should_upgrade():
             return None
-        lane: FastLane | None = app.lane()
+        lane = app.shortcut()
         url = self.url
-        if lane is None or url not in lane.raw_paths:
+        if not isinstance(lane, HotRoutes) or url not in lane.raw_paths:
             return None
         path = url.decode("ascii")
         length, content_type = length_and_type(self.headers)
@@ -161,6 +163,6 @@ class LaneProtocol(HeadWithBodyProtocol):
         scope["path"] = path
         scope["raw_path"] = url
         scope["query_string"] = b""
-        cycle = LaneCycle(self, lane, content_type, http_version != "1.0" and parser.should_keep_alive())
+        cycle = HandoffCycle(self, lane, content_type, http_version != "1.0" and parser.should_keep_alive())
         scope[DISCONNECT_NOTICE] = cycle.notice  # type: ignore[literal-required]  # an extension key of ours
         return cycle

@@ -1,4 +1,4 @@
-"""`LeanRoute`: FastAPI's `APIRoute` with a shorter request path for routes of one plain shape.
+"""`OnePassRoute`: FastAPI's `APIRoute` with a shorter request path for routes of one plain shape.
 
 FastAPI's request handler is generic: on a short `/generate` it reads the body, parses it with the standard
 library's `json`, checks the content type by building an `email.message.Message`, validates the resulting dict with
@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive
 
-__all__ = ["LeanCall", "LeanRoute", "is_json_content_type", "lean_call"]
+__all__ = ["OnePassCall", "OnePassRoute", "is_json_content_type", "one_pass_call"]
 
 # Names of recent FastAPI releases, two of them private. Where one is missing (an older or a reworked FastAPI), the
 # route class falls back to FastAPI's own handler instead of failing the import: the gateway then only runs slower.
@@ -52,12 +52,12 @@ except ImportError:  # pragma: no cover - depends on the installed FastAPI
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
-class LeanRoute(APIRoute):
+class OnePassRoute(APIRoute):
     """An `APIRoute` whose handler skips FastAPI's generic machinery where the route's shape allows (see above)."""
 
     def get_route_handler(self) -> Handler:
         stock = super().get_route_handler()
-        call = lean_call(self._effective())
+        call = one_pass_call(self._effective())
         return stock if call is None else _lean_handler(stock, call)
 
     def _effective(self) -> Any:
@@ -72,7 +72,7 @@ class LeanRoute(APIRoute):
         return self
 
 
-def lean_call(route: Any) -> LeanCall | None:
+def one_pass_call(route: Any) -> OnePassCall | None:
     """The lean path of `route` (an `APIRoute` or FastAPI's effective context of an included one), or None where
     FastAPI's own handler must serve it: a shape the lean path does not cover, a response model, or a FastAPI
     without the names it relies on."""
@@ -84,7 +84,7 @@ def lean_call(route: Any) -> LeanCall | None:
     strict = getattr(route, "strict_content_type", True)
     if isinstance(strict, DefaultPlaceholder):
         strict = strict.value
-    return LeanCall(shape, json_without_content_type=not strict, overrides=route.dependency_overrides_provider)
+    return OnePassCall(shape, json_without_content_type=not strict, overrides=route.dependency_overrides_provider)
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ class _Shape:
     dependencies: tuple[tuple[str | None, Callable[..., Awaitable[Any]], str], ...]
 
 
-class LeanCall:
-    """The lean path of one route, in the three steps that `LeanRoute`'s handler and the gateway's fast lane
-    (`gateway.api.fast_lane`) both take: whether FastAPI must serve the request anyway (`bypassed`), the body
+class OnePassCall:
+    """The lean path of one route, in the three steps that `OnePassRoute`'s handler and the gateway's fast lane
+    (`gateway.fastpath.hot_routes`) both take: whether FastAPI must serve the request anyway (`bypassed`), the body
     parsed and validated or None (`parse`), and the dependencies and endpoint run on the parsed body (`respond`).
     """
 
@@ -143,7 +143,7 @@ class LeanCall:
         return await shape.endpoint(**values)
 
 
-def _lean_handler(stock: Handler, call: LeanCall) -> Handler:
+def _lean_handler(stock: Handler, call: OnePassCall) -> Handler:
     async def handler(request: Request) -> Response:
         if call.bypassed():
             return await stock(request)

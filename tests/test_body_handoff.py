@@ -1,5 +1,5 @@
-"""`LaneProtocol`: a lane request's body is read whole by the server and handed to the fast lane; every other request,
-and every unusual way a lane request can arrive, is served as uvicorn serves it (real server, raw sockets).
+"""`BodyHandoffProtocol`: a lane request's body is read whole by the server and handed to the fast lane; every other
+request, and every unusual way a lane request can arrive, is served as uvicorn serves it (real server, raw sockets).
 
 Each scenario runs against the gateway's protocol and against `HeadWithBodyProtocol` (uvicorn's own request cycle,
 the protocol before this one) and must end alike; the lane scenarios also check that the lane's cycle served them.
@@ -23,12 +23,13 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 from backends.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.errors import install_error_handlers
 from gateway.api.json_answer import json_answer
-from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import RequestMetrics
 from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
-from gateway.http_protocol import HeadWithBodyProtocol
-from gateway.lane_protocol import LaneCycle, LaneProtocol
+from gateway.fastpath.body_handoff import BodyHandoffProtocol, HandoffCycle
+from gateway.fastpath.head_with_body import HeadWithBodyProtocol
+from gateway.fastpath.hot_routes import HotRoutes
+from gateway.fastpath.one_pass_route import OnePassRoute
 from gateway.server import uvicorn_config
 from tests.gateway_helpers import until_a_request_is_in
 from tests.sim_helpers import wait_for
@@ -78,8 +79,9 @@ async def _wait(body: Wait, request: Request) -> Response:
 def _app() -> GatewayApp:
     """The gateway's app shape (its middlewares and error handlers) around one lane route."""
     app = GatewayApp()
+    app.shortcut_factory = HotRoutes.of  # as `create_app` wires it
     install_error_handlers(app)
-    router = APIRouter(route_class=LeanRoute)
+    router = APIRouter(route_class=OnePassRoute)
     router.add_api_route("/echo", _echo, methods=["POST"])
     router.add_api_route("/wait", _wait, methods=["POST"])
     app.include_router(router)
@@ -114,7 +116,7 @@ async def serve(protocol: type[HeadWithBodyProtocol]) -> AsyncIterator[Served]:
         await task
 
 
-PROTOCOLS = [LaneProtocol, HeadWithBodyProtocol]
+PROTOCOLS = [BodyHandoffProtocol, HeadWithBodyProtocol]
 
 
 def post(body: bytes, path: str = "/echo", *, headers: bytes = b"", version: bytes = b"1.1") -> bytes:
@@ -180,8 +182,8 @@ async def test_a_lane_request_whole_or_in_pieces(protocol: type[HeadWithBodyProt
         writer.write(post(echo("events", stream=True)))
         status, headers, body = await read_answer(reader)
         assert (status, headers["content-type"], body) == (200, "text/event-stream; charset=utf-8", b"data: events\n\n")
-        if protocol is LaneProtocol:
-            assert served.cycles() == [LaneCycle]
+        if protocol is BodyHandoffProtocol:
+            assert served.cycles() == [HandoffCycle]
             # The last cycle stays with its idle connection until the next request: it keeps no body.
             assert [p.cycle.parts for p in served.server.server_state.connections] == [[]]  # type: ignore[attr-defined]
 
@@ -211,7 +213,7 @@ async def test_other_requests_are_served_as_uvicorn_serves_them(case: str) -> No
             if status == 100:  # `Expect: 100-continue`: the interim answer, then the answer
                 status, content = await answer_of(reader)
             answers.append((status, content))
-            if protocol is LaneProtocol and case != "an invalid body":  # that one took the lane, then FastAPI
+            if protocol is BodyHandoffProtocol and case != "an invalid body":  # that one took the lane, then FastAPI
                 assert served.cycles() == [RequestResponseCycle]
     assert answers[0] == answers[1]
     assert answers[0] == expected or answers[0][0] == expected, answers[0]
@@ -266,12 +268,12 @@ async def test_a_lane_request_hears_its_client_leave_at_once(before_the_watch: b
     HEARD.clear()
     if not before_the_watch:
         GATE.set()
-    async with serve(LaneProtocol) as served:
+    async with serve(BodyHandoffProtocol) as served:
         async with connected(served) as (_, writer):
             writer.write(post(orjson.dumps({"text": "left"}), "/wait"))
             await writer.drain()
             await until_a_request_is_in(served.server, "/wait")
-            assert served.cycles() == [LaneCycle]
+            assert served.cycles() == [HandoffCycle]
             cycle = next(iter(served.server.server_state.connections)).cycle  # type: ignore[attr-defined]
             if not before_the_watch:  # the endpoint is watching, its listener named
                 await wait_for(lambda: cycle.notice.listener is not None, what="the watch's listener")

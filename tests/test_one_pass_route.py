@@ -1,6 +1,6 @@
-"""`LeanRoute` (gateway/api/lean_route.py) answers exactly as FastAPI's own handler.
+"""`OnePassRoute` (gateway/fastpath/one_pass_route.py) answers exactly as FastAPI's own handler.
 
-The same requests go to two gateways on the same simulator replica, one serving the hot routes with `LeanRoute`
+The same requests go to two gateways on the same simulator replica, one serving the hot routes with `OnePassRoute`
 and one with FastAPI's `APIRoute`, over real HTTP: every answer must have the same status and the same body (ids
 and timestamps aside). Property tests check the two shortcuts the lean handler takes: its content-type parse is
 FastAPI's, and pydantic's one-pass JSON validation accepts nothing the standard library's parser refuses and
@@ -31,12 +31,13 @@ from gateway.api import deps, generate, openai
 from gateway.api.errors import install_error_handlers
 from gateway.api.generate import GenerateBody
 from gateway.api.json_answer import JSONAnswer
-from gateway.api.lean_route import LeanRoute, is_json_content_type
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import RequestMetrics
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
 from gateway.errors import Forbidden, InvalidRequest
+from gateway.fastpath.hot_routes import HotRoutes
+from gateway.fastpath.one_pass_route import OnePassRoute, is_json_content_type
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import until_a_request_is_in
@@ -128,20 +129,20 @@ def _route_classes(app: FastAPI) -> dict[str, type]:
 
 
 async def test_the_gateways_differ_only_in_route_class(pair: Pair) -> None:
-    assert _route_classes(pair.lean.app) == dict.fromkeys(HOT, LeanRoute)
+    assert _route_classes(pair.lean.app) == dict.fromkeys(HOT, OnePassRoute)
     assert _route_classes(pair.stock.app) == dict.fromkeys(HOT, APIRoute)
-    routes = [*generate.create_router().routes, *openai.create_router().routes]
+    routes = [*generate.create_router(OnePassRoute).routes, *openai.create_router(OnePassRoute).routes]
     handlers = {r.path: r.get_route_handler().__module__ for r in routes if isinstance(r, APIRoute)}
     # GET /v1/models has no body: FastAPI's handler, from the same route class.
-    assert handlers == dict.fromkeys(HOT, "gateway.api.lean_route") | {"/v1/models": "fastapi.routing"}
+    assert handlers == dict.fromkeys(HOT, "gateway.fastpath.one_pass_route") | {"/v1/models": "fastapi.routing"}
 
 
 async def test_the_lean_gateway_serves_its_hot_routes_in_the_fast_lane(pair: Pair) -> None:
     await pair.send("POST", "/generate", json=VALID["/generate"], headers=AUTH)
     lean, stock = (gateway.app for gateway in (pair.lean, pair.stock))
     assert isinstance(lean, GatewayApp) and isinstance(stock, GatewayApp)
-    assert lean.fast_lane is not None and lean.fast_lane.paths == set(HOT)
-    assert stock.fast_lane is None  # no LeanRoute, no lane: FastAPI serves everything
+    assert isinstance(lean.built_shortcut, HotRoutes) and lean.built_shortcut.paths == set(HOT)
+    assert stock.built_shortcut is None  # no OnePassRoute, no lane: FastAPI serves everything
 
 
 async def test_requests_are_counted_alike(pair: Pair) -> None:
@@ -349,7 +350,8 @@ async def test_a_request_cancelled_while_its_body_is_read_is_counted_alike(pair:
 
 async def test_a_client_gone_mid_body_is_counted_alike(pair: Pair) -> None:
     """Over a real connection: the lean gateway's server reads a lane request's body before the app hears of it
-    (`gateway.lane_protocol`); a client that leaves before the body is whole is still a request the app counts."""
+    (`gateway.fastpath.body_handoff`); a client that leaves before the body is whole is still a request the app
+    counts."""
     body = orjson.dumps(VALID["/generate"])
     head = b"POST /generate HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
     head += b"authorization: %s\r\ncontent-length: %d\r\n\r\n" % (AUTH["authorization"].encode(), len(body))
@@ -427,7 +429,7 @@ def _toy_app(route_class: type[APIRoute], strict_content_type: bool) -> FastAPI:
 
 @pytest.mark.parametrize("strict", [True, False])
 async def test_other_shapes_and_lax_content_types(strict: bool) -> None:
-    apps = [_toy_app(LeanRoute, strict), _toy_app(APIRoute, strict)]
+    apps = [_toy_app(OnePassRoute, strict), _toy_app(APIRoute, strict)]
     clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://toy") for a in apps]
     try:
         for path in ("/lean", "/path/7", "/path/x", "/dict", "/no-request"):
@@ -471,6 +473,7 @@ async def _outcome(body: Outcome, request: Request) -> Response:
 def _toy_gateway(route_class: type[APIRoute]) -> GatewayApp:
     """The gateway's app shape (its middlewares and error handlers) around one endpoint that ends as asked."""
     app = GatewayApp()
+    app.shortcut_factory = HotRoutes.of  # as `create_app` wires it
     install_error_handlers(app)
     router = APIRouter(route_class=route_class)
     router.add_api_route("/outcome", _outcome, methods=["POST"])
@@ -481,7 +484,7 @@ def _toy_gateway(route_class: type[APIRoute]) -> GatewayApp:
 
 
 async def test_errors_end_requests_alike_in_and_out_of_the_fast_lane(caplog: pytest.LogCaptureFixture) -> None:
-    lane_app, stock_app = _toy_gateway(LeanRoute), _toy_gateway(APIRoute)
+    lane_app, stock_app = _toy_gateway(OnePassRoute), _toy_gateway(APIRoute)
     for raising in (False, True):
         clients = [
             httpx.AsyncClient(transport=httpx.ASGITransport(app=a, raise_app_exceptions=raising), base_url="http://t")
@@ -503,8 +506,8 @@ async def test_errors_end_requests_alike_in_and_out_of_the_fast_lane(caplog: pyt
         finally:
             for client in clients:
                 await client.aclose()
-    assert lane_app.fast_lane is not None and lane_app.fast_lane.paths == {"/outcome"}
-    assert stock_app.fast_lane is None
+    assert isinstance(lane_app.built_shortcut, HotRoutes) and lane_app.built_shortcut.paths == {"/outcome"}
+    assert stock_app.built_shortcut is None
 
 
 # -- the two shortcuts ------------------------------------------------------------------------------------------

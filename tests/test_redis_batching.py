@@ -1,5 +1,5 @@
-"""Auto-pipelining (`gateway.redis_batch`) against a real redis-server: callers that arrive while a pipeline is in
-flight share the next one, each gets exactly its own replies, and failures and cancellations stay with their
+"""Auto-pipelining (`gateway.fastpath.redis_batching`) against a real redis-server: callers that arrive while a pipeline
+is in flight share the next one, each gets exactly its own replies, and failures and cancellations stay with their
 callers."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.redis_batch import Build, PipelineBatcher
+from gateway.fastpath.redis_batching import Build, PipelineBatcher
 from gateway.store import Keys, TrajectoryStore, connect
 from gateway.trajectory import Sample
 

@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from gateway.http_protocol import HeadWithBodyProtocol, HeadWithBodyTransport, send_whole_answer
+from gateway.fastpath.head_with_body import HeadWithBodyProtocol, HeadWithBodyTransport, send_whole_answer
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 

@@ -1,0 +1,70 @@
+"""On the library versions pyproject.toml pins, every part of the fast path (`gateway/fastpath/`) is taken: none
+falls back to the library's own way because a private name it relies on moved. A failure here after an upgrade
+means a part silently stopped paying: re-check it (or let it go) before widening the pin.
+
+And with `fastpath.enabled: false`, none of them is."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.api.streaming import GatewayApp
+from gateway.fastpath import body_handoff, head_with_body, hot_routes, one_pass_route
+from gateway.fastpath.body_handoff import BodyHandoffProtocol
+from gateway.fastpath.engine_client import KeepAlivePool
+from gateway.fastpath.hot_routes import HotRoutes
+from gateway.fastpath.redis_batching import PipelineBatcher
+from gateway.server import RunningGateway
+from gateway.store.pipelines import OwnPipelines
+from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway_helpers import generate_body
+
+HOT = {"/generate", "/v1/completions", "/v1/chat/completions"}
+
+
+async def _serve_both_routes(gw: RunningGateway, http: httpx.AsyncClient) -> None:
+    one = await http.post(f"{gw.url}/generate", json=generate_body([5, 6, 7], 4, session_id="taken"))
+    assert one.status_code == 200, one.text
+    two = await http.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+    assert two.status_code == 200, two.text
+
+
+def _replica_transport(gw: RunningGateway) -> object:
+    (replica,) = gw.services.pool.replicas.values()
+    return replica.backend._client.generation_pool  # type: ignore[attr-defined]
+
+
+async def test_every_part_is_taken_on_the_pinned_libraries(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    # What each part checks on import about the installed libraries.
+    assert body_handoff._STARTS_TASKS, "uvicorn no longer starts a cycle's task the way the body handoff needs"
+    assert head_with_body.RequestResponseCycle is not None, "uvicorn moved its request cycle"
+    assert hot_routes._ROUTE_CONTEXTS, "FastAPI no longer offers its route contexts"
+    assert one_pass_route._FASTAPI_KNOWN, "FastAPI moved the names the one-pass handler needs"
+
+    gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": True})
+    await _serve_both_routes(gw, http)
+    assert gw.server.config.http_protocol_class is BodyHandoffProtocol
+    app = gw.app
+    assert isinstance(app, GatewayApp) and isinstance(app.built_shortcut, HotRoutes)
+    assert app.built_shortcut.paths == HOT
+    assert head_with_body._cycle_known is True, "uvicorn's request cycle lacks what a whole answer sets"
+    batcher = gw.services.store.batcher
+    assert isinstance(batcher, PipelineBatcher) and batcher._connection is not None, "the batcher fell back"
+    connection_class = gw.services.store.client.connection_pool.connection_class
+    assert connection_class.__name__.startswith("Hiredis"), f"commands not packed by hiredis: {connection_class}"
+    transport = _replica_transport(gw)
+    assert isinstance(transport, KeepAlivePool) and transport.opened >= 1
+
+
+async def test_off_switch_leaves_the_libraries_alone(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": False})
+    await _serve_both_routes(gw, http)
+    assert gw.server.config.http == "httptools"
+    assert isinstance(gw.app, GatewayApp) and gw.app.built_shortcut is None
+    assert isinstance(gw.services.store.batcher, OwnPipelines)
+    assert not gw.services.store.client.connection_pool.connection_class.__name__.startswith("Hiredis")
+    assert not isinstance(_replica_transport(gw), KeepAlivePool)
