@@ -6,11 +6,6 @@ leave; so the watcher can start late (`watch_after_s`, by one timer for every re
 ends before then never makes one, and one that runs longer notices a disconnect at most 1.25 times that much later.
 The work itself always runs in the caller's task (timeouts and cancel scopes inside it keep working); the watcher
 cancels that task when the client is gone.
-
-A server that tells of a disconnect itself needs no watcher at all: a request whose scope holds a
-`DisconnectNotice` (under `DISCONNECT_NOTICE`, as the gateway's own server protocol gives its fast-lane requests,
-`gateway.fastpath.body_handoff`) is watched by naming a listener on it, which the server calls when the client goes
-away: no watcher task and no queued late start, and the disconnect is noticed at once.
 """
 
 from __future__ import annotations
@@ -27,30 +22,6 @@ from backends.loop_local import loop_local
 
 T = TypeVar("T")
 
-DISCONNECT_NOTICE = "rollout_gateway.disconnect_notice"
-"""Scope key of the request's `DisconnectNotice`, where its server gives one (an extension of this project's own)."""
-
-
-class DisconnectNotice:
-    """What a server hands a request (in its scope, under `DISCONNECT_NOTICE`) to tell it of its client's
-    disconnect itself: the server calls `client_left` when the client goes away before the answer completed. A
-    watch names its `listener` while it watches; one at a time (a watch that finds one named watches the way it
-    would without a notice). It refers to neither the scope nor the server's request cycle: nothing it holds keeps
-    them alive, and no reference cycle is left for the garbage collector."""
-
-    __slots__ = ("disconnected", "listener")
-
-    def __init__(self) -> None:
-        self.disconnected = False
-        self.listener: Callable[[], object] | None = None
-
-    def client_left(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The server's call: the client is gone. The listener runs in the loop's next pass (outside the server's
-        own callback, as a watcher task would have heard it)."""
-        self.disconnected = True
-        if self.listener is not None:
-            loop.call_soon(self.listener)
-
 
 class ClientDisconnected(Exception):
     """The HTTP client closed the connection before the answer was ready."""
@@ -66,10 +37,9 @@ async def watch_disconnect(request: Request, on_disconnect: Callable[[], object]
 
 
 class _DisconnectWatch:
-    """Watches one request for a disconnect (through its server's notice, else from `watch_after_s` on), and cancels
-    `task` while it `waiting`."""
+    """Watches one request for a disconnect (from `watch_after_s` on), and cancels `task` while it `waiting`."""
 
-    __slots__ = ("_notice", "_watcher", "gone", "on_disconnect", "request", "task", "waiting")
+    __slots__ = ("_watcher", "gone", "on_disconnect", "request", "task", "waiting")
 
     def __init__(self, request: Request, on_disconnect: Callable[[], object], watch_after_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -81,14 +51,6 @@ class _DisconnectWatch:
         self.gone = False
         self.waiting = False
         self._watcher: asyncio.Task[None] | None = None
-        notice: DisconnectNotice | None = request.scope.get(DISCONNECT_NOTICE)
-        if notice is not None and notice.listener is None:
-            self._notice: DisconnectNotice | None = notice
-            notice.listener = self._disconnected
-            if notice.disconnected:  # gone already: noticed once the caller awaits its work, as a watcher would
-                loop.call_soon(self._disconnected)
-            return
-        self._notice = None
         if watch_after_s > 0:
             loop_local(_LateStarts, watch_after_s, loop).add(self)
         else:
@@ -121,9 +83,6 @@ class _DisconnectWatch:
         them, closed long before it) would otherwise keep the whole request (scope, server cycle, frames) alive
         until then."""
         self.request = self.task = self.on_disconnect = None
-        if self._notice is not None:
-            self._notice.listener = None
-            self._notice = None
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None

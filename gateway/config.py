@@ -273,8 +273,9 @@ class FastPathConfig(_Section):
     other switches turn one part off each, for measuring it (`benchmarks/ab.py --set-b RG_FASTPATH__<PART>=false`)."""
 
     enabled: bool = Field(True, description="Off: every part below is off.")
-    body_handoff: bool = Field(True, description="The server hands a hot route's whole body to the app at once.")
-    head_with_body: bool = Field(True, description="A response's head goes out in the same write as its body.")
+    head_with_body: bool = Field(
+        True, description="A response's head goes out in the same write as its body; hot routes' JSON past `send`."
+    )
     hot_routes: bool = Field(True, description="Hot routes served from the app's entry, past router and wrappers.")
     one_pass_routes: bool = Field(True, description="Hot routes' bodies read and validated in one pass.")
     redis_batching: bool = Field(True, description="Concurrent turns' Redis pipelines sent as one.")

@@ -13,7 +13,6 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import FastPathConfig, Settings
-from gateway.fastpath.body_handoff import BodyHandoffProtocol
 from gateway.fastpath.head_with_body import HeadWithBodyProtocol
 from gateway.services import BackendFactory, Services, default_backend_factory
 
@@ -65,10 +64,7 @@ def uvicorn_config(
 
 
 def server_protocol(fastpath: FastPathConfig) -> type[asyncio.Protocol] | str:
-    """uvicorn's `http` setting for these switches: the whole-body handoff (which writes heads with bodies too),
-    heads with bodies alone, or uvicorn's own httptools protocol."""
-    if fastpath.on("body_handoff") and fastpath.on("hot_routes"):
-        return BodyHandoffProtocol
+    """uvicorn's `http` setting: the fast path's protocol (heads written with bodies) or uvicorn's own httptools."""
     if fastpath.on("head_with_body"):
         return HeadWithBodyProtocol
     return "httptools"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import httpx
 
 from gateway.api.streaming import GatewayApp
-from gateway.fastpath import body_handoff, head_with_body, hot_routes, one_pass_route
-from gateway.fastpath.body_handoff import BodyHandoffProtocol
+from gateway.fastpath import head_with_body, hot_routes, one_pass_route
 from gateway.fastpath.engine_client import KeepAlivePool
+from gateway.fastpath.head_with_body import HeadWithBodyProtocol
 from gateway.fastpath.hot_routes import HotRoutes
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.server import RunningGateway
@@ -38,14 +38,13 @@ async def test_every_part_is_taken_on_the_pinned_libraries(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     # What each part checks on import about the installed libraries.
-    assert body_handoff._STARTS_TASKS, "uvicorn no longer starts a cycle's task the way the body handoff needs"
     assert head_with_body.RequestResponseCycle is not None, "uvicorn moved its request cycle"
     assert hot_routes._ROUTE_CONTEXTS, "FastAPI no longer offers its route contexts"
     assert one_pass_route._FASTAPI_KNOWN, "FastAPI moved the names the one-pass handler needs"
 
     gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": True})
     await _serve_both_routes(gw, http)
-    assert gw.server.config.http_protocol_class is BodyHandoffProtocol
+    assert gw.server.config.http_protocol_class is HeadWithBodyProtocol
     app = gw.app
     assert isinstance(app, GatewayApp) and isinstance(app.built_shortcut, HotRoutes)
     assert app.built_shortcut.paths == HOT

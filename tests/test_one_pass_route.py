@@ -349,9 +349,8 @@ async def test_a_request_cancelled_while_its_body_is_read_is_counted_alike(pair:
 
 
 async def test_a_client_gone_mid_body_is_counted_alike(pair: Pair) -> None:
-    """Over a real connection: the lean gateway's server reads a lane request's body before the app hears of it
-    (`gateway.fastpath.body_handoff`); a client that leaves before the body is whole is still a request the app
-    counts."""
+    """Over a real connection: a client that leaves before the body is whole is still a request the app counts,
+    in the hot routes as in FastAPI's stack."""
     body = orjson.dumps(VALID["/generate"])
     head = b"POST /generate HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
     head += b"authorization: %s\r\ncontent-length: %d\r\n\r\n" % (AUTH["authorization"].encode(), len(body))

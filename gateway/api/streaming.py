@@ -29,8 +29,7 @@ class LastChunk(bytes):
 DISCONNECT_WATCH_AFTER_S = 0.25
 """How long a request that FastAPI serves itself runs before the gateway starts watching for its client's disconnect
 (`backends.asgi`): most requests end sooner and never pay for a watcher task; a client that leaves is noticed at most
-1.25 times this late, and the engine request it abandoned is aborted then. The fast lane's requests need no watcher:
-their server tells them at once (`gateway.fastpath.body_handoff`)."""
+1.25 times this late, and the engine request it abandoned is aborted then."""
 
 
 SERVER_SEND = "rollout_gateway.server_send"

@@ -218,7 +218,7 @@ def send_whole_answer(send: Any, status: int, headers: list[tuple[bytes, bytes]]
     log leave the answer to `send`."""
     global _cycle_known
     cycle = getattr(send, "__self__", None)
-    if RequestResponseCycle is None or not isinstance(cycle, RequestResponseCycle):  # the gateway's `HandoffCycle` too
+    if RequestResponseCycle is None or not isinstance(cycle, RequestResponseCycle):
         return False
     if _cycle_known is None:
         _cycle_known = all(hasattr(cycle, name) for name in _CYCLE_FIELDS)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +83,18 @@ class HotRoutes:
     rest. Build it with `HotRoutes.of(app, full)`, once the app's routes, middlewares and handlers are final."""
 
     def __init__(
-        self, app: FastAPI, lanes: Mapping[str, _Lane], max_body_bytes: int, full: ASGIApp, *, debug: bool
+        self,
+        app: FastAPI,
+        lanes: Mapping[str, _Lane],
+        max_body_bytes: int,
+        full: ASGIApp,
+        *,
+        debug: bool,
+        whole_answers: bool = True,
     ) -> None:
         self._app = app
+        self._whole_answers = whole_answers
         self._lanes = dict(lanes)
-        self.raw_paths = frozenset(path.encode() for path in self._lanes if path.isascii() and "%" not in path)
-        """The lane paths as a request line writes them (for a server that matches requests before decoding)."""
         self._max_body_bytes = max_body_bytes
         self._full = full
         error_handler, handlers = _split_handlers(app)
@@ -99,8 +105,9 @@ class HotRoutes:
         self._exception_handlers: dict[Any, Any] = dict(exceptions._exception_handlers)
 
     @classmethod
-    def of(cls, app: FastAPI, full: ASGIApp) -> HotRoutes | None:
-        """The lane of `app` (as `create_app` builds it), or None if the app is not built that way."""
+    def of(cls, app: FastAPI, full: ASGIApp, *, whole_answers: bool = True) -> HotRoutes | None:
+        """The lane of `app` (as `create_app` builds it), or None if the app is not built that way.
+        `whole_answers`: send a `JSONAnswer` in one write past the server's `send` (`send_whole_answer`)."""
         max_body_bytes = _body_limit(app)
         if max_body_bytes is None or not _ROUTE_CONTEXTS:
             return None
@@ -108,7 +115,9 @@ class HotRoutes:
             return None
         try:
             lanes = _lanes(app)
-            return cls(app, lanes, max_body_bytes, full, debug=app.debug) if lanes else None
+            return (
+                cls(app, lanes, max_body_bytes, full, debug=app.debug, whole_answers=whole_answers) if lanes else None
+            )
         except Exception:  # a FastAPI or Starlette whose internals look otherwise: serve everything the usual way
             logger.warning("the fast lane is off: this FastAPI's routes or middlewares look otherwise", exc_info=True)
             return None
@@ -149,47 +158,12 @@ class HotRoutes:
             return
         await self._serve(self._enter(scope, lane), lane.call, value, receive, send)
 
-    def takes(self, path: str, content_length: bytes | None) -> bool:
-        """Whether a POST to `path` with this content-length header goes down the lane once its whole body is read
-        (`serve_read`): a lane path, a declared length within the body limit, no dependency overrides.
-
-        FastAPI's request telemetry, the other reason `OnePassCall.bypassed` gives, is not looked up: FastAPI sets it
-        only inside its own app call, which a request served by `serve_read` never enters (and `create_app` turns
-        FastAPI's telemetry off), and the server asks before the request has a task or a context of its own."""
-        lane = self._lanes.get(path)
-        return lane is not None and self._within_limit(content_length) and not lane.call.overridden()
-
     def _admits(self, lane: _Lane, content_length: bytes | None) -> bool:
         """A declared length within the body limit, and no reason for FastAPI to serve the request itself."""
         return self._within_limit(content_length) and not lane.call.bypassed()
 
     def _within_limit(self, content_length: bytes | None) -> bool:
         return content_length is not None and content_length.isdigit() and int(content_length) <= self._max_body_bytes
-
-    def serve_read(
-        self, scope: Scope, body: bytes, content_type: bytes | None, receive: Receive, send: Send
-    ) -> Awaitable[None]:
-        """Serve a request that `takes` admitted, its whole body already read by the server (the gateway's own
-        server protocol, `gateway.fastpath.body_handoff`), as the app would serve it: `receive` has nothing more of the
-        body to give (the full stack, where the lane hands the request on, gets the body first), `send` is the server's
-        (kept in the scope as `SERVER_SEND` while the request is served, as `GatewayApp` keeps it).
-
-        A plain function that parses the body and returns what serves the request (the caller awaits it): one
-        coroutine less in the request's task, whose every suspension and resumption passes through each."""
-        lane = self._lanes[scope["path"]]
-        value = lane.call.parse(body, None if content_type is None else content_type.decode("latin-1"))
-        scope[SERVER_SEND] = send
-        if value is None:
-            return self._hand_on(scope, body, receive, send)
-        return self._serve(self._enter(scope, lane), lane.call, value, receive, send)
-
-    async def _hand_on(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        """The full stack serves a request whose body the server read (the lane leaves it to FastAPI)."""
-        try:
-            message: Message = {"type": "http.request", "body": body, "more_body": False}
-            await self._full(scope, _replaying([message], receive), send)
-        finally:
-            scope.pop(SERVER_SEND, None)  # see `GatewayApp.__call__`
 
     def _enter(self, scope: Scope, lane: _Lane) -> Scope:
         """`scope` with what the app and its router would have put in it for this route."""
@@ -214,8 +188,10 @@ class HotRoutes:
         try:
             try:
                 response = await call.respond(request, value)
-                if type(response) is JSONAnswer and send_whole_answer(
-                    send, response.status_code, response.raw_headers, response.body
+                if (
+                    self._whole_answers
+                    and type(response) is JSONAnswer
+                    and send_whole_answer(send, response.status_code, response.raw_headers, response.body)
                 ):
                     status = response.status_code  # head and body in one write, past the server's `send`
                 elif type(response).__call__ is _PLAIN_CALL and response.background is None:
@@ -242,7 +218,7 @@ class HotRoutes:
             raise
         finally:
             count_request(scope, status or DISCONNECTED)
-            scope.pop(SERVER_SEND, None)  # set by `serve_read` or `GatewayApp`: see `GatewayApp.__call__`
+            scope.pop(SERVER_SEND, None)  # set by `GatewayApp`: see `GatewayApp.__call__`
 
     def _handler(self, exc: Exception) -> Any:
         """The app's handler of `exc` (as `ExceptionMiddleware` looks it up), or None."""
