@@ -19,6 +19,9 @@ in a timeout of its own, besides the pool's checkout and its metrics hooks: a la
 session turn at concurrency 1. Commands are queued, packed and parsed by redis-py as in its pipeline (the client's
 reply callbacks included), and a connection error or timeout is retried by the connection's retry policy, as
 `Pipeline.execute` retries it; a client whose pool cannot make such a connection keeps `Pipeline.execute`.
+
+What it pays (`benchmarks.ab . . --together --set-b RG_FASTPATH__REDIS_BATCHING=false`, 4 rounds, 2-core host, 83d6584):
+with it off the gateway spends 1.31× the CPU per `multiturn` chat request and 1.07× per streamed `rl` token.
 """
 
 from __future__ import annotations
