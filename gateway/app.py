@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -50,7 +49,7 @@ def create_app(
 
     app = GatewayApp(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
     if settings.fastpath.on("hot_routes"):
-        app.shortcut_factory = functools.partial(HotRoutes.of, whole_answers=settings.fastpath.on("head_with_body"))
+        app.shortcut_factory = HotRoutes.of
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)

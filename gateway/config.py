@@ -273,13 +273,9 @@ class FastPathConfig(_Section):
     other switches turn one part off each, for measuring it (`benchmarks/ab.py --set-b RG_FASTPATH__<PART>=false`)."""
 
     enabled: bool = Field(True, description="Off: every part below is off.")
-    head_with_body: bool = Field(
-        True, description="A response's head goes out in the same write as its body; hot routes' JSON past `send`."
-    )
     hot_routes: bool = Field(True, description="Hot routes served from the app's entry, past router and wrappers.")
     one_pass_routes: bool = Field(True, description="Hot routes' bodies read and validated in one pass.")
     redis_batching: bool = Field(True, description="Concurrent turns' Redis pipelines sent as one.")
-    redis_packing: bool = Field(True, description="Redis commands packed by hiredis.")
     engine_client: bool = Field(True, description="Generation requests over the gateway's own HTTP/1.1 pool.")
 
     def on(self, part: str) -> bool:

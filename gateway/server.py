@@ -12,8 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
-from gateway.config import FastPathConfig, Settings
-from gateway.fastpath.head_with_body import HeadWithBodyProtocol
+from gateway.config import Settings
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -42,15 +41,13 @@ def uvicorn_config(
     log_level: str = "warning",
     in_process: bool = True,
     shutdown_timeout_s: float = 10.0,
-    fastpath: FastPathConfig | None = None,
 ) -> uvicorn.Config:
     """Graceful shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
-    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services.
-    The HTTP protocol is uvicorn's httptools one, or the fast path's subclass of it (`fastpath`, default on)."""
+    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services."""
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http=server_protocol(fastpath or FastPathConfig()),
+        http="httptools",
         lifespan="on",
         log_level=log_level,
         access_log=False,
@@ -61,13 +58,6 @@ def uvicorn_config(
         timeout_keep_alive=30,
         timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
     )
-
-
-def server_protocol(fastpath: FastPathConfig) -> type[asyncio.Protocol] | str:
-    """uvicorn's `http` setting: the fast path's protocol (heads written with bodies) or uvicorn's own httptools."""
-    if fastpath.on("head_with_body"):
-        return HeadWithBodyProtocol
-    return "httptools"
 
 
 @contextlib.asynccontextmanager
@@ -83,7 +73,7 @@ async def serve_gateway(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, settings.server.port))
     app = create_app(settings, backend_factory)
-    config = uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s, fastpath=settings.fastpath)
+    config = uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)

@@ -18,7 +18,6 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
-from gateway.fastpath.redis_packing import with_hiredis_packing
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
@@ -180,9 +179,6 @@ async def open_services(
             redis_url = embedded.local_url
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
         fastpath = settings.fastpath
-        if fastpath.on("redis_packing"):
-            redis_pool = redis.connection_pool
-            redis_pool.connection_class = with_hiredis_packing(redis_pool.connection_class)
         stack.push_async_callback(redis.aclose)
         bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)
         r = settings.routing

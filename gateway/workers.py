@@ -85,7 +85,6 @@ def _worker(settings: Settings, socks: Sequence[socket.socket], index: int, log_
         log_level=log_level,
         in_process=False,
         shutdown_timeout_s=settings.server.shutdown_timeout_s,
-        fastpath=settings.fastpath,
     )
     uvicorn.Server(config).run(sockets=[sock])
 

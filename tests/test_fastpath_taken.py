@@ -6,12 +6,13 @@ And with `fastpath.enabled: false`, none of them is."""
 
 from __future__ import annotations
 
+import inspect
+
 import httpx
 
 from gateway.api.streaming import GatewayApp
-from gateway.fastpath import head_with_body, hot_routes, one_pass_route
+from gateway.fastpath import hot_routes, one_pass_route
 from gateway.fastpath.engine_client import KeepAlivePool
-from gateway.fastpath.head_with_body import HeadWithBodyProtocol
 from gateway.fastpath.hot_routes import HotRoutes
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.server import RunningGateway
@@ -38,21 +39,17 @@ async def test_every_part_is_taken_on_the_pinned_libraries(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     # What each part checks on import about the installed libraries.
-    assert head_with_body.RequestResponseCycle is not None, "uvicorn moved its request cycle"
     assert hot_routes._ROUTE_CONTEXTS, "FastAPI no longer offers its route contexts"
     assert one_pass_route._FASTAPI_KNOWN, "FastAPI moved the names the one-pass handler needs"
+    assert hot_routes.is_async_callable is not inspect.iscoroutinefunction, "Starlette moved is_async_callable"
 
     gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": True})
     await _serve_both_routes(gw, http)
-    assert gw.server.config.http_protocol_class is HeadWithBodyProtocol
     app = gw.app
     assert isinstance(app, GatewayApp) and isinstance(app.built_shortcut, HotRoutes)
     assert app.built_shortcut.paths == HOT
-    assert head_with_body._cycle_known is True, "uvicorn's request cycle lacks what a whole answer sets"
     batcher = gw.services.store.batcher
     assert isinstance(batcher, PipelineBatcher) and batcher._connection is not None, "the batcher fell back"
-    connection_class = gw.services.store.client.connection_pool.connection_class
-    assert connection_class.__name__.startswith("Hiredis"), f"commands not packed by hiredis: {connection_class}"
     transport = _replica_transport(gw)
     assert isinstance(transport, KeepAlivePool) and transport.opened >= 1
 
@@ -62,8 +59,6 @@ async def test_off_switch_leaves_the_libraries_alone(
 ) -> None:
     gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": False})
     await _serve_both_routes(gw, http)
-    assert gw.server.config.http == "httptools"
     assert isinstance(gw.app, GatewayApp) and gw.app.built_shortcut is None
     assert isinstance(gw.services.store.batcher, OwnPipelines)
-    assert not gw.services.store.client.connection_pool.connection_class.__name__.startswith("Hiredis")
     assert not isinstance(_replica_transport(gw), KeepAlivePool)

@@ -123,7 +123,9 @@ async def test_a_transport_failure_fails_every_caller_of_the_batch_and_the_next_
 
 
 async def test_the_store_batches_the_round_trips_of_concurrent_turns(redis: Redis) -> None:
-    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    store = TrajectoryStore(
+        redis, Keys(), sweep_interval_s=None, pipelines=PipelineBatcher(redis)
+    )  # as services wire it
     sessions = [f"s{i}" for i in range(40)]
     await asyncio.gather(*(store.ensure_session(s) for s in sessions))
     before = (store.batcher.pipelines, store.batcher.calls)

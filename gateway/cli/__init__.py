@@ -86,7 +86,6 @@ def serve(
         log_level=log_level,
         in_process=False,
         shutdown_timeout_s=settings.server.shutdown_timeout_s,
-        fastpath=settings.fastpath,
     )
     uv.host, uv.port = settings.server.host, settings.server.port
     uvicorn.Server(uv).run()

@@ -3,8 +3,8 @@
 Each part replaces work a library does generically with what the gateway's requests need, measured to pay on a
 realistic workload (the figure is in each module's docstring; `benchmarks/ab.py` with `--set-b
 RG_FASTPATH__<PART>=false` measures it again). The domain modules never import this package: the wiring does
-(`gateway.app`, `gateway.server`, `gateway.services`), from `settings.fastpath`, whose `enabled: false` turns every
+(`gateway.app`, `gateway.services`), from `settings.fastpath`, whose `enabled: false` turns every
 part off and leaves the gateway on the libraries' public APIs alone, answering the same. Several parts rely on
 private names of the libraries they shorten; pyproject.toml pins those libraries to the tested range and
-`tests/gateway/fastpath/test_taken.py` fails when a part falls back on the pinned versions.
+`tests/test_fastpath_taken.py` fails when a part falls back on the pinned versions.
 """

@@ -46,11 +46,9 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api.json_answer import JSONAnswer
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import DISCONNECTED, RequestMetrics, count_request
 from gateway.api.streaming import SERVER_SEND
-from gateway.fastpath.head_with_body import send_whole_answer
 from gateway.fastpath.one_pass_route import OnePassCall, OnePassRoute, one_pass_call
 
 try:
@@ -93,10 +91,8 @@ class HotRoutes:
         full: ASGIApp,
         *,
         debug: bool,
-        whole_answers: bool = True,
     ) -> None:
         self._app = app
-        self._whole_answers = whole_answers
         self._lanes = dict(lanes)
         self._max_body_bytes = max_body_bytes
         self._full = full
@@ -108,9 +104,8 @@ class HotRoutes:
         self._exception_handlers: dict[Any, Any] = dict(exceptions._exception_handlers)
 
     @classmethod
-    def of(cls, app: FastAPI, full: ASGIApp, *, whole_answers: bool = True) -> HotRoutes | None:
-        """The lane of `app` (as `create_app` builds it), or None if the app is not built that way.
-        `whole_answers`: send a `JSONAnswer` in one write past the server's `send` (`send_whole_answer`)."""
+    def of(cls, app: FastAPI, full: ASGIApp) -> HotRoutes | None:
+        """The lane of `app` (as `create_app` builds it), or None if the app is not built that way."""
         max_body_bytes = _body_limit(app)
         if max_body_bytes is None or not _ROUTE_CONTEXTS:
             return None
@@ -118,9 +113,7 @@ class HotRoutes:
             return None
         try:
             lanes = _lanes(app)
-            return (
-                cls(app, lanes, max_body_bytes, full, debug=app.debug, whole_answers=whole_answers) if lanes else None
-            )
+            return cls(app, lanes, max_body_bytes, full, debug=app.debug) if lanes else None
         except Exception:  # a FastAPI or Starlette whose internals look otherwise: serve everything the usual way
             logger.warning("the fast lane is off: this FastAPI's routes or middlewares look otherwise", exc_info=True)
             return None
@@ -191,13 +184,7 @@ class HotRoutes:
         try:
             try:
                 response = await call.respond(request, value)
-                if (
-                    self._whole_answers
-                    and type(response) is JSONAnswer
-                    and send_whole_answer(send, response.status_code, response.raw_headers, response.body)
-                ):
-                    status = response.status_code  # head and body in one write, past the server's `send`
-                elif type(response).__call__ is _PLAIN_CALL and response.background is None:
+                if type(response).__call__ is _PLAIN_CALL and response.background is None:
                     # What `Response.__call__` sends, sent here: no wrapper around `send` for a plain answer.
                     status = response.status_code
                     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
