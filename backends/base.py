@@ -7,7 +7,7 @@ engine's own stream shape (vLLM deltas, SGLang cumulative). It never retries: re
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, Protocol, runtime_checkable
@@ -78,14 +78,12 @@ class Chunk:
     cached_tokens: int | None = None
 
 
-WholeAnswer = Callable[[float | None], Awaitable[Chunk]]
-"""An engine request built (its body encoded) but not sent: awaiting its call sends it and gives the whole answer.
-The argument is a deadline (loop time) besides the read timeout, or None; either limit raises `BackendTimeout`."""
-
-
-async def one_chunk(answer: WholeAnswer) -> AsyncGenerator[Chunk, None]:
-    """A whole answer as the one chunk of a `generate` stream; nothing is sent before the first iteration."""
-    yield await answer(None)
+def unfinished_answer(replica: str, streamed: bool) -> BackendError:
+    """The error for an answer that ended without a finish reason: a stream cut short (the replica broke off:
+    `BackendUnavailable`), or a whole answer that was complete but lacks one (a contract breach)."""
+    if streamed:
+        return BackendUnavailable(f"replica {replica}: the stream ended before the request finished", replica=replica)
+    return BackendProtocolError(f"replica {replica}: a finished answer without finish_reason", replica=replica)
 
 
 def merge_deltas(chunks: Sequence[Chunk]) -> Chunk:
@@ -183,31 +181,20 @@ class EngineBackend(Protocol):
         experts_start: int = 0,
         *,
         stream: bool = True,
+        deadline: float | None = None,
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream the new tokens of one request. Ends with a chunk whose `finish_reason` is set; an engine-side
-        abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure.
+        """The new tokens of one request, as chunks. Ends with a chunk whose `finish_reason` is set; an engine-side
+        abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure, and
+        `BackendTimeout` once `deadline` (loop time) passed, if given.
 
-        `stream=False`: the caller needs the tokens only once the request ends, so the engine may answer once (one
-        chunk with every token); an abort still answers with the partial tokens, but a failure mid-request loses
-        what the engine had generated (the caller generates it again).
+        `stream` says whether the caller wants the tokens as they come: the adapter then streams the answer where
+        its engine can (`Capabilities.streams`), else reads it whole, in one go, and yields it as one chunk with every
+        token. A whole answer still brings the partial tokens of an abort, but a failure mid-request loses what the
+        engine had generated (the caller generates it again).
 
         The call itself builds the request (its body encoded); nothing is sent before the first iteration. So a
         caller may build a request ahead, while it cannot be sent yet, and drop it unstarted. `token_ids` may be the
         caller's own list (a first segment's prompt, uncopied): nothing of it is kept past the call."""
-        ...
-
-    def whole_answer(
-        self,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        request_id: str,
-        routed_experts: ExpertArray | None = None,
-        experts_start: int = 0,
-    ) -> WholeAnswer:
-        """`generate(stream=False)` without the iterator, for a caller that awaits the answer in one step: the request
-        built now, sent when the returned callable is awaited (`WholeAnswer`: its argument is a deadline), which gives
-        one chunk with every token and the finish reason set. Fails as `generate` does; dropped uncalled, it sends
-        nothing."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -92,7 +92,11 @@ class _AiohttpStreamed:
 
     async def read(self) -> bytes:
         assert self._response is not None, "read within `async with`"
-        return await self._response.content.readany()
+        try:
+            return await self._response.content.readany()
+        except aiohttp.ClientError as exc:
+            self._owner.raise_if_closed(exc)
+            raise
 
     async def read_all(self) -> bytes:
         assert self._response is not None, "read within `async with`"
@@ -163,8 +167,17 @@ class AiohttpTransport:
         if deadline is not None:
             total = max(0.0, min(total, deadline - asyncio.get_running_loop().time()))
         timeout = aiohttp.ClientTimeout(total=total, connect=self._pool_timeout_s, sock_connect=self._connect_timeout_s)
-        async with self.session().post(self.prefix + path, data=body, headers=_JSON, timeout=timeout) as response:
-            return response.status, await response.read()
+        try:
+            async with self.session().post(self.prefix + path, data=body, headers=_JSON, timeout=timeout) as response:
+                return response.status, await response.read()
+        except aiohttp.ClientError as exc:
+            self.raise_if_closed(exc)
+            raise
+
+    def raise_if_closed(self, exc: Exception) -> None:
+        """A failure of a request cut by `aclose` is the transport's closing, not the replica's."""
+        if self._closed:
+            raise ConnectionError("the replica's transport was closed") from exc
 
     def stream(self, path: str, body: bytes) -> _AiohttpStreamed:
         return _AiohttpStreamed(self, path, body)

@@ -1,16 +1,18 @@
 """HTTP plumbing shared by the engine adapters (vLLM, SGLang): one pooled client per replica, JSON calls and SSE
 streams whose failures surface as `BackendError`s, and a reader for a few Prometheus gauges.
 
-Generation requests, streamed (`sse_batches`) or whole (`post_for_whole_answer`), go through the replica's
-`GenerationTransport` (`backends.generation_transport`: aiohttp's, or the gateway fast path's own pool); a stream is
-handed over in whatever the socket delivered, so a burst of engine events costs one Python iteration instead of one
-per event. Control calls go through aiohttp (`request`). Every function here translates client errors at the
-boundary (`translate_errors` / `raise_for_status`), so an adapter never sees one.
+Generation requests go through `answer_batches`, which reads the answer streamed (`sse_batches`) or whole
+(`post_for_whole_answer`), both over the replica's `GenerationTransport` (`backends.generation_transport`: aiohttp's,
+or the gateway fast path's own pool); a stream is handed over in whatever the socket delivered, so a burst of engine
+events costs one Python iteration instead of one per event. Control calls go through aiohttp (`request`). Every
+function here translates client errors at the boundary (`translate_errors` / `raise_for_status`), so an adapter
+never sees one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ __all__ = [
     "probe_timeout",
     "error_event_status",
     "parse_gauges",
+    "answer_batches",
     "post_for_whole_answer",
     "probe",
     "request",
@@ -170,6 +173,39 @@ async def request_json(
         return orjson.loads(reply.content) if reply.content.strip() else None
 
 
+def answer_batches(
+    client: ReplicaClient,
+    replica: str,
+    path: str,
+    body: bytes,
+    *,
+    stream: bool,
+    deadline: float | None = None,
+    latest_only: Callable[[], bool] | None = None,
+    first_event: Callable[[bytes], bytes] | None = None,
+) -> AsyncGenerator[list[Any], None]:
+    """POST a generation request and yield its answer's decoded events in batches, read as it streams (`stream`:
+    `sse_batches`) or whole (`post_for_whole_answer`: one batch of the one decoded answer, read in one go). The one
+    place that reads an answer one way or the other: the adapters above handle both alike.
+
+    `deadline` (loop time) bounds the request in both modes, on the transport's own timer: passing it raises
+    `BackendTimeout`. `latest_only` applies to a stream only; `first_event` rewrites a whole answer's bytes too."""
+    if stream:
+        return sse_batches(client, replica, path, body, latest_only, first_event, deadline)
+    return _whole_batch(client, replica, path, body, deadline, first_event)
+
+
+async def _whole_batch(
+    client: ReplicaClient,
+    replica: str,
+    path: str,
+    body: bytes,
+    deadline: float | None,
+    first_event: Callable[[bytes], bytes] | None,
+) -> AsyncGenerator[list[Any], None]:
+    yield [await post_for_whole_answer(client, replica, path, body, deadline, first_event=first_event)]
+
+
 async def post_for_whole_answer(
     client: ReplicaClient,
     replica: str,
@@ -177,16 +213,19 @@ async def post_for_whole_answer(
     body: bytes,
     deadline: float | None = None,
     *,
-    decode: Callable[[bytes], Any] = orjson.loads,
+    first_event: Callable[[bytes], bytes] | None = None,
 ) -> Any:
-    """POST an encoded JSON `body` and decode the answer (with `decode`): a generation request that waits for its
-    whole answer, over the replica's `GenerationTransport` (read timeout: `Timeouts.whole_answer`, else `read`; also
-    `deadline`, a loop time, if given). Failures and non-2xx answers raise the matching `BackendError`
-    (`BackendTimeout` for either limit); a cancelled caller closes the connection (the engine aborts)."""
+    """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
+    the replica's `GenerationTransport` (read timeout: `Timeouts.whole_answer`, else `read`; also `deadline`, a loop
+    time, if given). `first_event`, if given, rewrites the answer's bytes before they are decoded (as `sse_batches`
+    does a stream's first event). Failures and non-2xx answers raise the matching `BackendError` (`BackendTimeout`
+    for either limit); a cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
         status, content = await client.generation_pool.post(path, body, deadline)
         raise_for_status(replica, status, content)
-        return decode(content) if content.strip() else None
+        if first_event is not None:
+            content = first_event(content)
+        return orjson.loads(content) if content.strip() else None
 
 
 async def probe(client: ReplicaClient, replica: str, path: str, timeout: aiohttp.ClientTimeout | None = None) -> bool:
@@ -221,29 +260,31 @@ def error_event_status(payload: Any) -> tuple[int, str] | None:
 
 
 class _ReadGapWatch:
-    """Fails a stream whose replica sends nothing for `gap_s` while it is being waited for (`Timeouts.read`), at the
-    cost of no timer per read. aiohttp's `sock_read` re-arms a timer at every socket read (a timer handle made and
-    another cancelled per engine event, a visible share of the gateway's CPU per RL-shaped token, one event per token);
-    this watch notes the time a wait began and re-arms its one timer only when that fires, at most once
-    per `gap_s`.
+    """Fails a stream whose replica sends nothing for `gap_s` while it is being waited for (`Timeouts.read`), or whose
+    `deadline` (loop time: the request's own) passed, at the cost of no timer per read. aiohttp's `sock_read` re-arms a
+    timer at every socket read (a timer handle made and another cancelled per engine event, a visible share of the
+    gateway's CPU per RL-shaped token, one event per token); this watch notes the time a wait began and re-arms its one
+    timer only when that fires, at most once per `gap_s`.
 
-    The clock runs only while the stream is waited for (not while the consumer is behind), and from the request on,
-    so it bounds the wait for the connection and the answer's head too.
+    The gap's clock runs only while the stream is waited for (not while the consumer is behind), and from the request
+    on, so it bounds the wait for the connection and the answer's head too; the deadline holds whatever the stream is
+    doing, as an `asyncio.timeout_at` around its consumer would.
     On expiry it cancels the task reading the stream; `expired` tells that cancellation from any other.
     """
 
-    __slots__ = ("_handle", "_loop", "_task", "expired", "gap_s", "started", "waiting")
+    __slots__ = ("_handle", "_loop", "_task", "deadline", "expired", "gap_s", "started", "waiting")
 
-    def __init__(self, gap_s: float) -> None:
+    def __init__(self, gap_s: float, deadline: float | None) -> None:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None
         self._task = task
-        self.gap_s = gap_s
+        self.gap_s = gap_s or math.inf  # 0: no read timeout, only the deadline
+        self.deadline = math.inf if deadline is None else deadline
         self.started = self._loop.time()
         self.waiting = True
         self.expired = False
-        self._handle = self._loop.call_at(self.started + gap_s, self._check)
+        self._handle = self._loop.call_at(min(self.started + self.gap_s, self.deadline), self._check)
 
     def wait(self) -> None:
         """A wait for the replica begins."""
@@ -252,12 +293,18 @@ class _ReadGapWatch:
 
     def _check(self) -> None:
         now = self._loop.time()
-        due = self.started + self.gap_s if self.waiting else now + self.gap_s
+        due = min(self.started + self.gap_s if self.waiting else now + self.gap_s, self.deadline)
         if now < due:
             self._handle = self._loop.call_at(due, self._check)
             return
         self.expired = True
         self._task.cancel()
+
+    def reason(self) -> str:
+        """Why the watch expired, for the error's message."""
+        if self._loop.time() >= self.deadline:
+            return "the request's deadline passed"
+        return f"nothing received for {self.gap_s:g} s (read timeout)"
 
     def uncancel(self) -> None:
         """Withdraw the cancellation of an expiry (the stream then fails with `BackendTimeout` instead)."""
@@ -274,6 +321,7 @@ async def sse_batches(
     body: bytes,
     latest_only: Callable[[], bool] | None = None,
     first_event: Callable[[bytes], bytes] | None = None,
+    deadline: float | None = None,
 ) -> AsyncGenerator[list[Any], None]:
     """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
     `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
@@ -284,13 +332,14 @@ async def sse_batches(
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
-    `read` while the replica is waited for (`BackendTimeout`, see `_ReadGapWatch`). Closing the iterator
-    early (`aclose`, cancellation) closes the connection, which the engines take as a client disconnect and abort
-    the request. The stream ending without `[DONE]` is not an error here: the caller decides from what it received.
+    `read` while the replica is waited for, or `deadline` (loop time) passing (`BackendTimeout`, see
+    `_ReadGapWatch`). Closing the iterator early (`aclose`, cancellation) closes the connection, which the engines
+    take as a client disconnect and abort the request. The stream ending without `[DONE]` is not an error here: the
+    caller decides from what it received.
 
     Written by hand rather than with an SSE library: the engines send single-line `data:` events only.
     """
-    watch = _ReadGapWatch(client.read_gap_s) if client.read_gap_s else None
+    watch = _ReadGapWatch(client.read_gap_s, deadline) if client.read_gap_s or deadline is not None else None
     pacer = client.pacer
     try:
         with translate_errors(replica):
@@ -321,9 +370,7 @@ async def sse_batches(
         if watch is None or not watch.expired:
             raise
         watch.uncancel()
-        raise BackendTimeout(
-            f"replica {replica}: nothing received for {watch.gap_s:g} s (read timeout)", replica=replica
-        ) from None
+        raise BackendTimeout(f"replica {replica}: {watch.reason()}", replica=replica) from None
     finally:
         if watch is not None:
             watch.close()

@@ -17,7 +17,6 @@ for the version (`/get_weight_version` is 404 in 0.5.23).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -32,15 +31,14 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
-    WholeAnswer,
     encodable_ids,
     merge_deltas,
-    one_chunk,
     raise_for_load_status,
     translate_errors,
+    unfinished_answer,
 )
-from backends.errors import BackendError, BackendProtocolError, BackendRejected, BackendUnavailable, WeightsNotLoaded
-from backends.http_client import HttpEngineBackend, post_for_whole_answer, request, request_json, sse_batches
+from backends.errors import BackendError, BackendProtocolError, BackendRejected, WeightsNotLoaded
+from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 
 __all__ = ["SglangBackend"]
@@ -98,46 +96,26 @@ class SglangBackend(HttpEngineBackend):
         experts_start: int = 0,
         *,
         stream: bool = True,
+        deadline: float | None = None,
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream the new tokens of one request; the last chunk carries the finish reason, version spans and
-        (with R3) the routed experts of positions [experts_start, prompt + output - 1). `stream=False`: one
-        answer at the end, with the same fields (`EngineBackend.generate`). The body is encoded here, before the first
-        iteration sends it."""
-        if not stream:
-            return one_chunk(self.whole_answer(token_ids, sampling, request_id, routed_experts, experts_start))
-        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
-        return self._stream(orjson.dumps(body), sampling, len(token_ids), experts_start)
+        """The new tokens of one request (`EngineBackend.generate`), streamed, or with `stream=False` one answer at
+        the end; the last chunk carries the finish reason, version spans and (with R3) the routed experts of
+        positions [experts_start, prompt + output - 1). The body is encoded here, before the first iteration sends
+        it."""
+        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start, stream)
+        return self._chunks(orjson.dumps(body), sampling, len(token_ids), experts_start, stream, deadline)
 
-    def whole_answer(
+    async def _chunks(
         self,
-        token_ids: Sequence[int],
+        body: bytes,
         sampling: SamplingParams,
-        request_id: str,
-        routed_experts: ExpertArray | None = None,
-        experts_start: int = 0,
-    ) -> WholeAnswer:
-        """The request of `generate(stream=False)`, sent by awaiting the call (`EngineBackend.whole_answer`)."""
-        body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
-        body["stream"] = False
-        return functools.partial(self._complete_once, orjson.dumps(body), sampling, len(token_ids), experts_start)
-
-    async def _complete_once(
-        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int, deadline: float | None
-    ) -> Chunk:
-        # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`. An
-        # abort answers 200 with the partial output (one with status_code >= 400 answers that status).
-        answer = await post_for_whole_answer(self._client, self.id, GENERATE, body, deadline)
-        with translate_errors(self.id):
-            if not isinstance(answer, dict):
-                raise TypeError(f"the answer is not an object: {answer!r}")
-            chunk, _ = self._chunk(answer, sampling, prompt_len, experts_start, 0)
-        if chunk.finish_reason is None:
-            raise BackendProtocolError(f"replica {self.id}: a finished request without finish_reason", replica=self.id)
-        return chunk
-
-    async def _stream(
-        self, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
+        prompt_len: int,
+        experts_start: int,
+        streamed: bool,
+        deadline: float | None,
     ) -> AsyncGenerator[Chunk, None]:
+        """The answer's chunks, streamed or whole alike: a whole answer is a batch of one finished event (an abort
+        answers 200 with the partial output, as a stream's last event does)."""
         seen = 0
         finished = False
         # Whether each event repeats the whole output so far (then only each read's last one is decoded): known from
@@ -147,7 +125,10 @@ class SglangBackend(HttpEngineBackend):
         def latest_only() -> bool:
             return cumulative is True
 
-        async with contextlib.aclosing(sse_batches(self._client, self.id, GENERATE, body, latest_only)) as batches:
+        batches = answer_batches(
+            self._client, self.id, GENERATE, body, stream=streamed, deadline=deadline, latest_only=latest_only
+        )
+        async with contextlib.aclosing(batches):
             async for events in batches:
                 deltas: list[Chunk] = []
                 final: Chunk | None = None
@@ -171,9 +152,7 @@ class SglangBackend(HttpEngineBackend):
                 if final is not None:
                     yield final
         if not finished:
-            raise BackendUnavailable(
-                f"replica {self.id}: the stream ended before the request finished", replica=self.id
-            )
+            raise unfinished_answer(self.id, streamed)
 
     def _note_cumulative_stream(self) -> None:
         if self.cumulative_streams:
@@ -195,6 +174,7 @@ class SglangBackend(HttpEngineBackend):
         request_id: str,
         routed_experts: ExpertArray | None,
         experts_start: int,
+        stream: bool,
     ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": sampling.max_tokens,
@@ -214,7 +194,7 @@ class SglangBackend(HttpEngineBackend):
             "rid": request_id,  # the id /abort_request names
             "input_ids": encodable_ids(token_ids),
             "sampling_params": params,
-            "stream": True,
+            "stream": stream,
             "return_logprob": True,  # output tokens only (logprob_start_len defaults to -1)
         }
         if sampling.top_logprobs > 0:

@@ -12,7 +12,8 @@ handled. Transport per request:
   `routed_experts` (streaming completion chunks have no such field); the tokens then arrive in one chunk.
 
 A caller that needs the tokens only at the end (`generate(stream=False)`) gets the same endpoint without streaming:
-one answer instead of an event per token (an abort still answers with the partial tokens, in both modes).
+one answer instead of an event per token (an abort still answers with the partial tokens, in both modes). Either
+answer is read by the same loop (`_chunks`): a whole one is a batch of one finished event.
 
 Per-token versions across a `keep` pause need the engine's spans. `capabilities.version_spans` is True with
 scale-out, and on the completions transport once `GET /version` says >= 0.33 or a finished request came back
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
@@ -44,16 +44,15 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
-    WholeAnswer,
     encodable_ids,
     merge_deltas,
-    one_chunk,
     raise_for_load_status,
     translate_errors,
+    unfinished_answer,
     version_tuple,
 )
-from backends.errors import BackendError, BackendProtocolError, BackendUnavailable
-from backends.http_client import HttpEngineBackend, post_for_whole_answer, request, request_json, sse_batches
+from backends.errors import BackendError, BackendProtocolError
+from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
 
 __all__ = ["VllmBackend", "without_prompt_echo"]
@@ -93,10 +92,6 @@ def without_prompt_echo(answer: bytes) -> bytes:
     return answer[:value] + b"null" + answer[end + 1 :]
 
 
-def _decode_answer(content: bytes) -> Any:
-    return orjson.loads(without_prompt_echo(content))
-
-
 COMPLETIONS = "/v1/completions"
 GENERATE = "/inference/v1/generate"
 
@@ -109,6 +104,17 @@ _FINISH_REASONS: dict[str, FinishReason] = {
     "repetition": "stop",
     "content_filter": "stop",
 }
+
+
+@dataclasses.dataclass(slots=True)
+class _Answer:
+    """What reading one request's answer needs besides its body: `streamed`, or read whole."""
+
+    path: str
+    sampling: SamplingParams
+    prompt_len: int
+    experts_start: int
+    streamed: bool
 
 
 def completion_engine_id(request_id: str) -> str:
@@ -156,27 +162,18 @@ class VllmBackend(HttpEngineBackend):
         experts_start: int = 0,
         *,
         stream: bool = True,
+        deadline: float | None = None,
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream the new tokens of one request (see the module docstring for the transport); `stream=False`: one
-        answer at the end (`EngineBackend.generate`). The body is encoded here, before the first iteration sends it."""
-        if not self.capabilities.streams(stream):  # routed experts come only in whole answers of /v1/completions
-            return one_chunk(self.whole_answer(token_ids, sampling, request_id, routed_experts, experts_start))
+        """The new tokens of one request (`EngineBackend.generate`; see the module docstring for the transport),
+        streamed where asked and possible, else one whole answer. The body is encoded here, before the first iteration
+        sends it."""
         path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        return self._stream(path, orjson.dumps(body), sampling, len(token_ids), experts_start)
-
-    def whole_answer(
-        self,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        request_id: str,
-        routed_experts: ExpertArray | None = None,
-        experts_start: int = 0,
-    ) -> WholeAnswer:
-        """The request of `generate(stream=False)`, sent by awaiting the call (`EngineBackend.whole_answer`)."""
-        path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
-        return functools.partial(self._complete_once, path, orjson.dumps(body), sampling, len(token_ids), experts_start)
+        streamed = self.capabilities.streams(stream)  # routed experts come only in whole answers of /v1/completions
+        if streamed:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        answer = _Answer(path, sampling, len(token_ids), experts_start, streamed)
+        return self._chunks(answer, orjson.dumps(body), deadline)
 
     def _body(
         self,
@@ -258,19 +255,27 @@ class VllmBackend(HttpEngineBackend):
             body["replay_routed_experts"] = replay
         return body
 
-    async def _stream(
-        self, path: str, body: bytes, sampling: SamplingParams, prompt_len: int, experts_start: int
-    ) -> AsyncGenerator[Chunk, None]:
-        # The finishing chunk is held back until the stream ends: the usage event (cached tokens) follows it.
+    async def _chunks(self, answer: _Answer, body: bytes, deadline: float | None) -> AsyncGenerator[Chunk, None]:
+        """The answer's chunks, streamed or whole alike: a whole answer is a batch of one finished event."""
+        # The finishing chunk is held back until the answer ends: a stream's usage event (cached tokens) follows it.
         final: Chunk | None = None
         cached: int | None = None
         produced = 0
+        path, sampling, experts_start = answer.path, answer.sampling, answer.experts_start
         # An unfinished choice of a `/v1/completions` event without top logprobs carries token ids and their
         # logprobs, nothing else: those go straight into the read's delta (what `_chunk` and `merge_deltas` would
         # make of them, without a chunk per event). Any other choice takes `_chunk`.
         lean = path == COMPLETIONS and sampling.top_logprobs == 0
-        stream = sse_batches(self._client, self.id, path, body, first_event=without_prompt_echo)
-        async with contextlib.aclosing(stream) as batches:
+        batches = answer_batches(
+            self._client,
+            self.id,
+            path,
+            body,
+            stream=answer.streamed,
+            deadline=deadline,
+            first_event=without_prompt_echo,
+        )
+        async with contextlib.aclosing(batches):
             async for events in batches:
                 deltas: list[Chunk] = []
                 token_ids: list[int] = []
@@ -292,7 +297,7 @@ class VllmBackend(HttpEngineBackend):
                                 logprobs += values
                                 produced += len(ids)
                                 continue
-                            chunk = self._chunk(choice, path, sampling, prompt_len + produced, experts_start)
+                            chunk = self._chunk(choice, path, sampling, answer.prompt_len + produced, experts_start)
                             produced += len(chunk.token_ids)
                             if chunk.finish_reason is not None:
                                 final = chunk
@@ -303,31 +308,9 @@ class VllmBackend(HttpEngineBackend):
                 elif deltas:
                     yield merge_deltas(deltas)  # a single event passes through as it is
         if final is None:
-            raise BackendUnavailable(
-                f"replica {self.id}: the stream ended before the request finished", replica=self.id
-            )
+            raise unfinished_answer(self.id, answer.streamed)
         final.cached_tokens = cached
         yield final
-
-    async def _complete_once(
-        self,
-        path: str,
-        body: bytes,
-        sampling: SamplingParams,
-        prompt_len: int,
-        experts_start: int,
-        deadline: float | None,
-    ) -> Chunk:
-        # The whole generation happens before the first byte of the answer: its read timeout is `whole_answer`.
-        answer = await post_for_whole_answer(self._client, self.id, path, body, deadline, decode=_decode_answer)
-        with translate_errors(self.id):
-            chunk = self._chunk(answer["choices"][0], path, sampling, prompt_len, experts_start)
-            chunk.cached_tokens = _cached_tokens(answer.get("usage"))
-        if chunk.finish_reason is None:
-            raise BackendProtocolError(
-                f"replica {self.id}: a finished completion without finish_reason", replica=self.id
-            )
-        return chunk
 
     def _chunk(
         self, choice: dict[str, Any], path: str, sampling: SamplingParams, before: int, experts_start: int

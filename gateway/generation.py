@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from backends.base import Chunk, SamplingParams, VersionSpan, WholeAnswer
+from backends.base import Chunk, SamplingParams, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed
@@ -146,13 +146,11 @@ class _SegmentRun:
 
 @dataclass(slots=True)
 class _EngineCall:
-    """One engine request, built (its body encoded) but not yet sent: the first iteration of `chunks`, or the call of
-    `answer`, sends it."""
+    """One engine request, built (its body encoded) but not yet sent: the first iteration of `chunks` sends it."""
 
     replica: Replica
     request_id: str
-    chunks: AsyncGenerator[Chunk, None] | None  # a streamed request (or a whole answer read as a stream)
-    answer: WholeAnswer | None  # a whole answer awaited in one step (`Generator.complete`)
+    chunks: AsyncGenerator[Chunk, None]  # a stream's chunks, or a whole answer's one
     streamed: bool  # the engine streams its tokens (a whole answer has no first token of its own)
 
 
@@ -161,6 +159,7 @@ class _Resume:
     """What the resume loop carries from one segment to the next."""
 
     deadline: float  # monotonic
+    loop_deadline: float  # the same, in loop time: the engine answer's own timer enforces it
     avoid: tuple[str, ...] = ()  # the replica that just failed
     interrupted_at: float | None = None
     preempted_at: float | None = None
@@ -204,48 +203,28 @@ class Generator:
         return state
 
     async def complete(self, request: GenerationRequest, state: GenerationState) -> None:
-        """Produce the whole completion into `state`, for a caller that takes it only once finished. A request that
-        needs no tokens on the way (`stream` off, no stop strings) awaits each segment's whole answer in one step,
-        under the same resume rules as `stream`; any other drains `stream`. If the caller is cancelled, the engine
-        request is aborted and `state.cancelled` is set."""
-        if request.stream or request.stop is not None:
-            async for _ in self.stream(request, state):
-                pass
-            return
-        self.prompt_tokens_total += len(request.prompt_ids)
-        resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
-        try:
-            while not self._done(request, state):
-                run, call = self._start(request, state, resume, True) or await self._start_after_wait(
-                    request, state, resume, True
-                )
-                failed = False
-                try:
-                    await self._whole_segment(request, state, run, call, resume.deadline)
-                except BackendError as exc:
-                    self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
-                    failed = True
-                finally:
-                    self._close_segment(state, run)  # see `stream`
-                if state.finish_reason is None:
-                    await self._between(request, state, run, resume, failed=failed, whole=True)
-        except asyncio.CancelledError:
-            state.cancelled = True
-            raise
+        """Produce the whole completion into `state`, for a caller that takes it only once finished: `stream` consumed
+        to the end (a request that needs no tokens on the way gets each segment's whole answer from its engine, see
+        `GenerationRequest.stream`). If the caller is cancelled, the engine request is aborted and `state.cancelled`
+        is set."""
+        async for _ in self.stream(request, state):
+            pass
 
     async def stream(self, request: GenerationRequest, state: GenerationState) -> AsyncGenerator[Delta, None]:
         """Yield new tokens as they arrive; `state` holds the rest (versions, experts, finish) at the end.
-        If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set."""
+        If the caller stops early (disconnect), the engine request is aborted and `state.cancelled` is set.
+
+        The resume loop: start a segment, absorb its chunks; when it breaks off (abort, replica failure, refused
+        version) close it, prepare the resume and start the next on a replica the pool picks."""
         self.prompt_tokens_total += len(request.prompt_ids)
-        resume = _Resume(time.monotonic() + self.settings.request_timeout_s)
+        timeout = self.settings.request_timeout_s
+        resume = _Resume(time.monotonic() + timeout, asyncio.get_running_loop().time() + timeout)
         try:
             while not self._done(request, state):
-                run, call = self._start(request, state, resume, False) or await self._start_after_wait(
-                    request, state, resume, False
-                )
+                run, call = self._start(request, state, resume) or await self._start_after_wait(request, state, resume)
                 failed = False
                 try:
-                    async for delta in self._segment(request, state, run, call, resume.deadline):
+                    async for delta in self._segment(request, state, run, call, resume.loop_deadline):
                         yield delta
                 except BackendError as exc:
                     self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
@@ -255,7 +234,7 @@ class Generator:
                     # token it produced gets its version: a cut turn is recorded with aligned arrays.
                     self._close_segment(state, run)
                 if state.finish_reason is None:
-                    await self._between(request, state, run, resume, failed=failed, whole=False)
+                    await self._between(request, state, run, resume, failed=failed)
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
             raise
@@ -270,17 +249,17 @@ class Generator:
         return False
 
     def _start(
-        self, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+        self, request: GenerationRequest, state: GenerationState, resume: _Resume
     ) -> tuple[_SegmentRun, _EngineCall] | None:
         """The next segment (its replica placed, its engine request built) if it can start at once, else None
         (`_start_after_wait`): a plain function, as most segments start without waiting for anything."""
         if not self.weights.serving or resume.avoid:
             return None
         replica = self.pool.pick(request.session_id)
-        return None if replica is None else self._start_on(replica, request, state, resume, whole)
+        return None if replica is None else self._start_on(replica, request, state, resume)
 
     async def _start_after_wait(
-        self, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+        self, request: GenerationRequest, state: GenerationState, resume: _Resume
     ) -> tuple[_SegmentRun, _EngineCall]:
         """The next segment, once the weights serve and a replica (other than the one that just failed) is free."""
         if not self.weights.serving:
@@ -289,10 +268,10 @@ class Generator:
         if replica is None:
             wait_until = min(resume.deadline, time.monotonic() + self.settings.max_wait_s)
             replica = await self.pool.acquire(request.session_id, wait_until, exclude=resume.avoid)
-        return self._start_on(replica, request, state, resume, whole)
+        return self._start_on(replica, request, state, resume)
 
     def _start_on(
-        self, replica: Replica, request: GenerationRequest, state: GenerationState, resume: _Resume, whole: bool
+        self, replica: Replica, request: GenerationRequest, state: GenerationState, resume: _Resume
     ) -> tuple[_SegmentRun, _EngineCall]:
         """The next segment on `replica`: the continuation built ahead for it during a weight update, or a new call."""
         remaining = request.sampling.max_tokens - len(state.output_ids)
@@ -300,7 +279,7 @@ class Generator:
         if ahead is not None and ahead.replica is replica:
             call = ahead
         else:
-            call = self._engine_call(request, state, replica, remaining, whole)
+            call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
         dispatch_version = replica.version if replica.version is not None else self.weights.version
         run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
@@ -314,7 +293,6 @@ class Generator:
         resume: _Resume,
         *,
         failed: bool,
-        whole: bool,
     ) -> None:
         """A segment broke off before the completion finished: persist the partial state and set up the next one."""
         resume.avoid = (run.replica.id,) if failed else ()
@@ -327,7 +305,7 @@ class Generator:
             # Preempted: the replica most likely serves the continuation too, once the update is done. Building it
             # now (prompt plus tokens so far, encoded) takes that work off the moment every held request is
             # released at once; another replica then gets a call of its own.
-            resume.ahead = self._engine_call(request, state, run.replica, left, whole)
+            resume.ahead = self._engine_call(request, state, run.replica, left, resume.loop_deadline)
 
     async def _until_serving(self, deadline: float) -> None:
         try:
@@ -336,10 +314,11 @@ class Generator:
             raise BackendUnavailable("request deadline passed while waiting for a weight update") from None
 
     def _engine_call(
-        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int, whole: bool
+        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int, deadline: float
     ) -> _EngineCall:
-        """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go;
-        `whole`: awaited as one answer (`complete`), else iterated (`stream`)."""
+        """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go, by
+        `deadline` (loop time). Its answer streams if the caller takes tokens on the way (or stop strings are
+        watched), else comes whole: the adapter reads it either way (`EngineBackend.generate`)."""
         backend = replica.backend
         # The first segment sends the prompt as it is (the backend encodes it at once, nothing changes it meanwhile).
         prompt = request.prompt_ids + state.output_ids if state.output_ids else request.prompt_ids
@@ -353,64 +332,35 @@ class Generator:
         experts_start = len(prompt) - 1 if continuing and splice else (request.experts_start if splice else 0)
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         request_id = f"{request.request_id}-{len(state.segments)}"
-        if whole:
-            answer = backend.whole_answer(prompt, sampling, request_id, replay, experts_start)
-            return _EngineCall(replica, request_id, None, answer, streamed=False)
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
-        chunks = backend.generate(prompt, sampling, request_id, replay, experts_start, stream=stream)
-        return _EngineCall(replica, request_id, chunks, None, backend.capabilities.streams(stream))
+        chunks = backend.generate(prompt, sampling, request_id, replay, experts_start, stream=stream, deadline=deadline)
+        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream))
 
     async def _segment(
         self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
     ) -> AsyncIterator[Delta]:
+        """One segment: the engine answer's chunks absorbed into `state`, the caller's new tokens yielded. The request's
+        `deadline` (loop time) went with the answer: its transport's own timer enforces it, streamed or whole."""
         engine_done = False
-        chunks = call.chunks
-        assert chunks is not None
         with self.pool.lease(run.replica):
             try:
                 if run.preempted_at is not None:
                     self._dispatched(run.preempted_at)
-                async with asyncio.timeout_at(self._loop_deadline(deadline)), contextlib.aclosing(chunks):
+                async with contextlib.aclosing(call.chunks) as chunks:
                     async for chunk in chunks:
-                        delta = self._absorb(state, run, chunk, request)
                         engine_done = chunk.finish_reason is not None
+                        delta = self._absorb(state, run, chunk, request)
                         if delta is not None:
                             self._count(run, delta, observe=call.streamed)
                             yield delta
                         if run.finish is not None:
                             break
-            except TimeoutError:
-                raise self._deadline_passed(run) from None
+            except BackendTimeout:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise self._deadline_passed(run) from None
+                raise
             finally:
-                if not engine_done:  # stop string, client gone, or a broken stream: stop the engine request
-                    self._abort_in_background(run.replica, call.request_id)
-        self.pool.report_success(run.replica)
-
-    async def _whole_segment(
-        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
-    ) -> None:
-        """`_segment` for a whole answer, awaited in one step."""
-        answer = call.answer
-        assert answer is not None
-        engine_done = False
-        with self.pool.lease(run.replica):
-            try:
-                if run.preempted_at is not None:
-                    self._dispatched(run.preempted_at)
-                # The request's deadline goes with the answer: the connection's own timer enforces it.
-                loop_deadline = self._loop_deadline(deadline)
-                try:
-                    chunk = await answer(loop_deadline)
-                except BackendTimeout:
-                    if asyncio.get_running_loop().time() >= loop_deadline:
-                        raise self._deadline_passed(run) from None
-                    raise
-                engine_done = True
-                delta = self._absorb(state, run, chunk, request)
-                if delta is not None:
-                    self._count(run, delta, observe=False)
-            finally:
-                if not engine_done:  # client gone, or a broken answer: stop the engine request
+                if not engine_done:  # stop string, client gone, or a broken answer: stop the engine request
                     self._abort_in_background(run.replica, call.request_id)
         self.pool.report_success(run.replica)
 
@@ -455,9 +405,6 @@ class Generator:
         if request.routed_experts is None:
             return ours
         return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
-
-    def _loop_deadline(self, deadline: float) -> float:
-        return asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic())
 
     def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
         """Refuse tokens sampled under weights older than the replica is known to run (`stale_version`): that chunk

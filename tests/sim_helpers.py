@@ -10,6 +10,10 @@ from typing import Any
 import httpx
 import orjson
 
+from backends.generation_transport import TransportFactory
+from gateway.config import Settings
+from gateway.fastpath.engine_client import KeepAlivePool
+
 
 async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
     """Poll a condition on a real server (bounded); fail with `what` if it never holds."""
@@ -41,3 +45,9 @@ async def sim_state(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     response.raise_for_status()
     state: dict[str, Any] = response.json()
     return state
+
+
+def gateway_transport() -> TransportFactory | None:
+    """The generation transport the gateway gives its replicas in this test run: the fast path's pool, or aiohttp's
+    (None) where `RG_FASTPATH__ENABLED=false` turns the fast path off."""
+    return KeepAlivePool if Settings().fastpath.on("engine_client") else None

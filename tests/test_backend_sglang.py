@@ -46,7 +46,7 @@ from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from tests.conftest import SimFactory
 from tests.scripted_server import Answer, Seen, scripted_server, sse_body
-from tests.sim_helpers import sim_state, wait_for
+from tests.sim_helpers import gateway_transport, sim_state, wait_for
 
 SHAPE = ModelShape()
 V1 = ("init", "default")
@@ -72,7 +72,9 @@ async def make_backend() -> AsyncIterator[BackendFactory]:
     backends: list[SglangBackend] = []
 
     def make(url: str, **spec: Any) -> SglangBackend:
-        backend = SglangBackend(ReplicaSpec(id=f"sg{len(backends)}", url=url, **spec))
+        backend = SglangBackend(
+            ReplicaSpec(id=f"sg{len(backends)}", url=url, **({"generation_transport": gateway_transport()} | spec))
+        )
         backends.append(backend)
         return backend
 

@@ -22,7 +22,7 @@ from backends.sim.reference import reference_tokens
 from backends.vllm import VllmBackend
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
-from tests.sim_helpers import wait_for
+from tests.sim_helpers import gateway_transport, wait_for
 from tests.test_metrics import scrape, value
 
 PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]
@@ -45,7 +45,12 @@ async def backend_for() -> AsyncIterator[BackendFor]:
     backends: list[Backend] = []
 
     def make(dialect: str, url: str, interval_s: float, min_streams: int = 1) -> Backend:
-        spec = ReplicaSpec(id="r0", url=url, stream_pacing=StreamPacing(interval_s, min_streams))
+        spec = ReplicaSpec(
+            id="r0",
+            url=url,
+            stream_pacing=StreamPacing(interval_s, min_streams),
+            generation_transport=gateway_transport(),
+        )
         backend = BACKENDS[dialect](spec)
         backends.append(backend)
         return backend
