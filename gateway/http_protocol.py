@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - a uvicorn that moved them: every answer goes through `send`
     RequestResponseCycle = None  # type: ignore[assignment,misc]
 
-from backends.loop_local import loop_local
+from common.loop_local import loop_local
 
 __all__ = ["HeadWithBodyProtocol", "HeadWithBodyTransport", "send_whole_answer"]
 

@@ -15,7 +15,7 @@ uvicorn's way unchanged: other methods and paths, a request pipelined behind one
 100-continue`, upgrades, a concurrency limit or a root path, an app that is not a `GatewayApp` (uvicorn wraps it
 when it reads proxy headers or logs at trace level), a uvicorn without the method this relies on.
 
-A lane request also gets a disconnect notice in its scope (`backends.asgi.DisconnectNotice`), which the protocol
+A lane request also gets a disconnect notice in its scope (`common.asgi.DisconnectNotice`), which the protocol
 tells when the connection is lost before the answer completed: the request's disconnect watch names a listener on
 it instead of starting a watcher task (after a delay), and a client that leaves is noticed at once.
 """
@@ -29,7 +29,7 @@ from typing import Any, cast
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from backends.asgi import DISCONNECT_NOTICE, DisconnectNotice
+from common.asgi import DISCONNECT_NOTICE, DisconnectNotice
 from gateway.api.fast_lane import FastLane, length_and_type
 from gateway.api.streaming import GatewayApp
 from gateway.http_protocol import HeadWithBodyProtocol

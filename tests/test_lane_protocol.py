@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from backends.asgi import ClientDisconnected, unless_disconnected
+from common.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.errors import install_error_handlers
 from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute

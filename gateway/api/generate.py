@@ -25,10 +25,10 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.base import SamplingParams
-from backends.errors import GatewayError
 from backends.routed_experts import ExpertArray, encode_npy_b64
+from common.asgi import relay_until_disconnected, unless_disconnected
+from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute

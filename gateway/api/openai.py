@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from backends.asgi import relay_until_disconnected, unless_disconnected
-from backends.errors import GatewayError
+from common.asgi import relay_until_disconnected, unless_disconnected
+from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.lean_route import LeanRoute
