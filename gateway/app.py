@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from gateway.api import admin, generate, health, observability, openai, sessions
+from gateway.api import admin, generate, health, observability, openai, session_routes
 from gateway.api.errors import install_error_handlers
 from gateway.api.lean_route import LeanRoute
 from gateway.api.limits import BodySizeLimit
@@ -54,7 +54,7 @@ def create_app(
     route_class = LeanRoute if lean_routes else APIRoute
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
-    app.include_router(sessions.router)
+    app.include_router(session_routes.router)
     app.include_router(admin.router)
     app.include_router(observability.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)

@@ -20,7 +20,7 @@ from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
 from gateway.routing import Replica, ReplicaPool
-from gateway.sessions import SessionManager
+from gateway.session_samples import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo, get_tool_parser
 from gateway.turns import TurnRunner

@@ -34,7 +34,7 @@ from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
-from gateway.sessions import SessionManager, Turn
+from gateway.session_samples import SessionManager, Turn
 from gateway.store import metadata_additions
 from gateway.tokenization import (
     ChatTokenizer,

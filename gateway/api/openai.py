@@ -25,7 +25,7 @@ from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.request_ids import new_request_id
 from gateway.services import Services
-from gateway.sessions import session_id_from
+from gateway.session_samples import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
