@@ -90,7 +90,7 @@ async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) 
     try:
         await unless_disconnected(raw, runner.run(prepared), lambda: None, DISCONNECT_WATCH_AFTER_S)
     finally:
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)
 
 
 def _envelope(
@@ -302,7 +302,7 @@ def _completion_chunks(
 
 
 def _streaming(chunks: AsyncIterator[bytes], runner: TurnRunner, prepared: PreparedTurn) -> Response:
-    return GuardedStreamingResponse(chunks, lambda: runner.close(prepared), media_type="text/event-stream")
+    return GuardedStreamingResponse(chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream")
 
 
 async def _relay(
@@ -314,10 +314,10 @@ async def _relay(
     try:
         async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
             yield chunk
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)
         yield LastChunk(b"data: [DONE]\n\n")
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
         yield _sse({"error": error})
     finally:
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)
