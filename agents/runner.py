@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from agents import math_agent, tool_agent
 from agents.episode import Agent
-from agents.sessions import RetryPolicy, SessionsClient
+from agents.session_client import RetryPolicy, SessionsClient
 from agents.summary import EpisodeResult, RunSummary, print_summary
 from agents.tasks import generate_tasks
 

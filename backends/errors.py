@@ -2,27 +2,14 @@
 launcher (`backends/launcher.py`).
 
 They live here (not in `gateway/`) so that `backends/` depends on nothing in `gateway/`; `gateway/errors.py`
-re-exports them and documents the whole tree. `GatewayError` is defined here for the same reason.
+re-exports them and documents the whole tree. Their root, `GatewayError`, is in `common/errors.py`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-
-class GatewayError(Exception):
-    """Root of every error the gateway raises on purpose. `status_code` and `error_type` shape the HTTP answer."""
-
-    status_code: int = 500
-    error_type: str = "internal_error"
-    # Extra fields of the error object in the HTTP answer, beside message, type, param and code (None: none).
-    details: dict[str, object] | None = None
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+from common.errors import GatewayError
 
 
 class BackendError(GatewayError):
@@ -98,6 +85,5 @@ __all__ = [
     "BackendUnavailable",
     "EngineLaunchError",
     "EngineNotInstalled",
-    "GatewayError",
     "WeightsNotLoaded",
 ]

@@ -44,7 +44,6 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from backends.hashing import mix64, string_key
 from benchmarks._harness import (
     GatewayProcess,
     Percentiles,
@@ -59,6 +58,7 @@ from benchmarks._harness import (
     sim_replicas,
     sse_events,
 )
+from common.hashing import mix64, string_key
 
 CONTEXT = 131_072  # the replicas' and the gateway's context: a long prompt's tokens fit
 STREAM_PROMPT_MAX = 64  # a stream's prompt is 4 tokens (a continuation adds its output); a long prompt, thousands

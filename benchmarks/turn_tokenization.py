@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from benchmarks._harness import machine_line, make_console, print_table
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.sessions import SessionManager
+from gateway.session_samples import SessionManager
 from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, NotAPrefix
 from gateway.trajectory import Sample

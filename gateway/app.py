@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from gateway.api import admin, generate, health, observability, openai, sessions
+from gateway.api import admin, generate, health, observability, openai, session_routes
 from gateway.api.errors import install_error_handlers
 from gateway.api.limits import BodySizeLimit
 from gateway.api.openapi import install_openapi
@@ -56,7 +56,7 @@ def create_app(
     route_class = OnePassRoute if settings.fastpath.on("one_pass_routes") else APIRoute
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
-    app.include_router(sessions.router)
+    app.include_router(session_routes.router)
     app.include_router(admin.router)
     app.include_router(observability.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)

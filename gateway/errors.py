@@ -23,10 +23,10 @@ GatewayError                      base of every error the gateway raises on purp
     └── EngineNotInstalled        its python or model is missing (scripts/engines/setup.sh)
 ```
 
-`GatewayError`, the `Backend*` branch and the `Engine*` branch are defined in `backends/errors.py` so that
-engine adapters (and the engine launcher) depend on nothing in `gateway/`; they are re-exported here. Foreign
-errors (aiohttp, redis) are translated into this tree inside `backends/` and `gateway/store/` only; nothing above
-those layers catches `aiohttp.*` or `redis.*`.
+The `Backend*` branch and the `Engine*` branch are defined in `backends/errors.py` so that engine adapters (and
+the engine launcher) depend on nothing in `gateway/`, and their root `GatewayError` in `common/errors.py`, below
+both; they are re-exported here. Foreign errors (aiohttp, redis) are translated into this tree inside `backends/`
+and `gateway/store/` only; nothing above those layers catches `aiohttp.*` or `redis.*`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from backends.errors import (
     BackendUnavailable,
     EngineLaunchError,
     EngineNotInstalled,
-    GatewayError,
     WeightsNotLoaded,
 )
+from common.errors import GatewayError
 
 
 class ConfigError(GatewayError):

@@ -1,6 +1,6 @@
 """Per-API-key concurrency: how many sessions one key may have with a request in flight at once.
 
-Counted in this process (a session's turns run one at a time here, see `SessionManager.lock`); several
+Counted in this process (a session's turns run one at a time here, see `SessionLocks.turn`); several
 gateway processes each enforce the limit on their own share of the traffic. Keys are identified by a
 digest, never by the key itself, so nothing here can leak a secret into logs or errors.
 """

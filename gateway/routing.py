@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 from backends.base import EngineBackend
 from backends.errors import BackendUnavailable
-from backends.hashing import mix64, string_key
+from common.hashing import mix64, string_key
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import SessionQuota
 from gateway.routing import Replica, ReplicaPool
-from gateway.sessions import SessionManager
+from gateway.session_lifecycle import SessionLifecycle
+from gateway.session_samples import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo, get_tool_parser
 from gateway.turns import TurnRunner
@@ -247,18 +248,19 @@ async def open_services(
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
-        sessions = SessionManager(tokenizer, trajectories, cache_size=s.session_cache_size)
+        # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
+        sessions = SessionManager(tokenizer, trajectories, cache_size=s.session_cache_size, locks=trajectories.locks)
+        lifecycle = SessionLifecycle(sessions, trajectories, pool)
         turns = TurnRunner(
             generator,
-            sessions,
+            lifecycle,
             tokenizer,
             get_tool_parser(settings.model.tool_parser),
-            trajectories,
             model_name=settings.model.name,
             max_model_len=settings.model.max_model_len,
             want_routed_experts=any(r.routed_experts for r in settings.replicas),
         )
-        stack.push_async_callback(turns.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
+        stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
         metrics.bind(pool, weights, generator, trajectories)
         services = Services(

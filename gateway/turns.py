@@ -1,7 +1,8 @@
 """One agent turn end to end: session → prompt ids → n generations (resume loop) → text, tool calls → Redis.
 
 The OpenAI routes and `POST /generate` in a session shape requests and responses; everything between lives here.
-A turn holds its session's lock from `prepare_*` until `close()`, so the turns of one session never interleave in
+The session side of a turn (lock, load, create, save, finish) is `gateway.session_lifecycle`'s: a turn holds its
+session's lock from `prepare_*` until `SessionLifecycle.close`, so the turns of one session never interleave in
 this process.
 
 Session metadata. A request's OpenAI `metadata` (str → str) reaches its session: the turn that creates the session
@@ -23,19 +24,19 @@ import contextlib
 import random
 import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import SamplingParams
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
-from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
-from gateway.sessions import SessionManager, Turn
-from gateway.store import metadata_additions
+from gateway.session_lifecycle import SessionLifecycle
+from gateway.session_samples import Turn
 from gateway.tokenization import (
     ChatTokenizer,
     EncodedPrefix,
@@ -46,7 +47,6 @@ from gateway.tokenization import (
     ToolParser,
     make_stop_checker,
 )
-from gateway.trajectory import SessionMeta
 from gateway.working_sample import WorkingSample
 
 MAX_RANDOM_SEED = 2**31 - 1
@@ -100,34 +100,37 @@ class PreparedTurn:
     group_id: str | None = None
     conversation: bool = True
 
+    def replies(self) -> Iterator[tuple[Turn, GenerationState, dict[str, Any] | None]]:
+        """Per choice, what its sample records: its turn, its generation, and the reply to keep as the sample's
+        conversation (None: a token-in/token-out turn, or a cancelled one)."""
+        for choice in self.choices:
+            recorded = self.conversation and not choice.state.cancelled
+            yield choice.turn, choice.state, assistant_message(choice) if recorded else None
+
 
 class TurnRunner:
-    """Runs turns for the OpenAI routes."""
+    """Runs turns for the OpenAI routes and `POST /generate`; `lifecycle` begins and closes them as turns of
+    sessions."""
 
     def __init__(
         self,
         generator: Generator,
-        sessions: SessionManager,
+        lifecycle: SessionLifecycle,
         tokenizer: ChatTokenizer,
         tool_parser: ToolParser,
-        store: Any,
         *,
         model_name: str,
         max_model_len: int,
         want_routed_experts: bool,
     ) -> None:
         self.generator = generator
-        self.sessions = sessions
+        self.lifecycle = lifecycle
+        self.sessions = lifecycle.sessions
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
-        self.store = store
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
-        self._open = 0  # turns prepared and not yet closed
-        self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
-        self._idle = asyncio.Event()
-        self._idle.set()
         # Per session, the beginning of its last raw completion prompt and its ids (`_encode_prompt`), as many
         # sessions as the session cache holds.
         self._prefixes: OrderedDict[str, EncodedPrefix] = OrderedDict()
@@ -137,28 +140,6 @@ class TurnRunner:
             raise NotFound(
                 f"The model `{model}` does not exist; this gateway serves `{self.model_name}`", param="model"
             )
-
-    def _refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
-        if one_turn:
-            self.sessions.forget(session_id)  # nothing of it was stored, and nobody will send its id again
-        self._release(lock)
-
-    async def _open_session(
-        self, session_id: str, one_turn: bool, meta: SessionMeta | None, metadata: dict[str, str] | None = None
-    ) -> None:
-        """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
-        request stores nothing), with the request's `metadata` (see the module docstring). A new session is refused
-        with 429 while the trainer lags (backpressure)."""
-        if one_turn:
-            # 128 random bits we just made: nobody else can know the id.
-            await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True)
-            return
-        if meta is None:
-            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True)
-        if metadata and metadata_additions(meta.metadata, metadata, session_id):
-            await self.store.add_metadata(session_id, metadata)  # checks again against what is stored then
-        if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
-            self.generator.pool.remember(session_id, meta.replica)
 
     async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
@@ -173,17 +154,15 @@ class TurnRunner:
             return await self._prepare_group(base, prompt, messages, tools, body, body.budget, top)
         one_turn = session_id is None
         sid = session_id or f"chat-{secrets.token_hex(16)}"
-        lock = self.sessions.lock(sid)
-        await self._acquire(lock)
+        lock, meta = await self.lifecycle.begin(sid, new=one_turn)
         try:
-            meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
             prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock])
-            await self._open_session(sid, one_turn, meta, body.metadata)
+            await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
-            self._refused(sid, one_turn, lock)
+            self.lifecycle.refused(sid, one_turn, lock)
             raise
 
     async def _encode_prompt(self, text: str, session_id: str | None) -> list[int]:
@@ -220,17 +199,15 @@ class TurnRunner:
             )
         one_turn = session_id is None
         sid = session_id or f"cmpl-{secrets.token_hex(16)}"
-        lock = self.sessions.lock(sid)
-        await self._acquire(lock)
+        lock, meta = await self.lifecycle.begin(sid, new=one_turn)
         try:
-            meta = await self.sessions.open(sid, new=one_turn)
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             turns = self.sessions.branch(turn, body.n)
             prepared = self._prepare(sid, one_turn, turns, body, budget, top, False, [lock])
-            await self._open_session(sid, one_turn, meta, body.metadata)
+            await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
-            self._refused(sid, one_turn, lock)
+            self.lifecycle.refused(sid, one_turn, lock)
             raise
 
     async def prepare_tokens(
@@ -248,20 +225,18 @@ class TurnRunner:
         the turn continues that sample, the extension an environment span (loss mask 0), as a raw completion does
         (`SessionManager.begin_completion_turn`); else a new sample starts in the session. The session is created on
         first use; a finished one is a 409. The caller checked the ids and the context length."""
-        lock = self.sessions.lock(session_id)
-        await self._acquire(lock)
+        lock, meta = await self.lifecycle.begin(session_id)
         try:
-            meta = await self.sessions.open(session_id)
             turn = await self.sessions.begin_completion_turn(session_id, prompt_ids)
             want = want_routed_experts or self.want_routed_experts
             request = self._generation_request(session_id, turn, sampling, None, stream, want)
             detokenizer = IncrementalDetokenizer(self.tokenizer)  # unused: the caller decodes, if at all
             choice = Choice(0, turn, request, GenerationState(request), detokenizer, None)
             prepared = PreparedTurn(session_id, False, [choice], turn.prompt_ids, [lock], conversation=False)
-            await self._open_session(session_id, False, meta, metadata)
+            await self.lifecycle.create(session_id, False, meta, metadata)
             return prepared
         except BaseException:
-            self._refused(session_id, False, lock)
+            self.lifecycle.refused(session_id, False, lock)
             raise
 
     async def _prepare_group(
@@ -278,31 +253,19 @@ class TurnRunner:
         group_id = (body.metadata or {}).get("group_id", base)
         members = [f"{base}-{i}" for i in range(body.n)]
         metadata = _group_metadata(body.metadata or {}, group_id, body.n)
-        locks: list[asyncio.Lock] = []
+        locks = await self.lifecycle.begin_group(base, members)
         try:
-            for member in members:  # in one order: two requests of one group cannot each hold a lock the other needs
-                lock = self.sessions.lock(member)
-                await self._acquire(lock)
-                locks.append(lock)
-            for member in members:
-                if await self.sessions.open(member) is not None:
-                    raise Conflict(
-                        f"session {member} exists: the {body.n} sessions of a group are new ({base}-0 ... {base}-"
-                        f"{body.n - 1}); name another session for this group",
-                        param="session_id",
-                    )
             turns = [
                 Turn(member, WorkingSample(0, list(prompt), tools=tools), list(prompt), [], messages, new_sample=True)
                 for member in members
             ]
             prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools is not None, locks)
             prepared.group_id = group_id
-            for index, member in enumerate(members):
-                await self.store.create_session(metadata | {"group_index": index}, member, absent=True)
+            await self.lifecycle.create_group(members, metadata)
             return prepared
         except BaseException:
             for lock in locks:
-                self._release(lock)
+                self.lifecycle.release(lock)
             raise
 
     def _prepare(
@@ -457,65 +420,6 @@ class TurnRunner:
             choice.content = choice.text
         tail.finished = True
         return tail
-
-    # -- recording -------------------------------------------------------------------------------
-
-    async def _acquire(self, lock: asyncio.Lock) -> None:
-        await lock.acquire()
-        self._open += 1
-        self._idle.clear()
-
-    def _release(self, lock: asyncio.Lock) -> None:
-        lock.release()
-        self._open -= 1
-        self._check_idle()
-
-    def _recorded(self, task: asyncio.Task[None]) -> None:
-        self._recording.discard(task)
-        self._check_idle()
-
-    def _check_idle(self) -> None:
-        if not self._open and not self._recording:
-            self._idle.set()
-
-    async def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) until every open turn is closed and its final write done. Shutdown runs this before
-        the store closes: the server cancels requests past its grace period without waiting for them, and a
-        cancelled turn still records its tokens so far (a checkpoint the next process continues from)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-
-    async def _record(self, prepared: PreparedTurn) -> None:
-        try:
-            for choice in prepared.choices:
-                recorded = prepared.conversation and not choice.state.cancelled
-                assistant = assistant_message(choice) if recorded else None
-                sample = self.sessions.record(choice.turn, choice.state, assistant)
-                replicas = choice.state.replica_ids
-                await self.sessions.save(choice.turn, sample, replica=replicas[-1] if replicas else None)
-        finally:
-            if prepared.one_turn:
-                self.sessions.forget(prepared.session_id)  # it ends with this turn
-        cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
-        if prepared.one_turn and not cancelled:
-            await self.store.finish(prepared.session_id, None, None)
-
-    async def close(self, prepared: PreparedTurn) -> None:
-        """Record every choice in its sample, store it, finish a one-turn session; release the session lock."""
-        if prepared.closed:
-            return
-        prepared.closed = True
-        try:
-            # Shielded: a second cancellation (client gone, shutdown past its bound) must not half-write the turn.
-            record = asyncio.ensure_future(self._record(prepared))
-            self._recording.add(record)
-            record.add_done_callback(self._recorded)
-            await asyncio.shield(record)
-        finally:
-            for lock in prepared.locks:
-                self._release(lock)
-            for lease in prepared.leases:
-                lease.release()
 
 
 def assistant_message(choice: Choice) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from agents import math_agent, tool_agent
 from agents.calculator import CalculatorError, evaluate, run_tool
 from agents.episode import EpisodeTrace
 from agents.runner import Runner, gateway_root, main, run
-from agents.sessions import RetryPolicy, retry_after_s
+from agents.session_client import RetryPolicy, retry_after_s
 from agents.tasks import Task, generate_tasks, last_integer, reward
 from backends.sim.server import SimReplica
 from gateway.assets import TINY_TOKENIZER_DIR

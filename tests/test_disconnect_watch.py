@@ -1,4 +1,4 @@
-"""Noticing a client's disconnect (`backends.asgi`), driven through the ASGI receive channel itself."""
+"""Noticing a client's disconnect (`common.asgi`), driven through the ASGI receive channel itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from backends.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
+from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 
 
 class Channel:

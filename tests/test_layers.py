@@ -1,6 +1,7 @@
 """The import rules between the project's layers (docs/architecture.md §2), read from the source: the service
 core (`gateway/` but its command line) imports neither the example agents, the reference trainer nor the engine
-simulator; engine adapters import nothing of the gateway."""
+simulator; engine adapters import nothing of the gateway; the shared utilities (`common/`) import none of the
+project's other packages."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def offenders(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...] =
     [
         ("gateway", ("agents", "trainers", "backends.sim", "backends.launcher"), ("gateway/cli/",)),
         ("backends", ("gateway", "agents", "trainers"), ()),
+        ("common", ("gateway", "backends", "agents", "trainers"), ()),
     ],
 )
 def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...]) -> None:

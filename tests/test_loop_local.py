@@ -9,7 +9,7 @@ import threading
 import pytest
 import uvloop
 
-from backends.loop_local import loop_local
+from common.loop_local import loop_local
 
 
 class Made:

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from backends.asgi import ClientDisconnected
+from common.asgi import ClientDisconnected
 from gateway.api import deps, generate, openai
 from gateway.api.errors import install_error_handlers
 from gateway.api.generate import GenerateBody

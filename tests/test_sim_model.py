@@ -9,10 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from backends.hashing import string_key
 from backends.sim.engine import EngineSettings, SamplingSpec, SimEngine, SimRequest, SimRequestError
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, prefix_hashes, weights_key
 from backends.sim.reference import reference_tokens
+from common.hashing import string_key
 
 SHAPE = ModelShape()
 MODEL = TokenModel(SHAPE)

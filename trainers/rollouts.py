@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from agents.sessions import SessionsClient
+from agents.session_client import SessionsClient
 from trainers.task import DigitsTask
 
 

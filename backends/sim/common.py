@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.asgi import ClientDisconnected, disconnected_response, unless_disconnected, watch_disconnect
 from backends.sim.engine import EngineSettings, SimEngine
+from common.asgi import ClientDisconnected, disconnected_response, unless_disconnected, watch_disconnect
 
 Dialect = Literal["vllm", "sglang"]
 

@@ -18,9 +18,9 @@ from typing import Literal
 
 import numpy as np
 
-from backends.hashing import mix64
 from backends.routed_experts import ExpertArray
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
+from common.hashing import mix64
 
 logger = logging.getLogger(__name__)
 

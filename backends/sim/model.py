@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from backends.hashing import GOLDEN, MASK64, MUL1, MUL2, mix64, string_key
+from common.hashing import GOLDEN, MASK64, MUL1, MUL2, mix64, string_key
 
 _TOKEN_SALT = 0xD6E8FEB86659FD93
 PREFIX_HASH_START = 0x243F6A8885A308D3

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.asgi import ClientDisconnected, disconnected_response
+from common.asgi import ClientDisconnected, disconnected_response
 from gateway.errors import GatewayError, Overloaded
 
 logger = logging.getLogger(__name__)

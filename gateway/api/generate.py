@@ -25,10 +25,10 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.asgi import relay_until_disconnected, unless_disconnected
 from backends.base import SamplingParams
-from backends.errors import GatewayError
 from backends.routed_experts import ExpertArray, encode_npy_b64
+from common.asgi import relay_until_disconnected, unless_disconnected
+from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
@@ -220,12 +220,14 @@ async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: 
     choice = prepared.choices[0]
     if body.stream:
         chunks = _session_stream(raw, svc, prepared, body)
-        return GuardedStreamingResponse(chunks, lambda: runner.close(prepared), media_type="text/event-stream")
+        return GuardedStreamingResponse(
+            chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream"
+        )
     try:
         complete = svc.generator.complete(choice.request, choice.state)
         await unless_disconnected(raw, complete, _nothing, DISCONNECT_WATCH_AFTER_S)
     finally:
-        await runner.close(prepared)  # recorded (shielded) before the answer
+        await runner.lifecycle.close(prepared)  # recorded (shielded) before the answer
     result = _final(choice.state, body) | _in_session(prepared)
     result["output_ids"] = choice.state.output_ids
     result["logprobs"] = choice.state.logprobs
@@ -242,13 +244,13 @@ async def _session_stream(
         stream = svc.generator.stream(choice.request, choice.state)
         async for delta in relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S):
             yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
-        await svc.turns.close(prepared)
+        await svc.turns.lifecycle.close(prepared)
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
         yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
         return
     finally:
-        await svc.turns.close(prepared)
+        await svc.turns.lifecycle.close(prepared)
     if choice.state.finish_reason is not None:
         final = _final(choice.state, body) | _in_session(prepared)
         yield LastChunk(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from backends.asgi import relay_until_disconnected, unless_disconnected
-from backends.errors import GatewayError
+from common.asgi import relay_until_disconnected, unless_disconnected
+from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
@@ -24,7 +24,7 @@ from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.request_ids import new_request_id
 from gateway.services import Services
-from gateway.sessions import session_id_from
+from gateway.session_samples import session_id_from
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
@@ -89,7 +89,7 @@ async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) 
     try:
         await unless_disconnected(raw, runner.run(prepared), lambda: None, DISCONNECT_WATCH_AFTER_S)
     finally:
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)
 
 
 def _envelope(
@@ -301,7 +301,7 @@ def _completion_chunks(
 
 
 def _streaming(chunks: AsyncIterator[bytes], runner: TurnRunner, prepared: PreparedTurn) -> Response:
-    return GuardedStreamingResponse(chunks, lambda: runner.close(prepared), media_type="text/event-stream")
+    return GuardedStreamingResponse(chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream")
 
 
 async def _relay(
@@ -313,10 +313,10 @@ async def _relay(
     try:
         async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
             yield chunk
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)
         yield LastChunk(b"data: [DONE]\n\n")
     except GatewayError as exc:
         error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
         yield _sse({"error": error})
     finally:
-        await runner.close(prepared)
+        await runner.lifecycle.close(prepared)

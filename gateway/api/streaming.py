@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backends.asgi import ClientDisconnected, unless_disconnected
+from common.asgi import ClientDisconnected, unless_disconnected
 from gateway.services import Services
 
 
@@ -28,7 +28,7 @@ class LastChunk(bytes):
 
 DISCONNECT_WATCH_AFTER_S = 0.25
 """How long a request that FastAPI serves itself runs before the gateway starts watching for its client's disconnect
-(`backends.asgi`): most requests end sooner and never pay for a watcher task; a client that leaves is noticed at most
+(`common.asgi`): most requests end sooner and never pay for a watcher task; a client that leaves is noticed at most
 1.25 times this late, and the engine request it abandoned is aborted then."""
 
 
@@ -103,7 +103,7 @@ class GuardedStreamingResponse(StreamingResponse):
     """`StreamingResponse` + `on_close`, awaited however the response ends; body chunks bypass the middlewares.
 
     A client that leaves ends the response: while the head is sent, a watcher (from `DISCONNECT_WATCH_AFTER_S` on)
-    cancels a send that never returns; while the body streams, its relay (`backends.asgi.relay_until_disconnected`)
+    cancels a send that never returns; while the body streams, its relay (`common.asgi.relay_until_disconnected`)
     notices the disconnect and closes the generation. Starlette's own watch (for servers of ASGI spec < 2.4,
     uvicorn's included) would run the body in an anyio task group beside a task that waits for the disconnect from
     the start, and cancel it at the end: a task and a task group more per streamed response.

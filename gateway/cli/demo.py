@@ -21,7 +21,7 @@ from rich.live import Live
 from rich.table import Table
 
 from agents.runner import Runner
-from agents.sessions import RetryPolicy
+from agents.session_client import RetryPolicy
 from backends.sim.common import SimServerSettings
 from backends.sim.engine import EngineSettings
 from backends.sim.server import SimReplica, serve_in_process

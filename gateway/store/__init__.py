@@ -7,6 +7,7 @@ One module per concept:
 - `core`: what the parts share (client, batcher, scripts, counters, the session-slot transaction);
 - `records`: session metas (create, read, activity, metadata); `backpressure`: `rg:pending`;
 - `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
+- `locks`: `SessionLocks`, the per-session locks of this process (a session's turns; its sample writes);
 - `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
 - `weights_bus`: `WeightsBus` (weight version, update lock, control channel);
 - `inspection`: what the command line shows of the store;
@@ -18,6 +19,7 @@ from __future__ import annotations
 from gateway.store.core import StoreStats
 from gateway.store.inspection import inspect_store, tail_trajectories
 from gateway.store.keys import Keys, connect
+from gateway.store.locks import SessionLocks
 from gateway.store.records import metadata_additions
 from gateway.store.samples import SampleWrite
 from gateway.store.trajectory_store import TrajectoryStore
@@ -27,6 +29,7 @@ _SampleWrite = SampleWrite  # its name before the store was split in modules (te
 
 __all__ = [
     "Keys",
+    "SessionLocks",
     "StoreStats",
     "TrajectoryStore",
     "WeightsBus",

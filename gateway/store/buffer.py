@@ -2,18 +2,18 @@
 
 The buffer keeps the latest version of each sample (a newer one takes the older one's place), oldest first. It is
 bounded: with `max_buffered_writes` writes waiting, a write of another sample raises `StoreError` (the request
-fails loudly; nothing is dropped). One lock per session serialises its sample writes, direct and flushed, so an
-older version can never land after a newer one.
+fails loudly; nothing is dropped). A session's `writes` lock (`SessionLocks`, gateway/store/locks.py) serialises
+its sample writes, direct and flushed, so an older version can never land after a newer one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 
 from gateway.errors import StoreError
 from gateway.store.core import Fields, StoreStats, background, backoff_s, cancel
+from gateway.store.locks import SessionLocks
 from gateway.store.samples import SampleWrite, SampleWriter
 from gateway.trajectory import SampleSaved
 
@@ -25,18 +25,20 @@ logger = logging.getLogger(__name__)
 class WriteBuffer:
     """Sample writes, sent at once while Redis answers, buffered while it does not (see the module docstring).
 
-    `start()` runs the flusher; without it, writes are never buffered (a failure raises)."""
+    `start()` runs the flusher; without it, writes are never buffered (a failure raises). `locks`: the process's
+    session locks, whose `writes` locks this takes."""
 
-    def __init__(self, writer: SampleWriter, stats: StoreStats, *, max_buffered_writes: int) -> None:
+    def __init__(
+        self, writer: SampleWriter, stats: StoreStats, locks: SessionLocks, *, max_buffered_writes: int
+    ) -> None:
         self._writer = writer
         self._stats = stats
+        self._locks = locks
         self.max_buffered_writes = max_buffered_writes
         # Sample writes waiting for Redis, oldest first; a newer version of a sample replaces the older in place.
         self._buffer: dict[tuple[str, int], SampleWrite] = {}
         self._outage = False  # the last write failed: buffer new writes at once instead of waiting on retries
         self._wake = asyncio.Event()
-        # Weak values: a lock lives only while someone holds or awaits it.
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._flusher: asyncio.Task[None] | None = None  # a hard reference: the event loop keeps only weak ones
 
     def __len__(self) -> int:
@@ -61,7 +63,7 @@ class WriteBuffer:
         """Write now: what the write made, or the status that refused it; None where it waits in the buffer."""
         if self._replace_buffered(write):
             return None
-        async with self._session_lock(write.session_id):
+        async with self._locks.writes(write.session_id):
             if self._replace_buffered(write):
                 return None
             if self._outage and self._flusher is not None:  # Redis is known down: no need to wait on retries
@@ -102,12 +104,6 @@ class WriteBuffer:
         self._stats.writes_buffered += 1
         self._wake.set()
 
-    def _session_lock(self, session_id: str) -> asyncio.Lock:
-        lock = self._locks.get(session_id)
-        if lock is None:
-            lock = self._locks[session_id] = asyncio.Lock()
-        return lock
-
     def _replace_buffered(self, write: SampleWrite) -> bool:
         """While a version of this sample waits in the buffer, a newer one takes its place (keeps order)."""
         waiting = self._buffer.get(write.key)
@@ -140,7 +136,7 @@ class WriteBuffer:
     async def flush(self, session_id: str | None = None) -> None:
         """Write buffered samples (of one session, or all), oldest first. Raises `StoreError` at the first failure."""
         for key in [k for k in self._buffer if session_id is None or k[0] == session_id]:
-            async with self._session_lock(key[0]):
+            async with self._locks.writes(key[0]):
                 write = self._buffer.get(key)
                 if write is None:
                     continue

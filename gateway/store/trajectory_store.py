@@ -20,6 +20,7 @@ from gateway.store.core import StoreCore, background, cancel
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
 from gateway.store.keys import Keys
+from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
 from gateway.store.records import Sessions
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
@@ -69,10 +70,12 @@ class TrajectoryStore:
         repair_grace_s: float = 10.0,
         retry_after_s: float = 5.0,
         pipelines: Pipelines | None = None,
+        locks: SessionLocks | None = None,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
         finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper;
-        `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`)."""
+        `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`); `locks`: the
+        process's session locks (`locks`, shared with the session lifecycle), new ones if None."""
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
@@ -83,6 +86,7 @@ class TrajectoryStore:
         self.sweep_interval_s = sweep_interval_s
         self.repair_grace_s = repair_grace_s
         self.retry_after_s = retry_after_s
+        self.locks = locks if locks is not None else SessionLocks()
         core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s, pipelines=pipelines)
         self.stats = core.stats
         self.batcher = core.batcher
@@ -90,7 +94,7 @@ class TrajectoryStore:
         self._backpressure = Backpressure(core, max_pending=max_pending, retry_after_s=retry_after_s)
         self._sessions = Sessions(core, self._backpressure)
         self._writer = SampleWriter(core)
-        self._buffer = WriteBuffer(self._writer, core.stats, max_buffered_writes=max_buffered_writes)
+        self._buffer = WriteBuffer(self._writer, core.stats, self.locks, max_buffered_writes=max_buffered_writes)
         # The finishes running in this process, by session; the sweepers leave those sessions alone.
         self._finishing: dict[str, asyncio.Task[str]] = {}
         self._delivery = Delivery(core, self._backpressure, self._finishing)

@@ -1,4 +1,6 @@
-"""Sessions with exact multi-turn tokens (docs/architecture.md §3, §7).
+"""A session's samples in this process: exact multi-turn tokens (docs/architecture.md §3, §7). The steps of a
+turn (lock, load, turn, save, finish) are put in order by `gateway.session_lifecycle`; this module does the sample
+side of them: which sample a turn extends, what it appends, what is written.
 
 Turn N+1 of a session reuses turn N's exact ids (prompt + sampled tokens) and tokenizes only what the new
 messages add (`ChatTokenizer.render_delta`); sampled tokens get loss mask 1, everything else 0, and what the
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ import numpy as np
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
 from gateway.request_ids import new_name
+from gateway.store.locks import SessionLocks
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import (
     ENV_VERSION,
@@ -168,7 +170,16 @@ def _repeats(prompt_ids: list[int], sample: WorkingSample) -> bool:
 class SessionManager:
     """Prepares and records the turns of sessions."""
 
-    def __init__(self, tokenizer: ChatTokenizer, store: SampleStore, *, cache_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        store: SampleStore,
+        *,
+        cache_size: int = 10_000,
+        locks: SessionLocks | None = None,
+    ) -> None:
+        """`locks`: the process's session locks (the store's, `TrajectoryStore.locks`); new ones if None (a
+        manager standing for a process of its own)."""
         self.tokenizer = tokenizer
         self.store = store
         self.cache_size = cache_size
@@ -177,14 +188,12 @@ class SessionManager:
         self._cache: OrderedDict[str, _Known] = OrderedDict()
         # A session's lock lives while a turn holds it or waits for it (they keep the reference), whether or not
         # the session's samples are still cached.
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.locks = locks if locks is not None else SessionLocks()
 
     def lock(self, session_id: str) -> asyncio.Lock:
-        """Turns of one session run one at a time in this process (a turn keeps the lock until it is recorded)."""
-        lock = self._locks.get(session_id)
-        if lock is None:
-            lock = self._locks[session_id] = asyncio.Lock()
-        return lock
+        """Turns of one session run one at a time in this process (a turn keeps the lock until it is recorded):
+        the session's `turn` lock (`SessionLocks.turn`)."""
+        return self.locks.turn(session_id)
 
     async def open(self, session_id: str, *, new: bool = False) -> SessionMeta | None:
         """Begin a turn of the session (under its lock): its stored meta, with activity recorded, or None if it has

@@ -18,7 +18,7 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.loop_local import loop_local
+from common.loop_local import loop_local
 
 T = TypeVar("T")
 
