@@ -165,7 +165,9 @@ class AiohttpTransport:
     async def post(self, path: str, body: bytes, deadline: float | None = None) -> tuple[int, bytes]:
         total = self.read_timeout_s
         if deadline is not None:
-            total = max(0.0, min(total, deadline - asyncio.get_running_loop().time()))
+            total = min(total, deadline - asyncio.get_running_loop().time())
+            if total <= 0:  # aiohttp reads a total of 0 as no limit at all
+                raise TimeoutError("the request's deadline passed before it was sent")
         timeout = aiohttp.ClientTimeout(total=total, connect=self._pool_timeout_s, sock_connect=self._connect_timeout_s)
         try:
             async with self.session().post(self.prefix + path, data=body, headers=_JSON, timeout=timeout) as response:
