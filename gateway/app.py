@@ -56,6 +56,7 @@ def create_app(
     route_class = OnePassRoute if settings.fastpath.on("one_pass_routes") else APIRoute
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
+    app.include_router(openai.create_session_router())
     app.include_router(session_routes.router)
     app.include_router(admin.router)
     app.include_router(observability.router)

@@ -1,4 +1,5 @@
-"""Bearer-token checks: the admin token for /admin/*, optional API keys for agent routes."""
+"""Bearer-token checks: the admin token for /admin/*, optional API keys for agent routes (with `sessions.identity:
+api_key`, the agent's key may name its session too: `gateway.session_identity`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import Request
 
 from gateway.errors import Forbidden, Unauthorized
 from gateway.quotas import ANONYMOUS, key_id
+from gateway.session_identity import KEY_FORMAT, split_key
 
 
 def _bearer(request: Request) -> str | None:
@@ -46,3 +48,25 @@ def check_agent(request: Request, api_keys: tuple[str, ...]) -> str:
     if not _matches(token, api_keys):
         raise Forbidden("unknown API key")
     return key_id(token)
+
+
+def agent_token(request: Request) -> str | None:
+    """The agent's token: `Authorization: Bearer <token>`, else Anthropic's `x-api-key: <token>`."""
+    return _bearer(request) or request.headers.get("x-api-key", "").strip() or None
+
+
+def check_agent_key(request: Request, api_keys: tuple[str, ...]) -> tuple[str, str | None] | None:
+    """`check_agent` for `sessions.identity: api_key`: the token is `<session>` when no API keys are configured,
+    else `<api key>:<session>` (or a key alone). Returns the caller's key id and the session its token names, or
+    None for a request without a token on a gateway without keys (the turn routes refuse it: `turn_session`)."""
+    token = agent_token(request)
+    if token is None:
+        if not api_keys:
+            return None
+        raise Unauthorized(f"this gateway needs 'Authorization: Bearer <api key>' ({KEY_FORMAT} names a session)")
+    key, session = split_key(token, bool(api_keys))
+    if key is None:
+        return ANONYMOUS, session
+    if not _matches(key, api_keys):
+        raise Forbidden("unknown API key")
+    return key_id(key), session

@@ -36,6 +36,7 @@ from pydantic_settings import (
 )
 
 from gateway.errors import ConfigError
+from gateway.session_identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +268,14 @@ class StoreConfig(_Section):
     )
 
 
+class SessionsConfig(_Section):
+    """How agents name their sessions (docs/architecture.md §1, `gateway.session_identity`)."""
+
+    identity: Identity = Field(
+        "header", description="header (path, X-Session-ID, body) | api_key (the agent's API key names it too)."
+    )
+
+
 class FastPathConfig(_Section):
     """The fast path (`gateway/fastpath/`, docs/architecture.md): the gateway's own, shorter versions of library
     code on its hot routes. `enabled: false` runs the gateway on the libraries alone (same answers, more CPU); the
@@ -339,6 +348,7 @@ class Settings(BaseSettings):
     generation: GenerationConfig = GenerationConfig()
     weights: WeightsConfig = WeightsConfig()
     store: StoreConfig = StoreConfig()
+    sessions: SessionsConfig = SessionsConfig()
     fastpath: FastPathConfig = FastPathConfig()
 
     @classmethod
@@ -472,6 +482,7 @@ __all__ = [
     "RoutingConfig",
     "RoutingPolicy",
     "ServerConfig",
+    "SessionsConfig",
     "Settings",
     "StoreConfig",
     "ToolParser",

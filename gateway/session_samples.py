@@ -434,14 +434,6 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
     return next((i for i in range(start + 1, end) if versions[i] != first), end)
 
 
-def session_id_from(header: str | None, body_session: str | None, user: str | None) -> str | None:
-    """`X-Session-ID` header, else `session_id` in the body, else `user` (docs/architecture.md §1)."""
-    for candidate in (header, body_session, user):
-        if candidate:
-            return candidate
-    return None
-
-
 def all_messages_text(messages: Sequence[Message]) -> int:
     """Number of messages (a cheap bound used by request limits)."""
     return len(messages)

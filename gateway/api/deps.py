@@ -6,8 +6,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.auth import check_admin, check_agent
+from gateway.auth import check_admin, check_agent, check_agent_key
+from gateway.errors import Unauthorized
+from gateway.quotas import ANONYMOUS
 from gateway.services import Services
+from gateway.session_identity import group_member, session_id_from
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker thread, and that
 # hop (two thread handoffs per request) cost more than the whole route on the short-request benchmark.
@@ -15,6 +18,10 @@ from gateway.services import Services
 
 _AGENT_KEY = "rollout_gateway.agent_key"
 """Scope key of the key id `require_agent` found (the scope itself: `request.state` costs an object per request)."""
+
+_KEY_SESSION = "rollout_gateway.key_session"
+"""Scope key of the session the agent's token names (`sessions.identity: api_key`), None for a key alone; absent
+when the request has no token."""
 
 
 def _services(request: Request) -> Services:
@@ -39,7 +46,34 @@ async def require_admin(request: Request) -> None:
 
 
 async def require_agent(request: Request) -> None:
-    request.scope[_AGENT_KEY] = check_agent(request, _services(request).settings.server.api_keys)
+    settings = _services(request).settings
+    if settings.sessions.identity == "header":
+        request.scope[_AGENT_KEY] = check_agent(request, settings.server.api_keys)
+        return
+    found = check_agent_key(request, settings.server.api_keys)
+    if found is None:
+        request.scope[_AGENT_KEY] = ANONYMOUS
+    else:
+        request.scope[_AGENT_KEY], request.scope[_KEY_SESSION] = found
+
+
+def turn_session(
+    request: Request, body_session: str | None, user: str | None
+) -> tuple[str | None, dict[str, str] | None]:
+    """The session a turn request names (`gateway.session_identity.session_id_from`: the URL path, `X-Session-ID`,
+    the body's `session_id`, the API key's session, `user`), and the group metadata of a `grp-` name given by the
+    path or the key. With `sessions.identity: api_key` a request without a token is a 401."""
+    scope = request.scope
+    path: str | None = scope.get("path_params", {}).get("session_id")
+    key_session: str | None = None
+    if _KEY_SESSION in scope:
+        key_session = scope[_KEY_SESSION]
+    elif _services(request).settings.sessions.identity == "api_key":
+        raise Unauthorized("sessions.identity is api_key: send 'Authorization: Bearer <session>'")
+    session = session_id_from(path, request.headers.get("x-session-id"), body_session, key_session, user)
+    if session is None or session not in (path, key_session):
+        return session, None
+    return session, group_member(session)
 
 
 def agent_key(request: Request) -> str:

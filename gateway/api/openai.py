@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+"""OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, and the same under a session
+prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session_identity`).
 
 Standard clients work unchanged; what only a rollout needs (session id, sample index, per-token versions,
 resumes) travels under the vendor key `rollout`, which they ignore.
@@ -8,23 +9,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.asgi import relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
-from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.deps import ServicesDep, agent_key, require_agent, turn_session
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.request_ids import new_request_id
 from gateway.services import Services
-from gateway.session_samples import session_id_from
+from gateway.session_identity import with_group
 from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
@@ -39,6 +40,23 @@ def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     return router
+
+
+def create_session_router() -> APIRouter:
+    """The same routes under `/sessions/{session_id}`, for agents that set only a base URL: the endpoints read the
+    session from the path (`turn_session`). FastAPI's route class: these are not the hot routes."""
+    dependencies = [Depends(require_agent), Depends(_session_in_path)]
+    router = APIRouter(prefix="/sessions/{session_id}", tags=["openai"], dependencies=dependencies)
+    router.add_api_route("/v1/models", models, methods=["GET"])
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    router.add_api_route("/v1/completions", completions, methods=["POST"])
+    return router
+
+
+async def _session_in_path(
+    session_id: Annotated[str, Path(min_length=1, max_length=256, description="The session the turn belongs to.")],
+) -> None:
+    """Declares and checks the prefix's `session_id` (the endpoints read it from the request: `turn_session`)."""
 
 
 async def models(svc: ServicesDep) -> dict[str, Any]:
@@ -68,6 +86,15 @@ def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
     if prepared.group_id is not None:
         out["group_id"] = prepared.group_id
     return out
+
+
+def _session(raw: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The turn's session (`turn_session`); a `grp-` name's group metadata joins the body's (not for a `group: true`
+    request, whose members get their own)."""
+    session, group = turn_session(raw, body.session_id, body.user)
+    if group is not None and session is not None and not body.group:
+        body.metadata = with_group(body.metadata, group, session)
+    return session
 
 
 async def _prepare(
@@ -136,7 +163,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     check_messages(len(body.messages), svc.settings.server)
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(body.budget, budget_param, svc.settings.server)
-    session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
+    session = _session(raw, body)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_chat(body, session))
     completion_id = new_request_id("chatcmpl")
     if body.stream:
@@ -262,7 +289,7 @@ def _completion_logprobs(
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
-    session = session_id_from(raw.headers.get("x-session-id"), body.session_id, body.user)
+    session = _session(raw, body)
     prepared = await _prepare(raw, svc, session, lambda: runner.prepare_completion(body, session))
     completion_id = new_request_id("cmpl")
     if body.stream:
