@@ -20,8 +20,9 @@ from gateway.config import (
 )
 from gateway.errors import ConfigError
 from gateway.services import replica_spec
+from tests import REPO
 
-REPO_CONFIG = Path(__file__).resolve().parents[1] / "config.yaml"
+REPO_CONFIG = REPO / "config.yaml"
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from backends.vllm import VllmBackend
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway.test_metrics import scrape, value
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import gateway_transport, wait_for
-from tests.test_metrics import scrape, value
 
 PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]
 REFERENCE = ("init", "default")

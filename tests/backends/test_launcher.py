@@ -36,10 +36,10 @@ from backends.launcher import (
     start_engine,
 )
 from gateway.errors import EngineLaunchError, EngineNotInstalled
-from tests.test_cli import cli_child
+from tests import REPO
+from tests.gateway.cli.test_cli import cli_child
 
-REPO = Path(__file__).resolve().parents[1]
-STANDIN = Path(__file__).resolve().parent / "engine_standin.py"
+STANDIN = REPO / "tests" / "engine_standin.py"
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs to move between")
 
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from backends.sim.server import SimProcess
+from tests import REPO
 
 CLI = [sys.executable, "-c", "from gateway.cli import main; main()"]
 
@@ -199,7 +200,7 @@ async def test_trajectories_stats_and_tail(redis_server: Any, redis: Any) -> Non
 def test_serve_starts_from_the_repository_config_yaml() -> None:
     port = free_port()
     env = {**os.environ, "RG_SERVER__PORT": str(port), "RG_ROUTING__HEALTH_TIMEOUT_S": "0.5"}
-    config = Path(__file__).resolve().parent.parent / "config.yaml"
+    config = REPO / "config.yaml"
     with serving("--config", str(config), env=env) as process:
         health = wait_for_health(process, f"http://127.0.0.1:{port}")
         assert health.status_code == 200 and health.json()["replicas"]["total"] == 2

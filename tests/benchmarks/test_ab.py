@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import orjson
 import pytest
@@ -13,9 +12,9 @@ from rich.console import Console
 
 import benchmarks.ab as ab
 from benchmarks.loadgen import LoadGen, Spec
+from tests import REPO
 
 pytestmark = pytest.mark.timeout(120)
-REPO = Path(__file__).resolve().parents[1]
 
 
 async def test_two_checkouts_side_by_side() -> None:

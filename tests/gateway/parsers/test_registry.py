@@ -1,5 +1,5 @@
 """`gateway.parsers`: the package's names and the registry by config name (the parsers themselves:
-tests/test_tokenization.py)."""
+tests/gateway/tokenization/test_tokenization.py)."""
 
 from __future__ import annotations
 

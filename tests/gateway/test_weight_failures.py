@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway.test_gateway_core import PROMPT, slow
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import sim_state, wait_for
-from tests.test_gateway_core import PROMPT, slow
 
 
 def replica_id(url: str) -> str:

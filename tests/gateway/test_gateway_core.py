@@ -22,6 +22,7 @@ from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.server import RunningGateway, serve_gateway
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
+from tests.gateway.test_metrics import scrape, value
 from tests.gateway_helpers import (
     SHAPE,
     Streamed,
@@ -32,7 +33,6 @@ from tests.gateway_helpers import (
     weights_of,
 )
 from tests.sim_helpers import sim_state, wait_for
-from tests.test_metrics import scrape, value
 
 PROMPT = [11, 22, 33, 44, 55]
 

@@ -8,11 +8,11 @@ from typing import Any
 import httpx
 
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway.api.test_openai import client
+from tests.gateway.test_gateway_core import PROMPT, slow
+from tests.gateway.test_metrics import scrape, value
 from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
-from tests.test_gateway_core import PROMPT, slow
-from tests.test_metrics import scrape, value
-from tests.test_openai_api import client
 
 
 async def test_follower_resumes_its_requests_under_the_new_version(

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from gateway.assets import TINY_TOKENIZER_DIR
+from tests import REPO
 from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = REPO
 BUILD_SCRIPT = REPO_ROOT / "scripts" / "build_tokenizer.py"
 
 EXPECTED_IDS = {
