@@ -37,7 +37,7 @@ from backends.launcher import (
 )
 from gateway.errors import EngineLaunchError, EngineNotInstalled
 from tests import REPO
-from tests.gateway.cli.test_cli import cli_child
+from tests.cli_helpers import cli_child
 
 STANDIN = REPO / "tests" / "engine_standin.py"
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs to move between")

@@ -21,8 +21,7 @@ from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
 from backends.vllm import VllmBackend
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway.test_metrics import scrape, value
-from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
+from tests.gateway_helpers import expected_tokens, generate_body, publish, scrape, stream_generate, value
 from tests.sim_helpers import gateway_transport, wait_for
 
 PROMPT = [5, 100, 200, 300, 400, 500, 600, 700]

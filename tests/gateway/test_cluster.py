@@ -8,10 +8,17 @@ from typing import Any
 import httpx
 
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway.api.test_openai import client
-from tests.gateway.test_gateway_core import PROMPT, slow
-from tests.gateway.test_metrics import scrape, value
-from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
+from tests.gateway_helpers import (
+    PROMPT,
+    client,
+    expected_tokens,
+    generate_body,
+    publish,
+    scrape,
+    slow,
+    stream_generate,
+    value,
+)
 from tests.sim_helpers import wait_for
 
 

@@ -21,7 +21,7 @@ from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.encode_threads import EncodeThreads, encode_ids, private_copy
 from gateway.tokenization import ChatTokenizer, EncodedPrefix
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway.tokenization.test_tokenization import metaspace_first_dir, tokenizer_dir
+from tests.tokenizer_helpers import metaspace_first_dir, tokenizer_dir
 from tests.tool_schemas import ADD_TOOL
 
 TEXT = st.lists(

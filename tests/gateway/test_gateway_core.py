@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -20,49 +18,22 @@ from backends.sim.engine import EngineSettings
 from backends.sim.model import PREFIX_HASH_START, TokenModel, extend_prefix_hash, weights_key
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.server import RunningGateway, serve_gateway
+from gateway.server import serve_gateway
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
-from tests.gateway.test_metrics import scrape, value
 from tests.gateway_helpers import (
+    PROMPT,
     SHAPE,
-    Streamed,
     expected_tokens,
     generate_body,
     publish,
+    scrape,
+    slow,
     stream_generate,
+    streams_under_way,
+    value,
     weights_of,
 )
 from tests.sim_helpers import sim_state, wait_for
-
-PROMPT = [11, 22, 33, 44, 55]
-
-
-def slow(dialect: str, delay: float = 0.002, **engine: Any) -> tuple[str, EngineSettings]:
-    return dialect, EngineSettings(token_delay_s=delay, block_size=16 if dialect == "vllm" else 1, **engine)
-
-
-@contextlib.asynccontextmanager
-async def streams_under_way(
-    gw: RunningGateway, prompts: list[list[int]], total: int, session_prefix: str
-) -> AsyncIterator[list[asyncio.Task[Streamed]]]:
-    """One streamed `/generate` of `total` tokens per prompt (session `session_prefix` + its index), every one in
-    flight and past its first token on entry; those still running on exit are cancelled."""
-    n = len(prompts)
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
-        progress = [0]
-        tasks = [
-            asyncio.create_task(
-                stream_generate(client, gw.url, generate_body(p, total, session_id=f"{session_prefix}{i}"), progress)
-            )
-            for i, p in enumerate(prompts)
-        ]
-        try:
-            pool = gw.services.pool
-            await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="streams")
-            yield tasks
-        finally:
-            for task in tasks:
-                task.cancel()
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])

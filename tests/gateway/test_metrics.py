@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
 from backends.sim.engine import EngineSettings
@@ -26,28 +25,11 @@ from gateway.server import RunningGateway
 from gateway.store import Keys, StoreStats
 from gateway.weights import UpdateReport, WeightCoordinator
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway_helpers import generate_body, publish, stream_generate
+from tests.gateway_helpers import generate_body, publish, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
 
 PROMPT = [11, 22, 33, 44, 55]
 CHROMIUM = "/usr/bin/chromium"
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-async def scrape(http: httpx.AsyncClient, url: str) -> Samples:
-    """Every sample of `/metrics`, keyed by (sample name, sorted labels)."""
-    response = await http.get(f"{url}/metrics")
-    assert response.status_code == 200
-    assert response.headers["content-type"].startswith("text/plain")
-    samples: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 async def two_replica_gateway(make_sim: SimFactory, make_gateway: GatewayFactory, delay: float) -> RunningGateway:

@@ -6,18 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from redis.asyncio import Redis
 
-from gateway.server import RunningGateway
 from gateway.store import Keys
 from gateway.trainer import TrajectoryConsumer
 from tests.conftest import GatewayFactory, SimFactory
-
-
-def client(gw: RunningGateway, **headers: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", default_headers=headers, max_retries=0)
+from tests.gateway_helpers import client
 
 
 async def test_a_group_request_makes_one_session_per_choice_and_the_trainer_gets_the_group(

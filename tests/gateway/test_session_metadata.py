@@ -12,13 +12,10 @@ from redis.asyncio import Redis
 from gateway.server import RunningGateway
 from gateway.store import Keys
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway_helpers import client
 from tests.sim_helpers import wait_for
 
 KEYS = Keys()
-
-
-def client(gw: RunningGateway, **headers: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", default_headers=headers, max_retries=0)
 
 
 async def session_of(http: httpx.AsyncClient, gw: RunningGateway, session_id: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from backends.sim.server import SimProcess
 from gateway.store import Keys, TrajectoryStore
-from tests.gateway.cli.test_cli import free_port, serving, wait_for_health
+from tests.cli_helpers import free_port, serving, wait_for_health
 from tests.sim_helpers import sse_events
 
 ADMIN_TOKEN = "shutdown-admin-token"

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway.test_gateway_core import PROMPT, slow
-from tests.gateway_helpers import expected_tokens, generate_body, publish, stream_generate
+from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish, slow, stream_generate
 from tests.sim_helpers import sim_state, wait_for
 
 

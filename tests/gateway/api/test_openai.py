@@ -17,7 +17,7 @@ from gateway.server import RunningGateway
 from gateway.store import Keys
 from gateway.tokenization import ChatTokenizer
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway_helpers import publish
+from tests.gateway_helpers import client, publish
 from tests.sim_helpers import wait_for
 
 TOOLS = [
@@ -41,10 +41,6 @@ def tokenizer() -> ChatTokenizer:
 async def gateway_on(make_sim: SimFactory, make_gateway: GatewayFactory, **sections: Any) -> tuple[Any, RunningGateway]:
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=sections.pop("token_delay", 0.0)))
     return sim, await make_gateway([sim], **sections)
-
-
-def client(gw: RunningGateway, **headers: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", default_headers=headers, max_retries=0)
 
 
 def script_tool_call(

@@ -40,8 +40,7 @@ from gateway.fastpath.hot_routes import HotRoutes
 from gateway.fastpath.one_pass_route import OnePassRoute, is_json_content_type
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway.test_metrics import scrape
-from tests.gateway_helpers import until_a_request_is_in
+from tests.gateway_helpers import scrape, until_a_request_is_in
 
 AGENT_KEY = "sk-lean-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {AGENT_KEY}"}

@@ -35,6 +35,7 @@ from gateway.tokenization import (
     get_tool_parser,
     make_stop_checker,
 )
+from tests.tokenizer_helpers import metaspace_first_dir, tokenizer_dir
 from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
 IM_START, IM_END, TOOL_CALL, END_TOOL_CALL = 1, 2, 3, 4
@@ -87,26 +88,6 @@ def tok() -> Iterator[ChatTokenizer]:
 def counter_ids() -> Callable[[], str]:
     numbers = itertools.count()
     return lambda: f"call_{next(numbers)}"
-
-
-def tokenizer_dir(
-    folder: Path,
-    *,
-    config: dict[str, Any] | None = None,
-    vocab: dict[str, int] | None = None,
-    decoder: dict[str, Any] | None = None,
-) -> Path:
-    """A copy of the tiny tokenizer with `config` merged into tokenizer_config.json, `vocab` added and another
-    `decoder` after the byte-level one."""
-    model = json.loads((TINY_TOKENIZER_DIR / "tokenizer.json").read_text())
-    model["model"]["vocab"].update(vocab or {})
-    if decoder is not None:
-        model["decoder"] = {"type": "Sequence", "decoders": [model["decoder"], decoder]}
-    (folder / "tokenizer.json").write_text(json.dumps(model))
-    settings = json.loads((TINY_TOKENIZER_DIR / "tokenizer_config.json").read_text())
-    settings.update(config or {})
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    return folder
 
 
 def ends_of_turns(messages: list[dict[str, Any]]) -> list[int]:
@@ -374,17 +355,6 @@ def test_text_path_equals_the_reference_for_any_contents(tok: ChatTokenizer, tex
 @pytest.fixture(scope="module")
 def metaspace_first(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     return ChatTokenizer.load(metaspace_first_dir(tmp_path_factory.mktemp("metaspace")))
-
-
-def metaspace_first_dir(folder: Path) -> Path:
-    """The tiny tokenizer behind SentencePiece's `Metaspace` (prepend_scheme "first", as transformers builds for
-    Llama-style tokenizers with `legacy: false`): only the input's first piece gets a "▁"."""
-    tokenizer_dir(folder)
-    model = json.loads((folder / "tokenizer.json").read_text())
-    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
-    model["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [metaspace, model["pre_tokenizer"]]}
-    (folder / "tokenizer.json").write_text(json.dumps(model))
-    return folder
 
 
 def test_a_tokenizer_that_marks_the_first_piece_tokenizes_tails_after_a_stop_token(tmp_path: Path) -> None:
