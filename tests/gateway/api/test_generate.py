@@ -1,6 +1,7 @@
 """`POST /generate` in a session: its turns are recorded like the OpenAI routes' (token-in/token-out, the caller's
 ids as the prompt, the prefix rule for continuing a sample), reach the trainer once the session is finished, and
-carry where their tokens came from (resumes, segments). Without a session, /generate records nothing."""
+carry where their tokens came from (resumes, segments). Without a session, /generate records nothing. A request
+that does not validate (a bad field, a token outside the vocabulary, malformed JSON) is a 400 and reaches no engine."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from redis.asyncio import Redis
 
 from backends.routed_experts import decode_npy_b64
@@ -19,7 +21,11 @@ from gateway.store import Keys
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import Sample, SampleSegment
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway_helpers import generate_body, publish, stream_generate
+from tests.gateway_helpers import (
+    generate_body,
+    publish,
+    stream_generate,
+)
 from tests.sim_helpers import wait_for
 
 PROMPT = [11, 22, 33, 44, 55]
@@ -182,3 +188,80 @@ async def test_routed_experts_of_a_continued_turn_cover_its_whole_input(
     assert np.array_equal(experts, decode_npy_b64(oneshot["routed_experts"]))
     (sample,) = await gw.services.store.load_samples("r3")
     assert sample.routed_experts is not None and np.array_equal(sample.routed_experts, experts)
+
+
+# -- requests refused before anything runs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "status"),
+    [
+        ({"input_ids": [], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1, 999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1, -3], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        # Long prompts are checked in one buffer pass (gateway.api.token_ids): one id outside, at the end.
+        ({"input_ids": [1] * 3000 + [-1], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1] * 3000 + [999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        ({"input_ids": [1] * 3000 + [2**64], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
+        (
+            {"input_ids": [1], "sampling_params": {"max_tokens": 4, "stop_token_ids": [-2]}},
+            "sampling_params.stop_token_ids",
+            400,
+        ),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": -1}}, "sampling_params.max_tokens", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens", 400),
+        ({"input_ids": [1]}, "sampling_params", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 4}, "bogus": 1}, "bogus", 400),
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 4, "top_p": 0}}, "sampling_params.top_p", 400),
+    ],
+)
+async def test_generate_rejects_bad_input(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    body: dict[str, Any],
+    param: str,
+    status: int,
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    response = await http.post(f"{gw.url}/generate", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert sim.engine.counters["prompt_tokens"] == 0  # nothing reached the engine
+
+
+async def test_a_token_outside_the_vocabulary_is_named_and_nothing_runs(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis: Redis
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    vocab = gw.services.vocab.vocab_size
+    body = {"input_ids": [5, 7, vocab, 3], "sampling_params": {"max_tokens": 4}}  # exactly the size: one too many
+    response = await http.post(f"{gw.url}/generate", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(f"input_ids[2] = {vocab} is outside the vocabulary")
+    completion = {"model": "tiny", "prompt": [5, vocab + 9, vocab], "max_tokens": 4}
+    response = await http.post(f"{gw.url}/v1/completions", json=completion, headers={"x-session-id": "s-vocab"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["message"] == f"token id {vocab + 9} is outside the vocabulary"
+    long_prompt = [i % vocab for i in range(3000)]  # checked in one buffer pass (gateway.api.token_ids)
+    for bad in (-1, vocab):
+        response = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [*long_prompt, bad, 3]})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"].startswith(f"input_ids[3000] = {bad} is outside the vocabulary")
+    ok = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [5, 7, vocab - 1]})
+    assert ok.status_code == 200, ok.text
+    assert sim.engine.counters["prompt_tokens"] == 3  # only the valid request reached the engine
+    assert await redis.keys("*s-vocab*") == []  # the refused turn stored nothing
+
+
+async def test_malformed_json_is_400(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    headers = {"content-type": "application/json"}
+    response = await http.post(f"{gw.url}/generate", content=b"{not json", headers=headers)
+    assert response.status_code == 400 and "error" in response.json()

@@ -1,10 +1,9 @@
-"""Per-token weight-version labels from engine spans (`backends.base.spans_to_versions`), and the labels that name a
-gateway version (`gateway.weights.version_labels`)."""
+"""Per-token weight-version labels from engine spans (`backends.base.spans_to_versions`); the labels that name a
+gateway version (`gateway.weights.version_labels`) are tested in tests/gateway/test_weights.py."""
 
 from __future__ import annotations
 
 from backends.base import VersionSpan, spans_to_versions
-from gateway.weights import INITIAL_LABELS, parse_version, version_label, version_labels
 
 
 def test_tokens_no_span_covers_get_the_fallback() -> None:
@@ -21,12 +20,3 @@ def test_spans_are_clipped_to_the_tokens() -> None:
     spans = [VersionSpan("1", -3, 2), VersionSpan("2", 3, 99), VersionSpan("3", 5, 4), VersionSpan("4", 9, 12)]
     assert spans_to_versions(spans, 5, "0") == ["1", "1", "0", "2", "2"]
     assert spans_to_versions(spans, 0, "0") == []
-
-
-def test_the_labels_of_a_version_are_those_that_parse_to_it() -> None:
-    for version in (0, 1, 7, 123):
-        labels = version_labels(version)
-        assert version_label(version) in labels
-        assert {parse_version(label) for label in labels} == {version}
-    assert version_labels(0) >= INITIAL_LABELS  # an engine that never had an update says "default"
-    assert "default" not in version_labels(1)
