@@ -1,4 +1,4 @@
-"""A stand-in for an engine venv's python, for the launcher tests (tests/test_engine_launcher.py).
+"""A stand-in for an engine venv's python, for the launcher tests (tests/backends/test_launcher.py).
 
 The launcher runs `PYTHON -m vllm.entrypoints.openai.api_server ARGS` or `PYTHON -m sglang.launch_server ARGS`;
 with this script as PYTHON (through a two-line shell wrapper) the server is the project's engine simulator in the

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
+from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_tokens
+from gateway.server import RunningGateway
 from tests.conftest import ADMIN
-from tests.sim_helpers import sse_events
+from tests.sim_helpers import sse_events, wait_for
 
 SHAPE = ModelShape()
+PROMPT = [11, 22, 33, 44, 55]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""`/metrics` read by `scrape`: (sample name, sorted labels) → value."""
 
 
 def weights_of(version: int) -> tuple[str, str]:
@@ -73,3 +82,51 @@ async def until_a_request_is_in(server: uvicorn.Server, path: str) -> None:
                 return
         await asyncio.sleep(0.01)
     raise AssertionError(f"no request for {path} reached the server")
+
+
+def slow(dialect: str, delay: float = 0.002, **engine: Any) -> tuple[str, EngineSettings]:
+    return dialect, EngineSettings(token_delay_s=delay, block_size=16 if dialect == "vllm" else 1, **engine)
+
+
+@contextlib.asynccontextmanager
+async def streams_under_way(
+    gw: RunningGateway, prompts: list[list[int]], total: int, session_prefix: str
+) -> AsyncIterator[list[asyncio.Task[Streamed]]]:
+    """One streamed `/generate` of `total` tokens per prompt (session `session_prefix` + its index), every one in
+    flight and past its first token on entry; those still running on exit are cancelled."""
+    n = len(prompts)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=n)) as client:
+        progress = [0]
+        tasks = [
+            asyncio.create_task(
+                stream_generate(client, gw.url, generate_body(p, total, session_id=f"{session_prefix}{i}"), progress)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            pool = gw.services.pool
+            await wait_for(lambda: sum(r.in_flight for r in pool.all()) == n and progress[0] >= n, what="streams")
+            yield tasks
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def scrape(http: httpx.AsyncClient, url: str) -> Samples:
+    """Every sample of `/metrics`, keyed by (sample name, sorted labels)."""
+    response = await http.get(f"{url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def client(gw: RunningGateway, **headers: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", default_headers=headers, max_retries=0)

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from gateway.config import load_config
+from tests import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"

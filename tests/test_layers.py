@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
+ROOT = REPO
 
 
 def imported_modules(path: Path) -> set[str]:

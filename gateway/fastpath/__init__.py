@@ -6,5 +6,5 @@ RG_FASTPATH__<PART>=false` measures it again). The domain modules never import t
 (`gateway.app`, `gateway.services`), from `settings.fastpath`, whose `enabled: false` turns every
 part off and leaves the gateway on the libraries' public APIs alone, answering the same. Several parts rely on
 private names of the libraries they shorten; pyproject.toml pins those libraries to the tested range and
-`tests/test_fastpath_taken.py` fails when a part falls back on the pinned versions.
+`tests/gateway/fastpath/test_taken.py` fails when a part falls back on the pinned versions.
 """

@@ -21,7 +21,8 @@ the body to it); FastAPI's own body limit, form limits and OpenTelemetry are off
 route (checked when the lane is built). Everything else goes to the full stack: another method or path, no or an
 oversized content-length, a body the lean path leaves to FastAPI (the body read so far is replayed), dependency
 overrides, an app whose middlewares or settings differ from what `create_app` builds (then no lane at all).
-`tests/test_lean_route.py` compares the answers and the request counts with an app served by FastAPI alone.
+`tests/gateway/fastpath/test_one_pass_route.py` compares the answers and the request counts with an app served by
+FastAPI alone.
 
 What it pays (`benchmarks.ab . . --together --set-b RG_FASTPATH__HOT_ROUTES=false`, 4 rounds, 2-core host, 83d6584):
 with it off the gateway spends 1.14× the CPU per `multiturn` chat request and 1.06× per streamed `rl` token.

@@ -15,8 +15,8 @@ type FastAPI would not parse as JSON, a body that does not validate (pydantic is
 library on a UTF-8 BOM, lone surrogates and nesting deeper than 200: FastAPI parses those again and decides), a
 body that could not be read, dependency overrides, and requests FastAPI's OpenTelemetry support traces. A route
 of any other shape keeps FastAPI's handler, so the class is safe on any router; the route object itself is
-FastAPI's (same dependant, same OpenAPI schema). `tests/test_lean_route.py` compares both handlers answer by
-answer, and checks that pydantic's JSON parser accepts nothing the standard library refuses.
+FastAPI's (same dependant, same OpenAPI schema). `tests/gateway/fastpath/test_one_pass_route.py` compares both
+handlers answer by answer, and checks that pydantic's JSON parser accepts nothing the standard library refuses.
 
 What it pays (`benchmarks.ab . . --together --set-b RG_FASTPATH__ONE_PASS_ROUTES=false`, 4 rounds, 2-core host,
 83d6584): with it off the gateway spends 1.22× the CPU per `multiturn` chat request and 1.08× per streamed `rl` token.

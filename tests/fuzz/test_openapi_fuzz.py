@@ -23,7 +23,7 @@ from schemathesis.checks import (
 )
 
 from backends.sim.server import SimProcess
-from tests.test_cli import CLI, free_port, wait_for_health
+from tests.cli_helpers import CLI, free_port, wait_for_health
 
 ADMIN_TOKEN = "fuzz-admin-token"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -1,0 +1,360 @@
+"""`gateway.weights`: weight updates over real simulator replicas, real HTTP and the session's Redis.
+
+First the updates that fail, and what `POST /admin/weights` asks for (issue 35: the traps a trainer author trips
+on); then the update modes (abort, keep, wait), the requests held while an update runs, the replicas held out as
+stale, and the labels that name a version.
+
+The replicas of the failure tests run with `weights_must_exist`: a load from a path that is not on disk fails as on
+the real engines (vLLM answers 500, SGLang 400 `success: false`), keeping the weights and the label. `publish` loads
+`ckpt-<v>`, which is never on disk, so with the fault on it fails."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backends.sim.engine import EngineSettings
+from gateway.config import ReplicaConfig
+from gateway.weights import INITIAL_LABELS, parse_version, version_label, version_labels
+from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway_helpers import (
+    PROMPT,
+    expected_tokens,
+    generate_body,
+    publish,
+    slow,
+    stream_generate,
+)
+from tests.sim_helpers import sim_state, wait_for
+
+
+def replica_id(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+async def status_of(http: httpx.AsyncClient, url: str) -> dict[str, object]:
+    response = await http.get(f"{url}/admin/status", headers=ADMIN)
+    assert response.status_code == 200
+    status: dict[str, object] = response.json()
+    return status
+
+
+# -- an update that loads nowhere: 502, rolled back --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_an_update_that_loads_nowhere_is_a_502_and_the_previous_version_serves_on(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str, mode: str
+) -> None:
+    sims = [await make_sim(*slow(dialect), weights_must_exist=True) for _ in range(2)]
+    gw = await make_gateway(sims)
+    total, progress = 200, [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, total), progress))
+    await wait_for(lambda: progress[0] >= 20, what="tokens before the update")
+    failed = await publish(http, gw.url, 1, mode=mode)
+
+    assert failed.status_code == 502, failed.text
+    error = failed.json()["error"]
+    ids = sorted(replica_id(sim.url) for sim in sims)
+    assert (error["type"], error["code"]) == ("backend_error", "weights_not_updated")
+    assert (error["version"], error["requested_version"], error["status"]) == (0, 1, "failed")
+    assert sorted(error["kept"]) == ids and error["stale"] == []
+    assert sorted(error["errors"]) == ids
+    assert all("no checkpoint at 'ckpt-1'" in message for message in error["errors"].values())
+    assert all(replica in error["message"] for replica in ids)  # the engines' messages, per replica
+
+    # The request the update preempted finishes under the previous version, as if nothing had happened.
+    result = await task
+    assert result.error is None and result.final["finish_reason"] == "length"
+    assert result.final["versions"] == [0] * total
+    assert result.output_ids == expected_tokens(PROMPT, [0] * total, total)
+    assert result.final["num_resumes"] == (1 if mode == "abort" else 0)
+
+    status = await status_of(http, gw.url)
+    assert status["version"] == 0 and status["state"] == "serving"
+    assert [(r["stale"], r["version"]) for r in status["replicas"]] == [(False, 0), (False, 0)]  # type: ignore[attr-defined]
+    for sim in sims:
+        assert (await sim_state(http, sim.url))["paused"] is False
+    after = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 5, session_id="after"))).json()
+    assert after["versions"] == [0] * 5
+
+    # The same version may be tried again, and loads once the checkpoint is readable.
+    for sim in sims:
+        await http.post(f"{sim.url}/sim/faults", json={"weights_must_exist": False})
+    retried = await publish(http, gw.url, 1)
+    assert retried.status_code == 200, retried.text
+    report = retried.json()
+    assert report["status"] == "updated" and sorted(report["updated"]) == ids
+    assert report["stale"] == [] and report["errors"] == {}
+
+
+async def test_a_replica_reporting_another_label_after_a_failed_update_is_held_out(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Rolled back only where the engine still reports the previous version: one that reports anything else runs
+    weights nobody can name, so it is stale."""
+    kept, odd = await make_sim("vllm", weights_must_exist=True), await make_sim("vllm", weights_must_exist=True)
+    gw = await make_gateway([kept, odd], routing={"health_interval_s": 30})
+    # Someone relabelled the engine behind the gateway's back (the health loop would see it only later).
+    assert (await http.post(f"{odd.url}/update_weight_version", json={"new_version": "7"})).status_code == 200
+    failed = await publish(http, gw.url, 1)
+    assert failed.status_code == 502
+    error = failed.json()["error"]
+    assert error["kept"] == [replica_id(kept.url)] and error["stale"] == [replica_id(odd.url)]
+    assert "reports version '7'" in error["errors"][replica_id(odd.url)]
+    assert gw.services.weights.version == 0
+    for i in range(6):
+        body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"s{i}"))).json()
+        assert body["replicas"] == [replica_id(kept.url)] and body["versions"] == [0, 0, 0]
+
+
+async def test_an_update_refused_by_every_replica_leaves_the_others_processes_on_the_previous_version(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Several gateway processes on one Redis: the failed update's result, published to the others, does not make
+    them adopt the new version, and their preempted requests finish under the previous one."""
+    sims = [await make_sim(*slow("vllm"), weights_must_exist=True), await make_sim(*slow("sglang"))]
+    await http.post(f"{sims[1].url}/sim/faults", json={"weights_must_exist": True})  # switched at run time too
+    leader, follower = await make_gateway(sims), await make_gateway(sims)
+    progress = [0]
+    tasks = [
+        asyncio.create_task(
+            stream_generate(http, follower.url, generate_body(PROMPT, 150, session_id=f"f{i}"), progress)
+        )
+        for i in range(4)
+    ]
+    await wait_for(lambda: progress[0] >= 40, what="progress on the follower")
+    assert (await publish(http, leader.url, 1)).status_code == 502
+    for result in await asyncio.gather(*tasks):
+        assert result.error is None and result.final["versions"] == [0] * 150
+        assert result.output_ids == expected_tokens(PROMPT, [0] * 150, 150)
+    for gw in (leader, follower):
+        status = await status_of(http, gw.url)
+        assert status["version"] == 0 and status["state"] == "serving"
+        assert not any(r["stale"] for r in status["replicas"])  # type: ignore[attr-defined]
+    # A later update that succeeds reaches the follower as before.
+    for sim in sims:
+        await http.post(f"{sim.url}/sim/faults", json={"weights_must_exist": False})
+    assert (await publish(http, leader.url, 1)).status_code == 200
+    await wait_for(lambda: follower.services.weights.version == 1, what="the follower adopting v1")
+
+
+# -- some replicas load it: 207 partial --------------------------------------------------------------------------
+
+
+async def test_a_partial_update_is_a_207_and_holds_the_failed_replicas_out(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    good, bad = await make_sim("sglang"), await make_sim("sglang", weights_must_exist=True)
+    gw = await make_gateway([good, bad], routing={"health_interval_s": 30})
+    response = await publish(http, gw.url, 1)
+    assert response.status_code == 207, response.text
+    report = response.json()
+    assert report["status"] == "partial" and report["version"] == 1
+    assert report["updated"] == [replica_id(good.url)] and report["stale"] == [replica_id(bad.url)]
+    assert list(report["errors"]) == [replica_id(bad.url)]
+    assert "Failed to get weights iterator" in report["errors"][replica_id(bad.url)]
+    assert gw.services.weights.version == 1
+    for i in range(6):  # never mixed: the replica still on version 0 serves nothing
+        body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"p{i}"))).json()
+        assert body["replicas"] == [replica_id(good.url)] and body["versions"] == [1, 1, 1]
+
+
+# -- path or source: external, never a relabel by omission -------------------------------------------------------
+
+
+async def test_a_relabel_must_be_asked_for_and_a_path_is_loaded(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    url = f"{gw.url}/admin/weights"
+
+    neither = await http.post(url, json={"version": 1}, headers=ADMIN)
+    assert neither.status_code == 400, neither.text
+    error = neither.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "path")
+    assert '"path"' in error["message"] and '"source": "external"' in error["message"]
+    both = await http.post(url, json={"version": 1, "path": str(tmp_path), "source": "external"}, headers=ADMIN)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "source"
+    assert "not both" in both.json()["error"]["message"]
+    other = await http.post(url, json={"version": 1, "source": "disk"}, headers=ADMIN)
+    assert other.status_code == 400 and other.json()["error"]["param"] == "source"
+    state = await sim_state(http, sim.url)
+    assert (state["version"], state["counters"].get("weight_loads", 0)) == ("default", 0)  # nothing happened
+    assert gw.services.weights.version == 0
+
+    relabel = await http.post(url, json={"version": 1, "source": "external"}, headers=ADMIN)
+    assert relabel.status_code == 200 and relabel.json()["status"] == "updated"
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["version"], state["counters"].get("weight_loads", 0)) == ("init", "1", 0)
+
+    load = await http.post(url, json={"version": 2, "path": str(tmp_path)}, headers=ADMIN)
+    assert load.status_code == 200
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["version"], state["counters"].get("weight_loads", 0)) == (str(tmp_path), "2", 1)
+
+
+# -- update modes, and what requests see while an update runs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_keep_mode_versions_come_from_engine_spans(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str
+) -> None:
+    sim = await make_sim(*slow(dialect))
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 0  # the request stayed in the engine
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
+async def test_keep_mode_on_vllm_032_without_spans_aborts_and_resumes(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """vLLM 0.32 (observed) has no weight_versions on /v1/completions: a kept request would continue under new
+    weights with nothing saying from which token on, so the adapter pauses with abort and the gateway resumes."""
+    sim = await make_sim(*slow("vllm"), vllm_version="0.32.0")
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 1
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
+async def test_keep_mode_on_vllm_032_with_scale_out_keeps(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """With --enable-scale-out the adapter uses /inference/v1/generate, whose spans 0.32 does report."""
+    sim = await make_sim(*slow("vllm"), vllm_version="0.32.0", enable_scale_out=True)
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", scale_out=True)])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200), progress))
+    await wait_for(lambda: progress[0] >= 50, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="keep")).status_code == 200
+    result = await task
+    versions = result.final["versions"]
+    assert result.final["num_resumes"] == 0
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert result.output_ids == expected_tokens(PROMPT, versions, 200)
+
+
+async def test_wait_mode_drains_before_updating(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(*slow("sglang"))  # no native wait: the gateway drains its own in-flight requests
+    gw = await make_gateway([sim])
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 150), progress))
+    await wait_for(lambda: progress[0] >= 20, what="tokens")
+    assert (await publish(http, gw.url, 1, mode="wait")).status_code == 200
+    result = await task
+    assert set(result.final["versions"]) == {0} and result.final["num_resumes"] == 0
+    after = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 10))).json()
+    assert after["versions"] == [1] * 10
+
+
+async def test_new_requests_wait_during_an_update(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    await http.post(f"{gw.url}/admin/pause", json={"mode": "abort"}, headers=ADMIN)
+    task = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 5)))
+    await asyncio.wait({task}, timeout=0.3)
+    assert not task.done() and sim.engine.counters["prompt_tokens"] == 0  # held by the gateway, not the engine
+    ready = await http.get(f"{gw.url}/ready")
+    assert ready.status_code == 503
+    resumed = await http.post(f"{gw.url}/admin/resume", json={"version": 1}, headers=ADMIN)
+    assert resumed.json()["updated"] == [gw.services.pool.all()[0].id]
+    assert (await task).json()["versions"] == [1] * 5
+
+
+async def test_stale_replica_is_held_out_until_a_later_update(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    good, bad = await make_sim("vllm"), await make_sim("vllm", engine=EngineSettings(), dev_mode=False)
+    gw = await make_gateway([good, bad], routing={"health_interval_s": 30})
+    response = await publish(http, gw.url, 1)
+    assert response.status_code == 207  # partial: the replica without the dev-mode routes could not load it
+    report = response.json()
+    bad_id = bad.url.removeprefix("http://")
+    assert report["status"] == "partial" and list(report["errors"]) == [bad_id]
+    assert report["stale"] == [bad_id] and report["updated"] == [good.url.removeprefix("http://")]
+    for i in range(6):
+        body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id=f"x{i}"))).json()
+        assert body["replicas"] == [good.url.removeprefix("http://")] and body["versions"] == [1, 1, 1]
+    status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+    assert {r["id"]: r["stale"] for r in status["replicas"]}[bad_id] is True
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_pause_slower_than_a_health_probe_still_updates_the_replica(
+    dialect: str, make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """An engine on a busy host answers a pause only after its current step: the pause is bounded by
+    `weights.control_timeout_s`, not by the health probe's timeout (with which the replica was marked stale and
+    the fleet served nothing, seen on SGLang while a trainer held the CPU)."""
+    sim = await make_sim(dialect)
+    gw = await make_gateway([sim], routing={"health_timeout_s": 0.2, "health_interval_s": 30})
+    await http.post(f"{sim.url}/sim/faults", json={"pause_delay": 0.6})
+    report = (await publish(http, gw.url, 1)).json()
+    assert report["updated"] == [sim.url.removeprefix("http://")] and report["stale"] == []
+    body = (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3))).json()
+    assert body["versions"] == [1, 1, 1]
+
+
+async def test_request_queued_during_a_keep_pause_never_reads_old_weights_kv(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Bug (found by the chaos soak with the prefix cache on): vLLM keeps its prefix cache across a weight
+    reload, and `/reset_prefix_cache` is refused while a keep-paused request holds KV. The gateway then flushed
+    later, once the replica was idle; but a request that reached the engine after its pause (sent just before
+    it, or by another gateway process) is queued there and admitted on resume, onto prefix KV of the old
+    weights: it sampled tokens that no version draws. The flush now preempts running requests (they recompute
+    their KV under the new weights), so it succeeds before the replica resumes."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005))
+    gw = await make_gateway([sim])
+    prompt = list(range(10, 50))  # two full cache blocks
+    warm = await http.post(f"{gw.url}/generate", json=generate_body(prompt, 4, session_id="warm"))
+    assert warm.status_code == 200  # the prompt's blocks are now cached, computed under the initial weights
+    long = asyncio.create_task(http.post(f"{gw.url}/generate", json=generate_body([7, 8, 9], 200, session_id="l")))
+    await wait_for(lambda: sim.engine.num_running == 1, what="the long request running")
+    assert (await http.post(f"{gw.url}/admin/pause", json={"mode": "keep"}, headers=ADMIN)).status_code == 200
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": "ckpt-1"}}  # the out-of-band weight sync
+    assert (await http.post(f"{sim.url}/collective_rpc", json=rpc)).status_code == 200
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    queued = asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=body | {"return_token_ids": True}))
+    await wait_for(lambda: sim.engine.held == 1, what="the request queued at the paused engine")
+    assert (await http.post(f"{gw.url}/admin/resume", json={"version": 1}, headers=ADMIN)).status_code == 200
+    tokens = (await queued).json()["choices"][0]["token_ids"]
+    assert tokens == expected_tokens(prompt, [1] * 8, 8)
+    result = (await long).json()
+    assert result["finish_reason"] == "length" and len(result["output_ids"]) == 200
+
+
+# -- the labels that name a version ------------------------------------------------------------------------------------
+
+
+def test_the_labels_of_a_version_are_those_that_parse_to_it() -> None:
+    for version in (0, 1, 7, 123):
+        labels = version_labels(version)
+        assert version_label(version) in labels
+        assert {parse_version(label) for label in labels} == {version}
+    assert version_labels(0) >= INITIAL_LABELS  # an engine that never had an update says "default"
+    assert "default" not in version_labels(1)
