@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.errors import BackendError
 from backends.factory import create_backend
+from backends.generation_transport import TransportFactory
 from gateway import store
-from gateway.config import ReplicaConfig, Settings
+from gateway.config import FastPathConfig, ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
 from gateway.fastpath.engine_client import KeepAlivePool
@@ -35,6 +36,11 @@ BackendFactory = Callable[[ReplicaConfig, Settings], EngineBackend]
 
 #: At shutdown, how long turns cut by the server may take to record what they generated (one Redis write each).
 SHUTDOWN_RECORD_TIMEOUT_S = 10.0
+
+
+def generation_transport(fastpath: FastPathConfig) -> TransportFactory | None:
+    """The transport replicas' generation requests take: the fast path's pool, or aiohttp's (None) with it off."""
+    return KeepAlivePool if fastpath.on("engine_client") else None
 
 
 def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
@@ -61,7 +67,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
         ),
         max_connections=g.max_connections_per_replica,
         stream_pacing=StreamPacing(g.stream_pacing_s, g.stream_pacing_min_streams),
-        generation_transport=KeepAlivePool if settings.fastpath.on("engine_client") else None,
+        generation_transport=generation_transport(settings.fastpath),
     )
 
 

@@ -12,7 +12,7 @@ import orjson
 
 from backends.generation_transport import TransportFactory
 from gateway.config import Settings
-from gateway.fastpath.engine_client import KeepAlivePool
+from gateway.services import generation_transport
 
 
 async def wait_for(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = "") -> None:
@@ -50,4 +50,4 @@ async def sim_state(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
 def gateway_transport() -> TransportFactory | None:
     """The generation transport the gateway gives its replicas in this test run: the fast path's pool, or aiohttp's
     (None) where `RG_FASTPATH__ENABLED=false` turns the fast path off."""
-    return KeepAlivePool if Settings().fastpath.on("engine_client") else None
+    return generation_transport(Settings().fastpath)
