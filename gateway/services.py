@@ -21,12 +21,13 @@ from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
+from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
 from gateway.quotas import SessionQuota
 from gateway.routing import Replica, ReplicaPool
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.session_samples import SessionManager
 from gateway.store import Keys, TrajectoryStore, WeightsBus
-from gateway.tokenization import ChatTokenizer, VocabInfo, get_tool_parser
+from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns import TurnRunner
 from gateway.weights import WeightCoordinator, parse_version
 
@@ -261,7 +262,8 @@ async def open_services(
             generator,
             lifecycle,
             tokenizer,
-            get_tool_parser(settings.model.tool_parser),
+            resolve_tool_parser(settings.model.tool_parser, tokenizer.chat_template),
+            resolve_reasoning_parser(settings.model.reasoning_parser, tokenizer.chat_template),
             model_name=settings.model.name,
             max_model_len=settings.model.max_model_len,
             want_routed_experts=any(r.routed_experts for r in settings.replicas),

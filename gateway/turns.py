@@ -33,28 +33,32 @@ from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, 
 from gateway.api.token_ids import first_outside
 from gateway.errors import InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
-from gateway.quotas import SessionLease
-from gateway.request_ids import new_name
-from gateway.session_lifecycle import SessionLifecycle
-from gateway.session_samples import Turn
-from gateway.tokenization import (
-    ChatTokenizer,
-    EncodedPrefix,
-    IncrementalDetokenizer,
+from gateway.parsers import (
+    ContentDelta,
+    ReasoningDelta,
+    ReasoningParser,
+    StreamingReasoningParser,
     StreamingToolParser,
     ToolCall,
     ToolCallDelta,
     ToolParser,
-    make_stop_checker,
+    ToolStreamDelta,
 )
+from gateway.quotas import SessionLease
+from gateway.request_ids import new_name
+from gateway.session_lifecycle import SessionLifecycle
+from gateway.session_samples import Turn
+from gateway.tokenization import ChatTokenizer, EncodedPrefix, IncrementalDetokenizer, make_stop_checker
 from gateway.working_sample import WorkingSample
 
 MAX_RANDOM_SEED = 2**31 - 1
+PROMPT_TAIL_TOKENS = 4  # the prompt's last tokens a reasoning parser sees (did the template open the reasoning?)
 
 
 @dataclass
 class Choice:
-    """One of the n generations of a turn, with its text decoded as it streams."""
+    """One of the n generations of a turn, with its text decoded as it streams and split, for a chat turn, into
+    reasoning (`reasoning_stream`), then content and tool calls (`tool_stream`)."""
 
     index: int
     turn: Turn
@@ -62,12 +66,20 @@ class Choice:
     state: GenerationState
     detokenizer: IncrementalDetokenizer
     tool_stream: StreamingToolParser | None
+    reasoning_stream: StreamingReasoningParser | None = None
+    prompt_tail: str = ""
     text: str = ""
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    cut_in_tool_call: bool = False  # max_tokens ended the reply inside a tool call, which was dropped
 
     @property
     def finish_reason(self) -> str:
+        """OpenAI's: `length` when cut by max_tokens inside a tool call, else `tool_calls` when it made calls, else
+        the engine's (`stop`, `length`, `abort`)."""
+        if self.cut_in_tool_call:
+            return "length"
         if self.tool_calls:
             return "tool_calls"
         return self.state.finish_reason or "stop"
@@ -75,13 +87,15 @@ class Choice:
 
 @dataclass
 class ChoiceEvent:
-    """What changed in one choice: new text or tool-call deltas, new token logprobs, or its end."""
+    """What changed in one choice: new content (`text`), reasoning or tool-call deltas, new token logprobs, or its
+    end."""
 
     choice: Choice
     text: str = ""
     tool_deltas: list[ToolCallDelta] = field(default_factory=list)
     delta: Delta | None = None
     finished: bool = False
+    reasoning: str = ""
 
 
 @dataclass
@@ -118,6 +132,7 @@ class TurnRunner:
         lifecycle: SessionLifecycle,
         tokenizer: ChatTokenizer,
         tool_parser: ToolParser,
+        reasoning_parser: ReasoningParser | None = None,
         *,
         model_name: str,
         max_model_len: int,
@@ -128,6 +143,7 @@ class TurnRunner:
         self.sessions = lifecycle.sessions
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
@@ -158,7 +174,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock])
+            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock], chat=True)
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -259,7 +275,9 @@ class TurnRunner:
                 Turn(member, WorkingSample(0, list(prompt), tools=tools), list(prompt), [], messages, new_sample=True)
                 for member in members
             ]
-            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools is not None, locks)
+            chat = bool(messages)  # a raw completion's group has none
+            parse_tools = tools is not None
+            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, parse_tools, locks, chat=chat)
             prepared.group_id = group_id
             await self.lifecycle.create_group(members, metadata)
             return prepared
@@ -278,8 +296,11 @@ class TurnRunner:
         top_logprobs: int,
         parse_tools: bool,
         locks: list[asyncio.Lock],
+        *,
+        chat: bool = False,
     ) -> PreparedTurn:
-        """The choices of `turns` (one per choice, all of one prompt), checked against the context length."""
+        """The choices of `turns` (one per choice, all of one prompt), checked against the context length. A `chat`
+        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (`parse_tools`)."""
         prompt_ids = turns[0].prompt_ids
         room = self.max_model_len - len(prompt_ids)
         max_tokens = budget if budget is not None else room
@@ -289,12 +310,17 @@ class TurnRunner:
                 f"{self.max_model_len}",
                 param="max_tokens",
             )
+        reasoning = self.reasoning_parser if chat else None
+        # Special tokens kept: `<think>` is one in most families' tokenizers.
+        prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if reasoning is not None else ""
         choices = []
         for index, turn in enumerate(turns):
             request = self._request(session_id, turn, body, max_tokens, top_logprobs, index)
             detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, stop=body.stops)
             tool_stream = self.tool_parser.streaming() if parse_tools else None
-            choices.append(Choice(index, turn, request, GenerationState(request), detokenizer, tool_stream))
+            reasoning_stream = reasoning.streaming(prompt_tail) if reasoning is not None else None
+            state = GenerationState(request)
+            choices.append(Choice(index, turn, request, state, detokenizer, tool_stream, reasoning_stream, prompt_tail))
         return PreparedTurn(session_id, one_turn, choices, prompt_ids, locks)
 
     def _request(
@@ -403,21 +429,48 @@ class TurnRunner:
 
     def _decoded(self, choice: Choice, text: str, delta: Delta | None) -> ChoiceEvent:
         choice.text += text
-        if choice.tool_stream is None:
+        if choice.reasoning_stream is None and choice.tool_stream is None:
             return ChoiceEvent(choice, text=text, delta=delta)
-        content, tools = _split(choice.tool_stream.feed(text) if text else [])
-        return ChoiceEvent(choice, text=content, tool_deltas=tools, delta=delta)
+        event = ChoiceEvent(choice, delta=delta)
+        if text:
+            self._split(choice, event, choice.reasoning_stream.feed(text) if choice.reasoning_stream else None, text)
+        return event
+
+    def _split(
+        self, choice: Choice, event: ChoiceEvent, reasoned: list[ReasoningDelta | ContentDelta] | None, text: str
+    ) -> None:
+        """Add to `event` the reasoning the reasoning parser made of new text (`reasoned`; None: no such parser, the
+        text is all content), and the content and tool calls the tool parser made of the rest."""
+        if reasoned is not None:
+            event.reasoning += "".join(d.text for d in reasoned if isinstance(d, ReasoningDelta))
+            text = "".join(d.text for d in reasoned if isinstance(d, ContentDelta))
+        if choice.tool_stream is None:
+            event.text += text
+        elif text:
+            self._add_tool_deltas(event, choice.tool_stream.feed(text))
+
+    @staticmethod
+    def _add_tool_deltas(event: ChoiceEvent, deltas: list[ToolStreamDelta]) -> None:
+        event.text += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+        event.tool_deltas += [d for d in deltas if isinstance(d, ToolCallDelta)]
 
     def _finish(self, choice: Choice) -> ChoiceEvent:
         tail = self._decoded(choice, choice.detokenizer.flush(), None)
+        cut = choice.state.finish_reason == "length"
+        if choice.reasoning_stream is not None:
+            self._split(choice, tail, choice.reasoning_stream.finish(), "")
         if choice.tool_stream is not None:
-            content, tools = _split(choice.tool_stream.finish())
-            tail.text += content
-            tail.tool_deltas += tools
-            parsed = self.tool_parser.parse(choice.text)
+            self._add_tool_deltas(tail, choice.tool_stream.finish(cut=cut))
+        content = choice.text
+        if self.reasoning_parser is not None and choice.reasoning_stream is not None:
+            split = self.reasoning_parser.parse(choice.text, choice.prompt_tail)
+            choice.reasoning, content = split.reasoning, split.content
+        if choice.tool_stream is not None:
+            parsed = self.tool_parser.parse(content, cut=cut)
             choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
+            choice.cut_in_tool_call = cut and parsed.unfinished
         else:
-            choice.content = choice.text
+            choice.content = content
         tail.finished = True
         return tail
 
@@ -425,6 +478,8 @@ class TurnRunner:
 def assistant_message(choice: Choice) -> dict[str, Any]:
     """The reply as the agent receives it (and echoes back next turn)."""
     message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning
     if choice.tool_calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -443,11 +498,6 @@ def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[
     if "group_index" in metadata:
         raise InvalidRequest("metadata.group_index is set per member of a group; leave it out", param="metadata")
     return {**metadata, "group_id": group_id, "group_size": size}
-
-
-def _split(deltas: list[Any]) -> tuple[str, list[ToolCallDelta]]:
-    text = "".join(d.text for d in deltas if not isinstance(d, ToolCallDelta))
-    return text, [d for d in deltas if isinstance(d, ToolCallDelta)]
 
 
 __all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message"]

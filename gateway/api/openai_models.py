@@ -81,6 +81,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+    # An assistant reply's reasoning as the gateway answered it (`reasoning` is vLLM's newer name for it).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _content_where_needed(self) -> ChatMessage:
@@ -106,6 +109,9 @@ class ChatMessage(BaseModel):
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None and self.role == "assistant":
+            out["reasoning_content"] = reasoning
         return out
 
 

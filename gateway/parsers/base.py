@@ -1,8 +1,13 @@
-"""What every parser shares: the parsed shapes (whole and streamed) and the `ToolParser` protocol.
+"""What every parser shares: the parsed shapes (whole and streamed) and the `ToolParser` / `ReasoningParser`
+protocols.
 
-A tool parser splits a completion's text into content and OpenAI-style tool calls, either whole (`parse`) or as the
-text streams in (`streaming`); `collect_deltas` folds the streamed deltas into what `parse` returns, so the two can
-be checked against each other.
+A completion's text goes through two parsers, each whole (`parse`) or as the text streams in (`streaming`):
+a reasoning parser splits it into reasoning and the rest (`ReasoningOutput`), and a tool parser splits that rest
+into content and OpenAI-style tool calls (`ParsedOutput`). `collect_deltas` / `collect_reasoning` fold the streamed
+deltas into what `parse` returns, so the two can be checked against each other.
+
+A tool parser's `cut`: the completion was cut by `max_tokens`. A call it was inside is then dropped, neither a call
+nor content (`ParsedOutput.unfinished` says one was), so the turn ends `length`, not `tool_calls`.
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ from typing import Any, Protocol
 __all__ = [
     "ContentDelta",
     "ParsedOutput",
+    "ReasoningDelta",
+    "ReasoningOutput",
+    "ReasoningParser",
+    "ReasoningStreamDelta",
+    "StreamingReasoningParser",
     "StreamingToolParser",
     "ToolCall",
     "ToolCallDelta",
     "ToolParser",
     "ToolStreamDelta",
     "collect_deltas",
+    "collect_reasoning",
     "json_object",
     "new_tool_call_id",
 ]
@@ -46,6 +57,8 @@ class ParsedOutput:
 
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # The text ended inside a call (cut by max_tokens): with `cut` that call is in neither field.
+    unfinished: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +89,20 @@ class StreamingToolParser(Protocol):
         """Consume the next text; return the deltas it made final."""
         ...
 
-    def finish(self) -> list[ToolStreamDelta]:
-        """The completion ended: return the deltas for what is still held."""
+    def finish(self, *, cut: bool = False) -> list[ToolStreamDelta]:
+        """The completion ended (`cut`: by max_tokens): return the deltas for what is still held."""
+        ...
+
+    @property
+    def unfinished(self) -> bool:
+        """After `finish`: the text ended inside a call."""
         ...
 
 
 class ToolParser(Protocol):
     """A model's tool-call format (config `model.tool_parser`)."""
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         """Split a whole completion into content and tool calls; never raises on malformed calls."""
         ...
 
@@ -93,11 +111,66 @@ class ToolParser(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Streaming: more reasoning text."""
+
+    text: str
+
+
+ReasoningStreamDelta = ReasoningDelta | ContentDelta
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningOutput:
+    """A completion split into reasoning (None: the model did not reason) and the rest, which goes on to the tool
+    parser. The markup around the reasoning (`<think>`, `</think>`, channel headers) is in neither."""
+
+    reasoning: str | None
+    content: str
+
+
+class StreamingReasoningParser(Protocol):
+    """Consumes a completion's text deltas and yields reasoning and content deltas."""
+
+    def feed(self, text: str) -> list[ReasoningStreamDelta]:
+        """Consume the next text; return the deltas it made final."""
+        ...
+
+    def finish(self) -> list[ReasoningStreamDelta]:
+        """The completion ended: return the deltas for what is still held."""
+        ...
+
+
+class ReasoningParser(Protocol):
+    """A model's reasoning format (config `model.reasoning_parser`).
+
+    `prompt_tail`: the end of the prompt as text, special tokens kept (the last few tokens decoded), so that a
+    parser can tell whether the chat template opened the reasoning already (a generation prompt ending in
+    `<think>`: the completion starts inside it, with no start tag of its own).
+    """
+
+    def parse(self, text: str, prompt_tail: str = "") -> ReasoningOutput:
+        """Split a whole completion into reasoning and the rest; never raises."""
+        ...
+
+    def streaming(self, prompt_tail: str = "") -> StreamingReasoningParser:
+        """A parser for one streamed completion; its deltas collect to what `parse` returns."""
+        ...
+
+
+def collect_reasoning(deltas: Sequence[ReasoningStreamDelta]) -> ReasoningOutput:
+    """Fold streamed reasoning deltas into the `ReasoningOutput` they describe (reasoning None when none came)."""
+    reasoning = [d.text for d in deltas if isinstance(d, ReasoningDelta)]
+    content = "".join(d.text for d in deltas if isinstance(d, ContentDelta))
+    return ReasoningOutput("".join(reasoning) if reasoning else None, content)
+
+
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def collect_deltas(deltas: Sequence[ToolStreamDelta]) -> ParsedOutput:
+def collect_deltas(deltas: Sequence[ToolStreamDelta], *, unfinished: bool = False) -> ParsedOutput:
     """Fold streamed deltas into the `ParsedOutput` they describe."""
     content: list[str] = []
     calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
@@ -111,7 +184,7 @@ def collect_deltas(deltas: Sequence[ToolStreamDelta]) -> ParsedOutput:
         call[2] += delta.arguments
     text = "".join(content)
     tool_calls = [ToolCall(*calls[index]) for index in sorted(calls)]
-    return ParsedOutput(None if tool_calls and not text.strip() else text, tool_calls)
+    return ParsedOutput(None if tool_calls and not text.strip() else text, tool_calls, unfinished)
 
 
 def json_object(text: str) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 """Parsers by the name the config selects them with (vLLM's names), one `ParserRegistry` per kind of parser.
 
-Tool-call parsers are registered in `TOOL_PARSERS`; reasoning parsers (`gateway.parsers.reasoning`) will get a
-registry of their own here, of the same shape.
+`TOOL_PARSERS` (config `model.tool_parser`) and `REASONING_PARSERS` (config `model.reasoning_parser`); `auto`
+picks the format from the chat template (`gateway.parsers.detect`).
 """
 
 from __future__ import annotations
@@ -10,10 +10,22 @@ from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 from gateway.errors import ConfigError
-from gateway.parsers.base import ToolParser
+from gateway.parsers.base import ReasoningParser, ToolParser
+from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
 from gateway.parsers.tool_calls.hermes import HermesToolParser
 
-__all__ = ["TOOL_PARSERS", "ParserRegistry", "get_tool_parser"]
+__all__ = [
+    "AUTO",
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "ParserRegistry",
+    "get_reasoning_parser",
+    "get_tool_parser",
+    "resolve_reasoning_parser",
+    "resolve_tool_parser",
+]
+
+AUTO = "auto"
 
 P = TypeVar("P")
 
@@ -41,10 +53,40 @@ class ParserRegistry(Generic[P]):
 
 
 TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
-    "model.tool_parser", "tool parser", {"hermes": HermesToolParser}
+    "model.tool_parser",
+    "tool parser",
+    {
+        "hermes": HermesToolParser,
+    },
+)
+
+REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
+    "model.reasoning_parser",
+    "reasoning parser",
+    {},
 )
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """The tool parser registered under `name` (config `model.tool_parser`)."""
     return TOOL_PARSERS.get(name)
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The reasoning parser registered under `name` (config `model.reasoning_parser`)."""
+    return REASONING_PARSERS.get(name)
+
+
+def resolve_tool_parser(name: str, chat_template: str) -> ToolParser:
+    """The configured tool parser; for `auto`, the one the chat template shows (hermes when it shows none)."""
+    if name == AUTO:
+        name = detect_tool_format(chat_template) or "hermes"
+    return get_tool_parser(name)
+
+
+def resolve_reasoning_parser(name: str | None, chat_template: str) -> ReasoningParser | None:
+    """The configured reasoning parser (None: the completion's text is all answer); for `auto`, the one the chat
+    template shows, or none."""
+    if name == AUTO:
+        name = detect_reasoning_format(chat_template)
+    return None if name is None else get_reasoning_parser(name)

@@ -120,6 +120,14 @@ class ChatTokenizer:
         )
 
     @property
+    def chat_template(self) -> str:
+        """The chat template's jinja text (the first, where the tokenizer has several)."""
+        template = self._tok.chat_template
+        if isinstance(template, dict):
+            return str(template.get("default", next(iter(template.values()), "")))
+        return str(template or "")
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""
         return self._vocab_size

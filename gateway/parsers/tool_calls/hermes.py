@@ -26,15 +26,17 @@ class HermesToolParser:
 
     A block whose body is not a JSON object with a string `name` and object `arguments` stays in the content
     verbatim; so does text between and around blocks. A final block the completion never closed counts when its
-    body is a valid call. `parse` is one `streaming()` pass, so both always agree.
+    body is a valid call, unless the completion was `cut` (by max_tokens): then it is dropped, as is a start tag
+    the cut split. `parse` is one `streaming()` pass, so both always agree.
     """
 
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
         self._id_factory = id_factory
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         stream = self.streaming()
-        return collect_deltas(stream.feed(text) + stream.finish())
+        deltas = stream.feed(text) + stream.finish(cut=cut)
+        return collect_deltas(deltas, unfinished=stream.unfinished)
 
     def streaming(self) -> HermesStreamingToolParser:
         return HermesStreamingToolParser(self._id_factory)
@@ -60,6 +62,7 @@ class HermesStreamingToolParser:
         self._scan_from = 0  # where to look for the end tag next: the buffer before it cannot hold one
         self._held_space = ""
         self._calls = 0
+        self._unfinished = False
 
     def feed(self, text: str) -> list[ToolStreamDelta]:
         self._buffer += text
@@ -68,12 +71,18 @@ class HermesStreamingToolParser:
             pass
         return out
 
-    def finish(self) -> list[ToolStreamDelta]:
+    @property
+    def unfinished(self) -> bool:
+        return self._unfinished
+
+    def finish(self, *, cut: bool = False) -> list[ToolStreamDelta]:
         out: list[ToolStreamDelta] = []
-        if self._inside:
+        self._unfinished = self._inside
+        if self._inside and not cut:
             self._close_block(self._buffer, out, closed=False)
-        else:
-            self._content(self._buffer, out)
+        elif not self._inside:
+            held = _partial_tag_suffix(self._buffer, self.start_tag) if cut else 0
+            self._content(self._buffer[: len(self._buffer) - held], out)
         self._buffer, self._inside = "", False
         if self._held_space and self._calls == 0:  # no tool calls: the content is the text, exactly
             out.append(ContentDelta(self._held_space))

@@ -3,15 +3,13 @@ tests/gateway/tokenization/test_tokenization.py)."""
 
 from __future__ import annotations
 
-from typing import get_args
-
 import pytest
 
 import gateway.parsers as parsers
 import gateway.tokenization as tokenization
-from gateway.config import ToolParser as ToolParserName
+from gateway.config import load_config
 from gateway.errors import ConfigError
-from gateway.parsers import TOOL_PARSERS, HermesToolParser, ParserRegistry
+from gateway.parsers import REASONING_PARSERS, TOOL_PARSERS, HermesToolParser, ParserRegistry
 
 
 def test_public_names_are_exported() -> None:
@@ -20,8 +18,14 @@ def test_public_names_are_exported() -> None:
             assert hasattr(module, name), (module.__name__, name)
 
 
-def test_every_configurable_tool_parser_is_registered() -> None:
-    assert TOOL_PARSERS.names == tuple(sorted(get_args(ToolParserName)))
+@pytest.mark.parametrize(
+    ("setting", "registry"), [("tool_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)]
+)
+def test_the_config_takes_every_registered_parser_and_auto(setting: str, registry: ParserRegistry[object]) -> None:
+    for name in (*registry.names, "auto"):
+        assert getattr(load_config(model={setting: name}).model, setting) == name
+    with pytest.raises(ConfigError, match=rf"model\.{setting}.*unknown parser 'nope' \(known: .*auto\)"):
+        load_config(model={setting: "nope"})
 
 
 def test_a_registry_makes_a_new_parser_per_lookup() -> None:

@@ -753,11 +753,24 @@ def test_parse_argument_variants() -> None:
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("now", "{}"), ("f", '{"x": 1}'), ("g", '{"y": "é"}')]
 
 
+@pytest.mark.parametrize("tail", ['<tool_call>\n{"name": "add", "arguments": {"a": 1', "<tool_c", "<tool_call>"])
+def test_a_cut_reply_drops_the_call_it_ended_in(tail: str) -> None:
+    """Cut by max_tokens inside a call (or its start tag): the partial markup is neither content nor a call, whole
+    and streamed; the calls before it stand."""
+    text = f"ok {CALL_ADD} then {tail}"
+    whole = hermes().parse(text, cut=True)
+    assert whole.content == "ok  then" and [c.name for c in whole.tool_calls] == ["add"]
+    assert whole.unfinished == tail.startswith("<tool_call>")
+    stream = hermes().streaming()
+    deltas = [d for chunk in text for d in stream.feed(chunk)] + stream.finish(cut=True)
+    assert collect_deltas(deltas, unfinished=stream.unfinished) == whole
+
+
 def test_unclosed_final_call_counts_when_valid() -> None:
     parsed = hermes().parse('ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n')
-    assert parsed == ParsedOutput("ok", [ToolCall("call_0", "add", '{"a": 1, "b": 2}')])
+    assert parsed == ParsedOutput("ok", [ToolCall("call_0", "add", '{"a": 1, "b": 2}')], unfinished=True)
     unclosed = "ok <tool_call>\n{unclosed"
-    assert hermes().parse(unclosed) == ParsedOutput(unclosed, [])
+    assert hermes().parse(unclosed) == ParsedOutput(unclosed, [], unfinished=True)
     # A block lasts until the first end tag: a call opened inside an unclosed one is part of its (bad) body.
     assert hermes().parse(f"<tool_call>{{oops {CALL_ADD}").tool_calls == []
 
@@ -807,15 +820,17 @@ TOOL_TEXTS = [
 
 
 @settings(max_examples=200, deadline=None)
-@given(index=st.integers(0, len(TOOL_TEXTS) - 1), cuts=st.lists(st.integers(0, 120), max_size=12))
-def test_streaming_agrees_with_parse(index: int, cuts: list[int]) -> None:
+@given(
+    index=st.integers(0, len(TOOL_TEXTS) - 1), cuts=st.lists(st.integers(0, 120), max_size=12), cut=st.booleans()
+)
+def test_streaming_agrees_with_parse(index: int, cuts: list[int], cut: bool) -> None:
     text = TOOL_TEXTS[index]
     parser = hermes().streaming()
     deltas: list[ToolStreamDelta] = []
     for piece in chunkings(text, cuts):
         deltas += parser.feed(piece)
-    deltas += parser.finish()
-    assert collect_deltas(deltas) == hermes().parse(text)
+    deltas += parser.finish(cut=cut)
+    assert collect_deltas(deltas, unfinished=parser.unfinished) == hermes().parse(text, cut=cut)
     for call_index in {d.index for d in deltas if isinstance(d, ToolCallDelta)}:
         first = next(d for d in deltas if isinstance(d, ToolCallDelta) and d.index == call_index)
         assert first.id is not None and first.name is not None  # id and name come first
@@ -828,17 +843,18 @@ def test_streaming_agrees_with_parse(index: int, cuts: list[int]) -> None:
         max_size=6,
     ),
     cuts=st.lists(st.integers(0, 200), max_size=10),
+    cut=st.booleans(),
 )
-def test_streaming_agrees_with_parse_on_random_text(parts: list[str], cuts: list[int]) -> None:
+def test_streaming_agrees_with_parse_on_random_text(parts: list[str], cuts: list[int], cut: bool) -> None:
     text = "".join(parts)
     parser = hermes().streaming()
     deltas: list[ToolStreamDelta] = []
     for piece in chunkings(text, cuts):
         deltas += parser.feed(piece)
-    deltas += parser.finish()
-    parsed = hermes().parse(text)
-    assert collect_deltas(deltas) == parsed
-    if not parsed.tool_calls:
+    deltas += parser.finish(cut=cut)
+    parsed = hermes().parse(text, cut=cut)
+    assert collect_deltas(deltas, unfinished=parser.unfinished) == parsed
+    if not parsed.tool_calls and not cut:
         assert parsed.content == text
 
 
