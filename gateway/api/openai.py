@@ -251,6 +251,8 @@ def _chat_delta(
     runner: TurnRunner, event: ChoiceEvent, logprobs: bool, tool_index: dict[int, int]
 ) -> dict[str, Any] | None:
     delta: dict[str, Any] = {}
+    if event.reasoning:
+        delta["reasoning_content"] = event.reasoning
     if event.text:
         delta["content"] = event.text
     if event.tool_deltas:
