@@ -313,10 +313,16 @@ class TurnRunner:
         reasoning = self.reasoning_parser if chat else None
         # Special tokens kept: `<think>` is one in most families' tokenizers.
         prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if reasoning is not None else ""
+        keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
+            reasoning is not None and reasoning.reads_special_tokens
+        )
+        silent = (*self.tokenizer.stop_token_ids, *(body.stop_token_ids or ())) if keep_special else ()
         choices = []
         for index, turn in enumerate(turns):
             request = self._request(session_id, turn, body, max_tokens, top_logprobs, index)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True, stop=body.stops)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
+            )
             tool_stream = self.tool_parser.streaming() if parse_tools else None
             reasoning_stream = reasoning.streaming(prompt_tail) if reasoning is not None else None
             state = GenerationState(request)

@@ -100,7 +100,14 @@ class StreamingToolParser(Protocol):
 
 
 class ToolParser(Protocol):
-    """A model's tool-call format (config `model.tool_parser`)."""
+    """A model's tool-call format (config `model.tool_parser`).
+
+    `reads_special_tokens`: the format's markup is special tokens (Kimi's `<|tool_call_begin|>`, harmony's
+    `<|channel|>`), so the text it parses keeps them (all but the end-of-turn ones); else they are left out, as an
+    OpenAI client sees the text.
+    """
+
+    reads_special_tokens: bool
 
     def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         """Split a whole completion into content and tool calls; never raises on malformed calls."""
@@ -147,8 +154,11 @@ class ReasoningParser(Protocol):
 
     `prompt_tail`: the end of the prompt as text, special tokens kept (the last few tokens decoded), so that a
     parser can tell whether the chat template opened the reasoning already (a generation prompt ending in
-    `<think>`: the completion starts inside it, with no start tag of its own).
+    `<think>`: the completion starts inside it, with no start tag of its own). `reads_special_tokens`: as
+    `ToolParser`'s.
     """
+
+    reads_special_tokens: bool
 
     def parse(self, text: str, prompt_tail: str = "") -> ReasoningOutput:
         """Split a whole completion into reasoning and the rest; never raises."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,9 @@ class IncrementalDetokenizer:
     With `stop` strings (OpenAI semantics) text that could be the beginning of a stop string is held back too;
     when one matches, the text before it is returned, the stop string and everything after it never are,
     `stop_match` tells which matched and how many tokens to keep, and further ids are ignored.
+
+    `silent_ids`: ids that add no text even when special tokens are kept (the end-of-turn tokens, for a model whose
+    parsers read its other special tokens).
     """
 
     def __init__(
@@ -97,12 +100,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] = (),
+        silent_ids: Iterable[int] = (),
     ) -> None:
         self._backend = tokenizer.backend
         self._skip = skip_special_tokens
         # Ids that can produce no text never enter the stream: it re-decodes everything it holds at every step,
         # so a degenerate run of them (a policy spamming <|endoftext|>) would cost O(n^2).
-        self._silent = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._silent = (tokenizer.special_token_ids if skip_special_tokens else frozenset()) | frozenset(silent_ids)
         self._vocab_size = tokenizer.vocab_size
         context = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)

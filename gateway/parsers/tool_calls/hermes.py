@@ -30,6 +30,8 @@ class HermesToolParser:
     the cut split. `parse` is one `streaming()` pass, so both always agree.
     """
 
+    reads_special_tokens = False
+
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
         self._id_factory = id_factory
 

@@ -1,0 +1,47 @@
+"""The tiny tokenizer dressed as a model family: its chat template and its special tokens, saved to a folder the
+gateway loads like any model's (`model.tokenizer`). The templates are the families' public jinja text, kept in
+`templates/` with their source named at the top of each file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import AddedToken
+from transformers import AutoTokenizer
+
+from gateway.assets import TINY_TOKENIZER_DIR
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def template_text(name: str) -> str:
+    """`templates/<name>.jinja`: the family's template, after a jinja comment (`{# ... #}`, renders nothing) that
+    names where it was taken from."""
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def family_tokenizer_dir(
+    folder: Path,
+    template: str,
+    *,
+    special: Sequence[str] = (),
+    plain: Sequence[str] = (),
+    eos: str | None = None,
+) -> Path:
+    """The tiny tokenizer with `template`, `special` added as special tokens (left out of the text an OpenAI client
+    sees) and `plain` as added tokens that are not special (Qwen's `<think>`, `<tool_call>`: they stay in the text),
+    `eos` its end-of-sequence token (one of them, or one it has)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER_DIR), local_files_only=True)
+    if plain:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    if special:
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in special]},
+            replace_extra_special_tokens=False,
+        )
+    if eos is not None:
+        tokenizer.eos_token = eos
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(folder))
+    return folder
