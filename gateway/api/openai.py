@@ -8,29 +8,29 @@ resumes) travels under the vendor key `rollout`, which they ignore.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
-from common.asgi import relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
-from gateway.api.deps import ServicesDep, agent_key, require_agent, turn_session
+from gateway.api.deps import ServicesDep, require_agent
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
+from gateway.api.turn_http import (
+    openai_sse,
+    prepare_turn,
+    relay,
+    rollout_field,
+    run_to_end,
+    session_of,
+    streaming_answer,
+)
 from gateway.request_ids import new_request_id
-from gateway.services import Services
-from gateway.session_identity import with_group
-from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
 def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
@@ -65,60 +65,6 @@ async def models(svc: ServicesDep) -> dict[str, Any]:
     return {"object": "list", "data": [{**card, "max_model_len": model.max_model_len}]}
 
 
-def _rollout(prepared: PreparedTurn, choices: list[Choice]) -> dict[str, Any]:
-    """The vendor field: the request's session, and per choice its session (a group's member, else the same), the
-    sample it was recorded in, its per-token versions, resumes and output ids; `group_id` for a group request."""
-    out: dict[str, Any] = {
-        "session_id": prepared.session_id,
-        "choices": [
-            {
-                "index": c.index,
-                "session_id": c.turn.session_id,
-                "sample_index": c.turn.stored_index,
-                "new_sample": c.turn.new_sample,
-                "versions": c.state.versions,
-                "num_resumes": c.state.num_resumes,
-                "output_ids": c.state.output_ids,
-            }
-            for c in choices
-        ],
-    }
-    if prepared.group_id is not None:
-        out["group_id"] = prepared.group_id
-    return out
-
-
-def _session(raw: Request, body: ChatCompletionRequest | CompletionRequest) -> str | None:
-    """The turn's session (`turn_session`); a `grp-` name's group metadata joins the body's (not for a `group: true`
-    request, whose members get their own)."""
-    session, group = turn_session(raw, body.session_id, body.user)
-    if group is not None and session is not None and not body.group:
-        body.metadata = with_group(body.metadata, group, session)
-    return session
-
-
-async def _prepare(
-    raw: Request, svc: Services, session: str | None, prepare: Callable[[], Awaitable[PreparedTurn]]
-) -> PreparedTurn:
-    """Take the caller's per-key session slot, then prepare the turn; the slot is freed when the turn closes."""
-    lease = svc.quota.acquire(agent_key(raw), session)
-    try:
-        prepared = await prepare()
-    except BaseException:
-        lease.release()
-        raise
-    prepared.leases.append(lease)
-    return prepared
-
-
-async def _run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) -> None:
-    """Generate every choice (aborted if the client leaves), then record the turn."""
-    try:
-        await unless_disconnected(raw, runner.run(prepared), lambda: None, DISCONNECT_WATCH_AFTER_S)
-    finally:
-        await runner.lifecycle.close(prepared)
-
-
 def _envelope(
     kind: str, completion_id: str, runner: TurnRunner, prepared: PreparedTurn, choices: list[Any]
 ) -> Response:
@@ -130,15 +76,9 @@ def _envelope(
             "model": runner.model_name,
             "choices": choices,
             "usage": _usage(prepared),
-            "rollout": _rollout(prepared, prepared.choices),
+            "rollout": rollout_field(prepared, prepared.choices),
         }
     )
-
-
-def _usage(prepared: PreparedTurn) -> dict[str, int]:
-    completion = sum(len(c.state.output_ids) for c in prepared.choices)
-    prompt = len(prepared.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # -- chat ----------------------------------------------------------------------------------------------
@@ -163,14 +103,14 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     check_messages(len(body.messages), svc.settings.server)
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(body.budget, budget_param, svc.settings.server)
-    session = _session(raw, body)
-    prepared = await _prepare(raw, svc, session, lambda: runner.prepare_chat(body, session))
+    session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_chat(body, session))
     completion_id = new_request_id("chatcmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
-        return _streaming(_relay(raw, runner, prepared, chunks), runner, prepared)
-    await _run_to_end(raw, runner, prepared)
+        return streaming_answer(_relay(raw, runner, prepared, chunks), runner, prepared)
+    await run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
         logprobs = None
@@ -193,7 +133,7 @@ def _chat_chunks(
     }
     role = {"role": "assistant", "content": ""}
     roles = b"".join(
-        _sse({**head, "choices": [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]})
+        openai_sse({**head, "choices": [{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}]})
         for c in prepared.choices
     )
     tool_index: dict[int, int] = {}
@@ -226,7 +166,7 @@ async def _turn_chunks(
         out = b""
         delta = delta_of(event)
         if delta is not None:
-            out += _sse({**head, "choices": [delta]})
+            out += openai_sse({**head, "choices": [delta]})
         if event.finished:
             end = {
                 "index": event.choice.index,
@@ -234,7 +174,7 @@ async def _turn_chunks(
                 "logprobs": None,
                 "finish_reason": event.choice.finish_reason,
             }
-            out += _sse({**head, "choices": [end], "rollout": _rollout(prepared, [event.choice])})
+            out += openai_sse({**head, "choices": [end], "rollout": rollout_field(prepared, [event.choice])})
             unfinished -= 1
             if not unfinished:
                 last = out
@@ -242,7 +182,7 @@ async def _turn_chunks(
         if out:
             yield out
     if include_usage:
-        last += _sse({**head, "choices": [], "usage": _usage(prepared)})
+        last += openai_sse({**head, "choices": [], "usage": _usage(prepared)})
     if last:
         yield last
 
@@ -291,14 +231,14 @@ def _completion_logprobs(
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
-    session = _session(raw, body)
-    prepared = await _prepare(raw, svc, session, lambda: runner.prepare_completion(body, session))
+    session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_completion(body, session))
     completion_id = new_request_id("cmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
-        return _streaming(_relay(raw, runner, prepared, chunks), runner, prepared)
-    await _run_to_end(raw, runner, prepared)
+        return streaming_answer(_relay(raw, runner, prepared, chunks), runner, prepared)
+    await run_to_end(raw, runner, prepared)
     choices = []
     for c in prepared.choices:
         s = c.state
@@ -326,26 +266,18 @@ def _completion_chunks(
     return _turn_chunks(runner, prepared, head, include_usage, delta_of, {"text": ""})
 
 
-# -- streaming plumbing ----------------------------------------------------------------------------------
+def _usage(prepared: PreparedTurn) -> dict[str, int]:
+    completion = sum(len(c.state.output_ids) for c in prepared.choices)
+    prompt = len(prepared.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _streaming(chunks: AsyncIterator[bytes], runner: TurnRunner, prepared: PreparedTurn) -> Response:
-    return GuardedStreamingResponse(chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream")
-
-
-async def _relay(
+def _relay(
     raw: Request, runner: TurnRunner, prepared: PreparedTurn, chunks: AsyncGenerator[bytes, None]
 ) -> AsyncIterator[bytes]:
-    """Relay SSE chunks until done or the client leaves; errors become an SSE error event; always record.
-    The turn is recorded before `[DONE]`, so an agent that finishes its session right after a streamed turn
-    never races that turn's write (the trainer would get the trajectory without it)."""
-    try:
-        async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
-            yield chunk
-        await runner.lifecycle.close(prepared)
-        yield LastChunk(b"data: [DONE]\n\n")
-    except GatewayError as exc:
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
-        yield _sse({"error": error})
-    finally:
-        await runner.lifecycle.close(prepared)
+    return relay(raw, runner, prepared, chunks, last=lambda: b"data: [DONE]\n\n", error_event=_error_event)
+
+
+def _error_event(exc: GatewayError) -> bytes:
+    error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
+    return openai_sse({"error": error})
