@@ -123,7 +123,6 @@ class ServerConfig(_Section):
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
     )
 
-
     @model_validator(mode="after")
     def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:
         if self.admin_token.get_secret_value() == DEFAULT_ADMIN_TOKEN and not _loopback(self.host):
