@@ -8,9 +8,14 @@ from __future__ import annotations
 __all__ = ["REASONING_MARKERS", "TOOL_MARKERS", "detect_reasoning_format", "detect_tool_format"]
 
 # (text the template holds, parser name): the more specific markers first.
-TOOL_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "hermes"),)
+TOOL_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|channel|>", "openai"),  # gpt-oss's harmony messages
+    ("<tool_call>", "hermes"),
+)
 
-REASONING_MARKERS: tuple[tuple[str, str], ...] = ()
+REASONING_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|channel|>", "gpt_oss"),  # gpt-oss's harmony messages
+)
 
 
 def _first(template: str, markers: tuple[tuple[str, str], ...]) -> str | None:

@@ -12,7 +12,9 @@ from typing import Generic, TypeVar
 from gateway.errors import ConfigError
 from gateway.parsers.base import ReasoningParser, ToolParser
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
+from gateway.parsers.reasoning.gpt_oss import GptOssReasoningParser
 from gateway.parsers.tool_calls.hermes import HermesToolParser
+from gateway.parsers.tool_calls.openai import OpenAIToolParser
 
 __all__ = [
     "AUTO",
@@ -57,13 +59,16 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
     "tool parser",
     {
         "hermes": HermesToolParser,
+        "openai": OpenAIToolParser,
     },
 )
 
 REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
     "model.reasoning_parser",
     "reasoning parser",
-    {},
+    {
+        "gpt_oss": GptOssReasoningParser,
+    },
 )
 
 
