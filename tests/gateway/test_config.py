@@ -156,7 +156,10 @@ def test_env_replicas_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_env_beats_file_and_overrides_beat_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_yaml(tmp_path, {"server": {"port": 7000, "host": "0.0.0.0", "admin_token": "s3cret"}, "weights": {"max_staleness": 1}})
+    path = write_yaml(
+        tmp_path,
+        {"server": {"port": 7000, "host": "0.0.0.0", "admin_token": "s3cret"}, "weights": {"max_staleness": 1}},
+    )
     monkeypatch.setenv("RG_SERVER__PORT", "7001")
     monkeypatch.setenv("RG_WEIGHTS__MAX_STALENESS", "2")
     settings = load_config(path, weights={"max_staleness": 3})
