@@ -43,6 +43,7 @@ class GptOssReasoningParser:
     """
 
     reads_special_tokens = True
+    turn_end_tokens: tuple[str, ...] = ("<|call|>",)  # a call ends the turn: vLLM also stops there
 
     def __init__(self, encoding: HarmonyEncoding | None = None) -> None:
         self._encoding = encoding if encoding is not None else harmony_encoding()

@@ -45,6 +45,7 @@ class OpenAIToolParser:
     """
 
     reads_special_tokens = True
+    turn_end_tokens: tuple[str, ...] = ("<|call|>",)  # a call ends the turn: vLLM also stops there
 
     def __init__(
         self, encoding: HarmonyEncoding | None = None, id_factory: Callable[[], str] = new_tool_call_id

@@ -360,12 +360,14 @@ async def test_end_to_end_tool_calls(
     stream: bool, make_sim: SimFactory, make_gateway: GatewayFactory, tokenizer: ChatTokenizer, gpt_oss_dir: Path
 ) -> None:
     sim, gw = await gpt_oss_gateway(make_sim, make_gateway, tokenizer, gpt_oss_dir)
-    ids = script(sim, tokenizer, TOOLS, ANALYSIS + CALL.format(name="get_weather"))
+    call = ANALYSIS + CALL.format(name="get_weather")
+    ids = tokenizer.encode(call)
+    script(sim, tokenizer, TOOLS, call + "<|start|>assistant<|channel|>final<|message|>what it would sample on")
     api = openai.AsyncOpenAI(base_url=f"{gw.url}/sessions/calls-{stream}/v1", api_key="k", max_retries=0)
-    # `<|call|>` ends generation (a stop id, as vLLM adds for gpt-oss): the simulator stops on it, and the text ends
-    # inside the call, which counts as its arguments are whole.
-    call_id = tokenizer.encode("<|call|>")[0]
-    answer = await chat(api, TOOLS, stream, extra_body={"stop_token_ids": [call_id]})
+    # `<|call|>` ends generation: the parsers name it a turn-ending token, so the gateway asks the engine to stop at
+    # it (as vLLM does for gpt-oss) without the agent sending a stop id; the text ends inside the call, which counts
+    # as its arguments are whole.
+    answer = await chat(api, TOOLS, stream)
     if stream:
         reasoning, content, finish, calls = "", "", None, {}
         async for chunk in answer:
