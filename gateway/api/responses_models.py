@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from gateway.api.openai_models import FunctionDefinition, Stop, _storable
+from gateway.api.openai_models import Stop, _storable
 
 
 class _Body(BaseModel):
@@ -141,11 +141,9 @@ class FunctionTool(_Body):
     parameters: Annotated[dict[str, Any] | None, AfterValidator(_storable)] = None
     strict: bool | None = None
 
-    def definition(self) -> FunctionDefinition:
-        """The chat API's function definition of this tool (its schema checked there)."""
-        return FunctionDefinition(
-            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict
-        )
+    def definition(self) -> dict[str, Any]:
+        """The chat API's function definition of this tool (`FunctionDefinition`, which checks the schema)."""
+        return self.model_dump(exclude={"type"}, exclude_none=True)
 
     def echoed(self) -> dict[str, Any]:
         """The tool as a response lists it."""

@@ -17,10 +17,12 @@ import pytest
 from openai.types.responses import Response
 
 from backends.sim.engine import EngineSettings
+from backends.sim.model import ModelShape
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway.parsers.reasoning_families import QWEN3
 from tests.gateway_helpers import publish
 from tests.sim_helpers import wait_for
 
@@ -64,14 +66,14 @@ async def one_sample(gw: RunningGateway, session: str, turns: list[list[int]]) -
     """The session holds one sample: each turn's sampled ids (mask 1), the environment's between them (mask 0)."""
     [sample] = await gw.services.store.load_samples(session)
     response, mask = sample.response_ids.tolist(), sample.loss_mask.tolist()
-    assert sample.num_turns == len(turns)
-    at = 0
-    for i, ids in enumerate(turns):
-        start = response.index(ids[0], at) if i else 0
-        assert response[start : start + len(ids)] == ids and mask[start : start + len(ids)] == [1] * len(ids)
-        assert mask[at:start] == [0] * (start - at) and (start > at or i == 0)
-        at = start + len(ids)
-    assert at == len(response)
+    assert sample.num_turns == len(turns) and mask[0] == 1
+    spans: list[list[int]] = []  # the runs of mask 1
+    for token, sampled_here, before in zip(response, mask, [0, *mask], strict=False):
+        if sampled_here and not before:
+            spans.append([])
+        if sampled_here:
+            spans[-1].append(token)
+    assert spans == turns and mask[-1] == 1
     return sample
 
 
@@ -305,6 +307,7 @@ async def test_refusals_are_openai_shaped(
         ({"input": [{"type": "web_search_call", "id": "x"}]}, 400, "input.0"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools.0"),
+        ({"input": "x", "tools": [ADD | {"parameters": {"type": "string"}}]}, 400, "tools.0.parameters"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}}, 400, "text.format"),
         ({"input": "x", "temperatur": 1}, 400, "temperatur"),
         ({"input": [{"type": "function_call", "call_id": "c"}]}, 400, "input.0.function_call.name"),
@@ -371,3 +374,60 @@ async def test_an_openai_agents_sdk_agent_runs_a_tool_episode(
     for response_id in (r for run in report["responses"] for r in run):
         stored = await gw.services.store.responses.load(response_id)
         assert stored is not None and json.loads(stored)["session_id"] == "agent-ep"
+
+
+@pytest.mark.parametrize("form", ["whole, previous_response_id", "streamed, replayed"])
+async def test_reasoning_goes_out_as_an_item_and_comes_back_into_the_same_sample(
+    form: str, tmp_path: Path, make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    """Qwen3 (`reasoning_parser: qwen3`): the reply's reasoning is a reasoning item (whole) or reasoning-text deltas
+    (streamed); echoed back before its tool call (by `previous_response_id`, or replayed as an item), it is the
+    assistant message's `reasoning_content`, which the template renders before a tool result: the turn extends the
+    sample the reasoning was sampled in."""
+    streamed = form.startswith("streamed")
+    tokenizer_dir = QWEN3.tokenizer_dir(tmp_path)
+    tokenizer = ChatTokenizer.load(tokenizer_dir)
+    shape = ModelShape(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
+    sim = await make_sim("vllm", engine=EngineSettings(shape=shape))
+    gw = await make_gateway([sim], model={"tokenizer": str(tokenizer_dir), "reasoning_parser": "qwen3"})
+    api = agent(f"{gw.url}/sessions/think/v1")
+    question = {"role": "user", "content": "What is 1 plus 2? Use the tool please."}
+    thought = tool_call("c", "add", '{"a": 1, "b": 2}') | {"content": "", "reasoning_content": "\nI should add them.\n"}
+    call_ids = script_reply(sim, tokenizer, [question], thought)
+    kwargs: dict[str, Any] = {"model": "tiny", "tools": [ADD], "max_output_tokens": 64, "temperature": 0}
+
+    async def create(**more: Any) -> Response:
+        if not streamed:
+            return await api.responses.create(**kwargs, **more)
+        async with api.responses.stream(**kwargs, **more) as stream:
+            events = [event async for event in stream]
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        done = [e.text for e in events if e.type == "response.reasoning_text.done"]
+        response = await stream.get_final_response()
+        reasoning = [item for item in response.output if item.type == "reasoning"]
+        assert done == ["".join(deltas)] == [c.text for r in reasoning for c in r.content or []]
+        pieces.append(len(deltas))
+        return response
+
+    pieces: list[int] = []  # reasoning deltas per streamed turn
+
+    first = await create(input=question["content"])
+    assert not streamed or pieces[0] > 1  # streamed as sampled, not in one piece at the end
+    [reasoning, call] = first.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [c.text for c in reasoning.content or []] == ["\nI should add them.\n"]
+    assert call.type == "function_call" and json.loads(call.arguments) == {"a": 1, "b": 2}
+    assert first.usage is not None and 0 < first.usage.output_tokens_details.reasoning_tokens < len(call_ids)
+    answered = [question, thought, {"role": "tool", "content": "3"}]
+    answer_ids = script_reply(sim, tokenizer, answered, {"role": "assistant", "content": "It is 3."})
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "3"}
+    if streamed:
+        echoed = [item.model_dump(exclude_none=True) for item in first.output]
+        second = await create(input=[{"role": "user", "content": question["content"]}, *echoed, result])
+    else:
+        second = await create(input=[result], previous_response_id=first.id)
+    assert second.output_text.strip() == "It is 3." and sampled(second) == answer_ids
+    assert not rollout(second)["choices"][0]["new_sample"]
+    sample = await one_sample(gw, "think", [call_ids, answer_ids])
+    assert sample.conversation[1]["reasoning_content"] == "\nI should add them.\n"
+    await api.close()
