@@ -13,6 +13,7 @@ named is a 400.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -147,7 +148,7 @@ class _Answer:
         self.runner = runner
         self.prepared = prepared
         self.records = records
-        self.response_id = f"resp_{ItemIds().message.removeprefix('msg_')}"
+        self.response_id = f"resp_{secrets.token_hex(16)}"  # unguessable: it lets a request continue the session
         self.created_at = int(time.time())
         self.ids = ItemIds()
         self.stream = ResponseEvents(self.ids)
@@ -158,13 +159,16 @@ class _Answer:
         return self.prepared.choices[0]
 
     def response(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """The response object; `status` "completed" becomes "incomplete" where max_output_tokens cut the reply."""
+        """The response object; `status` "completed" becomes "incomplete" where the reply did not end by itself
+        (`incomplete_details.reason` "max_output_tokens" where the budget cut it)."""
         body, choice = self.body, self.choice
-        incomplete = None
+        incomplete: dict[str, str | None] | None = None
         if status == "completed":
             output = output_items(choice, self.ids)
             if choice.finish_reason == "length":
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            elif choice.finish_reason not in ("stop", "tool_calls"):  # the engine's abort: no reason OpenAI names
+                status, incomplete = "incomplete", {"reason": None}
         return {
             "id": self.response_id,
             "object": "response",
