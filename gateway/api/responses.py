@@ -143,7 +143,9 @@ def _chat_request(
 class _Answer:
     """Shapes one turn's answer: the response object, and its stream."""
 
-    def __init__(self, body: ResponseRequest, runner: TurnRunner, prepared: PreparedTurn, records: ResponseRecords):
+    def __init__(
+        self, body: ResponseRequest, runner: TurnRunner, prepared: PreparedTurn, records: ResponseRecords
+    ) -> None:
         self.body = body
         self.runner = runner
         self.prepared = prepared
