@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.asgi import ClientDisconnected, disconnected_response
-from gateway.errors import GatewayError, Overloaded
+from gateway.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,9 @@ async def on_validation_error(_: Request, exc: Exception) -> Response:
 async def on_gateway_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
     if exc.status_code >= 500:
-        logger.warning("%s: %s", type(exc).__name__, exc.message)
+        logger.warning("%s: %s", type(exc).__name__, exc)  # str(exc): the whole cause, which the answer may leave out
     headers = None
-    if isinstance(exc, Overloaded):
+    if exc.retry_after_s is not None:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
     return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers, exc.details)
 
