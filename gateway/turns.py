@@ -43,6 +43,7 @@ from gateway.parsers import (
     ToolCallDelta,
     ToolParser,
     ToolStreamDelta,
+    collect_deltas,
 )
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
@@ -73,6 +74,9 @@ class Choice:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     cut_in_tool_call: bool = False  # max_tokens ended the reply inside a tool call, which was dropped
+    # What `tool_stream` made: the reply's content and calls are these collected, so that the ids a streamed reply
+    # sent are the ids its recorded message holds (the chat templates of some families write them back).
+    tool_deltas: list[ToolStreamDelta] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str:
@@ -174,7 +178,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock], chat=True)
+            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools, [lock], chat=True)
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -219,7 +223,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, budget, top, False, [lock])
+            prepared = self._prepare(sid, one_turn, turns, body, budget, top, None, [lock])
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -276,8 +280,7 @@ class TurnRunner:
                 for member in members
             ]
             chat = bool(messages)  # a raw completion's group has none
-            parse_tools = tools is not None
-            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, parse_tools, locks, chat=chat)
+            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools, locks, chat=chat)
             prepared.group_id = group_id
             await self.lifecycle.create_group(members, metadata)
             return prepared
@@ -294,13 +297,14 @@ class TurnRunner:
         body: _Sampling,
         budget: int | None,
         top_logprobs: int,
-        parse_tools: bool,
+        tools: list[dict[str, Any]] | None,
         locks: list[asyncio.Lock],
         *,
         chat: bool = False,
     ) -> PreparedTurn:
         """The choices of `turns` (one per choice, all of one prompt), checked against the context length. A `chat`
-        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (`parse_tools`)."""
+        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (with `tools`, the
+        request's: the parser types text arguments by their schemas)."""
         prompt_ids = turns[0].prompt_ids
         room = self.max_model_len - len(prompt_ids)
         max_tokens = budget if budget is not None else room
@@ -313,6 +317,7 @@ class TurnRunner:
         reasoning = self.reasoning_parser if chat else None
         # Special tokens kept: `<think>` is one in most families' tokenizers.
         prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if reasoning is not None else ""
+        parse_tools = tools is not None
         keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
             reasoning is not None and reasoning.reads_special_tokens
         )
@@ -323,7 +328,7 @@ class TurnRunner:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
             )
-            tool_stream = self.tool_parser.streaming() if parse_tools else None
+            tool_stream = self.tool_parser.streaming(tools=tools) if parse_tools else None
             reasoning_stream = reasoning.streaming(prompt_tail) if reasoning is not None else None
             state = GenerationState(request)
             choices.append(Choice(index, turn, request, state, detokenizer, tool_stream, reasoning_stream, prompt_tail))
@@ -457,6 +462,7 @@ class TurnRunner:
 
     @staticmethod
     def _add_tool_deltas(event: ChoiceEvent, deltas: list[ToolStreamDelta]) -> None:
+        event.choice.tool_deltas += deltas
         event.text += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
         event.tool_deltas += [d for d in deltas if isinstance(d, ToolCallDelta)]
 
@@ -471,8 +477,8 @@ class TurnRunner:
         if self.reasoning_parser is not None and choice.reasoning_stream is not None:
             split = self.reasoning_parser.parse(choice.text, choice.prompt_tail)
             choice.reasoning, content = split.reasoning, split.content
-        if choice.tool_stream is not None:
-            parsed = self.tool_parser.parse(content, cut=cut)
+        if choice.tool_stream is not None:  # the streamed deltas are what `parse(content)` gives, ids kept
+            parsed = collect_deltas(choice.tool_deltas, unfinished=choice.tool_stream.unfinished)
             choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
             choice.cut_in_tool_call = cut and parsed.unfinished
         else:

@@ -12,7 +12,13 @@ from typing import Generic, TypeVar
 from gateway.errors import ConfigError
 from gateway.parsers.base import ReasoningParser, ToolParser
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
+from gateway.parsers.tool_calls.deepseek_v3 import DeepSeekV3ToolParser
+from gateway.parsers.tool_calls.glm45 import Glm45ToolParser
 from gateway.parsers.tool_calls.hermes import HermesToolParser
+from gateway.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
+from gateway.parsers.tool_calls.llama3_json import Llama3JsonToolParser
+from gateway.parsers.tool_calls.mistral import MistralToolParser
+from gateway.parsers.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
     "AUTO",
@@ -57,6 +63,12 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
     "tool parser",
     {
         "hermes": HermesToolParser,
+        "qwen3_coder": Qwen3CoderToolParser,
+        "llama3_json": Llama3JsonToolParser,
+        "mistral": MistralToolParser,
+        "deepseek_v3": DeepSeekV3ToolParser,
+        "kimi_k2": KimiK2ToolParser,
+        "glm45": Glm45ToolParser,
     },
 )
 
