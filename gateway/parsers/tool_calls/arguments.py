@@ -12,6 +12,7 @@ from gateway.parsers.base import Tools, json_object
 
 __all__ = ["ToolSchemas", "arguments_json", "json_call"]
 
+
 def arguments_json(arguments: Mapping[str, Any]) -> str:
     """The arguments as the OpenAI API carries them: a JSON object string (non-ASCII kept as is)."""
     return json.dumps(arguments, ensure_ascii=False)

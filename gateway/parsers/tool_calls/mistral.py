@@ -25,8 +25,9 @@ __all__ = ["MistralStreamingToolParser", "MistralToolParser", "new_mistral_call_
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
-_HEAD_CHARS = re.compile(r"[\w.\-\s\[\]]*")  # what may come between [TOOL_CALLS] and [ARGS]
-_HEAD = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?")
+CALL_ID = "[CALL_ID]"
+_HEAD = re.compile(r"\s*([\w.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?")  # what comes between [TOOL_CALLS] and [ARGS]
+_HEAD_SO_FAR = re.compile(r"\s*[\w.\-]*(?:\[CALL_ID\][A-Za-z0-9]*)?")
 
 
 def new_mistral_call_id() -> str:
@@ -102,25 +103,23 @@ class MistralStreamingToolParser:
         return True
 
     def _find_json(self, out: list[ToolStreamDelta]) -> bool:
-        """After [TOOL_CALLS]: find where the calls' JSON starts (an array, or the object after `name[ARGS]`)."""
+        """After [TOOL_CALLS]: find where the calls' JSON starts (an array, or the object after `name[ARGS]`); text
+        that cannot lead to one makes [TOOL_CALLS] content, and the text after it is read as any other."""
         stripped = self._buffer.lstrip()
         if stripped.startswith("["):
             self._span = JsonSpan(len(self._buffer) - len(stripped))
             return True
         args = self._buffer.find(ARGS)
-        if args < 0:
-            if _HEAD_CHARS.fullmatch(self._buffer) is not None:
-                return False  # the name may still be coming
-            self._close(None, len(self._buffer), out)
+        if args < 0 and _may_become_head(self._buffer):
+            return False  # the name may still be coming
+        rest = self._buffer[args + len(ARGS) :].lstrip() if args >= 0 else ""
+        if args < 0 or _HEAD.fullmatch(self._buffer[:args]) is None or (rest and not rest.startswith("{")):
+            self._writer.content(TOOL_CALLS, out)
+            self._inside = False
             return True
-        rest = self._buffer[args + len(ARGS) :]
-        opening = len(self._buffer) - len(rest.lstrip())
-        if _HEAD.fullmatch(self._buffer[:args]) is None or (rest.strip() and not rest.lstrip().startswith("{")):
-            self._close(None, len(self._buffer), out)
-            return True
-        if not rest.strip():
+        if not rest:
             return False
-        self._span = JsonSpan(opening)
+        self._span = JsonSpan(len(self._buffer) - len(rest))
         return True
 
     def _close(self, calls: list[Call] | None, end: int, out: list[ToolStreamDelta]) -> None:
@@ -130,6 +129,12 @@ class MistralStreamingToolParser:
         for call in calls or ():
             self._writer.call(call, out)
         self._buffer, self._inside, self._span = self._buffer[end:], False, None
+
+
+def _may_become_head(text: str) -> bool:
+    """Whether more text could make `text` (no [ARGS] yet) a `name[CALL_ID]id` head."""
+    rest = text[_HEAD_SO_FAR.match(text).end() :]  # type: ignore[union-attr]  # the pattern matches any text
+    return not rest or CALL_ID.startswith(rest) or ARGS.startswith(rest)
 
 
 def _calls(head: str, value: str) -> list[Call] | None:

@@ -38,33 +38,42 @@ class DeltaWriter:
 
     Content goes out as it comes, except trailing whitespace, which waits for more content: before a tool call (or
     at the end after one) it is dropped, so content is the text outside calls without trailing whitespace; with
-    no call at all it goes out at the end, so content is the text exactly. A call goes out whole, as two deltas:
-    id and name, then the arguments.
+    no call at all it goes out at the end, so content is the text exactly. Markup around calls (a section's
+    markers, `markup`) waits likewise: dropped once a call comes, content if text or the end comes first. A call
+    goes out whole, as two deltas: id and name, then the arguments.
     """
 
     def __init__(self, id_factory: IdFactory) -> None:
         self._id_factory = id_factory
-        self._held_space = ""
+        self._held: list[tuple[str, bool]] = []  # (text, is markup) waiting for what comes next
         self.calls = 0
 
     def content(self, text: str, out: list[ToolStreamDelta]) -> None:
         body = text.rstrip()
         if not body:
-            self._held_space += text
+            self._held.append((text, False))
             return
-        out.append(ContentDelta(self._held_space + body))
-        self._held_space = text[len(body) :]
+        out.append(ContentDelta("".join(t for t, _ in self._held) + body))
+        self._held = [(text[len(body) :], False)]
+
+    def markup(self, text: str) -> None:
+        if self.calls == 0:  # after a call, markup around calls is dropped at once
+            self._held.append((text, True))
 
     def call(self, call: Call, out: list[ToolStreamDelta]) -> None:
+        self._held = [(t, False) for t, markup in self._held if not markup]
         call_id = call.id if call.id is not None else self._id_factory()
         out.append(ToolCallDelta(self.calls, id=call_id, name=call.name))
         out.append(ToolCallDelta(self.calls, arguments=call.arguments))
         self.calls += 1
 
-    def finish(self, out: list[ToolStreamDelta]) -> None:
-        if self._held_space and self.calls == 0:  # no tool calls: the content is the text, exactly
-            out.append(ContentDelta(self._held_space))
-        self._held_space = ""
+    def finish(self, out: list[ToolStreamDelta], *, drop_markup: bool = False) -> None:
+        """The end: what is held goes out where no call came (`drop_markup`: but not the markup, which opened calls
+        a cut ended)."""
+        held = "".join(t for t, markup in self._held if not (markup and drop_markup))
+        if held and self.calls == 0:  # no tool calls: the content is the text, exactly
+            out.append(ContentDelta(held))
+        self._held = []
 
 
 def partial_marker_suffix(text: str, markers: Sequence[str]) -> int:

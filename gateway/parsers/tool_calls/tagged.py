@@ -39,8 +39,8 @@ class TaggedToolParser(OnePassToolParser):
     A block whose body is not a valid call stays in the content verbatim, markers included; so does text between
     and around blocks. A block lasts until the first end marker. A final block the completion never closed counts
     when its body is a valid call, unless the completion was `cut` (by max_tokens): then it is dropped, as is a
-    marker the cut split. Section markers are dropped wherever they appear outside a block; a completion that ends
-    inside a block or an open section is `unfinished`.
+    marker the cut split. Section markers are markup around calls (`DeltaWriter.markup`): dropped where calls come
+    (content where none does); a completion that ends inside a block or an open section is `unfinished`.
     """
 
     format: TaggedFormat
@@ -84,7 +84,7 @@ class TaggedStreamingToolParser:
             held = partial_marker_suffix(self._buffer, self._format.openers) if cut else 0
             self._writer.content(self._buffer[: len(self._buffer) - held], out)
         self._buffer, self._inside = "", False
-        self._writer.finish(out)
+        self._writer.finish(out, drop_markup=cut and self._unfinished)
         return out
 
     def _advance(self, out: list[ToolStreamDelta]) -> bool:
@@ -111,6 +111,7 @@ class TaggedStreamingToolParser:
         if marker == self._format.start:
             self._inside = True
         else:
+            self._writer.markup(marker)
             self._in_section = self._format.section is not None and marker == self._format.section[0]
         return True
 
