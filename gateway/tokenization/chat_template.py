@@ -1,8 +1,9 @@
 """Chat messages in the shape chat templates expect, and the template applied to them.
 
 Agents send OpenAI-style messages; templates follow transformers' convention. The differences handled here: content
-given as a list of parts (text parts only; a text-only template cannot take others) and tool-call `arguments` sent as
-a JSON string, which templates expect as an object (they `tojson` it).
+given as a list of parts (text parts only; a text-only template cannot take others), tool-call `arguments` sent as
+a JSON string, which templates expect as an object (they `tojson` it), and a tool-call turn's null content, which
+templates get as an empty string.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ def _template_message(index: int, message: Message) -> dict[str, Any]:
     tool_calls = out.get("tool_calls")
     if isinstance(tool_calls, list):
         out["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
+        if content is None:
+            # transformers drops None-valued keys before rendering; templates that test a tool-call turn's
+            # `content is none` (DeepSeek-V3's) then fail on the missing key, while an empty string renders as
+            # nothing in every template that reads it.
+            out["content"] = ""
     return out
 
 
