@@ -12,12 +12,20 @@ from typing import Generic, TypeVar
 from gateway.errors import ConfigError
 from gateway.parsers.base import ReasoningParser, ToolParser
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
+from gateway.parsers.reasoning import (
+    DeepSeekR1ReasoningParser,
+    Glm45ReasoningParser,
+    GptOssReasoningParser,
+    KimiK2ReasoningParser,
+    Qwen3ReasoningParser,
+)
 from gateway.parsers.tool_calls.deepseek_v3 import DeepSeekV3ToolParser
 from gateway.parsers.tool_calls.glm45 import Glm45ToolParser
 from gateway.parsers.tool_calls.hermes import HermesToolParser
 from gateway.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
 from gateway.parsers.tool_calls.llama3_json import Llama3JsonToolParser
 from gateway.parsers.tool_calls.mistral import MistralToolParser
+from gateway.parsers.tool_calls.openai import OpenAIToolParser
 from gateway.parsers.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
@@ -69,13 +77,21 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
         "deepseek_v3": DeepSeekV3ToolParser,
         "kimi_k2": KimiK2ToolParser,
         "glm45": Glm45ToolParser,
+        "openai": OpenAIToolParser,
     },
 )
 
 REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
     "model.reasoning_parser",
     "reasoning parser",
-    {},
+    {
+        "deepseek_r1": DeepSeekR1ReasoningParser,
+        "glm45": Glm45ReasoningParser,
+        "gpt_oss": GptOssReasoningParser,
+        "kimi": KimiK2ReasoningParser,  # the name for vLLM's `kimi_k2`
+        "kimi_k2": KimiK2ReasoningParser,
+        "qwen3": Qwen3ReasoningParser,
+    },
 )
 
 

@@ -90,9 +90,10 @@ def partial_marker_suffix(text: str, markers: Sequence[str]) -> int:
 
 class OnePassToolParser:
     """A `ToolParser` whose `parse` is one pass of its own `streaming()` parser, so that the two always agree.
-    Subclasses set `reads_special_tokens` and make the streaming parser (`_stream`)."""
+    Subclasses set `reads_special_tokens` (and `turn_end_tokens`) and make the streaming parser (`_stream`)."""
 
     reads_special_tokens = False
+    turn_end_tokens: tuple[str, ...] = ()
 
     def __init__(self, id_factory: IdFactory) -> None:
         self._id_factory = id_factory

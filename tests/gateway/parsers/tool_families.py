@@ -51,8 +51,8 @@ class Family:
     `markup(calls)`: a reply that is these calls. `opener`: the markup that opens a reply's calls, `closer` what
     closes them after the last call's own end (a section's end marker). `prose_first`:
     text may come before the calls (not Llama's, whose reply is all JSON or all text). `malformed`: markup that
-    looks like calls and is not. `content_prefix`: what the family's template puts before calls that is not markup
-    of this parser (GLM's empty `<think></think>`, a reasoning parser's). Tokenizer: `special`, `plain`, `eos`."""
+    looks like calls and is not. `reasoning`: the family's reasoning parser, where its template writes (empty)
+    reasoning before calls. Tokenizer: `special`, `plain`, `eos`."""
 
     name: str
     markup: Callable[[Calls], str]
@@ -62,7 +62,7 @@ class Family:
     plain: tuple[str, ...] = ()
     eos: str | None = None
     prose_first: bool = True
-    content_prefix: str = ""
+    reasoning: str | None = None
     closer: str = ""
 
     def tokenizer_dir(self, folder: Path) -> Path:
@@ -154,8 +154,8 @@ FAMILIES: dict[str, Family] = {
                 "<arg_value>",
                 "</arg_value>",
             ),
-            eos="<|observation|>",
-            content_prefix="<think></think>",
+            eos="<|observation|>",  # GLM's end of a tool-calling turn (one of its generation config's EOS ids)
+            reasoning="glm45",
         ),
         Family(
             "kimi_k2",
@@ -166,7 +166,7 @@ FAMILIES: dict[str, Family] = {
                 "<|tool_call_begin|>add<|tool_call_argument_begin|>{}<|tool_call_end|>",
                 "<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>[1, 2]<|tool_call_end|>",
             ),
-            special=(
+            special=(  # the tool markup special too: the parser reads it either way
                 "<|im_system|>",
                 "<|im_user|>",
                 "<|im_assistant|>",
@@ -177,8 +177,10 @@ FAMILIES: dict[str, Family] = {
                 "<|tool_call_end|>",
                 "<|tool_call_argument_begin|>",
             ),
+            plain=("<think>", "</think>"),
             eos="<|im_end|>",
             closer="<|tool_calls_section_end|>",
+            reasoning="kimi_k2",
         ),
         Family(
             "deepseek_v3",
