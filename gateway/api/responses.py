@@ -30,7 +30,7 @@ from gateway.api.openai import _session_in_path
 from gateway.api.openai_models import ChatCompletionRequest
 from gateway.api.responses_items import ItemIds, chat_messages, output_items
 from gateway.api.responses_models import NamedFunction, ResponseRequest
-from gateway.api.responses_stream import ResponseEvents, adopt_call_ids
+from gateway.api.responses_stream import ResponseEvents
 from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end, session_of, streaming_answer
 from gateway.errors import InvalidRequest
 from gateway.response_records import ResponseRecord, ResponseRecords
@@ -241,8 +241,6 @@ class _Answer:
         yield stream.opening(self.response("in_progress"))
         async for event in self.runner.events(self.prepared):
             out = stream.of(event)
-            if event.finished:
-                adopt_call_ids(event.choice, stream.call_ids)
             if out:
                 yield out
         final = await self.final()

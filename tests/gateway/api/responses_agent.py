@@ -2,8 +2,8 @@
 `test_responses.py`: a tool-using episode of three runs (a tool loop; the history replayed with a new question; a
 streamed run continuing the last response by `previous_response_id`). Prints what it saw as JSON.
 
-It runs in a process of its own, started with `python -I`: the SDK's package is named `agents`, as is this project's
-example-agents package, which shadows it wherever the repository root is on `sys.path` (pytest puts it there).
+It runs in a process of its own, started with `python -I`, as an agent process beside the gateway would: the SDK's
+package is `agents` (this project's example agents are `rollout_agents`, so that the two install side by side).
 
 Usage: python -I responses_agent.py <base url> <api key>
 """
@@ -14,9 +14,8 @@ import asyncio
 import json
 import sys
 
-from openai import AsyncOpenAI
-
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from openai import AsyncOpenAI
 
 QUESTIONS = ("What is 1 plus 2? Use the tool please.", "Thanks. Now say goodbye.", "Once more, please; thank you.")
 
