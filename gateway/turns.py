@@ -25,7 +25,7 @@ import random
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import SamplingParams
@@ -44,6 +44,7 @@ from gateway.parsers import (
     ToolCallDelta,
     ToolParser,
     ToolStreamDelta,
+    collect_deltas,
 )
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
@@ -74,7 +75,9 @@ class Choice:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     cut_in_tool_call: bool = False  # max_tokens ended the reply inside a tool call, which was dropped
-    streamed_call_ids: list[str] = field(default_factory=list)  # the ids its tool-call deltas announced
+    # What `tool_stream` made: the reply's content and calls are these collected, so that the ids a streamed reply
+    # sent are the ids its recorded message holds (the chat templates of some families write them back).
+    tool_deltas: list[ToolStreamDelta] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str:
@@ -179,7 +182,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock], chat=True)
+            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools, [lock], chat=True)
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -224,7 +227,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, budget, top, False, [lock])
+            prepared = self._prepare(sid, one_turn, turns, body, budget, top, None, [lock])
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -281,8 +284,7 @@ class TurnRunner:
                 for member in members
             ]
             chat = bool(messages)  # a raw completion's group has none
-            parse_tools = tools is not None
-            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, parse_tools, locks, chat=chat)
+            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools, locks, chat=chat)
             prepared.group_id = group_id
             await self.lifecycle.create_group(members, metadata)
             return prepared
@@ -299,13 +301,14 @@ class TurnRunner:
         body: _Sampling,
         budget: int | None,
         top_logprobs: int,
-        parse_tools: bool,
+        tools: list[dict[str, Any]] | None,
         locks: list[asyncio.Lock],
         *,
         chat: bool = False,
     ) -> PreparedTurn:
         """The choices of `turns` (one per choice, all of one prompt), checked against the context length. A `chat`
-        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (`parse_tools`)."""
+        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (with `tools`, the
+        request's: the parser types text arguments by their schemas)."""
         prompt_ids = turns[0].prompt_ids
         room = self.max_model_len - len(prompt_ids)
         max_tokens = budget if budget is not None else room
@@ -318,6 +321,7 @@ class TurnRunner:
         reasoning = self.reasoning_parser if chat else None
         # Special tokens kept: `<think>` is one in most families' tokenizers.
         prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if reasoning is not None else ""
+        parse_tools = tools is not None
         keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
             reasoning is not None and reasoning.reads_special_tokens
         )
@@ -329,7 +333,7 @@ class TurnRunner:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
             )
-            tool_stream = self.tool_parser.streaming() if parse_tools else None
+            tool_stream = self.tool_parser.streaming(tools=tools) if parse_tools else None
             reasoning_stream = reasoning.streaming(prompt_tail) if reasoning is not None else None
             state = GenerationState(request)
             choices.append(Choice(index, turn, request, state, detokenizer, tool_stream, reasoning_stream, prompt_tail))
@@ -470,10 +474,9 @@ class TurnRunner:
 
     @staticmethod
     def _add_tool_deltas(event: ChoiceEvent, deltas: list[ToolStreamDelta]) -> None:
+        event.choice.tool_deltas += deltas
         event.text += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
-        calls = [d for d in deltas if isinstance(d, ToolCallDelta)]
-        event.tool_deltas += calls
-        event.choice.streamed_call_ids += [d.id for d in calls if d.id is not None]
+        event.tool_deltas += [d for d in deltas if isinstance(d, ToolCallDelta)]
 
     def _finish(self, choice: Choice) -> ChoiceEvent:
         tail = self._decoded(choice, choice.detokenizer.flush(), None)
@@ -486,23 +489,14 @@ class TurnRunner:
         if self.reasoning_parser is not None and choice.reasoning_stream is not None:
             split = self.reasoning_parser.parse(choice.text, choice.prompt_tail)
             choice.reasoning, content = split.reasoning, split.content
-        if choice.tool_stream is not None:
-            parsed = self.tool_parser.parse(content, cut=cut)
-            choice.content, choice.tool_calls = parsed.content, _named_as_streamed(parsed.tool_calls, choice)
+        if choice.tool_stream is not None:  # the streamed deltas are what `parse(content)` gives, ids kept
+            parsed = collect_deltas(choice.tool_deltas, unfinished=choice.tool_stream.unfinished)
+            choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
             choice.cut_in_tool_call = cut and parsed.unfinished
         else:
             choice.content = content
         tail.finished = True
         return tail
-
-
-def _named_as_streamed(calls: list[ToolCall], choice: Choice) -> list[ToolCall]:
-    """The whole parse's calls with the ids the stream announced (the parse makes ids of its own), so that the client,
-    the answer and the recorded assistant message name each call alike; as they are where the two disagree."""
-    streamed = choice.streamed_call_ids
-    if len(streamed) != len(calls):
-        return calls
-    return [replace(call, id=call_id) for call, call_id in zip(calls, streamed, strict=True)]
 
 
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:
