@@ -159,10 +159,7 @@ class TurnRunner:
 
     async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
-        messages = [m.to_template() for m in body.messages]
-        tools = None
-        if body.tools and body.tool_choice != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        messages, tools = chat_inputs(body)
         top = body.top_logprobs or 0
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
@@ -481,6 +478,15 @@ class TurnRunner:
         return tail
 
 
+def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """What a chat request's template renders: its messages, and its tools unless `tool_choice` is none."""
+    messages = [m.to_template() for m in body.messages]
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    return messages, tools
+
+
 def assistant_message(choice: Choice) -> dict[str, Any]:
     """The reply as the agent receives it (and echoes back next turn)."""
     message: dict[str, Any] = {"role": "assistant", "content": choice.content}
@@ -506,4 +512,4 @@ def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[
     return {**metadata, "group_id": group_id, "group_size": size}
 
 
-__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message"]
+__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message", "chat_inputs"]

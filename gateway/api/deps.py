@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from gateway.auth import check_admin, check_agent, check_agent_key
 from gateway.errors import Unauthorized
@@ -55,6 +55,13 @@ async def require_agent(request: Request) -> None:
         request.scope[_AGENT_KEY] = ANONYMOUS
     else:
         request.scope[_AGENT_KEY], request.scope[_KEY_SESSION] = found
+
+
+async def session_in_path(
+    session_id: Annotated[str, Path(min_length=1, max_length=256, description="The session the turn belongs to.")],
+) -> None:
+    """Declares and checks the `/sessions/{session_id}` prefix's `session_id` (the endpoints read it from the
+    request: `turn_session`)."""
 
 
 def turn_session(
