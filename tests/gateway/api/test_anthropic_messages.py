@@ -14,6 +14,9 @@ import openai
 import pytest
 
 from backends.sim.engine import EngineSettings
+from gateway.api.anthropic_chat import chat_messages
+from gateway.api.anthropic_models import MessageParam, MessagesRequest
+from gateway.errors import InvalidRequest
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
 from tests.conftest import GatewayFactory, SimFactory
@@ -47,11 +50,14 @@ def rollout(answer: Any) -> dict[str, Any]:
     return found
 
 
-def comparable(message: Any) -> dict[str, Any]:
-    """A message as the client sees it, without what differs between two requests (its id, the vendor field)."""
+def comparable(message: Any, *without: str) -> dict[str, Any]:
+    """A message as the client sees it, without what differs between two requests (its id, the vendor field, and
+    with "tool ids" its tool calls' ids)."""
     out: dict[str, Any] = message.model_dump(exclude_none=True)
     for key in ("id", "rollout"):
         out.pop(key, None)
+    if "tool ids" in without:
+        out["content"] = [{k: v for k, v in block.items() if k != "id"} for block in out["content"]]
     return out
 
 
@@ -59,15 +65,14 @@ def tokenizer_of(gw: RunningGateway) -> ChatTokenizer:
     return gw.services.turns.tokenizer
 
 
-def script_call(sim: Any, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], call: dict[str, Any]) -> list[int]:
+def script_call(
+    sim: Any, tokenizer: ChatTokenizer, messages: list[dict[str, Any]], call: dict[str, Any], text: str | None = None
+) -> list[int]:
     """Make the simulator answer exactly this conversation (OpenAI-style, as the gateway renders it) with the
-    template's rendering of a hermes tool call; the reply's ids."""
+    template's rendering of `text` and a hermes tool call; the reply's ids."""
     prompt = tokenizer.render(messages, CHAT_TOOLS)
-    assistant = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [{"id": "c", "type": "function", "function": call}],
-    }
+    calls = [{"id": "c", "type": "function", "function": call}]
+    assistant = {"role": "assistant", "content": text, "tool_calls": calls}
     full = tokenizer.render([*messages, assistant], CHAT_TOOLS, add_generation_prompt=False)
     reply = full[len(prompt) :]
     reply = reply[: reply.index(tokenizer.end_of_turn_id) + 1]
@@ -184,7 +189,123 @@ async def test_a_tool_use_agent_extends_one_exact_sample(
     assert sample.loss_mask.tolist() == [mask for ids, mask in spans for _ in ids]
     meta = (await http.get(f"{gw.url}/v1/sessions/{session}")).json()
     assert [s["num_turns"] for s in meta["samples"]] == [3]
+    counted = await api.messages.count_tokens(model=MODEL, tools=TOOLS, messages=messages)
+    assert counted.input_tokens == third.usage.input_tokens == len(tokenizer.render(chat, CHAT_TOOLS))
     await api.close()
+
+
+async def test_streamed_events_on_the_wire(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Text then a tool call: each block started, filled and stopped in order, then message_delta and message_stop;
+    the SDK's accumulation of them is the whole answer."""
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim])
+    content = "Let me add them."
+    script_call(
+        sim,
+        tokenizer_of(gw),
+        [{"role": "user", "content": "1 + 2?"}],
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        content,
+    )
+    body = {"model": MODEL, "max_tokens": 64, "tools": TOOLS, "messages": [{"role": "user", "content": "1 + 2?"}]}
+    events: list[tuple[str, dict[str, Any]]] = []
+    async with http.stream("POST", f"{gw.url}/v1/messages", json=body | {"stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        name = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line.removeprefix("data: "))))
+    assert all(name == data["type"] for name, data in events)
+    kinds = [
+        (data["type"], data.get("index"), (data.get("content_block") or data.get("delta") or {}).get("type"))
+        for _, data in events
+    ]
+    squeezed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]  # deltas of a block in a row as one
+    assert squeezed == [
+        ("message_start", None, None),
+        ("content_block_start", 0, "text"),
+        ("content_block_delta", 0, "text_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "tool_use"),
+        ("content_block_delta", 1, "input_json_delta"),
+        ("content_block_stop", 1, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    text = "".join(d["delta"]["text"] for _, d in events if d.get("delta", {}).get("type") == "text_delta")
+    arguments = "".join(
+        d["delta"]["partial_json"] for _, d in events if d.get("delta", {}).get("type") == "input_json_delta"
+    )
+    assert text == content and json.loads(arguments) == {"a": 1, "b": 2}
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == len(delta["rollout"]["choices"][0]["output_ids"])
+    api = agent(gw.url)
+    whole = await api.messages.create(**body)
+    async with api.messages.stream(**body) as stream:
+        streamed = await stream.get_final_message()
+    assert [b.type for b in whole.content] == ["text", "tool_use"] and whole.content[0].text == content
+    assert comparable(streamed, "tool ids") == comparable(whole, "tool ids")  # each request names its calls anew
+    await api.close()
+
+
+def test_how_blocks_become_chat_messages() -> None:
+    """The conversion's rules on one conversation: system blocks joined, thinking as reasoning, redacted thinking
+    left out, tool uses as calls with their ids, tool results in order as tool messages before the user's text."""
+    body = MessagesRequest.model_validate(
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "system": [
+                {"type": "text", "text": "a"},
+                {"type": "text", "text": "b", "cache_control": {"type": "ephemeral"}},
+            ],
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": "sig"},
+                        {"type": "redacted_thinking", "data": "opaque"},
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1, "é": 2}},
+                        {"type": "tool_use", "id": "t2", "name": "add", "input": {}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "both done"},
+                        {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "0"}]},
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "3", "is_error": True},
+                    ],
+                },
+            ],
+        }
+    )
+    assert chat_messages(body) == [
+        {"role": "system", "content": "a\nb"},
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "hm",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "é": 2}'}},
+                {"id": "t2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t2", "content": "0"},
+        {"role": "tool", "tool_call_id": "t1", "content": "3"},
+        {"role": "user", "content": "both done"},
+    ]
+    misplaced = body.model_copy(update={"messages": [MessageParam(role="user", content=[body.messages[1].content[3]])]})  # type: ignore[index]
+    with pytest.raises(InvalidRequest, match="a user message cannot hold a tool_use block"):
+        chat_messages(misplaced)
 
 
 async def test_turns_of_chat_completions_and_messages_make_one_sample(
@@ -206,6 +327,19 @@ async def test_turns_of_chat_completions_and_messages_make_one_sample(
     meta = (await http.get(f"{gw.url}/v1/sessions/mixed")).json()
     assert [s["num_turns"] for s in meta["samples"]] == [3]
     await chat_api.close()
+    await api.close()
+
+
+async def test_metadata_user_id_names_the_session(make_sim: SimFactory, make_gateway: GatewayFactory) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    api = agent(gw.url)
+    hello: Any = [{"role": "user", "content": "hi"}]
+    named = await api.messages.create(model=MODEL, max_tokens=3, messages=hello, metadata={"user_id": "u-5"})
+    assert rollout(named)["session_id"] == "u-5"
+    body = await api.messages.create(
+        model=MODEL, max_tokens=3, messages=hello, metadata={"user_id": "u-5"}, extra_body={"session_id": "s-6"}
+    )
+    assert rollout(body)["session_id"] == "s-6"  # the body's session_id comes first, as over OpenAI's `user`
     await api.close()
 
 
