@@ -302,11 +302,12 @@ class SessionManager:
             for sample in different:
                 if (delta := self._delta_by_ids(match, sample)) is not None:
                     return self._extend(session_id, sample, delta, messages)
+        rewritten_from = _rewritten(samples, messages, tools)
         if any(s.num_turns for s in samples):
             self.history_rewrites += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
         prompt = await self.tokenizer.render_async(messages, tools)
-        fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools)
+        fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools, rewritten_from=rewritten_from)
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 
     @staticmethod
@@ -360,7 +361,7 @@ class SessionManager:
         sample.versions += versions
         sample.routed_experts = self._merge_experts(sample, turn, state)
         sample.num_turns += 1
-        sample.cancelled = state.cancelled
+        sample.cancelled = not state.finished  # the client left, or an error ended it: its tokens kept, not extended
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
             sample.rendering = Rendering()
@@ -392,7 +393,8 @@ class SessionManager:
         experts = self._merge_experts(sample, turn, state)
         segments = sample.segments + _turn_segments(turn, state, len(sample.response_ids))
         resumes = sample.num_resumes + state.num_resumes
-        written = arrays.sample(experts, sample.num_turns, False, sample.conversation, sample.tools, resumes, segments)
+        turns, conversation, rewritten_from = sample.num_turns, sample.conversation, sample.rewritten_from
+        written = arrays.sample(experts, turns, False, conversation, sample.tools, resumes, segments, rewritten_from)
         # The last write of the sample stored this conversation: the turn changes it only once it ends.
         written.conversation_stored = True
         return written
@@ -432,6 +434,26 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
     """The first position in (start, end) whose version differs from `versions[start]` (`end` if none)."""
     first = versions[start]
     return next((i for i in range(start + 1, end) if versions[i] != first), end)
+
+
+def _rewritten(samples: Sequence[WorkingSample], messages: list[Message], tools: list[Tool] | None) -> int | None:
+    """The most recent sample whose conversation `messages` go on from, read as messages, not ids: the same messages
+    in the same order, then more (an assistant reply's reasoning aside: templates like Qwen3's drop it from earlier
+    turns, and agents may not echo it). The new sample's `rewritten_from`; None when there is none."""
+    for sample in reversed(samples):
+        conversation = sample.conversation
+        if not sample.num_turns or sample.tools != tools or len(conversation) >= len(messages):
+            continue
+        pairs = zip(conversation, messages[: len(conversation)], strict=True)
+        if all(_as_said(old) == _as_said(new) for old, new in pairs):
+            return sample.index
+    return None
+
+
+def _as_said(message: Message) -> Message:
+    """A message without what agents echo back differently: an assistant reply's reasoning, empty fields."""
+    drop = ("reasoning_content", "reasoning") if message.get("role") == "assistant" else ()
+    return {key: value for key, value in message.items() if key not in drop and value not in (None, "")}
 
 
 def all_messages_text(messages: Sequence[Message]) -> int:

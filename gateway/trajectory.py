@@ -3,7 +3,9 @@
 A *sample* is one token sequence: `prompt_ids`, then the response as alternating spans — model spans (sampled
 tokens: `loss_mask` 1, with logprobs, the weight version that sampled each token, routed experts) and
 environment spans (tool results, user turns, template tokens: `loss_mask` 0, logprob 0, version -1). A
-multi-turn episode whose messages extend the previous turn is ONE sample; a rewritten history starts another.
+multi-turn episode whose messages extend the previous turn is ONE sample; a rewritten history starts another, and
+`rewritten_from` names the sample whose conversation it renders again (a chat template that is not prefix-stable,
+such as Qwen3's, which drops earlier turns' reasoning, makes one sample per turn, each with its exact ids).
 
 Arrays travel as little-endian numpy bytes, never JSON lists: ids and versions int32, mask uint8, logprobs
 float32, routed experts in the smallest unsigned dtype with their shape beside them. Routed experts cover
@@ -136,6 +138,10 @@ class Sample:
     # was sampled; defaults for a sample stored before these were recorded.
     num_resumes: int = 0
     segments: list[SampleSegment] = field(default_factory=list)
+    # The index of the session's earlier sample whose conversation this sample's prompt renders again, rewritten:
+    # the prompt does not extend that sample's ids (the chat template drops or changes earlier turns, as Qwen3's
+    # does with their reasoning, or the agent edited its history). None: the sample starts a conversation.
+    rewritten_from: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -242,6 +248,7 @@ class Sample:
             "min_version": int(sampled.min()) if sampled.size else "",
             "max_version": int(sampled.max()) if sampled.size else "",
             "num_resumes": self.num_resumes,
+            "rewritten_from": "" if self.rewritten_from is None else self.rewritten_from,
             "segments": table,
             "segment_replicas": replicas,
         }
@@ -281,6 +288,7 @@ class Sample:
                 writer=_text(fields["writer"]) if "writer" in fields else None,
                 num_resumes=int(fields.get("num_resumes", 0)),
                 segments=_decode_segments(fields),
+                rewritten_from=int(_text(fields["rewritten_from"])) if fields.get("rewritten_from") else None,
             )
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc

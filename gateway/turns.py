@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import SamplingParams
+from gateway.api.bounds import wrapped_seed
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
 from gateway.errors import InvalidRequest, NotFound
@@ -118,7 +119,7 @@ class PreparedTurn:
         """Per choice, what its sample records: its turn, its generation, and the reply to keep as the sample's
         conversation (None: a token-in/token-out turn, or a cancelled one)."""
         for choice in self.choices:
-            recorded = self.conversation and not choice.state.cancelled
+            recorded = self.conversation and choice.state.finished
             yield choice.turn, choice.state, assistant_message(choice) if recorded else None
 
 
@@ -329,7 +330,7 @@ class TurnRunner:
     def _request(
         self, session_id: str, turn: Turn, body: _Sampling, max_tokens: int, top_logprobs: int, index: int
     ) -> GenerationRequest:
-        seed = body.seed + index if body.seed is not None else None
+        seed = wrapped_seed(body.seed + index) if body.seed is not None else None
         if seed is None and body.n > 1:
             seed = random.randint(0, MAX_RANDOM_SEED)  # distinct samples of one prompt, even on deterministic engines
         stop_ids = tuple(body.stop_token_ids or ())

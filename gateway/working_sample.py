@@ -68,6 +68,7 @@ class SampleArrays:
         tools: list[Tool] | None,
         num_resumes: int = 0,
         segments: list[SampleSegment] | None = None,
+        rewritten_from: int | None = None,
     ) -> Sample:
         """The sample these arrays are the token arrays of."""
         return Sample(
@@ -83,6 +84,7 @@ class SampleArrays:
             tools=tools,
             num_resumes=num_resumes,
             segments=list(segments or ()),
+            rewritten_from=rewritten_from,
         )
 
 
@@ -120,6 +122,7 @@ class WorkingSample:
     cancelled: bool = False
     num_resumes: int = 0
     segments: list[SampleSegment] = field(default_factory=list)
+    rewritten_from: int | None = None  # `Sample.rewritten_from`
     # The template's rendering of `conversation`, kept for matching later turns against it (a new one whenever
     # `conversation` changes).
     rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
@@ -161,6 +164,7 @@ class WorkingSample:
             self.tools,
             self.num_resumes,
             self.segments,
+            self.rewritten_from,
         )
 
     @classmethod
@@ -179,6 +183,7 @@ class WorkingSample:
             cancelled=sample.cancelled,
             num_resumes=sample.num_resumes,
             segments=list(sample.segments),
+            rewritten_from=sample.rewritten_from,
             writer=sample.writer,
             converted=SampleArrays(
                 _read_only(sample.prompt_ids, I32),

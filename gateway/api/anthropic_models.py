@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from gateway.api.bounds import INT32_MAX, Seed, TopK
 from gateway.api.openai_models import _storable
 
 __all__ = [
@@ -200,14 +201,14 @@ class CountTokensRequest(_Body):
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`, plus the gateway's vendor fields (`session_id`, `seed`, `ignore_eos`)."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=INT32_MAX)
     stop_sequences: list[str] | None = Field(None, max_length=8)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: TopK | None = None
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: str | None = None  # ignored
     session_id: str | None = Field(None, min_length=1, max_length=256)
-    seed: int | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False

@@ -3,7 +3,8 @@
 - `base`: the parsed shapes (`ToolCall`, `ParsedOutput`, `ReasoningOutput`, the streamed `ContentDelta` /
   `ToolCallDelta` / `ReasoningDelta`) and the `ToolParser` / `ReasoningParser` protocols every parser implements.
 - `tool_calls/`: one module per tool-call format (`hermes`: the hermes/Qwen `<tool_call>{json}</tool_call>` blocks).
-- `reasoning/`: one module per reasoning format.
+- `reasoning/`: one module per reasoning format (`qwen3`, `deepseek_r1`, `glm45`, `kimi_k2`), all on the think-tag
+  parser `think_tags`.
 - `registry`: the parsers by their config name (vLLM's names); `detect`: `auto`, the format a chat template shows.
 
 Parsers work on a completion's text and never change the recorded ids.

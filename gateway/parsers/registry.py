@@ -12,6 +12,12 @@ from typing import Generic, TypeVar
 from gateway.errors import ConfigError
 from gateway.parsers.base import ReasoningParser, ToolParser
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
+from gateway.parsers.reasoning import (
+    DeepSeekR1ReasoningParser,
+    Glm45ReasoningParser,
+    KimiK2ReasoningParser,
+    Qwen3ReasoningParser,
+)
 from gateway.parsers.tool_calls.hermes import HermesToolParser
 
 __all__ = [
@@ -63,7 +69,13 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
 REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
     "model.reasoning_parser",
     "reasoning parser",
-    {},
+    {
+        "deepseek_r1": DeepSeekR1ReasoningParser,
+        "glm45": Glm45ReasoningParser,
+        "kimi": KimiK2ReasoningParser,  # the name for vLLM's `kimi_k2`
+        "kimi_k2": KimiK2ReasoningParser,
+        "qwen3": Qwen3ReasoningParser,
+    },
 )
 
 

@@ -164,6 +164,7 @@ def samples(draw: st.DrawFn) -> Sample:
         tools=draw(st.none() | st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3))),
         num_resumes=draw(st.integers(0, 1000)),
         segments=draw(st.lists(segments(), max_size=4)),
+        rewritten_from=draw(st.none() | st.integers(0, 2**31 - 1)),
     )
 
 
@@ -186,6 +187,7 @@ def test_sample_round_trips_through_its_redis_hash(sample: Sample) -> None:
         assert np.array_equal(getattr(back, name), getattr(sample, name)), name
     assert (back.num_turns, back.cancelled) == (sample.num_turns, sample.cancelled)
     assert (back.num_resumes, back.segments) == (sample.num_resumes, sample.segments)
+    assert back.rewritten_from == sample.rewritten_from
     assert back.conversation == sample.conversation and back.tools == sample.tools
     assert (back.min_version, back.max_version) == (sample.min_version, sample.max_version)
     if sample.routed_experts is None:
