@@ -1,8 +1,9 @@
 """Chat messages in the shape chat templates expect, and the template applied to them.
 
 Agents send OpenAI-style messages; templates follow transformers' convention. The differences handled here: content
-given as a list of parts (text parts only; a text-only template cannot take others) and tool-call `arguments` sent as
-a JSON string, which templates expect as an object (they `tojson` it).
+given as a list of parts (text parts only; a text-only template cannot take others), no content (an assistant's tool
+calls: `null`), which templates get as "" as vLLM gives it them (Qwen3's concatenates it), and tool-call `arguments`
+sent as a JSON string, which templates expect as an object (they `tojson` it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _template_message(index: int, message: Message) -> dict[str, Any]:
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = _text_of_parts(index, content)
+    elif content is None:
+        out["content"] = ""
     tool_calls = out.get("tool_calls")
     if isinstance(tool_calls, list):
         out["tool_calls"] = [_template_tool_call(call) for call in tool_calls]

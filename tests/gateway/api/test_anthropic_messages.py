@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -14,12 +15,14 @@ import openai
 import pytest
 
 from backends.sim.engine import EngineSettings
+from backends.sim.model import ModelShape
 from gateway.api.anthropic_chat import chat_messages
 from gateway.api.anthropic_models import MessageParam, MessagesRequest
 from gateway.errors import InvalidRequest
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway.parsers.reasoning_families import QWEN3
 from tests.gateway_helpers import publish
 from tests.sim_helpers import wait_for
 
@@ -306,6 +309,58 @@ def test_how_blocks_become_chat_messages() -> None:
     misplaced = body.model_copy(update={"messages": [MessageParam(role="user", content=[body.messages[1].content[3]])]})  # type: ignore[index]
     with pytest.raises(InvalidRequest, match="a user message cannot hold a tool_use block"):
         chat_messages(misplaced)
+
+
+async def test_thinking_blocks_out_and_back_in_one_sample(
+    tmp_path: Path, make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    """A reasoning model (Qwen3's template and parser): its reasoning comes out as a thinking block, whole and
+    streamed as thinking_delta before the text; echoed back with the tool result, it extends the same sample."""
+    tokenizer_dir = QWEN3.tokenizer_dir(tmp_path)
+    tokenizer = ChatTokenizer.load(tokenizer_dir)
+    shape = ModelShape(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
+    sim = await make_sim("vllm", engine=EngineSettings(shape=shape))
+    gw = await make_gateway([sim], model={"tokenizer": str(tokenizer_dir), "reasoning_parser": "qwen3"})
+    api = agent(gw.url, **{"X-Session-ID": "thinker"})
+    chat: list[dict[str, Any]] = [{"role": "user", "content": "What is 1 + 2?"}]
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    sim.engine.add_script(tokenizer.render(chat, CHAT_TOOLS), tokenizer.encode(f"<think>\nI add.\n</think>\n\n{call}"))
+    messages: list[Any] = [{"role": "user", "content": chat[0]["content"]}]
+
+    first = await api.messages.create(model=MODEL, max_tokens=64, tools=TOOLS, messages=messages)
+    thinking, use = first.content
+    assert thinking.type == "thinking" and (thinking.thinking, thinking.signature) == ("\nI add.\n", "")
+    assert use.type == "tool_use" and use.input == {"a": 1, "b": 2} and first.stop_reason == "tool_use"
+    chat += [
+        {"role": "assistant", "content": None, "reasoning_content": "\nI add.\n", "tool_calls": [chat_call(use)]},
+        {"role": "tool", "tool_call_id": use.id, "content": "3"},
+    ]
+    sim.engine.add_script(tokenizer.render(chat, CHAT_TOOLS), tokenizer.encode("<think>\nSo 3.\n</think>\n\nIt is 3."))
+    messages += [
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]},
+    ]
+    kinds: list[str] = []
+    async with api.messages.stream(model=MODEL, max_tokens=64, tools=TOOLS, messages=messages) as stream:
+        async for event in stream:
+            if event.type == "content_block_delta":
+                kinds.append(event.delta.type)
+            elif event.type == "message_delta":
+                second_rollout = rollout(event)["choices"][0]
+        second = await stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in second.content] == [
+        ("thinking", "\nSo 3.\n"),
+        ("text", "\n\nIt is 3."),
+    ]
+    assert kinds.count("thinking_delta") > 1 and kinds == sorted(kinds, key=lambda k: k != "thinking_delta")
+    assert second_rollout["sample_index"] == 0 and not second_rollout["new_sample"]
+    out1, out2 = rollout(first)["choices"][0]["output_ids"], second_rollout["output_ids"]
+    [sample] = await gw.services.store.load_samples("thinker")
+    response = sample.response_ids.tolist()
+    env = len(response) - len(out1) - len(out2)
+    assert response[: len(out1)] == out1 and response[len(response) - len(out2) :] == out2 and env > 0
+    assert sample.loss_mask.tolist() == [1] * len(out1) + [0] * env + [1] * len(out2)
+    await api.close()
 
 
 async def test_turns_of_chat_completions_and_messages_make_one_sample(
