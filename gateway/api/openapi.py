@@ -56,6 +56,12 @@ ERRORS = {
     "503": "No replica could serve within generation.max_wait_s, or Redis is unreachable past its retry budget.",
     "504": "An engine replica timed out.",
 }
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}
+"""One server-sent event of a stream (fuzzing checks each event against it): its data, and Anthropic's its name."""
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages"}
 
 
@@ -69,7 +75,7 @@ def _document(path: str, operation: dict[str, Any]) -> None:
         responses.setdefault(status, {"description": description}).update(error)
     ok = responses.get("200")
     if path.removeprefix("/sessions/{session_id}") in STREAMING and ok is not None:
-        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT_SCHEMA}
 
 
 def install_openapi(app: FastAPI) -> None:
