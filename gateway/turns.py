@@ -32,7 +32,7 @@ from backends.base import SamplingParams
 from gateway.api.bounds import wrapped_seed
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import ConfigError, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.parsers import (
     ContentDelta,
@@ -145,6 +145,9 @@ class TurnRunner:
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # The parsers' turn-ending tokens (harmony's `<|call|>`), as ids: a chat turn's engine request stops at them.
+        ends = {*tool_parser.turn_end_tokens, *(reasoning_parser.turn_end_tokens if reasoning_parser else ())}
+        self._format_stop_ids = tuple(sorted(_token_id(tokenizer, token) for token in ends))
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
@@ -314,10 +317,11 @@ class TurnRunner:
         keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
             reasoning is not None and reasoning.reads_special_tokens
         )
-        silent = (*self.tokenizer.stop_token_ids, *(body.stop_token_ids or ())) if keep_special else ()
+        format_stops = self._format_stop_ids if chat else ()
+        silent = (*self.tokenizer.stop_token_ids, *(body.stop_token_ids or ()), *format_stops) if keep_special else ()
         choices = []
         for index, turn in enumerate(turns):
-            request = self._request(session_id, turn, body, max_tokens, top_logprobs, index)
+            request = self._request(session_id, turn, body, max_tokens, top_logprobs, index, format_stops)
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
             )
@@ -328,12 +332,19 @@ class TurnRunner:
         return PreparedTurn(session_id, one_turn, choices, prompt_ids, locks)
 
     def _request(
-        self, session_id: str, turn: Turn, body: _Sampling, max_tokens: int, top_logprobs: int, index: int
+        self,
+        session_id: str,
+        turn: Turn,
+        body: _Sampling,
+        max_tokens: int,
+        top_logprobs: int,
+        index: int,
+        format_stops: tuple[int, ...] = (),
     ) -> GenerationRequest:
         seed = wrapped_seed(body.seed + index) if body.seed is not None else None
         if seed is None and body.n > 1:
             seed = random.randint(0, MAX_RANDOM_SEED)  # distinct samples of one prompt, even on deterministic engines
-        stop_ids = tuple(body.stop_token_ids or ())
+        stop_ids = tuple(dict.fromkeys((*(body.stop_token_ids or ()), *format_stops)))
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -486,6 +497,14 @@ def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
     if body.tools and body.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     return messages, tools
+
+
+def _token_id(tokenizer: ChatTokenizer, token: str) -> int:
+    """The id of a parser's turn-ending token; a tokenizer without it as one token is a `ConfigError`."""
+    ids = tokenizer.encode(token)
+    if len(ids) != 1:
+        raise ConfigError(f"the model's tokenizer has no token {token!r}, which its parsers need to end a turn")
+    return ids[0]
 
 
 def assistant_message(choice: Choice) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from gateway.api.bounds import INT32_MAX, Seed, TopK
 from gateway.api.openai_models import _storable
+from gateway.session_identity import SESSION_ID_PATTERN
 
 __all__ = [
     "Content",
@@ -209,6 +210,6 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: str | None = None  # ignored
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     seed: Seed | None = None
     ignore_eos: bool = False

@@ -10,7 +10,7 @@ from gateway.auth import check_admin, check_agent, check_agent_key
 from gateway.errors import Unauthorized
 from gateway.quotas import ANONYMOUS
 from gateway.services import Services
-from gateway.session_identity import group_member, session_id_from
+from gateway.session_identity import SESSION_ID_PATTERN, group_member, session_id_from
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker thread, and that
 # hop (two thread handoffs per request) cost more than the whole route on the short-request benchmark.
@@ -58,7 +58,7 @@ async def require_agent(request: Request) -> None:
 
 
 async def session_in_path(
-    session_id: Annotated[str, Path(min_length=1, max_length=256, description="The session the turn belongs to.")],
+    session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session the turn belongs to.")],
 ) -> None:
     """Declares and checks the `/sessions/{session_id}` prefix's `session_id` (the endpoints read it from the
     request: `turn_session`)."""

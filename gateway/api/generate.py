@@ -40,6 +40,7 @@ from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
 from gateway.services import Services
+from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.turns import PreparedTurn
 
 
@@ -60,7 +61,7 @@ class GenerateSampling(BaseModel):
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     input_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSampling
     stream: bool = False

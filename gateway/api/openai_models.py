@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
 from gateway.api.token_ids import TokenId
+from gateway.session_identity import SESSION_ID_PATTERN
 
 
 def _storable(value: Any) -> Any:
@@ -135,7 +136,7 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: Count = 0
     user: str | None = Field(None, max_length=256)
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -188,7 +189,7 @@ class CompletionRequest(_Sampling):
 
 class SessionCreate(_Body):
     metadata: Annotated[dict[str, Any], AfterValidator(_storable)] = Field(default_factory=dict)
-    session_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
 
 
 class SessionFinish(_Body):

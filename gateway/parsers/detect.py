@@ -12,11 +12,15 @@ from collections.abc import Sequence
 __all__ = ["REASONING_MARKERS", "TOOL_MARKERS", "detect_reasoning_format", "detect_tool_format"]
 
 # (text the template holds, parser name): the more specific markers first.
-TOOL_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "hermes"),)
+TOOL_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|channel|>", "openai"),  # gpt-oss's harmony messages
+    ("<tool_call>", "hermes"),
+)
 
 Marker = str | tuple[str, ...]
 
 REASONING_MARKERS: tuple[tuple[Marker, str], ...] = (
+    ("<|channel|>", "gpt_oss"),  # gpt-oss's harmony messages
     (("<｜Assistant｜>", "</think>"), "deepseek_r1"),
     (("<|im_assistant|>", "<think>"), "kimi_k2"),
     (("[gMASK]<sop>", "<think>"), "glm45"),

@@ -15,10 +15,12 @@ from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
 from gateway.parsers.reasoning import (
     DeepSeekR1ReasoningParser,
     Glm45ReasoningParser,
+    GptOssReasoningParser,
     KimiK2ReasoningParser,
     Qwen3ReasoningParser,
 )
 from gateway.parsers.tool_calls.hermes import HermesToolParser
+from gateway.parsers.tool_calls.openai import OpenAIToolParser
 
 __all__ = [
     "AUTO",
@@ -63,6 +65,7 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
     "tool parser",
     {
         "hermes": HermesToolParser,
+        "openai": OpenAIToolParser,
     },
 )
 
@@ -72,6 +75,7 @@ REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
     {
         "deepseek_r1": DeepSeekR1ReasoningParser,
         "glm45": Glm45ReasoningParser,
+        "gpt_oss": GptOssReasoningParser,
         "kimi": KimiK2ReasoningParser,  # the name for vLLM's `kimi_k2`
         "kimi_k2": KimiK2ReasoningParser,
         "qwen3": Qwen3ReasoningParser,

@@ -46,6 +46,7 @@ class ThinkTagReasoningParser:
     def __init__(self, fmt: ThinkTagFormat) -> None:
         self.format = fmt
         self.reads_special_tokens = fmt.reads_special_tokens
+        self.turn_end_tokens: tuple[str, ...] = ()
 
     def parse(self, text: str, prompt_tail: str = "") -> ReasoningOutput:
         stream = self.streaming(prompt_tail)

@@ -155,3 +155,34 @@ async def test_auto_picks_the_parser_from_the_template(
     chat = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
     assert (reasoning_of(chat.choices[0].message), chat.choices[0].message.content) == (reasoning, content)
     await api.close()
+
+
+@pytest.mark.parametrize("echo_reasoning", [True, False], ids=["reasoning-echoed", "reasoning-dropped"])
+async def test_a_template_that_drops_earlier_reasoning_makes_one_sample_per_turn_chained_for_the_trainer(
+    echo_reasoning: bool,
+    tmp_path: Path,
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+) -> None:
+    """Qwen3's template drops an assistant turn's reasoning once a new user message follows it, so the next prompt
+    does not extend the sampled ids (which hold the reasoning): the turn starts a new sample with the rendered
+    history, each sample keeps its exact sampled ids, and `rewritten_from` chains the new one to the old."""
+    gw, tokenizer, sim_url = await served(QWEN3, tmp_path, make_sim, make_gateway)
+    output, reasoning, content = REPLIES[QWEN3.parser]
+    first_ids = await script(http, sim_url, tokenizer, output)
+    api = client(gw, **{"X-Session-ID": "chained"})
+    first = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+    reply: dict[str, Any] = {"role": "assistant", "content": first.choices[0].message.content}
+    if echo_reasoning:
+        reply["reasoning_content"] = reasoning_of(first.choices[0].message)
+    messages = [*MESSAGES, reply, {"role": "user", "content": "And 3 + 3?"}]
+    second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    rollout = (second.model_extra or {})["rollout"]["choices"][0]
+    assert rollout["new_sample"] and rollout["sample_index"] == 1
+    old, new = await gw.services.store.load_samples("chained")
+    assert old.response_ids.tolist()[: len(first_ids)] == first_ids and old.rewritten_from is None
+    assert "Add them." not in tokenizer.decode(new.prompt_ids.tolist())  # the template dropped it
+    assert new.prompt_ids.tolist() == tokenizer.render(messages) and new.rewritten_from == 0
+    assert new.response_ids.tolist() == rollout["output_ids"] and new.loss_mask.tolist() == [1] * 8
+    await api.close()
