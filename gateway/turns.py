@@ -25,7 +25,7 @@ import random
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backends.base import SamplingParams
@@ -74,6 +74,7 @@ class Choice:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     cut_in_tool_call: bool = False  # max_tokens ended the reply inside a tool call, which was dropped
+    streamed_call_ids: list[str] = field(default_factory=list)  # the ids its tool-call deltas announced
 
     @property
     def finish_reason(self) -> str:
@@ -467,7 +468,9 @@ class TurnRunner:
     @staticmethod
     def _add_tool_deltas(event: ChoiceEvent, deltas: list[ToolStreamDelta]) -> None:
         event.text += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
-        event.tool_deltas += [d for d in deltas if isinstance(d, ToolCallDelta)]
+        calls = [d for d in deltas if isinstance(d, ToolCallDelta)]
+        event.tool_deltas += calls
+        event.choice.streamed_call_ids += [d.id for d in calls if d.id is not None]
 
     def _finish(self, choice: Choice) -> ChoiceEvent:
         tail = self._decoded(choice, choice.detokenizer.flush(), None)
@@ -482,7 +485,7 @@ class TurnRunner:
             choice.reasoning, content = split.reasoning, split.content
         if choice.tool_stream is not None:
             parsed = self.tool_parser.parse(content, cut=cut)
-            choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
+            choice.content, choice.tool_calls = parsed.content, _named_as_streamed(parsed.tool_calls, choice)
             choice.cut_in_tool_call = cut and parsed.unfinished
         else:
             choice.content = content
@@ -497,6 +500,15 @@ def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
     if body.tools and body.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     return messages, tools
+
+
+def _named_as_streamed(calls: list[ToolCall], choice: Choice) -> list[ToolCall]:
+    """The whole parse's calls with the ids the stream announced (the parse makes ids of its own), so that the client,
+    the answer and the recorded assistant message name each call alike; as they are where the two disagree."""
+    streamed = choice.streamed_call_ids
+    if len(streamed) != len(calls):
+        return calls
+    return [replace(call, id=call_id) for call, call_id in zip(calls, streamed, strict=True)]
 
 
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:

@@ -62,7 +62,7 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
     "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
 }
 """One server-sent event of a stream (fuzzing checks each event against it): its data, and Anthropic's its name."""
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages"}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses"}
 
 
 def _document(path: str, operation: dict[str, Any]) -> None:

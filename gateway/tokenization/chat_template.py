@@ -1,9 +1,8 @@
 """Chat messages in the shape chat templates expect, and the template applied to them.
 
 Agents send OpenAI-style messages; templates follow transformers' convention. The differences handled here: content
-given as a list of parts (text parts only; a text-only template cannot take others), no content (an assistant's tool
-calls: `null`), which templates get as "" as vLLM gives it them (Qwen3's concatenates it), and tool-call `arguments`
-sent as a JSON string, which templates expect as an object (they `tojson` it).
+given as a list of parts (text parts only; a text-only template cannot take others) and tool-call `arguments` sent as
+a JSON string, which templates expect as an object (they `tojson` it).
 """
 
 from __future__ import annotations
@@ -61,7 +60,9 @@ def _template_message(index: int, message: Message) -> dict[str, Any]:
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = _text_of_parts(index, content)
-    elif content is None:
+    elif content is None and out.get("role") == "assistant":
+        # A reply of tool calls only has no content (OpenAI's null); templates get "" as vLLM gives them: some
+        # (Qwen3's) test `'</think>' in message.content` and cannot render a null.
         out["content"] = ""
     tool_calls = out.get("tool_calls")
     if isinstance(tool_calls, list):
