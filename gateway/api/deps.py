@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Path, Request
 
 from gateway.auth import check_admin, check_agent, check_agent_key
-from gateway.errors import Unauthorized
+from gateway.errors import NotFound, Unauthorized
 from gateway.quotas import ANONYMOUS
 from gateway.services import Services
 from gateway.session_identity import SESSION_ID_PATTERN, group_member, session_id_from
@@ -42,6 +42,11 @@ async def services(request: Request) -> Services:
 
 
 async def require_admin(request: Request) -> None:
+    """The admin token; and an admin path as sent, not percent-encoded (`/admin%2Fstatus`, `/%61dmin/status` decode
+    to admin routes: a proxy that filters the raw path would let them through), else a 404 as for no route."""
+    raw = request.scope.get("raw_path")
+    if raw is not None and b"%" in raw.partition(b"?")[0]:
+        raise NotFound("no such route (an admin path is never percent-encoded)")
     check_admin(request, _services(request).settings.server.admin_token.get_secret_value())
 
 
