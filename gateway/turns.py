@@ -167,10 +167,7 @@ class TurnRunner:
 
     async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
-        messages = [m.to_template() for m in body.messages]
-        tools = None
-        if body.tools and body.tool_choice != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        messages, tools = chat_inputs(body)
         top = body.top_logprobs or 0
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
@@ -499,6 +496,15 @@ class TurnRunner:
         return tail
 
 
+def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """What a chat request's template renders: its messages, and its tools unless `tool_choice` is none."""
+    messages = [m.to_template() for m in body.messages]
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    return messages, tools
+
+
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:
     """The id of a parser's turn-ending token; a tokenizer without it as one token is a `ConfigError`."""
     ids = tokenizer.encode(token)
@@ -532,4 +538,4 @@ def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[
     return {**metadata, "group_id": group_id, "group_size": size}
 
 
-__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message"]
+__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message", "chat_inputs"]
