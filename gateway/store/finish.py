@@ -42,6 +42,19 @@ def check_rewards(meta: SessionMeta, rewards: list[float] | None) -> None:
         )
 
 
+def _check_same_rewards(meta: SessionMeta, reward: float | None, rewards: list[float] | None) -> None:
+    """A finish of a finished session answers its entry again, unless it names other rewards: that is a 409, never
+    a silent 200 that drops them."""
+    if (reward is not None and reward != meta.reward) or (rewards is not None and rewards != meta.rewards):
+        raise _other_rewards(meta.id, meta.reward, meta.rewards)
+
+
+def _other_rewards(session_id: str, reward: float | None, rewards: list[float] | None) -> Conflict:
+    given = f"reward {reward}" if rewards is None else f"rewards {rewards}"
+    message = f"session {session_id} is finished with {given}; a finish with other rewards is refused"
+    return Conflict(message, param="reward")
+
+
 class Finisher:
     """Runs finishes (see the module docstring); `finishing` holds the runs in flight in this process, by session
     (hard references: the event loop keeps only weak ones)."""
@@ -60,6 +73,7 @@ class Finisher:
         self._delivery = delivery
         self.finishing = finishing
         self.retry_budget_s = retry_budget_s
+        self._asked: dict[str, tuple[float | None, list[float] | None]] = {}  # the rewards of each finish in flight
 
     async def finish(
         self,
@@ -74,12 +88,17 @@ class Finisher:
             task = asyncio.ensure_future(self._finish_with_retries(session_id, reward, metadata, rewards))
             task.set_name(f"finish-{session_id}")
             self.finishing[session_id] = task
+            self._asked[session_id] = (reward, rewards)
             task.add_done_callback(functools.partial(self._finish_done, session_id))
+        elif self._asked.get(session_id) != (reward, rewards) and (reward is not None or rewards is not None):
+            first = self._asked.get(session_id, (None, None))
+            raise _other_rewards(session_id, first[0], first[1])
         return await asyncio.shield(task)
 
     def _finish_done(self, session_id: str, task: asyncio.Task[str]) -> None:
         if self.finishing.get(session_id) is task:
             del self.finishing[session_id]
+            self._asked.pop(session_id, None)
         # Retrieved here because every caller may have left; errors of ours reached whoever still waited.
         exc = None if task.cancelled() else task.exception()
         if exc is not None and not isinstance(exc, GatewayError):
@@ -122,7 +141,10 @@ class Finisher:
             raise Conflict(f"session {session_id} was abandoned (idle); it cannot be finished", param="session_id")
         if meta.stream_id is not None:  # delivered before: make sure the repair set forgets it, answer the same id
             await call(client.srem(keys.undelivered, session_id), "confirm delivery")
+            _check_same_rewards(meta, reward, rewards)
             return meta.stream_id
+        if meta.status == "finished":  # not delivered yet: it stays in the repair set, which delivers it
+            _check_same_rewards(meta, reward, rewards)
         if meta.status == "active":
             check_rewards(meta, rewards)  # before the session is registered for repair: a refusal leaves no trace
         # Registered for repair BEFORE the status changes, so no crash can leave a finished, undelivered session
@@ -172,6 +194,7 @@ class Finisher:
             if before.status == "abandoned":
                 raise Conflict(f"session {session_id} was abandoned (idle); it cannot be finished", param="session_id")
             if before.status == "finished":
+                _check_same_rewards(before, reward, rewards)  # finished by another process since the check above
                 result.append(before)
                 return None
             merged = before.metadata | (metadata or {})

@@ -272,6 +272,10 @@ async def test_sessions_finish_is_idempotent(
     second = await http.post(f"{gw.url}/v1/sessions/{session_id}/finish", json={"reward": 1.0})
     assert first.status_code == second.status_code == 200
     assert first.json()["stream_id"] == second.json()["stream_id"]
+    assert (await http.post(f"{gw.url}/v1/sessions/{session_id}/finish", json={})).status_code == 200
+    # Issue 38 §6: another reward was a silent 200 that dropped it.
+    other = await http.post(f"{gw.url}/v1/sessions/{session_id}/finish", json={"reward": 999.0})
+    assert other.status_code == 409 and other.json()["error"]["param"] == "reward"
     assert await redis.xlen(KEYS.trajectories) == 1
     meta = (await http.get(f"{gw.url}/v1/sessions/{session_id}")).json()
     assert meta["status"] == "finished" and meta["reward"] == 1.0 and meta["metadata"]["group_id"] == "g1"

@@ -233,7 +233,9 @@ async def test_finish_twice_gives_one_stream_entry(store: TrajectoryStore, redis
     await store.save_sample(meta.id, 1, make_sample(seed=1))
 
     first = await store.finish(meta.id, 1.5, {"judge": "ok"})
-    second = await store.finish(meta.id, 0.0)
+    second = await store.finish(meta.id, 1.5)
+    with pytest.raises(Conflict, match="finished with reward 1.5"):  # another reward: refused, not dropped
+        await store.finish(meta.id, 0.0)
 
     assert first == second
     assert await entries(redis) == [(first, {"session_id": meta.id, "group_id": "g7", "reward": "1.5", "samples": "2"})]
@@ -330,15 +332,22 @@ async def test_concurrent_finishes_in_one_and_in_two_processes_give_one_entry(
     store: TrajectoryStore, client: Redis, redis: Redis
 ) -> None:
     other = make_store(client)  # a second gateway process on the same Redis
-    one, two = await store.create_session(), await store.create_session()
+    one, two, three = [await store.create_session() for _ in range(3)]
 
-    same = await asyncio.gather(store.finish(one.id, 1.0), store.finish(one.id, 2.0))
-    across = await asyncio.gather(store.finish(two.id, 1.0), other.finish(two.id, 2.0))
+    same = await asyncio.gather(store.finish(one.id, 1.0), store.finish(one.id, 1.0))
+    across = await asyncio.gather(store.finish(two.id, 1.0), other.finish(two.id, 1.0))
+    # Other rewards for a session being finished, or finished: a 409, never dropped silently (issue 38 §6).
+    differ = await asyncio.gather(store.finish(three.id, 1.0), other.finish(three.id, 2.0), return_exceptions=True)
 
     assert same[0] == same[1] and across[0] == across[1]
-    assert await real_entries(redis, store) == {one.id: same[0], two.id: across[0]}
-    assert await redis.xlen(KEYS.trajectories) == 2  # the loser of the stream_id claim deleted its entry
-    assert await store.pending() == 2
+    [won] = [r for r in differ if isinstance(r, str)]
+    [refused] = [r for r in differ if not isinstance(r, str)]
+    assert isinstance(refused, Conflict) and refused.param == "reward"
+    with pytest.raises(Conflict):
+        await store.finish(one.id, 2.0)
+    assert await real_entries(redis, store) == {one.id: same[0], two.id: across[0], three.id: won}
+    assert await redis.xlen(KEYS.trajectories) == 3  # the loser of a stream_id claim deleted its entry
+    assert await store.pending() == 3
     await other.aclose()
 
 
