@@ -15,6 +15,7 @@ names the key rather than a silently ignored setting. `load_config` turns any fa
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -90,15 +91,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+DEFAULT_ADMIN_TOKEN = "change-me"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 class ServerConfig(_Section):
-    """The gateway's own HTTP listener and its credentials."""
+    """The gateway's own HTTP listener and its credentials. The default admin token is refused on an interface
+    other hosts reach (anyone could publish weights or remove replicas); on loopback it stays, for a first try."""
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port (tests).")
     api_keys: tuple[str, ...] = Field(
         (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
     )
-    admin_token: SecretStr = Field(SecretStr("change-me"), description="Bearer token for /admin routes.")
+    admin_token: SecretStr = Field(SecretStr(DEFAULT_ADMIN_TOKEN), description="Bearer token for /admin routes.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat completion request.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens one request may ask for.")
@@ -108,6 +122,15 @@ class ServerConfig(_Section):
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
     )
+
+    @model_validator(mode="after")
+    def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:
+        if self.admin_token.get_secret_value() == DEFAULT_ADMIN_TOKEN and not _loopback(self.host):
+            raise ValueError(
+                f"admin_token is the default {DEFAULT_ADMIN_TOKEN!r} while host {self.host!r} lets other hosts in: "
+                "set server.admin_token (RG_SERVER__ADMIN_TOKEN) to a secret, or bind to 127.0.0.1"
+            )
+        return self
 
 
 class RedisConfig(_Section):

@@ -15,7 +15,13 @@ Lifecycle invariants:
   every write that reached the AOF.
 * `stop()` is graceful (SHUTDOWN, else SIGTERM: Redis flushes the AOF), bounded, and idempotent; it removes the data
   directory only when the instance created it.
-* A server still running when the interpreter exits is killed then, so a crashed test run leaves no orphans.
+* A server still running when the interpreter exits is killed then, so a crashed test run leaves no orphans; on
+  Linux it also dies with its owner (a parent-death SIGTERM: Redis flushes the AOF and exits), however the owner
+  ended, kill -9 included. Servers are spawned from one long-lived thread, since that signal follows the thread
+  that forked the server, not the process.
+* One server per data directory: the server writes its pid to `redis.pid` there, and a start on a directory
+  whose server still runs (another gateway's, or one still exiting after its owner died) waits up to
+  `shutdown_timeout` for it to go, then refuses with `StoreError` naming its pid, never opening the AOF twice.
 
 ```python
 with EmbeddedRedis() as server:           # sync, e.g. a session-scoped pytest fixture
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import importlib.util
 import logging
 import os
@@ -41,10 +49,11 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import IO, Literal, Self
 from urllib.parse import quote
 
 from gateway.errors import StoreError
@@ -61,6 +70,7 @@ _SOCKET_FILE = "redis.sock"
 # A Unix socket address holds 107 bytes of path on Linux (104 on macOS); a data directory too deep for it gets none.
 _MAX_SOCKET_PATH = 100
 _LOG_FILE = "redis.log"
+_PID_FILE = "redis.pid"
 _LOG_TAIL_LINES = 20
 _PORT_ATTEMPTS = 3  # a free port found by binding to 0 can be taken before redis-server binds it
 _POLL_INTERVAL_S = 0.02
@@ -126,6 +136,64 @@ def _request_shutdown(port: int) -> bool:
             return sock.recv(64) == b""
     except OSError:
         return False
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child get SIGTERM when the thread that forked it ends (Linux), else None. libc
+    is loaded here, in the parent: the child only calls into it."""
+    if not os.uname().sysname == "Linux":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    prctl = libc.prctl
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return die_with_parent
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn(args: list[str], log_file: IO[bytes], cwd: Path) -> subprocess.Popen[bytes]:
+    """Start a server from the one spawner thread, which lives as long as the process: the parent-death signal
+    fires when the forking thread ends, and `astart` runs in a worker thread of an event loop that may close
+    long before the process does."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="redis-spawner")
+    preexec = _parent_death_signal()
+
+    def popen() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            cwd=cwd,
+            # Own process group: a Ctrl-C aimed at the parent must not kill Redis before the parent's shutdown has
+            # flushed its last writes.
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
+
+    return _spawner.submit(popen).result()
+
+
+def _running_server(pid_file: Path) -> int | None:
+    """The pid in a data directory's `redis.pid` when that process still runs a redis-server, else None."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes() if Path("/proc").is_dir() else b"redis-server"
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid if b"redis-server" in command else None
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
@@ -325,6 +393,7 @@ class EmbeddedRedis:
         return self._data_dir
 
     def _launch_once(self, data_dir: Path, port: int, abort: threading.Event) -> None:
+        self._refuse_a_running_server(data_dir / _PID_FILE, abort)
         config = data_dir / _CONFIG_FILE
         config.write_text(self._config_text(data_dir, port), encoding="utf-8")
         log = data_dir / _LOG_FILE
@@ -332,16 +401,7 @@ class EmbeddedRedis:
         # stdout/stderr go to the same log: config errors are printed before redis opens its `logfile`.
         with log.open("ab") as log_file:
             try:
-                proc = subprocess.Popen(
-                    [self._executable, str(config)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=log_file,
-                    cwd=data_dir,
-                    # Own process group: a Ctrl-C aimed at the parent must not kill Redis before the parent's
-                    # shutdown has flushed its last writes.
-                    start_new_session=True,
-                )
+                proc = _spawn([self._executable, str(config)], log_file, data_dir)
             except OSError as exc:
                 raise StoreError(f"cannot run {self._executable}: {exc}") from exc
         self._proc, self._port = proc, port
@@ -356,6 +416,18 @@ class EmbeddedRedis:
             error = _BindFailed if _BIND_FAILED in tail else StoreError
             raise error(f"{exc.message}; {self._executable} log tail:\n{tail}") from None
 
+    def _refuse_a_running_server(self, pid_file: Path, abort: threading.Event) -> None:
+        """Wait (up to `shutdown_timeout`) for a server still running on this data directory to exit; refuse to
+        start beside it if it does not."""
+        deadline = time.monotonic() + self._shutdown_timeout
+        while (pid := _running_server(pid_file)) is not None:
+            if time.monotonic() >= deadline or abort.is_set():
+                raise StoreError(
+                    f"a redis-server (pid {pid}) still runs on {pid_file.parent}: another gateway's, or one that "
+                    "outlived its owner; stop it, or give this gateway another redis.data_dir"
+                )
+            abort.wait(_POLL_INTERVAL_S)
+
     def _config_text(self, data_dir: Path, port: int) -> str:
         lines = [
             "# Generated by gateway.embedded_redis; rewritten on every start.",
@@ -365,6 +437,7 @@ class EmbeddedRedis:
             "daemonize no",
             f"dir {_quote(str(data_dir))}",
             f"logfile {_quote(str(data_dir / _LOG_FILE))}",
+            f"pidfile {_quote(str(data_dir / _PID_FILE))}",
             "loglevel notice",
             'save ""',
             "appendonly yes",

@@ -112,6 +112,11 @@ class GenerationState:
     cancelled: bool = False
 
     @property
+    def finished(self) -> bool:
+        """The completion ended as the engine ended it (stop, length), not cut short (client gone, an error)."""
+        return self.finish_reason is not None and not self.cancelled
+
+    @property
     def replica_ids(self) -> list[str]:
         return [s.replica for s in self.segments]
 

@@ -10,7 +10,10 @@ A turn names its session in one of five ways; the first one given wins:
    key checked against `server.api_keys` and is never stored; a key alone names no session),
 5. `user` in the body.
 
-None of them: a one-turn session. A session named by the path or by the key of the form `grp-<group>-<index>` or
+None of them: a one-turn session. Whichever names it, a session id is 1 to 256 characters of `A-Z a-z 0-9 _ . : @ -`
+(`SESSION_ID_PATTERN`), else a 400 naming where it came from: ids reach log lines and Redis keys.
+
+A session named by the path or by the key of the form `grp-<group>-<index>` or
 `grp-<group>-<index>of<size>` is member `<index>` of GRPO group `<group>`: its metadata gets `group_id`,
 `group_index` (and `group_size`), as a `group: true` request records its members (`gateway.turns`).
 """
@@ -26,6 +29,11 @@ Identity = Literal["header", "api_key"]
 """`sessions.identity`: `header` (path, header, body, `user`) or `api_key` (the key names the session too)."""
 
 KEY_FORMAT = "'<api key>:<session>'"
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:@\-]{1,256}$"
+MAX_SESSION_ID = 256
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
+_SOURCES = ("session_id", "x-session-id", "session_id", "authorization", "user")  # where each candidate comes from
 
 _GROUP_MEMBER = re.compile(r"grp-(?P<group>.+)-(?P<index>\d+)(?:of(?P<size>\d+))?")
 
@@ -53,9 +61,15 @@ def session_id_from(
     user: str | None,
 ) -> str | None:
     """The request's session: the URL path, else `X-Session-ID`, else the body's `session_id`, else the API key's
-    session (`api_key` identity), else `user`; None if none is given."""
-    for candidate in (path, header, body_session, key_session, user):
+    session (`api_key` identity), else `user`; None if none is given. One outside `SESSION_ID_PATTERN` is a 400."""
+    for candidate, source in zip((path, header, body_session, key_session, user), _SOURCES, strict=True):
         if candidate:
+            if not _SESSION_ID.match(candidate):
+                raise InvalidRequest(
+                    f"a session id is 1 to {MAX_SESSION_ID} characters of A-Z a-z 0-9 _ . : @ - (the {source} "
+                    f"names {candidate[:64]!r})",
+                    param=source,
+                )
             return candidate
     return None
 

@@ -361,7 +361,7 @@ class SessionManager:
         sample.versions += versions
         sample.routed_experts = self._merge_experts(sample, turn, state)
         sample.num_turns += 1
-        sample.cancelled = state.cancelled
+        sample.cancelled = not state.finished  # the client left, or an error ended it: its tokens kept, not extended
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
             sample.rendering = Rendering()

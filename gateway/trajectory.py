@@ -331,6 +331,17 @@ def _conversation_fields(
     return fields
 
 
+def stored_conversation(raw: Mapping[bytes | str, bytes | str]) -> list[dict[str, Any]] | None:
+    """The chat conversation a sample's hash holds (its `conversation` fields and `chunk_ends`; the other fields are
+    not needed), None if it holds none."""
+    fields = {_text(k): v for k, v in raw.items()}
+    chunks = len(_text(fields["chunk_ends"]).split(",")) if "chunk_ends" in fields else 1
+    try:
+        return _stored_conversation(fields, chunks)
+    except ValueError as exc:  # orjson's decode error is a ValueError
+        raise TrajectoryFormatError(f"stored conversation does not decode: {exc!r}") from exc
+
+
 def _stored_conversation(fields: Mapping[str, Any], chunks: int) -> list[dict[str, Any]] | None:
     """The conversation of a sample's hash: chunk 0's messages, then each later chunk's (None: none stored)."""
     if "conversation" not in fields:

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import SamplingParams
+from gateway.api.bounds import wrapped_seed
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import ConfigError, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.parsers import (
     ContentDelta,
@@ -118,7 +119,7 @@ class PreparedTurn:
         """Per choice, what its sample records: its turn, its generation, and the reply to keep as the sample's
         conversation (None: a token-in/token-out turn, or a cancelled one)."""
         for choice in self.choices:
-            recorded = self.conversation and not choice.state.cancelled
+            recorded = self.conversation and choice.state.finished
             yield choice.turn, choice.state, assistant_message(choice) if recorded else None
 
 
@@ -144,6 +145,9 @@ class TurnRunner:
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # The parsers' turn-ending tokens (harmony's `<|call|>`), as ids: a chat turn's engine request stops at them.
+        ends = {*tool_parser.turn_end_tokens, *(reasoning_parser.turn_end_tokens if reasoning_parser else ())}
+        self._format_stop_ids = tuple(sorted(_token_id(tokenizer, token) for token in ends))
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
@@ -316,10 +320,11 @@ class TurnRunner:
         keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
             reasoning is not None and reasoning.reads_special_tokens
         )
-        silent = (*self.tokenizer.stop_token_ids, *(body.stop_token_ids or ())) if keep_special else ()
+        format_stops = self._format_stop_ids if chat else ()
+        silent = (*self.tokenizer.stop_token_ids, *(body.stop_token_ids or ()), *format_stops) if keep_special else ()
         choices = []
         for index, turn in enumerate(turns):
-            request = self._request(session_id, turn, body, max_tokens, top_logprobs, index)
+            request = self._request(session_id, turn, body, max_tokens, top_logprobs, index, format_stops)
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
             )
@@ -330,12 +335,19 @@ class TurnRunner:
         return PreparedTurn(session_id, one_turn, choices, prompt_ids, locks)
 
     def _request(
-        self, session_id: str, turn: Turn, body: _Sampling, max_tokens: int, top_logprobs: int, index: int
+        self,
+        session_id: str,
+        turn: Turn,
+        body: _Sampling,
+        max_tokens: int,
+        top_logprobs: int,
+        index: int,
+        format_stops: tuple[int, ...] = (),
     ) -> GenerationRequest:
-        seed = body.seed + index if body.seed is not None else None
+        seed = wrapped_seed(body.seed + index) if body.seed is not None else None
         if seed is None and body.n > 1:
             seed = random.randint(0, MAX_RANDOM_SEED)  # distinct samples of one prompt, even on deterministic engines
-        stop_ids = tuple(body.stop_token_ids or ())
+        stop_ids = tuple(dict.fromkeys((*(body.stop_token_ids or ()), *format_stops)))
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
@@ -479,6 +491,14 @@ class TurnRunner:
             choice.content = content
         tail.finished = True
         return tail
+
+
+def _token_id(tokenizer: ChatTokenizer, token: str) -> int:
+    """The id of a parser's turn-ending token; a tokenizer without it as one token is a `ConfigError`."""
+    ids = tokenizer.encode(token)
+    if len(ids) != 1:
+        raise ConfigError(f"the model's tokenizer has no token {token!r}, which its parsers need to end a turn")
+    return ids[0]
 
 
 def assistant_message(choice: Choice) -> dict[str, Any]:

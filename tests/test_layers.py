@@ -41,9 +41,9 @@ def offenders(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...] =
 @pytest.mark.parametrize(
     ("folder", "forbidden", "exempt"),
     [
-        ("gateway", ("agents", "trainers", "backends.sim", "backends.launcher"), ("gateway/cli/",)),
-        ("backends", ("gateway", "agents", "trainers"), ()),
-        ("common", ("gateway", "backends", "agents", "trainers"), ()),
+        ("gateway", ("rollout_agents", "trainers", "backends.sim", "backends.launcher"), ("gateway/cli/",)),
+        ("backends", ("gateway", "rollout_agents", "trainers"), ()),
+        ("common", ("gateway", "backends", "rollout_agents", "trainers"), ()),
     ],
 )
 def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...]) -> None:
@@ -60,5 +60,5 @@ def test_only_the_wiring_imports_the_fast_path() -> None:
 
 def test_the_rule_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from backends.sim.server import SimReplica\n    import agents.runner\n")
-    assert imported_modules(module) == {"backends.sim.server", "agents.runner"}
+    module.write_text("def f():\n    from backends.sim.server import SimReplica\n    import rollout_agents.runner\n")
+    assert imported_modules(module) == {"backends.sim.server", "rollout_agents.runner"}

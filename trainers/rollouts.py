@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from agents.session_client import SessionsClient
+from rollout_agents.session_client import SessionsClient
 from trainers.task import DigitsTask
 
 

@@ -82,6 +82,15 @@ async def on_http_error(_: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
 
 
+def stream_error(exc: Exception) -> GatewayError:
+    """What a stream that already started tells its client in its error event: a `GatewayError` as it is, anything
+    else (a bug) logged with its traceback and told as a 500 without its details."""
+    if isinstance(exc, GatewayError):
+        return exc
+    logger.error("error after the stream started", exc_info=exc)
+    return GatewayError(f"internal error: {type(exc).__name__}")
+
+
 async def on_unexpected_error(_: Request, exc: Exception) -> Response:
     logger.exception("unhandled error")
     return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")

@@ -27,9 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import SamplingParams
 from backends.routed_experts import ExpertArray, encode_npy_b64
-from common.asgi import relay_until_disconnected, unless_disconnected
+from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
+from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
 from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
@@ -38,27 +40,28 @@ from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
 from gateway.services import Services
+from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.turns import PreparedTurn
 
 
 class GenerateSampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(ge=1, description="Budget of the whole completion, across resumes.")
+    max_tokens: int = Field(ge=1, le=INT32_MAX, description="Budget of the whole completion, across resumes.")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
     top_logprobs: int = Field(0, ge=0, le=20)
 
 
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     input_ids: list[TokenId] = Field(min_length=1)
     sampling_params: GenerateSampling
     stream: bool = False
@@ -190,9 +193,10 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
     try:
         async for delta in relay_until_disconnected(raw, stream(request, state), DISCONNECT_WATCH_AFTER_S):
             yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
-    except GatewayError as exc:
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
-        yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+    except ClientDisconnected:
+        raise
+    except Exception as exc:  # the answer started (200): the error can only be an event
+        yield _error_event(stream_error(exc))
         return
     if state.finish_reason is not None:  # the summary and [DONE] in one write, with the body's end
         yield LastChunk(b"data: " + orjson.dumps(_final(state, body)) + b"\n\ndata: [DONE]\n\n")
@@ -245,12 +249,18 @@ async def _session_stream(
         async for delta in relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S):
             yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
         await svc.turns.lifecycle.close(prepared)
-    except GatewayError as exc:
-        error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
-        yield b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+    except ClientDisconnected:
+        raise
+    except Exception as exc:  # the answer started (200): the error can only be an event
+        yield _error_event(stream_error(exc))
         return
     finally:
         await svc.turns.lifecycle.close(prepared)
     if choice.state.finish_reason is not None:
         final = _final(choice.state, body) | _in_session(prepared)
         yield LastChunk(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
+
+
+def _error_event(exc: GatewayError) -> bytes:
+    error = {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.status_code}
+    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"

@@ -28,12 +28,13 @@ def check_max_tokens(value: int | None, param: str, server: ServerConfig) -> Non
         )
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
-    """Answer 413 (OpenAI-style error) to a body over `max_bytes`, whether it declares its length or streams."""
+    """Answer 413 (OpenAI-style error) to a body over `max_bytes`, whether it declares its length or streams.
+
+    A declared length over the limit is refused before a byte is read (the server reads no more than it declares).
+    A chunked body is read here, up to the limit, before the app sees it, then handed on whole: refusing it from
+    inside the app's body parsing came out as FastAPI's 400 "There was an error parsing the body".
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -43,32 +44,29 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        if declared is not None or b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            await self.app(scope, receive, send)
+            return
+        parts: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge
-            return message
-
-        started = False
-
-        async def tracking(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited, tracking)
-        except BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":  # the client left: the app sees it at its first read
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
                 await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
+        await self.app(scope, _replaying(message, receive), send)
 
     async def _refuse(self, send: Send) -> None:
         body = orjson.dumps(
@@ -84,3 +82,13 @@ class BodySizeLimit:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _replaying(first: Message, receive: Receive) -> Receive:
+    """A `receive` that answers `first`, then the server's own (a disconnect, later)."""
+    pending: list[Message] = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay

@@ -30,6 +30,7 @@ from gateway.api.turn_http import (
     streaming_answer,
 )
 from gateway.request_ids import new_request_id
+from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
@@ -54,7 +55,7 @@ def create_session_router() -> APIRouter:
 
 
 async def _session_in_path(
-    session_id: Annotated[str, Path(min_length=1, max_length=256, description="The session the turn belongs to.")],
+    session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session the turn belongs to.")],
 ) -> None:
     """Declares and checks the prefix's `session_id` (the endpoints read it from the request: `turn_session`)."""
 

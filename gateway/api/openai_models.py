@@ -7,7 +7,9 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
 from gateway.api.token_ids import TokenId
+from gateway.session_identity import SESSION_ID_PATTERN
 
 
 def _storable(value: Any) -> Any:
@@ -120,21 +122,21 @@ Stop = str | Annotated[list[str], Field(max_length=8)] | None
 
 class _Sampling(_Body):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=1024)
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
     user: str | None = Field(None, max_length=256)
-    session_id: str | None = Field(None, min_length=1, max_length=256)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -156,7 +158,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
@@ -187,7 +189,7 @@ class CompletionRequest(_Sampling):
 
 class SessionCreate(_Body):
     metadata: Annotated[dict[str, Any], AfterValidator(_storable)] = Field(default_factory=dict)
-    session_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.:\-]+$")
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
 
 
 class SessionFinish(_Body):

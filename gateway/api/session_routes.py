@@ -9,11 +9,12 @@ from fastapi import APIRouter, Depends, Path
 from gateway.api.deps import ServicesDep, require_agent
 from gateway.api.openai_models import SessionCreate, SessionFinish
 from gateway.errors import SessionNotFound
+from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.trajectory import SessionMeta
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])
 
-SessionId = Path(min_length=1, max_length=256)
+SessionId = Path(pattern=SESSION_ID_PATTERN)
 
 
 def _meta(meta: SessionMeta) -> dict[str, Any]:

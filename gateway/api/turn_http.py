@@ -12,9 +12,10 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from common.asgi import relay_until_disconnected, unless_disconnected
+from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
 from gateway.api.deps import agent_key, turn_session
+from gateway.api.errors import stream_error
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.services import Services
 from gateway.session_identity import with_group
@@ -102,13 +103,16 @@ async def relay(
     """Relay SSE chunks until done or the client leaves, then record the turn and send `last()` (OpenAI's `[DONE]`,
     Anthropic's `message_stop`): an agent that finishes its session right after a streamed turn never races that
     turn's write (the trainer would get the trajectory without it). An error becomes the protocol's error event
-    (`error_event`); the turn is always recorded."""
+    (`error_event`), an unexpected one a 500 event; the turn is always recorded, one that did not finish as
+    cancelled."""
     try:
         async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
             yield chunk
         await runner.lifecycle.close(prepared)
         yield LastChunk(last())
-    except GatewayError as exc:
-        yield error_event(exc)
+    except ClientDisconnected:
+        raise
+    except Exception as exc:  # the answer started (200): the error can only be an event
+        yield error_event(stream_error(exc))
     finally:
         await runner.lifecycle.close(prepared)

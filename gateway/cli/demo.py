@@ -20,14 +20,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from agents.runner import Runner
-from agents.session_client import RetryPolicy
 from backends.sim.common import SimServerSettings
 from backends.sim.engine import EngineSettings
 from backends.sim.server import SimReplica, serve_in_process
 from gateway.config import ReplicaConfig, Settings
 from gateway.server import RunningGateway, serve_gateway
 from gateway.trainer import Batch, TrajectoryConsumer
+from rollout_agents.runner import Runner
+from rollout_agents.session_client import RetryPolicy
 
 ADMIN_TOKEN = "demo-admin-token"
 Dialect = Literal["vllm", "sglang", "mixed"]

@@ -2,8 +2,11 @@
 
 - `base`: the parsed shapes (`ToolCall`, `ParsedOutput`, `ReasoningOutput`, the streamed `ContentDelta` /
   `ToolCallDelta` / `ReasoningDelta`) and the `ToolParser` / `ReasoningParser` protocols every parser implements.
-- `tool_calls/`: one module per tool-call format (`hermes`: the hermes/Qwen `<tool_call>{json}</tool_call>` blocks).
-- `reasoning/`: one module per reasoning format.
+- `tool_calls/`: one module per tool-call format (`hermes`: the hermes/Qwen `<tool_call>{json}</tool_call>` blocks;
+  `openai`: gpt-oss's harmony calls).
+- `reasoning/`: one module per reasoning format (`qwen3`, `deepseek_r1`, `glm45`, `kimi_k2`, all on the think-tag
+  parser `think_tags`; `gpt_oss`: the harmony `analysis` channel).
+- `harmony`: gpt-oss's harmony messages read from text with `openai-harmony`, for the two gpt-oss parsers.
 - `registry`: the parsers by their config name (vLLM's names); `detect`: `auto`, the format a chat template shows.
 
 Parsers work on a completion's text and never change the recorded ids.

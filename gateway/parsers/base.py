@@ -104,10 +104,12 @@ class ToolParser(Protocol):
 
     `reads_special_tokens`: the format's markup is special tokens (Kimi's `<|tool_call_begin|>`, harmony's
     `<|channel|>`), so the text it parses keeps them (all but the end-of-turn ones); else they are left out, as an
-    OpenAI client sees the text.
+    OpenAI client sees the text. `turn_end_tokens`: tokens of the format that end the model's turn besides the
+    tokenizer's own (harmony's `<|call|>`): a chat turn asks the engine to stop at them too.
     """
 
     reads_special_tokens: bool
+    turn_end_tokens: tuple[str, ...]
 
     def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         """Split a whole completion into content and tool calls; never raises on malformed calls."""
@@ -155,10 +157,11 @@ class ReasoningParser(Protocol):
     `prompt_tail`: the end of the prompt as text, special tokens kept (the last few tokens decoded), so that a
     parser can tell whether the chat template opened the reasoning already (a generation prompt ending in
     `<think>`: the completion starts inside it, with no start tag of its own). `reads_special_tokens`: as
-    `ToolParser`'s.
+    `ToolParser`'s, and so is `turn_end_tokens`.
     """
 
     reads_special_tokens: bool
+    turn_end_tokens: tuple[str, ...]
 
     def parse(self, text: str, prompt_tail: str = "") -> ReasoningOutput:
         """Split a whole completion into reasoning and the rest; never raises."""

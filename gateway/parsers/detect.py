@@ -1,20 +1,39 @@
 """`auto`: which tool-call and reasoning formats a chat template shows, by markup only its family writes.
 
-Each table is checked in order, first match wins; a template that shows none gives None (the caller's default).
+Each table is checked in order, first match wins; a template that shows none gives None (the caller's default). A
+marker is a text the template holds, or a tuple of texts it holds all of (a family's turn markup and the think tag
+that several families share).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["REASONING_MARKERS", "TOOL_MARKERS", "detect_reasoning_format", "detect_tool_format"]
 
 # (text the template holds, parser name): the more specific markers first.
-TOOL_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "hermes"),)
+TOOL_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|channel|>", "openai"),  # gpt-oss's harmony messages
+    ("<tool_call>", "hermes"),
+)
 
-REASONING_MARKERS: tuple[tuple[str, str], ...] = ()
+Marker = str | tuple[str, ...]
+
+REASONING_MARKERS: tuple[tuple[Marker, str], ...] = (
+    ("<|channel|>", "gpt_oss"),  # gpt-oss's harmony messages
+    (("<｜Assistant｜>", "</think>"), "deepseek_r1"),
+    (("<|im_assistant|>", "<think>"), "kimi_k2"),
+    (("[gMASK]<sop>", "<think>"), "glm45"),
+    (("<|im_start|>", "<think>"), "qwen3"),
+)
 
 
-def _first(template: str, markers: tuple[tuple[str, str], ...]) -> str | None:
-    return next((name for marker, name in markers if marker in template), None)
+def _shows(template: str, marker: Marker) -> bool:
+    return marker in template if isinstance(marker, str) else all(text in template for text in marker)
+
+
+def _first(template: str, markers: Sequence[tuple[Marker, str]]) -> str | None:
+    return next((name for marker, name in markers if _shows(template, marker)), None)
 
 
 def detect_tool_format(chat_template: str) -> str | None:

@@ -12,7 +12,15 @@ from typing import Generic, TypeVar
 from gateway.errors import ConfigError
 from gateway.parsers.base import ReasoningParser, ToolParser
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
+from gateway.parsers.reasoning import (
+    DeepSeekR1ReasoningParser,
+    Glm45ReasoningParser,
+    GptOssReasoningParser,
+    KimiK2ReasoningParser,
+    Qwen3ReasoningParser,
+)
 from gateway.parsers.tool_calls.hermes import HermesToolParser
+from gateway.parsers.tool_calls.openai import OpenAIToolParser
 
 __all__ = [
     "AUTO",
@@ -57,13 +65,21 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
     "tool parser",
     {
         "hermes": HermesToolParser,
+        "openai": OpenAIToolParser,
     },
 )
 
 REASONING_PARSERS: ParserRegistry[ReasoningParser] = ParserRegistry(
     "model.reasoning_parser",
     "reasoning parser",
-    {},
+    {
+        "deepseek_r1": DeepSeekR1ReasoningParser,
+        "glm45": Glm45ReasoningParser,
+        "gpt_oss": GptOssReasoningParser,
+        "kimi": KimiK2ReasoningParser,  # the name for vLLM's `kimi_k2`
+        "kimi_k2": KimiK2ReasoningParser,
+        "qwen3": Qwen3ReasoningParser,
+    },
 )
 
 

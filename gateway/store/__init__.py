@@ -9,6 +9,7 @@ One module per concept:
 - `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
 - `locks`: `SessionLocks`, the per-session locks of this process (a session's turns; its sample writes);
 - `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
+- `responses`: the Responses API's stored responses, and a sample's conversation read without its arrays;
 - `weights_bus`: `WeightsBus` (weight version, update lock, control channel);
 - `inspection`: what the command line shows of the store;
 - `trajectory_store`: `TrajectoryStore`, the one object the gateway holds, composed of those parts.

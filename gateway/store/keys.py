@@ -10,6 +10,9 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:{id}:sample:{n}` (hash): `Sample.to_redis()` — binary arrays (see gateway/trajectory.py), in chunks, so
   that a write extending the sample adds what is new instead of rewriting it all; and `writer`, the turn that
   wrote it last, so that turns of one session on two processes at once never replace each other's (`save_sample`).
+- `rg:response:{response id}` (string, JSON): what a Responses API answer leaves for a later request that names it
+  (`previous_response_id`), and the answer itself (`GET /v1/responses/{id}`): `gateway.response_records`. Its own
+  slot, looked up by the response id alone; written once, never changed.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
@@ -22,8 +25,9 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
 
 Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
-`ttl_s` once it is finished or abandoned. The global keys (both streams, both sets, the counter) have no TTL:
-the trainer trims `rg:trajectories` and `rg:abandoned` is capped (approximate MAXLEN).
+`ttl_s` once it is finished or abandoned; a response key `session_idle_ttl_s + ttl_s` after it was written. The
+global keys (both streams, both sets, the counter) have no TTL: the trainer trims `rg:trajectories` and
+`rg:abandoned` is capped (approximate MAXLEN).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class Keys:
 
     def sample(self, session_id: str, index: int) -> str:
         return f"{self.prefix}{{{session_id}}}:sample:{index}"
+
+    def response(self, response_id: str) -> str:
+        return f"{self.prefix}response:{response_id}"
 
     @property
     def trajectories(self) -> str:

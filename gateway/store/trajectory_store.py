@@ -23,6 +23,7 @@ from gateway.store.keys import Keys
 from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
 from gateway.store.records import Sessions
+from gateway.store.responses import ResponseKeys
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
 from gateway.store.sweepers import IdleSweeper, sweep_forever
 from gateway.trajectory import Sample, SampleSaved, SessionMeta, StoredChunks
@@ -100,6 +101,7 @@ class TrajectoryStore:
         self._delivery = Delivery(core, self._backpressure, self._finishing)
         self._finisher = Finisher(core, self._buffer, self._delivery, self._finishing, retry_budget_s=retry_budget_s)
         self._idle = IdleSweeper(core, self._finishing)
+        self.responses = ResponseKeys(core)  # the Responses API's stored responses
         self._sweeper: asyncio.Task[None] | None = None  # a hard reference: the event loop keeps only weak ones
         # The steps of a finish and of a buffered write, reachable here as before the store was split in parts
         # (tests drive them one by one).

@@ -60,6 +60,10 @@ def _template_message(index: int, message: Message) -> dict[str, Any]:
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = _text_of_parts(index, content)
+    elif content is None and out.get("role") == "assistant":
+        # A reply of tool calls only has no content (OpenAI's null); templates get "" as vLLM gives them: some
+        # (Qwen3's) test `'</think>' in message.content` and cannot render a null.
+        out["content"] = ""
     tool_calls = out.get("tool_calls")
     if isinstance(tool_calls, list):
         out["tool_calls"] = [_template_tool_call(call) for call in tool_calls]

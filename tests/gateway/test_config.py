@@ -156,7 +156,10 @@ def test_env_replicas_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_env_beats_file_and_overrides_beat_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_yaml(tmp_path, {"server": {"port": 7000, "host": "0.0.0.0"}, "weights": {"max_staleness": 1}})
+    path = write_yaml(
+        tmp_path,
+        {"server": {"port": 7000, "host": "0.0.0.0", "admin_token": "s3cret"}, "weights": {"max_staleness": 1}},
+    )
     monkeypatch.setenv("RG_SERVER__PORT", "7001")
     monkeypatch.setenv("RG_WEIGHTS__MAX_STALENESS", "2")
     settings = load_config(path, weights={"max_staleness": 3})
@@ -404,3 +407,18 @@ def test_load_config_does_not_leak_its_file_into_later_loads(tmp_path: Path) -> 
 )
 def test_a_redis_url_is_shown_without_credentials(url: str, shown: str) -> None:
     assert without_credentials(url) == shown
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gateway.internal"])
+def test_the_default_admin_token_is_refused_beyond_loopback(host: str) -> None:
+    """Issue 38 §8: `change-me` opened /admin to every host that reached the gateway, with no warning."""
+    with pytest.raises(
+        ConfigError, match=r"admin_token is the default 'change-me' while host .* set server\.admin_token"
+    ):
+        load_config(server={"host": host})
+    assert load_config(server={"host": host, "admin_token": "s3cret"}).server.host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_the_default_admin_token_stays_on_loopback(host: str) -> None:
+    assert load_config(server={"host": host}).server.admin_token.get_secret_value() == "change-me"

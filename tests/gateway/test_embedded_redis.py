@@ -320,3 +320,51 @@ def test_taken_port_raises_store_error_naming_the_bind_failure(tmp_path: Path) -
         server = EmbeddedRedis(data_dir=tmp_path, port=squatter.getsockname()[1])
         with pytest.raises(StoreError, match="Address already in use"):
             server.start()
+
+
+# -- one server per data directory, dying with its owner (issue 38 §5) ------------------------------------------
+
+OWNER = """
+import asyncio, sys
+from redis import Redis
+from gateway.embedded_redis import EmbeddedRedis
+
+async def main() -> None:
+    server = EmbeddedRedis(data_dir=sys.argv[1], appendfsync="always")
+    await server.astart()  # from an event loop's worker thread, as the gateway's lifespan starts it
+    Redis.from_url(server.url).set("written", "before the kill")
+    print(server.pid, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_server_dies_with_its_owner_killed_minus_9_and_a_restart_keeps_its_data(tmp_path: Path) -> None:
+    """Before: the redis-server child outlived a kill -9 of its gateway (reparented), and a restart on the same
+    data_dir started a second server on the same AOF."""
+    owner = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", OWNER, str(tmp_path), stdout=asyncio.subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    assert owner.stdout is not None
+    pid = int(await asyncio.wait_for(owner.stdout.readline(), 30))
+    owner.kill()
+    await owner.wait()
+    for _ in range(250):
+        if not _alive(pid):
+            break
+        await asyncio.sleep(0.02)
+    assert not _alive(pid), "redis-server outlived its owner"
+    async with EmbeddedRedis(data_dir=tmp_path) as server, _client(server) as client:
+        assert await client.get(b"written") == b"before the kill"
+
+
+def test_a_second_server_on_a_data_dir_in_use_is_refused(tmp_path: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path) as first:
+        second = EmbeddedRedis(data_dir=tmp_path, shutdown_timeout=0.3)
+        with pytest.raises(StoreError, match=rf"a redis-server \(pid {first.pid}\) still runs on {tmp_path}"):
+            second.start()
+        assert second.pid is None and _alive(first.pid or 0)
+        with socket.create_connection(("127.0.0.1", first.port), timeout=1) as still_serving:
+            still_serving.sendall(b"PING\r\n")
+            assert still_serving.recv(64) == b"+PONG\r\n"

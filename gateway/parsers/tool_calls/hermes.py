@@ -31,6 +31,7 @@ class HermesToolParser:
     """
 
     reads_special_tokens = False
+    turn_end_tokens: tuple[str, ...] = ()
 
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
         self._id_factory = id_factory

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from redis.asyncio import Redis
 
@@ -379,6 +381,28 @@ async def test_oversized_body_is_413(
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
     response = await http.post(f"{gw.url}/v1/chat/completions", json=body)
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("size", [5000, 1500])
+async def test_a_chunked_body_is_held_to_the_same_limit(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, size: int
+) -> None:
+    """Issue 38 §11: a chunked body over the limit was FastAPI's 400 "There was an error parsing the body"; under
+    it, it is read and parsed as a declared one is."""
+    _, gw = await gateway_on(make_sim, make_gateway, server={"max_body_bytes": 2000})
+    raw = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * size}], "max_tokens": 2})
+
+    async def chunks() -> AsyncIterator[bytes]:  # no length known up front: sent with Transfer-Encoding: chunked
+        for start in range(0, len(raw), 512):
+            yield raw[start : start + 512]
+
+    json_type = {"content-type": "application/json"}
+    response = await http.post(f"{gw.url}/v1/chat/completions", content=chunks(), headers=json_type)
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    if size > 2000:
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    else:
+        assert response.status_code == 200, response.text
 
 
 async def test_trainer_receives_exactly_what_the_agent_generated(

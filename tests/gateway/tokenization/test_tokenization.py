@@ -820,9 +820,7 @@ TOOL_TEXTS = [
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    index=st.integers(0, len(TOOL_TEXTS) - 1), cuts=st.lists(st.integers(0, 120), max_size=12), cut=st.booleans()
-)
+@given(index=st.integers(0, len(TOOL_TEXTS) - 1), cuts=st.lists(st.integers(0, 120), max_size=12), cut=st.booleans())
 def test_streaming_agrees_with_parse(index: int, cuts: list[int], cut: bool) -> None:
     text = TOOL_TEXTS[index]
     parser = hermes().streaming()
@@ -875,5 +873,5 @@ def test_model_output_to_tool_calls_end_to_end(tok: ChatTokenizer) -> None:
 
 def test_tool_parser_registry() -> None:
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
-    with pytest.raises(ConfigError, match=r"model\.tool_parser: unknown tool parser 'nope' \(known: hermes\)"):
+    with pytest.raises(ConfigError, match=r"model\.tool_parser: unknown tool parser 'nope' \(known: .*hermes.*\)"):
         get_tool_parser("nope")

@@ -6,8 +6,8 @@ from typing import Any
 
 import openai
 
-from agents.episode import EpisodeTrace, session_headers
-from agents.tasks import Task, reward
+from rollout_agents.episode import EpisodeTrace, session_headers
+from rollout_agents.tasks import Task, reward
 
 SYSTEM_PROMPT = "You are a careful mathematician. Think briefly, then end your reply with the final integer."
 
@@ -31,7 +31,7 @@ async def episode(
     seed: int | None = None,
     trace: EpisodeTrace | None = None,
 ) -> float:
-    """One chat turn in session `session_id`; the reward is `agents.tasks.reward` of the reply.
+    """One chat turn in session `session_id`; the reward is `rollout_agents.tasks.reward` of the reply.
 
     API errors propagate (the runner records the episode as failed); a reply without an integer is reward 0.0.
     """

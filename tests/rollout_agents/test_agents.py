@@ -13,18 +13,18 @@ import pytest
 from redis.asyncio import Redis
 from rich.console import Console
 
-from agents import math_agent, tool_agent
-from agents.calculator import CalculatorError, evaluate, run_tool
-from agents.episode import EpisodeTrace
-from agents.runner import Runner, gateway_root, main, run
-from agents.session_client import RetryPolicy, retry_after_s
-from agents.tasks import Task, generate_tasks, last_integer, reward
 from backends.sim.server import SimReplica
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
 from gateway.trainer import TrajectoryConsumer
+from rollout_agents import math_agent, tool_agent
+from rollout_agents.calculator import CalculatorError, evaluate, run_tool
+from rollout_agents.episode import EpisodeTrace
+from rollout_agents.runner import Runner, gateway_root, main, run
+from rollout_agents.session_client import RetryPolicy, retry_after_s
+from rollout_agents.tasks import Task, generate_tasks, last_integer, reward
 from tests.conftest import GatewayFactory, SimFactory
 from tests.sim_helpers import wait_for
 

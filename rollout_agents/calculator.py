@@ -1,4 +1,4 @@
-"""A safe integer calculator: the `calculator` tool of the tool agent and the reference of `agents.tasks`.
+"""A safe integer calculator: the `calculator` tool of the tool agent and the reference of `rollout_agents.tasks`.
 
 Expressions are parsed with `ast` and only integer literals, unary minus/plus and binary `+ - *` (with
 parentheses) are evaluated; everything else (names, calls, attributes, `**`, `/`, floats, strings) is refused

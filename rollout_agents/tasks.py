@@ -6,7 +6,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from agents.calculator import evaluate
+from rollout_agents.calculator import evaluate
 
 _INTEGER = re.compile(r"-?\d+")
 

@@ -11,7 +11,7 @@ An episode that raises is recorded as failed with its error and the run goes on;
 reaches the trainer with a made-up reward. Chat requests are not retried (`max_retries=0`): a resent turn
 would reach the gateway as a rewritten history and start a new sample.
 
-    python -m agents.runner --base-url http://127.0.0.1:8000 --agent tool --tasks 8 --group-size 4
+    python -m rollout_agents.runner --base-url http://127.0.0.1:8000 --agent tool --tasks 8 --group-size 4
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import openai
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from agents import math_agent, tool_agent
-from agents.episode import Agent
-from agents.session_client import RetryPolicy, SessionsClient
-from agents.summary import EpisodeResult, RunSummary, print_summary
-from agents.tasks import generate_tasks
+from rollout_agents import math_agent, tool_agent
+from rollout_agents.episode import Agent
+from rollout_agents.session_client import RetryPolicy, SessionsClient
+from rollout_agents.summary import EpisodeResult, RunSummary, print_summary
+from rollout_agents.tasks import generate_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ async def run(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m agents.runner", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rollout_agents.runner", description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway (with or without /v1)")
     parser.add_argument("--agent", choices=get_args(AgentName), default="math")
     parser.add_argument("--tasks", type=int, default=8, help="number of tasks (GRPO groups)")

@@ -8,7 +8,7 @@ from typing import Protocol
 import openai
 from openai.types.chat import ChatCompletion
 
-from agents.tasks import Task
+from rollout_agents.tasks import Task
 
 SESSION_HEADER = "X-Session-ID"
 

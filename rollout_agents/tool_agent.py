@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import openai
 
-from agents.calculator import run_tool
-from agents.episode import EpisodeTrace, session_headers
-from agents.tasks import Task, reward
+from rollout_agents.calculator import run_tool
+from rollout_agents.episode import EpisodeTrace, session_headers
+from rollout_agents.tasks import Task, reward
 
 TOOL_NAME = "calculator"
 SYSTEM_PROMPT = (

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from agents.episode import EpisodeTrace
-from agents.tasks import Task
+from rollout_agents.episode import EpisodeTrace
+from rollout_agents.tasks import Task
 
 
 @dataclass(slots=True)

@@ -1,0 +1,278 @@
+"""The OpenAI Responses API: `POST /v1/responses` (and under a session prefix, `/sessions/{id}/v1/responses`), a thin
+adapter over the chat turn, and `GET /v1/responses/{id}`.
+
+A request becomes a chat turn (`ChatCompletionRequest` → `TurnRunner.prepare_chat`): its `instructions` a system
+message first, then the conversation of the response it continues (`previous_response_id`, `gateway.response_records`),
+then its input items as chat messages (`gateway.api.responses_items`). So a turn sent with `previous_response_id` and
+one that replays the whole conversation extend the same sample of the session.
+
+Session: the one the request names (`turn_session`: path, header, body `session_id`, API key, `user`); else the
+previous response's; else a one-turn session, as on the chat API. A previous response of another session than the one
+named is a 400.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from common.errors import GatewayError
+from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.json_answer import json_answer
+from gateway.api.limits import check_max_tokens, check_messages
+from gateway.api.openai import _session_in_path
+from gateway.api.openai_models import ChatCompletionRequest
+from gateway.api.responses_items import ItemIds, chat_messages, output_items
+from gateway.api.responses_models import NamedFunction, ResponseRequest
+from gateway.api.responses_stream import ResponseEvents, adopt_call_ids
+from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end, session_of, streaming_answer
+from gateway.errors import InvalidRequest
+from gateway.response_records import ResponseRecord, ResponseRecords
+from gateway.services import Services
+from gateway.turns import Choice, PreparedTurn, TurnRunner, assistant_message
+
+__all__ = ["create_router", "create_session_router"]
+
+Message = dict[str, Any]
+
+
+def create_router() -> APIRouter:
+    """`POST /v1/responses` and `GET /v1/responses/{response_id}`."""
+    router = APIRouter(tags=["responses"], dependencies=[Depends(require_agent)])
+    router.add_api_route("/v1/responses", create_response, methods=["POST"])
+    router.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    return router
+
+
+def create_session_router() -> APIRouter:
+    """The same under `/sessions/{session_id}`, for agents that set only a base URL."""
+    dependencies = [Depends(require_agent), Depends(_session_in_path)]
+    router = APIRouter(prefix="/sessions/{session_id}", tags=["responses"], dependencies=dependencies)
+    router.add_api_route("/v1/responses", create_response, methods=["POST"])
+    router.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
+    return router
+
+
+async def get_response(response_id: str, svc: ServicesDep) -> Response:
+    return json_answer((await _records(svc).get(response_id)).answer)
+
+
+def _records(svc: Services) -> ResponseRecords:
+    return ResponseRecords(svc.store.responses)
+
+
+async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep) -> Response:
+    runner = svc.turns
+    runner.check_model(body.model)
+    check_max_tokens(body.max_output_tokens, "max_output_tokens", svc.settings.server)
+    records = _records(svc)
+    session, metadata = session_of(raw, body.session_id, body.user, body.metadata)
+    history: list[Message] = []
+    if body.previous_response_id is not None:
+        previous = await records.previous(body.previous_response_id)
+        session = _continuing(session, previous, body.previous_response_id)
+        history = await records.conversation(body.previous_response_id, previous)
+    chat = _chat_request(body, history, metadata)
+    check_messages(len(chat.messages), svc.settings.server)
+    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_chat(chat, session))
+    answer = _Answer(body, runner, prepared, records)
+    if body.stream:
+        return streaming_answer(_relay(raw, answer), runner, prepared)
+    await run_to_end(raw, runner, prepared)
+    final = await answer.final()
+    await answer.store(final)
+    return json_answer(final | {"rollout": rollout_field(prepared, prepared.choices)})
+
+
+def _continuing(named: str | None, previous: ResponseRecord, previous_id: str) -> str | None:
+    """The session of a request that continues `previous`: the one named, which must be the previous response's;
+    else the previous response's (None: it was a one-turn session's, and so is this turn)."""
+    if named is not None and named != previous.session_id:
+        raise InvalidRequest(
+            f"previous response '{previous_id}' belongs to another session than {named!r}",
+            param="previous_response_id",
+        )
+    return previous.session_id
+
+
+def _chat_request(
+    body: ResponseRequest, history: list[Message], metadata: dict[str, str] | None
+) -> ChatCompletionRequest:
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) + history
+    messages += chat_messages(body.input)
+    tool_choice: Any = body.tool_choice
+    if isinstance(tool_choice, NamedFunction):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "tools": [{"type": "function", "function": t.definition()} for t in body.tools] if body.tools else None,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "stream": body.stream,
+        "metadata": metadata,
+        "seed": body.seed,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
+    }
+    if body.temperature is not None:
+        fields["temperature"] = body.temperature
+    if body.top_p is not None:
+        fields["top_p"] = body.top_p
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"] if part != "function"]
+        param = "input" if loc and loc[0] == "messages" else ".".join(loc) or "input"
+        message = "the request has no input" if loc == ["messages"] else first["msg"]
+        raise InvalidRequest(f"{param}: {message}", param=param) from None
+
+
+class _Answer:
+    """Shapes one turn's answer: the response object, and its stream."""
+
+    def __init__(
+        self, body: ResponseRequest, runner: TurnRunner, prepared: PreparedTurn, records: ResponseRecords
+    ) -> None:
+        self.body = body
+        self.runner = runner
+        self.prepared = prepared
+        self.records = records
+        self.response_id = f"resp_{secrets.token_hex(16)}"  # unguessable: it lets a request continue the session
+        self.created_at = int(time.time())
+        self.ids = ItemIds()
+        self.stream = ResponseEvents(self.ids)
+        self._reasoning_tokens = 0
+
+    @property
+    def choice(self) -> Choice:
+        return self.prepared.choices[0]
+
+    def response(self, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The response object; `status` "completed" becomes "incomplete" where the reply did not end by itself
+        (`incomplete_details.reason` "max_output_tokens" where the budget cut it)."""
+        body, choice = self.body, self.choice
+        incomplete: dict[str, str | None] | None = None
+        if status == "completed":
+            output = output_items(choice, self.ids)
+            if choice.finish_reason == "length":
+                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            elif choice.finish_reason not in ("stop", "tool_calls"):  # the engine's abort: no reason OpenAI names
+                status, incomplete = "incomplete", {"reason": None}
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.runner.model_name,
+            "output": output or [],
+            "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
+            "store": body.store is not False,
+            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": _tool_choice(body),
+            "tools": [t.echoed() for t in body.tools or ()],
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "truncation": body.truncation or "disabled",
+            "usage": self._usage() if status != "in_progress" else None,
+            "user": body.user,
+            "metadata": body.metadata or {},
+        }
+
+    async def final(self) -> dict[str, Any]:
+        """The response of the ended turn."""
+        reasoning = self.choice.reasoning
+        if reasoning:  # the engine does not say which ids were reasoning: its text, encoded again, is close
+            self._reasoning_tokens = len(await self.runner.tokenizer.encode_async(reasoning))
+        return self.response("completed")
+
+    def _usage(self) -> dict[str, Any]:
+        prompt, out = len(self.prepared.prompt_ids), len(self.choice.state.output_ids)
+        reasoning = min(self._reasoning_tokens, out)
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + out,
+        }
+
+    async def store(self, final: dict[str, Any]) -> None:
+        """Keep the response for `previous_response_id` and `GET` (unless `store: false`, or the turn was not
+        recorded as a conversation: cancelled)."""
+        choice = self.choice
+        if self.body.store is False or choice.state.cancelled:
+            return
+        one_turn = self.prepared.one_turn
+        conversation = [*choice.turn.messages, assistant_message(choice)]
+        record = ResponseRecord(
+            answer=final,
+            session_id=None if one_turn else choice.turn.session_id,
+            sample=choice.turn.stored_index,
+            messages=len(conversation),
+            instructions=self.body.instructions is not None,
+            conversation=conversation if one_turn else None,
+        )
+        await self.records.save(self.response_id, record)
+
+    async def events(self, final_event: list[bytes]) -> AsyncGenerator[bytes, None]:
+        """The stream up to the items' `done` events; the turn recorded and the response stored, the last event
+        (`response.completed` or `response.incomplete`) is left in `final_event` for the relay to send last."""
+        stream = self.stream
+        yield stream.opening(self.response("in_progress"))
+        async for event in self.runner.events(self.prepared):
+            out = stream.of(event)
+            if event.finished:
+                adopt_call_ids(event.choice, stream.call_ids)
+            if out:
+                yield out
+        final = await self.final()
+        yield stream.closing(final["output"])
+        await self.runner.lifecycle.close(self.prepared)  # recorded before the client hears the end
+        await self.store(final)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        final_event.append(
+            stream.event(kind, response=final | {"rollout": rollout_field(self.prepared, [self.choice])})
+        )
+
+
+def _tool_choice(body: ResponseRequest) -> Any:
+    if isinstance(body.tool_choice, NamedFunction):
+        return body.tool_choice.model_dump()
+    return body.tool_choice or "auto"
+
+
+def _relay(raw: Request, answer: _Answer) -> AsyncIterator[bytes]:
+    final_event: list[bytes] = []
+    return relay(
+        raw,
+        answer.runner,
+        answer.prepared,
+        answer.events(final_event),
+        last=lambda: final_event[0] if final_event else b"",
+        error_event=lambda exc: _error_event(exc, answer),
+    )
+
+
+def _error_event(exc: GatewayError, answer: _Answer) -> bytes:
+    error = {"code": exc.code or exc.error_type, "message": exc.message, "param": exc.param}
+    return answer.stream.event("error", **error)
