@@ -60,19 +60,24 @@ def agent_options(targets: tuple[str, ...]) -> Options:
     return Options(targets, chosen, rounds=1, timeout_s=30.0, pin=False, json_path=None)
 
 
-async def test_agent_sessions_on_the_chat_route_and_as_completions() -> None:
-    """Every turn of every session answered in full on the gateway's chat route and (with the replies echoed in the
-    prompt) on /v1/completions; the replicas attribute each turn to its session through the chat template's
-    preamble, and the gateway keeps each session on one replica."""
-    options = agent_options(("direct", "gateway", "gateway-chat"))
+async def test_agent_sessions_on_the_gateways_protocol_routes_and_as_completions() -> None:
+    """Every turn of every session answered in full on the gateway's chat and Responses routes and (with the replies
+    echoed in the prompt) on /v1/completions; the replicas attribute each turn to its session through the chat
+    template's preamble, and the gateway keeps each session on one replica."""
+    options = agent_options(("direct", "gateway", "gateway-chat", "gateway-responses"))
     results = await run_all(options, Console(file=io.StringIO()))
     for workload in AGENT_WORKLOADS:
         for name, run in results[workload].items():
             assert (run.ok, run.errors, run.error_samples) == (9, 0, []), (workload, name)
             assert 9 * 4 <= run.tokens <= 9 * 8
             assert (sum(run.per_replica), run.pairs, run.same) == (9, 6, 6), (workload, name)
-        assert len(results["agent-stream"]["gateway-chat"].ttfts) == 9
-    assert agent_checks(results) == []  # no other protocol and no LiteLLM to set the chat route against
+        assert (
+            len(results["agent-stream"]["gateway-chat"].ttfts)
+            == len(results["agent-stream"]["gateway-responses"].ttfts)
+            == 9
+        )
+    checks = agent_checks(results)  # Responses against chat, said for both workloads (no LiteLLM here)
+    assert len(checks) == 2 and all("gateway-responses" in line and "× gateway-chat" in line for line in checks)
     out = io.StringIO()
     report(Console(file=out, width=200), options, results)
     assert "agent-stream" in out.getvalue() and "gateway-chat" in out.getvalue()
