@@ -5,8 +5,9 @@
 * `messages`: Anthropic `POST /v1/messages` (`messages`, `max_tokens`; `x-api-key` and `anthropic-version` headers, as
   the official SDK sends them); a stream is `event:`/`data:` pairs: `content_block_delta` text, `message_delta` with
   `stop_reason` and `usage.output_tokens`;
-* `responses`: OpenAI `POST /v1/responses` (`input` items, the whole conversation each turn, `max_output_tokens`); a
-  stream's `response.output_text.delta` events, then `response.incomplete` (or `.completed`) with the response.
+* `responses`: OpenAI `POST /v1/responses` (`input` items, the whole conversation each turn, `max_output_tokens`; or,
+  chained, only the new user message and `previous_response_id`); a stream's `response.output_text.delta` events,
+  then `response.incomplete` (or `.completed`) with the response.
 
 A turn sends the conversation so far (user and assistant turns alternating, as text) with a token budget and
 `temperature: 0`, nothing a protocol does not define (no `ignore_eos`: `benchmarks.compare` runs its replicas with
@@ -44,11 +45,13 @@ class AnswerError(Exception):
 
 @dataclass
 class Reply:
-    """What a valid answer said: its output tokens, when its first text arrived (streams) and its text."""
+    """What a valid answer said: its output tokens, when its first text arrived (streams), its text and (Responses)
+    its id."""
 
     tokens: int
     first: float | None
     text: str
+    response_id: str | None = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class _Reading:
     first: float | None = None
     reason: str | None = None  # why it ended, in the protocol's words
     tokens: int | None = None  # usage: output tokens
+    response_id: str | None = None
 
     def add_text(self, now: float | None, text: str | None) -> None:
         if text:
@@ -66,8 +70,11 @@ class _Reading:
             self.first = self.first or now
 
 
-def request_body(api: str, conversation: Conversation, budget: int, stream: bool) -> dict[str, Any]:
-    """The body of one turn of `api` (model `tiny`) sending `conversation`."""
+def request_body(
+    api: str, conversation: Conversation, budget: int, stream: bool, previous_response_id: str | None = None
+) -> dict[str, Any]:
+    """The body of one turn of `api` (model `tiny`) sending `conversation`; with `previous_response_id` (Responses),
+    only its last turn, the new user message, and that id."""
     turns = [{"role": role, "content": text} for role, text in conversation]
     common = {"model": "tiny", "temperature": 0, "stream": stream}
     if api == "chat":
@@ -75,6 +82,13 @@ def request_body(api: str, conversation: Conversation, budget: int, stream: bool
         return body | ({"stream_options": {"include_usage": True}} if stream else {})
     if api == "messages":
         return {**common, "messages": turns, "max_tokens": budget}
+    if api == "responses" and previous_response_id is not None:
+        return {
+            **common,
+            "input": turns[-1:],
+            "previous_response_id": previous_response_id,
+            "max_output_tokens": budget,
+        }
     if api == "responses":
         return {**common, "input": turns, "max_output_tokens": budget}
     raise ValueError(f"unknown agent api {api!r}; one of {AGENT_APIS}")
@@ -111,7 +125,7 @@ def read_answer(api: str, status: int, pieces: Pieces, stream: bool, budget: int
         raise AnswerError(
             f"asked {budget} tokens, got {reading.tokens} ({reading.reason!r}, {len(text)} characters of text)"
         )
-    return Reply(budget, reading.first, text)
+    return Reply(budget, reading.first, text, reading.response_id)
 
 
 def _error(event: dict[str, Any]) -> None:
@@ -166,6 +180,7 @@ def _response_end(response: dict[str, Any], reading: _Reading) -> None:
     details = response.get("incomplete_details") or {}
     reading.reason = details.get("reason") if response["status"] == "incomplete" else response["status"]
     reading.tokens = response["usage"]["output_tokens"]
+    reading.response_id = response["id"]
 
 
 def _responses_whole(answer: dict[str, Any], reading: _Reading) -> None:

@@ -17,7 +17,8 @@ picks `dedicated` where the CPUs hold it):
   `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`), `python-relay` (`benchmarks/python_relay.py`:
   a pass-through relay on the gateway's own stack, uvicorn + aiohttp, the floor of that stack); optional
   `sglang-cache_aware`; the agent routes (`--agents`): `gateway-chat`, `gateway-messages`, `gateway-responses` (the
-  same gateway process on `/v1/chat/completions`, Anthropic `/v1/messages`, OpenAI `/v1/responses`) and
+  same gateway process on `/v1/chat/completions`, Anthropic `/v1/messages`, OpenAI `/v1/responses`;
+  `gateway-responses-chained`: each turn only the new message and `previous_response_id`) and
   `litellm-chat`, `litellm-messages`, `litellm-responses` (LiteLLM's proxy on the same three routes,
   `benchmarks/litellm_target.py`, from the venv `scripts/bench/litellm_setup.sh` makes; skipped with a message where
   it is absent; its chat front runs on core 0 beside the replicas). All targets are started once and stay up (idle
@@ -95,7 +96,7 @@ from gateway.config import DEFAULT_TOKENIZER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LOG_HEAD = 48  # tokens of each prompt the replicas log: "bench-<tag>-<n> " after the chat template's preamble
-AGENT_ROUTES = ("gateway-chat", "gateway-messages", "gateway-responses")
+AGENT_ROUTES = ("gateway-chat", "gateway-messages", "gateway-responses", "gateway-responses-chained")
 LITELLM_ROUTES = ("litellm-chat", "litellm-messages", "litellm-responses")
 ALL_TARGETS = (
     "direct",
@@ -143,7 +144,7 @@ class Workload:
     columns: tuple[str, ...] = ()
     what: str = ""
 
-    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str) -> dict[str, Any]:
+    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str, chained: bool = False) -> dict[str, Any]:
         return {
             "api": api,
             "urls": urls,
@@ -163,6 +164,7 @@ class Workload:
             "duration_s": self.duration_s,
             "one_turn": self.one_turn,
             "echo": self.echo and api == "completions",
+            "chained": chained,
         }
 
 
@@ -336,7 +338,7 @@ def api_of(target: str) -> str:
     if target == "gateway-generate":
         return "generate"
     if target in AGENT_ROUTES or target in LITELLM_ROUTES:
-        return target.split("-", 1)[1]
+        return target.split("-")[1]  # gateway-responses-chained: responses, each turn naming the previous response
     return "completions"
 
 
@@ -446,8 +448,9 @@ class Bench:
         api = api_of(target.name)
         loadgens = self.loadgens[: max(1, min(len(self.loadgens), workload.sessions))]  # each needs an agent
         tags = [next(self.tags) for _ in loadgens]
+        chained = target.name.endswith("-chained")
         specs = [
-            part.spec(urls, tag, self.timeout_s, api)
+            part.spec(urls, tag, self.timeout_s, api, chained)
             for part, tag in zip(split(workload, len(tags)), tags, strict=True)
         ]
         async with contextlib.AsyncExitStack() as stack:

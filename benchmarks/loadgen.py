@@ -19,7 +19,8 @@ Requests (`api` in the spec):
   `finish_reason == "length"`); `generate`: this gateway's token-in/token-out `POST /generate`, checked the same way;
 * `chat`, `messages`, `responses`: an agent's session on OpenAI chat completions, Anthropic Messages or OpenAI
   Responses (`benchmarks.agent_protocols`: the request shapes and answer checks): every turn sends the conversation
-  so far, the previous replies included, and a new user message; a session whose turn failed ends there.
+  so far, the previous replies included, and a new user message (`chained` Responses: only the new message and the
+  previous response's id); a session whose turn failed ends there.
 
 An answer that fails its check, any non-200 answer or I/O error, is counted as an error (with a sample of messages),
 never dropped. Every request carries the session both as `X-Session-ID` (this gateway on every route, vllm-router)
@@ -99,12 +100,15 @@ class Spec:
     duration_s: float = 0.0  # > 0: no new request starts after this long (the bound in time besides `requests`)
     one_turn: bool = False  # name no session: every request is a one-turn session of its own in this gateway
     echo: bool = False  # `completions` with `grow`: each prompt also carries the previous reply (agent-shaped)
+    chained: bool = False  # `responses`: a turn sends only its new message and the previous response's id
 
     def __post_init__(self) -> None:
         if self.api not in ("completions", "generate", *AGENT_APIS):
             raise ValueError(f"unknown api {self.api!r}")
         if self.echo and self.api == "generate":
             raise ValueError("echo needs a text route (generate sends token ids)")
+        if self.chained and self.api != "responses":
+            raise ValueError("chained turns are the Responses API's (previous_response_id)")
 
 
 @dataclass
@@ -260,10 +264,11 @@ class LoadGen:
         session_headers = {} if self.spec.one_turn else {"X-Session-ID": session, "X-SMG-Routing-Key": session}
         return session_headers | HEADERS.get(self.spec.api, {})
 
-    def body(self, session: str, conversation: Conversation, budget: int) -> bytes:
-        """An agent protocol's turn, or (`completions`, `generate`) the conversation's texts as one prompt."""
+    def body(self, session: str, conversation: Conversation, budget: int, previous: str | None = None) -> bytes:
+        """An agent protocol's turn (`previous`: the response a chained Responses turn follows), or (`completions`,
+        `generate`) the conversation's texts as one prompt."""
         if self.spec.api in AGENT_APIS:
-            return orjson.dumps(agent_body(self.spec.api, conversation, budget, self.spec.stream))
+            return orjson.dumps(agent_body(self.spec.api, conversation, budget, self.spec.stream, previous))
         prompt = "\n".join(text for _, text in conversation)
         if self.spec.api == "generate":
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
@@ -285,12 +290,18 @@ class LoadGen:
         return orjson.dumps(body)
 
     async def one(
-        self, conn: Connection, session: str, conversation: Conversation, budget: int, result: Result
-    ) -> str | None:
-        """One request, counted in `result`: the reply's text, or None where it failed."""
+        self,
+        conn: Connection,
+        session: str,
+        conversation: Conversation,
+        budget: int,
+        result: Result,
+        previous: str | None = None,
+    ) -> Reply | None:
+        """One request, counted in `result`: the reply, or None where it failed."""
         started = time.perf_counter()
         try:
-            body = self.body(session, conversation, budget)
+            body = self.body(session, conversation, budget, previous)
             status, pieces = await conn.post(self.path, body, self.headers(session))
             reply = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, KeyError) as exc:
@@ -305,7 +316,7 @@ class LoadGen:
             result.ttfts.append(reply.first - started)
         result.tokens += reply.tokens
         result.ok += 1
-        return reply.text
+        return reply
 
     def budget(self) -> int:
         return self.rng.randint(self.spec.min_tokens, self.spec.max_tokens)
@@ -323,19 +334,21 @@ class LoadGen:
             ("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))
         ]
         with_replies = spec.api in AGENT_APIS or spec.echo
+        previous: str | None = None  # the response a chained turn follows
         try:
             turn = 0
             while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
                 if not turns:
                     remaining[0] -= 1
-                reply = await self.one(conn, session, conversation, self.budget(), result)
+                reply = await self.one(conn, session, conversation, self.budget(), result, previous)
                 turn += 1
                 if reply is None and with_replies:
                     break  # the conversation cannot go on without its reply
                 if spec.grow:
                     start = (offset + spec.prompt_words + turn * spec.append_words) % 2048
+                    previous = reply.response_id if reply is not None and spec.chained else None
                     if with_replies:
-                        conversation.append(("assistant", reply or ""))
+                        conversation.append(("assistant", reply.text if reply is not None else ""))
                     conversation.append(("user", " ".join(self.filler[start : start + spec.append_words])))
         finally:
             conn.close()

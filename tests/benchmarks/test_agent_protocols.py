@@ -138,12 +138,14 @@ def arrived(chunks: list[bytes]) -> list[tuple[float, bytes]]:
 def test_a_whole_answer_gives_its_tokens_and_text(api: str) -> None:
     reply = read_answer(api, 200, [(0.0, whole(api))], stream=False, budget=BUDGET)
     assert (reply.tokens, reply.first, reply.text) == (BUDGET, None, "hi there!")
+    assert reply.response_id == ("resp_1" if api == "responses" else None)  # what a chained turn names next
 
 
 @pytest.mark.parametrize("api", AGENT_APIS)
 def test_a_streamed_answer_gives_its_tokens_text_and_first_text_time(api: str) -> None:
     reply = read_answer(api, 200, arrived(events(api)), stream=True, budget=BUDGET)
     assert (reply.tokens, reply.text) == (BUDGET, "hi there!")
+    assert reply.response_id == ("resp_1" if api == "responses" else None)
     assert reply.first is not None and reply.first >= 1.0  # the first text is not in the first read (7 bytes)
 
 
@@ -182,6 +184,8 @@ def test_each_turn_sends_the_whole_conversation_with_the_protocols_budget_field(
     assert chat["messages"] == turns and chat["max_tokens"] == 7 and chat["stream_options"] == {"include_usage": True}
     assert messages["messages"] == turns and messages["max_tokens"] == 7 and "ignore_eos" not in messages
     assert responses["input"] == turns and responses["max_output_tokens"] == 7
+    chained = request_body("responses", conversation, 7, stream=False, previous_response_id="resp_1")
+    assert chained["input"] == turns[-1:] and chained["previous_response_id"] == "resp_1"
     with pytest.raises(ValueError, match="unknown agent api"):
         request_body("completions", conversation, 7, stream=False)
 

@@ -61,10 +61,11 @@ def agent_options(targets: tuple[str, ...]) -> Options:
 
 
 async def test_agent_sessions_on_the_gateways_protocol_routes_and_as_completions() -> None:
-    """Every turn of every session answered in full on the gateway's chat and Responses routes and (with the replies
-    echoed in the prompt) on /v1/completions; the replicas attribute each turn to its session through the chat
-    template's preamble, and the gateway keeps each session on one replica."""
-    options = agent_options(("direct", "gateway", "gateway-chat", "gateway-responses"))
+    """Every turn of every session answered in full on the gateway's chat and Responses routes (also chained by
+    `previous_response_id`) and (with the replies echoed in the prompt) on /v1/completions; the replicas attribute
+    each turn to its session through the chat template's preamble, and the gateway keeps each session on one
+    replica."""
+    options = agent_options(("direct", "gateway", "gateway-chat", "gateway-responses", "gateway-responses-chained"))
     results = await run_all(options, Console(file=io.StringIO()))
     for workload in AGENT_WORKLOADS:
         for name, run in results[workload].items():
@@ -76,8 +77,8 @@ async def test_agent_sessions_on_the_gateways_protocol_routes_and_as_completions
             == len(results["agent-stream"]["gateway-responses"].ttfts)
             == 9
         )
-    checks = agent_checks(results)  # Responses against chat, said for both workloads (no LiteLLM here)
-    assert len(checks) == 2 and all("gateway-responses" in line and "× gateway-chat" in line for line in checks)
+    checks = agent_checks(results)  # Responses (whole conversations, chained) against chat, for both workloads
+    assert len(checks) == 4 and all("gateway-responses" in line and "× gateway-chat" in line for line in checks)
     out = io.StringIO()
     report(Console(file=out, width=200), options, results)
     assert "agent-stream" in out.getvalue() and "gateway-chat" in out.getvalue()
