@@ -14,6 +14,8 @@ class GatewayError(Exception):
     error_type: str = "internal_error"
     # Extra fields of the error object in the HTTP answer, beside message, type, param and code (None: none).
     details: dict[str, object] | None = None
+    # The answer's Retry-After, seconds (None: none).
+    retry_after_s: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from gateway.api import admin, generate, health, observability, openai, responses, session_routes
+from gateway.api import admin, anthropic, generate, health, observability, openai, responses, session_routes
 from gateway.api.errors import install_error_handlers
 from gateway.api.limits import BodySizeLimit
 from gateway.api.openapi import install_openapi
@@ -57,6 +57,8 @@ def create_app(
     app.include_router(generate.create_router(route_class))
     app.include_router(openai.create_router(route_class))
     app.include_router(openai.create_session_router())
+    app.include_router(anthropic.create_router())
+    app.include_router(anthropic.create_session_router())
     app.include_router(responses.create_router())
     app.include_router(responses.create_session_router())
     app.include_router(session_routes.router)

@@ -38,13 +38,14 @@ def check_admin(request: Request, admin_token: str) -> None:
 
 
 def check_agent(request: Request, api_keys: tuple[str, ...]) -> str:
-    """Agent routes are open when no API keys are configured; otherwise a configured key is required.
-    Returns the caller's key id (a digest, never the key) for per-key limits."""
+    """Agent routes are open when no API keys are configured; otherwise a configured key is required, as a bearer
+    token or Anthropic's `x-api-key` (`agent_token`). Returns the caller's key id (a digest, never the key) for
+    per-key limits."""
     if not api_keys:
         return ANONYMOUS
-    token = _bearer(request)
+    token = agent_token(request)
     if token is None:
-        raise Unauthorized("this gateway needs 'Authorization: Bearer <api key>'")
+        raise Unauthorized("this gateway needs 'Authorization: Bearer <api key>' (or 'x-api-key: <api key>')")
     if not _matches(token, api_keys):
         raise Forbidden("unknown API key")
     return key_id(token)

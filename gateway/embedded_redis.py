@@ -414,7 +414,7 @@ class EmbeddedRedis:
             self._terminate()
             tail = self._log_tail(log, log_offset)
             error = _BindFailed if _BIND_FAILED in tail else StoreError
-            raise error(f"{exc.message}; {self._executable} log tail:\n{tail}") from None
+            raise error(f"{exc}; {self._executable} log tail:\n{tail}") from None
 
     def _refuse_a_running_server(self, pid_file: Path, abort: threading.Event) -> None:
         """Wait (up to `shutdown_timeout`) for a server still running on this data directory to exit; refuse to

@@ -111,8 +111,16 @@ class WeightsNotUpdated(GatewayError):
 
 
 class StoreError(GatewayError):
+    """Redis could not be reached or answered an error. `str(error)` (logs) says what failed and how; the HTTP
+    answer only that the store is unavailable, with a Retry-After: the cause may name Redis's host and port."""
+
     status_code = 503
     error_type = "store_unavailable"
+    retry_after_s: float | None = 1.0
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.message = "the trajectory store (Redis) is unavailable; retry shortly"
 
 
 __all__ = [

@@ -44,6 +44,7 @@ from gateway.parsers import (
     ToolCallDelta,
     ToolParser,
     ToolStreamDelta,
+    collect_deltas,
 )
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
@@ -74,6 +75,9 @@ class Choice:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     cut_in_tool_call: bool = False  # max_tokens ended the reply inside a tool call, which was dropped
+    # What `tool_stream` made: the reply's content and calls are these collected, so that the ids a streamed reply
+    # sent are the ids its recorded message holds (the chat templates of some families write them back).
+    tool_deltas: list[ToolStreamDelta] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str:
@@ -163,10 +167,7 @@ class TurnRunner:
 
     async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
-        messages = [m.to_template() for m in body.messages]
-        tools = None
-        if body.tools and body.tool_choice != "none":
-            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        messages, tools = chat_inputs(body)
         top = body.top_logprobs or 0
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
@@ -178,7 +179,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools is not None, [lock], chat=True)
+            prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools, [lock], chat=True)
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -223,7 +224,7 @@ class TurnRunner:
         try:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             turns = self.sessions.branch(turn, body.n)
-            prepared = self._prepare(sid, one_turn, turns, body, budget, top, False, [lock])
+            prepared = self._prepare(sid, one_turn, turns, body, budget, top, None, [lock])
             await self.lifecycle.create(sid, one_turn, meta, body.metadata)
             return prepared
         except BaseException:
@@ -280,8 +281,7 @@ class TurnRunner:
                 for member in members
             ]
             chat = bool(messages)  # a raw completion's group has none
-            parse_tools = tools is not None
-            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, parse_tools, locks, chat=chat)
+            prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools, locks, chat=chat)
             prepared.group_id = group_id
             await self.lifecycle.create_group(members, metadata)
             return prepared
@@ -298,13 +298,14 @@ class TurnRunner:
         body: _Sampling,
         budget: int | None,
         top_logprobs: int,
-        parse_tools: bool,
+        tools: list[dict[str, Any]] | None,
         locks: list[asyncio.Lock],
         *,
         chat: bool = False,
     ) -> PreparedTurn:
         """The choices of `turns` (one per choice, all of one prompt), checked against the context length. A `chat`
-        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (`parse_tools`)."""
+        turn's text is split into reasoning and content (with a reasoning parser), and tool calls (with `tools`, the
+        request's: the parser types text arguments by their schemas)."""
         prompt_ids = turns[0].prompt_ids
         room = self.max_model_len - len(prompt_ids)
         max_tokens = budget if budget is not None else room
@@ -317,6 +318,7 @@ class TurnRunner:
         reasoning = self.reasoning_parser if chat else None
         # Special tokens kept: `<think>` is one in most families' tokenizers.
         prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]) if reasoning is not None else ""
+        parse_tools = tools is not None
         keep_special = (parse_tools and self.tool_parser.reads_special_tokens) or (
             reasoning is not None and reasoning.reads_special_tokens
         )
@@ -328,7 +330,7 @@ class TurnRunner:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=body.stops, silent_ids=silent
             )
-            tool_stream = self.tool_parser.streaming() if parse_tools else None
+            tool_stream = self.tool_parser.streaming(tools=tools) if parse_tools else None
             reasoning_stream = reasoning.streaming(prompt_tail) if reasoning is not None else None
             state = GenerationState(request)
             choices.append(Choice(index, turn, request, state, detokenizer, tool_stream, reasoning_stream, prompt_tail))
@@ -469,6 +471,7 @@ class TurnRunner:
 
     @staticmethod
     def _add_tool_deltas(event: ChoiceEvent, deltas: list[ToolStreamDelta]) -> None:
+        event.choice.tool_deltas += deltas
         event.text += "".join(d.text for d in deltas if isinstance(d, ContentDelta))
         event.tool_deltas += [d for d in deltas if isinstance(d, ToolCallDelta)]
 
@@ -483,14 +486,23 @@ class TurnRunner:
         if self.reasoning_parser is not None and choice.reasoning_stream is not None:
             split = self.reasoning_parser.parse(choice.text, choice.prompt_tail)
             choice.reasoning, content = split.reasoning, split.content
-        if choice.tool_stream is not None:
-            parsed = self.tool_parser.parse(content, cut=cut)
+        if choice.tool_stream is not None:  # the streamed deltas are what `parse(content)` gives, ids kept
+            parsed = collect_deltas(choice.tool_deltas, unfinished=choice.tool_stream.unfinished)
             choice.content, choice.tool_calls = parsed.content, parsed.tool_calls
             choice.cut_in_tool_call = cut and parsed.unfinished
         else:
             choice.content = content
         tail.finished = True
         return tail
+
+
+def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """What a chat request's template renders: its messages, and its tools unless `tool_choice` is none."""
+    messages = [m.to_template() for m in body.messages]
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    return messages, tools
 
 
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:
@@ -526,4 +538,4 @@ def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[
     return {**metadata, "group_id": group_id, "group_size": size}
 
 
-__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message"]
+__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message", "chat_inputs"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 
 from gateway.auth import check_admin, check_agent, check_agent_key
-from gateway.errors import Unauthorized
+from gateway.errors import NotFound, Unauthorized
 from gateway.quotas import ANONYMOUS
 from gateway.services import Services
-from gateway.session_identity import group_member, session_id_from
+from gateway.session_identity import SESSION_ID_PATTERN, group_member, session_id_from
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker thread, and that
 # hop (two thread handoffs per request) cost more than the whole route on the short-request benchmark.
@@ -42,6 +42,11 @@ async def services(request: Request) -> Services:
 
 
 async def require_admin(request: Request) -> None:
+    """The admin token; and an admin path as sent, not percent-encoded (`/admin%2Fstatus`, `/%61dmin/status` decode
+    to admin routes: a proxy that filters the raw path would let them through), else a 404 as for no route."""
+    raw = request.scope.get("raw_path")
+    if raw is not None and b"%" in raw.partition(b"?")[0]:
+        raise NotFound("no such route (an admin path is never percent-encoded)")
     check_admin(request, _services(request).settings.server.admin_token.get_secret_value())
 
 
@@ -55,6 +60,13 @@ async def require_agent(request: Request) -> None:
         request.scope[_AGENT_KEY] = ANONYMOUS
     else:
         request.scope[_AGENT_KEY], request.scope[_KEY_SESSION] = found
+
+
+async def session_in_path(
+    session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session the turn belongs to.")],
+) -> None:
+    """Declares and checks the `/sessions/{session_id}` prefix's `session_id` (the endpoints read it from the
+    request: `turn_session`)."""
 
 
 def turn_session(

@@ -1,8 +1,12 @@
-"""Exceptions become OpenAI-style error responses here, and nowhere else.
+"""Exceptions become error responses here, and nowhere else.
 
-Body: `{"error": {"message", "type", "param", "code"}}`, plus the exception's `details` where it has any (a failed
-weight update's per-replica errors). Status comes from the exception class (see `gateway/errors.py`);
+Body: OpenAI's `{"error": {"message", "type", "param", "code"}}`, plus the exception's `details` where it has any (a
+failed weight update's per-replica errors). Status comes from the exception class (see `gateway/errors.py`);
 request-validation errors are 400 and name the offending field.
+
+A route of `AnthropicErrorsRoute` (the Anthropic Messages routes) answers in Anthropic's shape instead, with the same
+status: `{"type": "error", "error": {"type", "message"}}` (`anthropic_error`). The route is in the request's scope
+from routing on, so its body's validation, its auth dependencies and its endpoint all answer in its shape.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.asgi import ClientDisconnected, disconnected_response
-from gateway.errors import GatewayError, Overloaded
+from gateway.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,38 @@ _HTTP_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class AnthropicErrorsRoute(APIRoute):
+    """A FastAPI route whose errors are answered in Anthropic's shape (this module's docstring)."""
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: its type by status (4xx it has no type for are `invalid_request_error`, 5xx
+    `api_error`)."""
+    error_type = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def _anthropic_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    body = orjson.dumps(anthropic_error(status, message))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def _anthropic(request: Request) -> bool:
+    return isinstance(request.scope.get("route"), AnthropicErrorsRoute)
 
 
 def error_response(
@@ -57,27 +94,33 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-async def on_validation_error(_: Request, exc: Exception) -> Response:
+async def on_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
     param = _field(tuple(first.get("loc", ())))
     details = "; ".join(f"{_field(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
+    if _anthropic(request):
+        return _anthropic_response(400, details)
     return error_response(400, details, "invalid_request_error", param=param)
 
 
-async def on_gateway_error(_: Request, exc: Exception) -> Response:
+async def on_gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
     if exc.status_code >= 500:
-        logger.warning("%s: %s", type(exc).__name__, exc.message)
+        logger.warning("%s: %s", type(exc).__name__, exc)  # str(exc): the whole cause, which the answer may leave out
     headers = None
-    if isinstance(exc, Overloaded):
+    if exc.retry_after_s is not None:
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    if _anthropic(request):
+        return _anthropic_response(exc.status_code, exc.message, headers)
     return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers, exc.details)
 
 
-async def on_http_error(_: Request, exc: Exception) -> Response:
+async def on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if _anthropic(request):
+        return _anthropic_response(exc.status_code, str(exc.detail), exc.headers)
     error_type = _HTTP_TYPES.get(exc.status_code, "api_error")
     return error_response(exc.status_code, str(exc.detail), error_type, headers=exc.headers)
 
@@ -91,9 +134,12 @@ def stream_error(exc: Exception) -> GatewayError:
     return GatewayError(f"internal error: {type(exc).__name__}")
 
 
-async def on_unexpected_error(_: Request, exc: Exception) -> Response:
+async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error")
-    return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+    message = f"internal error: {type(exc).__name__}"
+    if _anthropic(request):
+        return _anthropic_response(500, message)
+    return error_response(500, message, "internal_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -10,6 +10,8 @@ from gateway.api.deps import ServicesDep
 
 router = APIRouter(tags=["health"])
 
+READY_STORE_TIMEOUT_S = 1.0  # a probe answers within its own timeout (Kubernetes' default is 1 s)
+
 
 @router.get("/health")
 async def health(svc: ServicesDep) -> dict[str, Any]:
@@ -25,7 +27,12 @@ async def health(svc: ServicesDep) -> dict[str, Any]:
 
 @router.get("/ready")
 async def ready(response: Response, svc: ServicesDep) -> dict[str, Any]:
-    """200 when a request could be served now; 503 while no replica can serve or an update is under way."""
-    serving = bool(svc.pool.candidates()) and svc.weights.serving
+    """200 when a request could be served now; 503 (with a Retry-After) while no replica can serve, an update is
+    under way, or the trajectory store (Redis) does not answer: a turn needs all three."""
+    replicas = bool(svc.pool.candidates()) and svc.weights.serving
+    store = await svc.store.reachable(READY_STORE_TIMEOUT_S)
+    serving = replicas and store
     response.status_code = 200 if serving else 503
-    return {"ready": serving}
+    if not serving:
+        response.headers["Retry-After"] = "1"
+    return {"ready": serving, "replicas": replicas, "store": store}

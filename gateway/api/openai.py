@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.errors import GatewayError
-from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
@@ -30,7 +30,6 @@ from gateway.api.turn_http import (
     streaming_answer,
 )
 from gateway.request_ids import new_request_id
-from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
 
 
@@ -46,18 +45,12 @@ def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
 def create_session_router() -> APIRouter:
     """The same routes under `/sessions/{session_id}`, for agents that set only a base URL: the endpoints read the
     session from the path (`turn_session`). FastAPI's route class: these are not the hot routes."""
-    dependencies = [Depends(require_agent), Depends(_session_in_path)]
+    dependencies = [Depends(require_agent), Depends(session_in_path)]
     router = APIRouter(prefix="/sessions/{session_id}", tags=["openai"], dependencies=dependencies)
     router.add_api_route("/v1/models", models, methods=["GET"])
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     router.add_api_route("/v1/completions", completions, methods=["POST"])
     return router
-
-
-async def _session_in_path(
-    session_id: Annotated[str, Path(pattern=SESSION_ID_PATTERN, description="The session the turn belongs to.")],
-) -> None:
-    """Declares and checks the prefix's `session_id` (the endpoints read it from the request: `turn_session`)."""
 
 
 async def models(svc: ServicesDep) -> dict[str, Any]:

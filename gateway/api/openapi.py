@@ -1,6 +1,8 @@
 """The OpenAPI schema describes what the gateway really answers: every error is the OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}` (see `gateway/api/errors.py`), validation errors are 400 (not
-FastAPI's 422), and the generation routes may stream `text/event-stream`. Fuzzing checks answers against it."""
+`{"error": {"message", "type", "param", "code"}}` (see `gateway/api/errors.py`), Anthropic's
+`{"type": "error", "error": {"type", "message"}}` on the Anthropic routes (tagged `anthropic`), validation errors are
+400 (not FastAPI's 422), and the generation routes may stream `text/event-stream`. Fuzzing checks answers against
+it."""
 
 from __future__ import annotations
 
@@ -28,6 +30,20 @@ ERROR_SCHEMA: dict[str, Any] = {
     },
 }
 
+ANTHROPIC_ERROR_BODY = "AnthropicErrorBody"
+ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
 ERRORS = {
     "400": "Invalid request: malformed, out of range or over a limit; `param` names the field.",
     "401": "Missing credentials (admin token, or an API key where the gateway requires one).",
@@ -40,19 +56,26 @@ ERRORS = {
     "503": "No replica could serve within generation.max_wait_s, or Redis is unreachable past its retry budget.",
     "504": "An engine replica timed out.",
 }
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate"}
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}
+"""One server-sent event of a stream (fuzzing checks each event against it): its data, and Anthropic's its name."""
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses"}
 
 
 def _document(path: str, operation: dict[str, Any]) -> None:
     responses: dict[str, Any] = operation.setdefault("responses", {})
     responses.pop("422", None)
-    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_BODY}"}}}}
+    body = ANTHROPIC_ERROR_BODY if "anthropic" in operation.get("tags", ()) else ERROR_BODY
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
     for status, description in ERRORS.items():
         # A route may describe an error status its own way (`/admin/weights`' 502); the body is the same.
         responses.setdefault(status, {"description": description}).update(error)
     ok = responses.get("200")
-    if path in STREAMING and ok is not None:
-        ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+    if path.removeprefix("/sessions/{session_id}") in STREAMING and ok is not None:
+        ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT_SCHEMA}
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -63,6 +86,7 @@ def install_openapi(app: FastAPI) -> None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             schemas[ERROR_BODY] = ERROR_SCHEMA
+            schemas[ANTHROPIC_ERROR_BODY] = ANTHROPIC_ERROR_SCHEMA
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
             for path, item in schema.get("paths", {}).items():

@@ -23,14 +23,13 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from common.errors import GatewayError
-from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.openai import _session_in_path
 from gateway.api.openai_models import ChatCompletionRequest
 from gateway.api.responses_items import ItemIds, chat_messages, output_items
 from gateway.api.responses_models import NamedFunction, ResponseRequest
-from gateway.api.responses_stream import ResponseEvents, adopt_call_ids
+from gateway.api.responses_stream import ResponseEvents
 from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end, session_of, streaming_answer
 from gateway.errors import InvalidRequest
 from gateway.response_records import ResponseRecord, ResponseRecords
@@ -52,7 +51,7 @@ def create_router() -> APIRouter:
 
 def create_session_router() -> APIRouter:
     """The same under `/sessions/{session_id}`, for agents that set only a base URL."""
-    dependencies = [Depends(require_agent), Depends(_session_in_path)]
+    dependencies = [Depends(require_agent), Depends(session_in_path)]
     router = APIRouter(prefix="/sessions/{session_id}", tags=["responses"], dependencies=dependencies)
     router.add_api_route("/v1/responses", create_response, methods=["POST"])
     router.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
@@ -241,8 +240,6 @@ class _Answer:
         yield stream.opening(self.response("in_progress"))
         async for event in self.runner.events(self.prepared):
             out = stream.of(event)
-            if event.finished:
-                adopt_call_ids(event.choice, stream.call_ids)
             if out:
                 yield out
         final = await self.final()

@@ -5,22 +5,22 @@ text, reasoning-text or function-call-argument deltas), every item's `done` even
 
 Items open in the order the reply makes them (reasoning, text, calls) and stay open to the end, since text may go on
 after a call began; their ids are the final answer's (`ItemIds`), and a call's id is the one its first delta gave,
-which the route makes the recorded one (`adopt_call_ids`).
+which is the recorded one too (`gateway.turns` names the whole parse's calls as the stream did).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from gateway.api.responses_items import ItemIds, function_call_item, message_item, reasoning_item
 from gateway.parsers import ToolCallDelta
-from gateway.turns import Choice, ChoiceEvent
+from gateway.turns import ChoiceEvent
 
-__all__ = ["ResponseEvents", "adopt_call_ids"]
+__all__ = ["ResponseEvents"]
 
 
 @dataclass
@@ -127,11 +127,6 @@ class ResponseEvents:
             )
         return out
 
-    @property
-    def call_ids(self) -> list[str]:
-        """The streamed calls' ids, in the parser's order."""
-        return [self._calls[index].call_id for index in sorted(self._calls)]
-
     def closing(self, final: list[dict[str, Any]]) -> bytes:
         """The `done` events of every open item, each with its final form where the answer has one (`final`: the
         answer's output items), else with what was streamed."""
@@ -155,13 +150,3 @@ class ResponseEvents:
                 out += self.event("response.content_part.done", **where, content_index=0, part=part)
             out += self.event("response.output_item.done", output_index=item.index, item=done)
         return out
-
-
-def adopt_call_ids(choice: Choice, streamed: list[str]) -> None:
-    """Give the reply's parsed calls the ids its stream announced (the final parse makes its own): the client, the
-    answer and the recorded assistant message then name each call alike. Left as they are if the two disagree on
-    how many calls there were."""
-    if len(streamed) == len(choice.tool_calls):
-        choice.tool_calls = [
-            replace(call, id=call_id) for call, call_id in zip(choice.tool_calls, streamed, strict=True)
-        ]

@@ -3,7 +3,8 @@
 - `base`: the parsed shapes (`ToolCall`, `ParsedOutput`, `ReasoningOutput`, the streamed `ContentDelta` /
   `ToolCallDelta` / `ReasoningDelta`) and the `ToolParser` / `ReasoningParser` protocols every parser implements.
 - `tool_calls/`: one module per tool-call format (`hermes`: the hermes/Qwen `<tool_call>{json}</tool_call>` blocks;
-  `openai`: gpt-oss's harmony calls).
+  `qwen3_coder`, `glm45`, `kimi_k2`, `deepseek_v3`, `mistral`, `llama3_json`, on the shared `tagged` / `json_scan` /
+  `stream` machinery; `openai`: gpt-oss's harmony calls).
 - `reasoning/`: one module per reasoning format (`qwen3`, `deepseek_r1`, `glm45`, `kimi_k2`, all on the think-tag
   parser `think_tags`; `gpt_oss`: the harmony `analysis` channel).
 - `harmony`: gpt-oss's harmony messages read from text with `openai-harmony`, for the two gpt-oss parsers.

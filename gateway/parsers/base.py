@@ -7,14 +7,16 @@ into content and OpenAI-style tool calls (`ParsedOutput`). `collect_deltas` / `c
 deltas into what `parse` returns, so the two can be checked against each other.
 
 A tool parser's `cut`: the completion was cut by `max_tokens`. A call it was inside is then dropped, neither a call
-nor content (`ParsedOutput.unfinished` says one was), so the turn ends `length`, not `tool_calls`.
+nor content (`ParsedOutput.unfinished` says one was), so the turn ends `length`, not `tool_calls`. Its `tools`: the
+request's tools, for formats that write arguments as text and type them by the tool's JSON schema (Qwen3-Coder's
+`<parameter=x>7</parameter>`); formats whose arguments are JSON ignore them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,11 +33,16 @@ __all__ = [
     "ToolCallDelta",
     "ToolParser",
     "ToolStreamDelta",
+    "Tools",
     "collect_deltas",
     "collect_reasoning",
     "json_object",
     "new_tool_call_id",
 ]
+
+
+Tools = Sequence[Mapping[str, Any]]
+"""A request's tools, OpenAI-style: `{"type": "function", "function": {"name", "parameters": <JSON schema>}}`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +118,13 @@ class ToolParser(Protocol):
     reads_special_tokens: bool
     turn_end_tokens: tuple[str, ...]
 
-    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False, tools: Tools | None = None) -> ParsedOutput:
         """Split a whole completion into content and tool calls; never raises on malformed calls."""
         ...
 
-    def streaming(self) -> StreamingToolParser:
-        """A parser for one streamed completion; its deltas collect to what `parse` returns."""
+    def streaming(self, *, tools: Tools | None = None) -> StreamingToolParser:
+        """A parser for one streamed completion; its deltas collect to what `parse` returns (given the same
+        `tools`)."""
         ...
 
 

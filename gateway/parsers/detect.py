@@ -13,6 +13,12 @@ __all__ = ["REASONING_MARKERS", "TOOL_MARKERS", "detect_reasoning_format", "dete
 
 # (text the template holds, parser name): the more specific markers first.
 TOOL_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<function=", "qwen3_coder"),  # inside hermes's <tool_call>: before it
+    ("<arg_key>", "glm45"),  # likewise
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<｜tool▁calls▁begin｜>", "deepseek_v3"),  # also V3.1's templates, whose format has no parser yet
+    ("[TOOL_CALLS]", "mistral"),
+    ('{"name": function name, "parameters": dictionary of argument name and its value}', "llama3_json"),
     ("<|channel|>", "openai"),  # gpt-oss's harmony messages
     ("<tool_call>", "hermes"),
 )

@@ -19,8 +19,14 @@ from gateway.parsers.reasoning import (
     KimiK2ReasoningParser,
     Qwen3ReasoningParser,
 )
+from gateway.parsers.tool_calls.deepseek_v3 import DeepSeekV3ToolParser
+from gateway.parsers.tool_calls.glm45 import Glm45ToolParser
 from gateway.parsers.tool_calls.hermes import HermesToolParser
+from gateway.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
+from gateway.parsers.tool_calls.llama3_json import Llama3JsonToolParser
+from gateway.parsers.tool_calls.mistral import MistralToolParser
 from gateway.parsers.tool_calls.openai import OpenAIToolParser
+from gateway.parsers.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
     "AUTO",
@@ -65,6 +71,12 @@ TOOL_PARSERS: ParserRegistry[ToolParser] = ParserRegistry(
     "tool parser",
     {
         "hermes": HermesToolParser,
+        "qwen3_coder": Qwen3CoderToolParser,
+        "llama3_json": Llama3JsonToolParser,
+        "mistral": MistralToolParser,
+        "deepseek_v3": DeepSeekV3ToolParser,
+        "kimi_k2": KimiK2ToolParser,
+        "glm45": Glm45ToolParser,
         "openai": OpenAIToolParser,
     },
 )

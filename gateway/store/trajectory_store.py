@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound
 from gateway.store.backpressure import Backpressure
@@ -179,6 +180,13 @@ class TrajectoryStore:
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         return await self._core.get_session(session_id)
+
+    async def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Redis answers a PING within `timeout_s` (readiness: a turn needs the store)."""
+        try:
+            return bool(await asyncio.wait_for(self.client.ping(), timeout_s))
+        except (TimeoutError, RedisError, OSError):
+            return False
 
     async def pending(self) -> int:
         """Finished sessions delivered to the stream and not yet acknowledged by a trainer."""

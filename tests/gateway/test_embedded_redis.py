@@ -282,8 +282,8 @@ def test_bad_config_raises_store_error_with_log_tail(tmp_path: Path) -> None:
     server = EmbeddedRedis(data_dir=tmp_path, extra_config={"no-such-directive": "yes"})
     with pytest.raises(StoreError, match="exited with status 1") as caught:
         server.start()
-    assert "no-such-directive" in caught.value.message
-    assert "Bad directive" in caught.value.message
+    assert "no-such-directive" in str(caught.value)
+    assert "Bad directive" in str(caught.value)
     assert server.pid is None
 
 
@@ -292,7 +292,7 @@ def test_crashing_binary_raises_store_error_with_log_tail(tmp_path: Path) -> Non
     server = EmbeddedRedis(executable=broken, data_dir=tmp_path / "data")
     with pytest.raises(StoreError, match="exited with status 3") as caught:
         server.start()
-    assert "cannot allocate the universe" in caught.value.message
+    assert "cannot allocate the universe" in str(caught.value)
 
 
 def test_missing_binary_raises_store_error(tmp_path: Path) -> None:
@@ -309,7 +309,7 @@ def test_silent_binary_times_out_and_is_stopped(tmp_path: Path) -> None:
     server = EmbeddedRedis(executable=silent, data_dir=tmp_path / "data", startup_timeout=1.0)
     with pytest.raises(StoreError, match="did not answer PING within 1 s") as caught:
         server.start()
-    assert "fake redis-server: busy" in caught.value.message
+    assert "fake redis-server: busy" in str(caught.value)
     assert server.pid is None and not _alive(int(pid_file.read_text()))
 
 

@@ -11,6 +11,7 @@ from gateway.parsers.base import (
     ContentDelta,
     ParsedOutput,
     ToolCallDelta,
+    Tools,
     ToolStreamDelta,
     collect_deltas,
     json_object,
@@ -53,12 +54,13 @@ class OpenAIToolParser:
         self._encoding = encoding if encoding is not None else harmony_encoding()
         self._id_factory = id_factory
 
-    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False, tools: Tools | None = None) -> ParsedOutput:
         stream = self.streaming()
         deltas = stream.feed(text) + stream.finish(cut=cut)
         return collect_deltas(deltas, unfinished=stream.unfinished)
 
-    def streaming(self) -> OpenAIStreamingToolParser:
+    def streaming(self, *, tools: Tools | None = None) -> OpenAIStreamingToolParser:
+        # Harmony's arguments are JSON: the request's tools type nothing here.
         return OpenAIStreamingToolParser(HarmonyReader(self._encoding), self._id_factory)
 
 

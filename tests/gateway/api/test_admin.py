@@ -56,3 +56,15 @@ async def test_admin_status_shows_the_redis_url_without_credentials(
         assert "s3cret-pw" not in response.text and "rg-status-test" not in response.text
     finally:
         await redis.execute_command("ACL", "DELUSER", "rg-status-test")
+
+
+async def test_a_percent_encoded_admin_path_is_no_route(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 38 §14: `/admin%2Fstatus` and `/%61dmin/status` reached the admin routes (a proxy that filters the raw
+    path lets them through); an admin path is matched only as sent."""
+    gw = await make_gateway([await make_sim("vllm")])
+    for path in ("/admin%2Fstatus", "/%61dmin/status", "/admin/%73tatus"):
+        response = await http.get(f"{gw.url}{path}", headers=ADMIN)
+        assert response.status_code == 404, (path, response.text)
+    assert (await http.get(f"{gw.url}/admin/status?x=%20", headers=ADMIN)).status_code == 200

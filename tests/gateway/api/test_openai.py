@@ -161,16 +161,20 @@ async def test_streamed_tool_call_deltas(
     sim, gw = await gateway_on(make_sim, make_gateway)
     messages = [{"role": "user", "content": "add 5 and 7"}]
     script_tool_call(sim, tokenizer, messages, {"name": "add", "arguments": '{"a": 5, "b": 7}'})
-    api = client(gw)
+    api = client(gw, **{"X-Session-ID": "streamed-call"})
     stream = await api.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=64, stream=True)
-    name, arguments, finish = "", "", None
+    name, arguments, finish, call_id = "", "", None, None
     async for chunk in stream:
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
                 name += call.function.name or ""
                 arguments += call.function.arguments or ""
+                call_id = call.id or call_id
             finish = choice.finish_reason or finish
     assert name == "add" and json.loads(arguments) == {"a": 5, "b": 7} and finish == "tool_calls"
+    # The recorded reply names the call as the stream did: an agent echoing it back matches the session's message.
+    [sample] = await gw.services.store.load_samples("streamed-call")
+    assert sample.conversation is not None and sample.conversation[-1]["tool_calls"][0]["id"] == call_id
     await api.close()
 
 

@@ -35,6 +35,7 @@ from gateway.tokenization import (
     get_tool_parser,
     make_stop_checker,
 )
+from tests.gateway.parsers.reasoning_families import QWEN3
 from tests.tokenizer_helpers import metaspace_first_dir, tokenizer_dir
 from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
@@ -875,3 +876,14 @@ def test_tool_parser_registry() -> None:
     assert isinstance(get_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ConfigError, match=r"model\.tool_parser: unknown tool parser 'nope' \(known: .*hermes.*\)"):
         get_tool_parser("nope")
+
+
+def test_no_content_reaches_the_template_as_an_empty_string(tmp_path: Path) -> None:
+    """An assistant's tool calls with `content: null` (as OpenAI clients echo them) render as with "", as vLLM
+    renders them: Qwen3's template concatenates the content and could not take None."""
+    tokenizer = ChatTokenizer.load(QWEN3.tokenizer_dir(tmp_path))
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "reasoning_content": "r", "tool_calls": [call]}]
+    assert tokenizer.render([*turn[:1], turn[1] | {"content": None}]) == tokenizer.render(
+        [*turn[:1], turn[1] | {"content": ""}]
+    )

@@ -1,0 +1,156 @@
+"""An Anthropic Messages request as the chat turn the gateway runs (`ChatCompletionRequest`).
+
+- `system` becomes the system message (text blocks joined by newlines, as content parts are: `chat_template`);
+- an assistant's `thinking` blocks become its `reasoning_content`, its text blocks its content, its `tool_use` blocks
+  its `tool_calls` (ids kept, `arguments` the JSON of `input`); `redacted_thinking` is opaque and left out;
+- a user's `tool_result` blocks become `tool` messages in order (`tool_call_id` = `tool_use_id`), and its text
+  blocks one user message after them;
+- `tools` become function tools (`input_schema` as `parameters`); `tool_choice` `any` becomes `required` and
+  `tool` a named choice, which, like OpenAI's, offer the tools without forcing a call;
+- `metadata.user_id` names the session where nothing else does, as OpenAI's `user` does.
+
+The reply the gateway answers converts back to exactly the assistant message the turn recorded
+(`gateway.turns.assistant_message`), so an agent that echoes the answer extends the same sample.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.api.anthropic_models import (
+    ContentBlock,
+    CountTokensRequest,
+    MessageParam,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from gateway.api.openai_models import ChatCompletionRequest
+from gateway.errors import InvalidRequest
+
+__all__ = ["chat_messages", "chat_request", "chat_tools"]
+
+
+def chat_request(body: CountTokensRequest, metadata: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat turn `body` asks for; `metadata` the session's, as the route found it (`session_of`)."""
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "messages": chat_messages(body),
+        "tools": chat_tools(body),
+        "tool_choice": _tool_choice(body),
+        "metadata": metadata,
+    }
+    if isinstance(body, MessagesRequest):
+        fields |= {
+            "max_tokens": body.max_tokens,
+            "stop": body.stop_sequences,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stream": body.stream,
+            "seed": body.seed,
+            "ignore_eos": body.ignore_eos,
+        }
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:  # what Anthropic's request allows and the chat turn does not
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as OpenAI-style chat messages."""
+    out: list[dict[str, Any]] = []
+    if body.system is not None:
+        out.append({"role": "system", "content": _text(body.system)})
+    for index, message in enumerate(body.messages):
+        if message.role == "user":
+            out += _user(index, message)
+        else:
+            out.append(_assistant(index, message))
+    if body.messages[-1].role == "assistant":
+        raise InvalidRequest(
+            "a final assistant message (a prefill) is not supported: end the conversation with a user message",
+            param=f"messages[{len(body.messages) - 1}]",
+        )
+    return out
+
+
+def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+    if not body.tools:
+        return None
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
+        for t in body.tools
+    ]
+
+
+def _tool_choice(body: CountTokensRequest) -> str | dict[str, Any] | None:
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "none": "none", "any": "required"}[choice.type]
+
+
+def _text(content: str | Sequence[object]) -> str:
+    """A string, or text blocks joined by newlines (other blocks never validate: `anthropic_models.Text`)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(block.text for block in content if isinstance(block, TextBlock))
+
+
+def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
+    """A user message: its tool results as tool messages in order, then its text as one user message."""
+    if isinstance(message.content, str):
+        return [{"role": "user", "content": message.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+        else:
+            _misplaced(index, "user", block)
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _assistant(index: int, message: MessageParam) -> dict[str, Any]:
+    """An assistant message: as `gateway.turns.assistant_message` records the gateway's own replies."""
+    if isinstance(message.content, str):
+        return {"role": "assistant", "content": message.content}
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thinking.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif not isinstance(block, RedactedThinkingBlock):
+            _misplaced(index, "assistant", block)
+    out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    if thinking:
+        out["reasoning_content"] = "".join(thinking)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _misplaced(index: int, role: str, block: ContentBlock) -> None:
+    raise InvalidRequest(f"a {role} message cannot hold a {block.type} block", param=f"messages[{index}].content")

@@ -1,0 +1,46 @@
+"""Liveness and readiness over real HTTP (`gateway.api.health`): `/ready` says whether a turn could be served now,
+the trajectory store included (issue 38 §13: with Redis down the gateway answered `/ready` 200 while every session
+request got a 503 naming Redis's host and port)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from gateway.config import ReplicaConfig, Settings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.server import serve_gateway
+from tests.conftest import ADMIN_TOKEN, SimFactory
+from tests.sim_helpers import wait_for
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def test_ready_follows_the_store_and_a_503_for_it_names_no_host(
+    make_sim: SimFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    sim = await make_sim("vllm")
+    async with EmbeddedRedis(data_dir=tmp_path) as redis:
+        settings = Settings(
+            server={"port": 0, "admin_token": ADMIN_TOKEN},
+            redis={"url": redis.url, "retry_budget_s": 0.5, "socket_timeout_s": 0.5},
+            replicas=[ReplicaConfig(url=sim.url, backend="sim", dialect="vllm")],
+        )
+        async with serve_gateway(settings) as gw:
+            ready = await http.get(f"{gw.url}/ready")
+            assert ready.status_code == 200 and ready.json() == {"ready": True, "replicas": True, "store": True}
+            redis.kill()
+            down = await http.get(f"{gw.url}/ready")
+            assert down.status_code == 503 and down.json()["store"] is False
+            assert down.headers["retry-after"] == "1"
+            turn = await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+            assert turn.status_code == 503 and turn.headers["retry-after"] == "1"
+            assert turn.json()["error"]["type"] == "store_unavailable"
+            assert str(redis.port) not in turn.text and "127.0.0.1" not in turn.text
+            await redis.arestart()
+
+            async def ready_again() -> bool:
+                return (await http.get(f"{gw.url}/ready")).status_code == 200
+
+            await wait_for(ready_again, what="/ready once Redis is back")
