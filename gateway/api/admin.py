@@ -24,7 +24,7 @@ class WeightsUpdate(BaseModel):
     """Exactly one of `path` (the engines load that checkpoint) and `source: "external"` (the weights were synced
     into the engines out of band; they are only relabelled `version`): a relabel must never happen by omission."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     version: int = Field(
         ge=0, le=MAX_VERSION, description="The new weight version (the trainer's step); must increase."
@@ -53,13 +53,13 @@ class WeightsUpdate(BaseModel):
 
 
 class PauseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: PauseMode | None = None
 
 
 class ResumeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     version: int = Field(ge=0, le=MAX_VERSION, description="The version the out-of-band sync loaded; must increase.")
 

@@ -37,7 +37,7 @@ __all__ = [
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Block(_Body):
@@ -47,7 +47,7 @@ class _Block(_Body):
 class _UnsupportedBlock(BaseModel):
     """An image, document, ... block: refused with a clear message (the model served here reads text only)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: str
 

@@ -45,7 +45,7 @@ from gateway.turns import PreparedTurn
 
 
 class GenerateSampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_tokens: int = Field(ge=1, le=INT32_MAX, description="Budget of the whole completion, across resumes.")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -59,7 +59,7 @@ class GenerateSampling(BaseModel):
 
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     input_ids: list[TokenId] = Field(min_length=1)

@@ -22,7 +22,7 @@ def _storable(value: Any) -> Any:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -59,24 +59,40 @@ class NamedToolChoice(_Body):
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     name: str
     arguments: Annotated[str | dict[str, Any], AfterValidator(_storable)] = "{}"
 
 
 class ToolCallMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
+_NEEDS_CONTENT: dict[str, Any] = {
+    # What `_content_where_needed` checks, said in the schema: content for every role but the assistant's, and a
+    # tool message's tool_call_id.
+    "allOf": [
+        {
+            "if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
+            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        },
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+        },
+    ]
+}
+
+
 class ChatMessage(BaseModel):
     """One message. Extra keys clients echo back (`refusal`, `annotations`, ...) are accepted and dropped."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_NEEDS_CONTENT)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_storable)] = None
@@ -181,7 +197,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[TokenId] = Field(min_length=1)  # ids checked against the vocabulary by the route
+    # Ids checked against the vocabulary by the route. Each branch bounded apart: a length on the union would say
+    # `minLength` in the schema, which holds strings only.
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: None = None

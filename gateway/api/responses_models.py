@@ -21,7 +21,7 @@ from gateway.api.openai_models import Stop, _storable
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _kind(default: str | None) -> Any:
