@@ -3,6 +3,7 @@
     python -m benchmarks.compare              # the real figures (the longest run)
     python -m benchmarks.compare --quick      # a small version, for development
     python -m benchmarks.compare --targets direct gateway --workloads short-c1 multiturn --json out.json
+    python -m benchmarks.compare --agents         # the agent rows: the gateway's chat/messages/responses, LiteLLM
 
 What runs where (`--layout shared`, written for a 2-core machine; `--layout dedicated` gives each replica, each
 of `--loadgens` load generators and the proxy a CPU of its own, on a machine with 6 or more; `auto`, the default,
@@ -15,8 +16,13 @@ picks `dedicated` where the CPUs hold it):
   `sglang-manual` (sglang-router `--policy manual`: sticky on `X-SMG-Routing-Key`), `vllm-consistent_hash` and
   `vllm-sticky_least_loaded` (vllm-router, keyed on `X-Session-ID`), `python-relay` (`benchmarks/python_relay.py`:
   a pass-through relay on the gateway's own stack, uvicorn + aiohttp, the floor of that stack); optional
-  `sglang-cache_aware`. All
-  targets are started once and stay up (idle ones cost nothing measurable); each fronts both replicas;
+  `sglang-cache_aware`; the agent routes (`--agents`): `gateway-chat`, `gateway-messages`, `gateway-responses` (the
+  same gateway process on `/v1/chat/completions`, Anthropic `/v1/messages`, OpenAI `/v1/responses`;
+  `gateway-responses-chained`: each turn only the new message and `previous_response_id`) and
+  `litellm-chat`, `litellm-messages`, `litellm-responses` (LiteLLM's proxy on the same three routes,
+  `benchmarks/litellm_target.py`, from the venv `scripts/bench/litellm_setup.sh` makes; skipped with a message where
+  it is absent; its chat front runs on core 0 beside the replicas). All targets are started once and stay up (idle
+  ones cost nothing measurable); each fronts both replicas;
 * the load generator (`python -m benchmarks.loadgen`, see there) in its own process on core 0, one per timed
   run, loopback only, bounded in requests and time (`--timeout` per run).
 
@@ -24,8 +30,11 @@ Workloads (`--workloads`): `short-c1` and `short-c64` (1-8 tokens, not streamed:
 1 and 64), `stream` (256 tokens streamed, no token delay: relay cost), `rl` (many concurrent sessions, one long
 stream each with a per-token delay: RL-shaped), `rl-whole` (the same, not streamed: an agent loop that waits for
 the whole answer), `multiturn` (sessions × turns whose prompts grow: affinity,
-balance, prefix-cache hits). Each workload runs every target `--rounds` times in ABBA order (targets forward,
-then backward, ...), so drift in the shared machine's speed falls on all of them alike.
+balance, prefix-cache hits); `agent` and `agent-stream` (`--agents`): an agent's sessions, each turn the whole
+conversation so far, the previous replies included, and 32 more words (the agent routes in their protocol, the
+others as one `/v1/completions` prompt), whole or streamed answers: the CPU per turn of each protocol. Each workload
+runs every target `--rounds` times in ABBA order (targets forward, then backward, ...), so drift in the shared
+machine's speed falls on all of them alike.
 
 Measured per (workload, target): req/s, tokens/s, latency p50/p99 (send → last byte) and what it adds over
 `direct`, time to first event (streams), the proxy's CPU (user + system time of all its threads, from its CPU
@@ -33,7 +42,9 @@ clock, read around the timed part only) per 1k requests and per 1k tokens, and t
 (1 / CPU per request); from the replicas' side: affinity (share of a session's requests that reached the
 same replica as its previous one; from `/sim/prompt_log`), balance (the busiest replica's share of requests)
 and the prefix-cache hit ratio (`/sim/state` counters). Every figure also shows its ratio to the best proxy.
-Every request is checked (status, token count); errors are counted and shown, and make the exit status 1.
+Every request is checked (status, token count); errors are counted and shown, and make the exit status 1. After the
+agent tables, the targets of the agent rows are checked and said (never asserted): each protocol's gateway route
+within 1.2× of the chat route's CPU per turn, and every gateway route (its Redis included) below LiteLLM's.
 
 This supersedes the former `benchmarks/gateway_overhead.py` (direct vs gateway on one replica): the same
 comparison, with the routers beside it, a load generator in its own process and the proxy on its own core.
@@ -79,24 +90,34 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
+from benchmarks.litellm_target import LiteLLMProcess, litellm_missing
 from benchmarks.loadgen import Result, session_of
 from gateway.config import DEFAULT_TOKENIZER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROMPT_LOG_HEAD = 24  # tokens of each prompt the replicas log: enough for "bench-<tag>-<n> " in the tiny tokenizer
+PROMPT_LOG_HEAD = 48  # tokens of each prompt the replicas log: "bench-<tag>-<n> " after the chat template's preamble
+AGENT_ROUTES = ("gateway-chat", "gateway-messages", "gateway-responses", "gateway-responses-chained")
+LITELLM_ROUTES = ("litellm-chat", "litellm-messages", "litellm-responses")
 ALL_TARGETS = (
     "direct",
     "gateway",
     "gateway-generate",
+    *AGENT_ROUTES,
     "sglang-manual",
     "vllm-consistent_hash",
     "vllm-sticky_least_loaded",
     "sglang-cache_aware",
     "python-relay",
+    *LITELLM_ROUTES,
 )
-DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t != "sglang-cache_aware")
-REPLICA_ARGS = ("--dialect", "vllm", "--token-delay", "0", "--tokenizer", str(DEFAULT_TOKENIZER))
-"""Each simulator replica's command line (the benchmarks set the token delay per workload, `POST /sim/speed`)."""
+DEFAULT_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("sglang-cache_aware", *AGENT_ROUTES, *LITELLM_ROUTES))
+AGENT_TARGETS = tuple(t for t in ALL_TARGETS if t not in ("gateway-generate", "sglang-cache_aware"))
+"""`--agents`: the agent routes of the gateway and of LiteLLM beside the relays (which send `/v1/completions` turns
+of the same conversations) and direct access."""
+AGENT_WORKLOADS = ("agent", "agent-stream")
+REPLICA_ARGS = ("--dialect", "vllm", "--token-delay", "0", "--eos-prob", "0", "--tokenizer", str(DEFAULT_TOKENIZER))
+"""Each simulator replica's command line (the benchmarks set the token delay per workload, `POST /sim/speed`). EOS
+is off: every answer runs to its token budget, also on the agent protocols, which have no `ignore_eos`."""
 GATEWAY_SETTINGS = {"generation": {"max_connections_per_replica": 2048}, "store": {"max_pending": 10**9}}
 """Config sections of the benchmarked gateways: a connection pool per replica that never makes a request wait, and
 no backpressure (no trainer consumes what a benchmark finishes: one-turn requests finish a session each)."""
@@ -119,10 +140,11 @@ class Workload:
     grow: bool = False
     prompt_words: int = 16
     one_turn: bool = False  # requests name no session (the gateway makes each a one-turn session)
+    echo: bool = False  # each turn's prompt carries the previous reply (an agent's conversation)
     columns: tuple[str, ...] = ()
     what: str = ""
 
-    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str) -> dict[str, Any]:
+    def spec(self, urls: list[str], tag: int, timeout_s: float, api: str, chained: bool = False) -> dict[str, Any]:
         return {
             "api": api,
             "urls": urls,
@@ -141,11 +163,14 @@ class Workload:
             "seed": tag,
             "duration_s": self.duration_s,
             "one_turn": self.one_turn,
+            "echo": self.echo and api == "completions",
+            "chained": chained,
         }
 
 
 def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | None, rl_delay: float) -> list[Workload]:
-    """The six workloads, at full size or (`quick`) small. Counts bound the fast targets, durations the slow."""
+    """The six workloads and the two agent ones, at full size or (`quick`) small. Counts bound the fast targets,
+    durations the slow."""
     q = quick
     rl_lo, rl_hi = rl_tokens or ((32, 128) if q else (128, 256))
     short = {"turns": 0, "min_tokens": 1, "max_tokens": 8, "stream": False, "duration_s": 3.0 if q else 6.0}
@@ -214,6 +239,38 @@ def workloads(quick: bool, rl_sessions: int | None, rl_tokens: Sequence[int] | N
             columns=("req/s", "p50", "+p50", "cpu/req", "redis/req", "affinity", "balance", "prefix hit", "errors"),
             what="sessions × turns, each prompt = the previous one + 32 words: affinity and prefix-cache hits",
         ),
+        *agent_workloads(quick),
+    ]
+
+
+def agent_workloads(quick: bool) -> list[Workload]:
+    """`agent` and `agent-stream`: sessions of an agent on its protocol (the relays: `/v1/completions` with the same
+    growing conversation), each turn the whole conversation so far, the previous reply and 32 more words."""
+    columns = ("req/s", "p50", "+p50", "cpu/req", "redis/req", "cap/core", "affinity", "balance", "errors")
+    agent = Workload(
+        "agent",
+        sessions=8 if quick else 32,
+        turns=4 if quick else 8,
+        requests=0,
+        min_tokens=16,
+        max_tokens=32,
+        stream=False,
+        grow=True,
+        echo=True,
+        prompt_words=64,
+        columns=columns,
+        what="an agent's session: sessions × turns, each the conversation so far (replies included) + 32 words, "
+        "16-32 tokens a reply, not streamed: CPU per turn of each protocol",
+    )
+    return [
+        agent,
+        replace(
+            agent,
+            name="agent-stream",
+            stream=True,
+            columns=(*columns[:3], "ttft50", *columns[3:]),
+            what=agent.what.replace("not streamed", "streamed"),
+        ),
     ]
 
 
@@ -273,6 +330,16 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def api_of(target: str) -> str:
+    """What the load generator speaks to a target: `generate`, an agent protocol (`gateway-chat`: `chat`, ...), or
+    `completions` (direct access, the relays, the gateway's `gateway` row)."""
+    if target == "gateway-generate":
+        return "generate"
+    if target in AGENT_ROUTES or target in LITELLM_ROUTES:
+        return target.split("-")[1]  # gateway-responses-chained: responses, each turn naming the previous response
+    return "completions"
 
 
 def router_command(target: str) -> list[str] | None:
@@ -378,11 +445,12 @@ class Bench:
         wall time is the longest one's). The other processes' CPU is read just before `go` and after the end; the load
         generators report their own."""
         urls = [target.url] if target.url else [replica.url for replica in self.replicas]
-        api = "generate" if target.name == "gateway-generate" else "completions"
+        api = api_of(target.name)
         loadgens = self.loadgens[: max(1, min(len(self.loadgens), workload.sessions))]  # each needs an agent
         tags = [next(self.tags) for _ in loadgens]
+        chained = target.name.endswith("-chained")
         specs = [
-            part.spec(urls, tag, self.timeout_s, api)
+            part.spec(urls, tag, self.timeout_s, api, chained)
             for part, tag in zip(split(workload, len(tags)), tags, strict=True)
         ]
         async with contextlib.AsyncExitStack() as stack:
@@ -557,21 +625,31 @@ def place_processes(
 
 
 @contextlib.contextmanager
-def targets_up(options: Options, replicas: list[SimProcess], proxy_cpus: set[int] | None) -> Iterator[list[Target]]:
-    """Start every requested target (each fronting both replicas); stop them all on exit."""
+def targets_up(
+    options: Options, replicas: list[SimProcess], proxy_cpus: set[int] | None, front_cpus: set[int] | None = None
+) -> Iterator[list[Target]]:
+    """Start every requested target (each fronting both replicas); stop them all on exit. `front_cpus`: where
+    LiteLLM's chat front runs (beside the replicas)."""
     urls = [replica.url for replica in replicas]
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(_tmpdir()))
         targets = []
         gateway: GatewayProcess | None = None
+        litellm: LiteLLMProcess | None = None
         for name in options.targets:
             if name == "direct":
                 targets.append(Target(name, "", None))
             elif name.startswith("gateway"):
-                if gateway is None:  # one gateway process serves both of its rows (/v1/completions, /generate)
+                if gateway is None:  # one gateway process serves all of its rows (each a route)
                     entries = [sim_replica_entry(url, "vllm") for url in urls]
                     gateway = stack.enter_context(GatewayProcess(entries, GATEWAY_SETTINGS, cpus=proxy_cpus))
                 targets.append(Target(name, gateway.url, gateway.pid))
+            elif name in LITELLM_ROUTES:
+                if litellm is None:  # one LiteLLM process serves its three routes
+                    litellm = LiteLLMProcess(urls, proxy_cpus, front_cpus)
+                    stack.callback(litellm.stop)
+                    litellm.start(log_dir)
+                targets.append(Target(name, litellm.url, litellm.pid))
             else:
                 command = router_command(name)
                 if command is None:
@@ -594,11 +672,15 @@ def _tmpdir() -> Iterator[str]:
 async def run_all(options: Options, console: Console) -> dict[str, dict[str, RunResult]]:
     where = place_processes(options.layout, options.loadgens, options.pin, options.cpus)
     results: dict[str, dict[str, RunResult]] = {}
+    missing = litellm_missing()
+    if missing and set(options.targets) & set(LITELLM_ROUTES):
+        console.print(f"[yellow]litellm targets skipped: {missing}[/]")
+        options = replace(options, targets=tuple(t for t in options.targets if t not in LITELLM_ROUTES))
     with sim_replicas([REPLICA_ARGS, REPLICA_ARGS]) as replicas:
         for replica, cpus in zip(replicas, where.replicas, strict=True):
             if replica.pid is not None:
                 pin_process(replica.pid, cpus)
-        with targets_up(options, replicas, where.proxy) as targets:
+        with targets_up(options, replicas, where.proxy, where.replicas[0]) as targets:
             names = ", ".join(t.name for t in targets)
             console.print(f"{len(replicas)} replicas up, targets: {names}; {where.describe()}")
             bench = Bench(replicas, options.timeout_s, where.loadgens)
@@ -724,6 +806,40 @@ def report(console: Console, options: Options, results: dict[str, dict[str, RunR
         "busiest replica = its share of requests (50% = even). Absolute figures on a shared machine move "
         "from run to run; the ratios move less."
     )
+    for line in agent_checks(results):
+        console.print(line)
+
+
+def turn_cpu_ms(run: RunResult) -> float:
+    """CPU ms per turn of a proxy, its children (the gateway's Redis) included: what the turn cost in all."""
+    return (run.cpu_proxy_s + run.cpu_children_s) / run.ok * 1000 if run.ok else math.nan
+
+
+def agent_checks(results: dict[str, dict[str, RunResult]]) -> list[str]:
+    """The targets of the agent rows (issue 36 §4), checked and said, never asserted: each protocol's gateway route
+    within 1.2× of the chat route's CPU per turn, and every gateway route below LiteLLM's (the gateway's Redis
+    counted: LiteLLM keeps no trajectory)."""
+    lines = []
+    for name in AGENT_WORKLOADS:
+        runs = results.get(name, {})
+        cpu = {target: turn_cpu_ms(run) for target, run in runs.items() if target in (*AGENT_ROUTES, *LITELLM_ROUTES)}
+        chat = cpu.get("gateway-chat", math.nan)
+        for route in AGENT_ROUTES[1:]:
+            if route in cpu and chat == chat:
+                ratio = cpu[route] / chat
+                verdict = "yes" if ratio <= 1.2 else "NO"
+                lines.append(
+                    f"{name}: {route} {cpu[route]:.3f} ms a turn = {ratio:.2f}× gateway-chat: ≤ 1.2×? {verdict}"
+                )
+        for route in AGENT_ROUTES:
+            theirs = cpu.get(route.replace("gateway", "litellm"))
+            if route in cpu and theirs is not None and theirs == theirs:
+                verdict = "yes" if cpu[route] < theirs else "NO"
+                lines.append(
+                    f"{name}: {route} {cpu[route]:.3f} ms a turn (Redis included), LiteLLM's {theirs:.3f} ms: "
+                    f"{cpu[route] / theirs:.2f}×, below? {verdict}"
+                )
+    return lines
 
 
 def write_json(path: Path, options: Options, results: dict[str, dict[str, RunResult]]) -> None:
@@ -741,6 +857,7 @@ def write_json(path: Path, options: Options, results: dict[str, dict[str, RunRes
                 for name, run in runs.items()
             },
         }
+    out["agent_checks"] = agent_checks(results)
     path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
 
 
@@ -750,9 +867,15 @@ def write_json(path: Path, options: Options, results: dict[str, dict[str, RunRes
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small counts and one round: about 3 minutes")
-    p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=list(DEFAULT_TARGETS))
-    names = "short-c1 short-c64 stream rl rl-whole multiturn"
-    p.add_argument("--workloads", nargs="+", default=None, help=f"{names} (default all)")
+    p.add_argument("--targets", nargs="+", choices=ALL_TARGETS, default=None, help="default: all but the agent routes")
+    names = "short-c1 short-c64 stream rl rl-whole multiturn agent agent-stream"
+    p.add_argument("--workloads", nargs="+", default=None, help=f"{names} (default: all but the agent ones)")
+    p.add_argument(
+        "--agents",
+        action="store_true",
+        help="the agent rows: workloads agent and agent-stream, the gateway's chat/messages/responses routes and "
+        "LiteLLM's beside direct, the gateway's /v1/completions and the relays (unless --targets/--workloads say)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="timed runs per target and workload, ABBA (default 2)")
     p.add_argument("--rl-sessions", type=int, default=None, help="concurrent sessions of `rl` (default 256; quick 32)")
     p.add_argument("--rl-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="tokens per rl stream")
@@ -790,14 +913,16 @@ def _at_least_one(text: str) -> int:
 def options_from(args: argparse.Namespace) -> Options:
     available = workloads(args.quick, args.rl_sessions, args.rl_tokens, args.rl_token_delay)
     by_name = {w.name: w for w in available}
-    chosen = args.workloads or list(by_name)
+    chosen = args.workloads or (
+        list(AGENT_WORKLOADS) if args.agents else [n for n in by_name if n not in AGENT_WORKLOADS]
+    )
     unknown = [name for name in chosen if name not in by_name]
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(by_name)}")
     rounds = args.rounds or (1 if args.quick else 2)
     if rounds < 1:
         raise SystemExit("--rounds must be ≥ 1")
-    targets = tuple(dict.fromkeys(args.targets))
+    targets = tuple(dict.fromkeys(args.targets or (AGENT_TARGETS if args.agents else DEFAULT_TARGETS)))
     return Options(
         targets,
         tuple(by_name[n] for n in chosen),

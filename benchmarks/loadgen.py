@@ -11,21 +11,31 @@ Protocol (line-delimited JSON on stdin/stdout, so the parent can read the proxy'
 4. this process runs the timed part (`requests`, or `turns` per session; no new request after `duration_s`) and
    prints `{"event": "result", ...}` (latencies, tokens, errors, its own CPU seconds), then exits.
 
-Every request is `POST /v1/completions` with a text prompt, `temperature 0`, `ignore_eos` and a token budget (text,
-not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data did not match any variant of
-untagged enum StringOrArray"), so each answer must carry exactly that many tokens (`usage.completion_tokens`,
-`finish_reason == "length"`); one that does not, or any non-200 answer or I/O error, is counted as an error (with a
-sample of messages), never dropped. Every request carries the session both as `X-Session-ID` (this gateway,
-vllm-router) and as `X-SMG-Routing-Key` (sglang-router's `manual` policy), unless the spec says `one_turn` (no
-session at all: this gateway makes each request a one-turn session and delivers it as a trajectory).
+Requests (`api` in the spec):
+
+* `completions` (default): `POST /v1/completions` with a text prompt, `temperature 0`, `ignore_eos` and a token budget
+  (text, not token ids: sglang-router 0.3.2 refuses token-id prompts on this route, "data did not match any variant
+  of untagged enum StringOrArray"), so each answer must carry exactly that many tokens (`usage.completion_tokens`,
+  `finish_reason == "length"`); `generate`: this gateway's token-in/token-out `POST /generate`, checked the same way;
+* `chat`, `messages`, `responses`: an agent's session on OpenAI chat completions, Anthropic Messages or OpenAI
+  Responses (`benchmarks.agent_protocols`: the request shapes and answer checks): every turn sends the conversation
+  so far, the previous replies included, and a new user message (`chained` Responses: only the new message and the
+  previous response's id); a session whose turn failed ends there.
+
+An answer that fails its check, any non-200 answer or I/O error, is counted as an error (with a sample of messages),
+never dropped. Every request carries the session both as `X-Session-ID` (this gateway on every route, vllm-router)
+and as `X-SMG-Routing-Key` (sglang-router's `manual` policy), unless the spec says `one_turn` (no session at all: this
+gateway makes each request a one-turn session and delivers it as a trajectory). With `echo` (the agent-shaped
+workloads), a `completions` turn's prompt also carries the previous reply, so a relay sees the same growing
+conversation as the agent protocols.
 
 The HTTP client is a minimal HTTP/1.1 keep-alive client over asyncio streams (content-length and chunked bodies):
 on a 2-core machine the load generator shares a core with the simulator replicas, and httpx costs several
 times more CPU per request, which would cap every target at the load generator's speed.
 
-Prompts start with the session id (`bench-<run tag>-<n> `), so the replicas' prompt logs (`/sim/prompt_log`,
-decoded with the same tokenizer) tell which session each request belonged to, and runs never share prefix-cache
-blocks.
+Prompts (and an agent session's first user message) start with the session id (`bench-<run tag>-<n> `), so the
+replicas' prompt logs (`/sim/prompt_log`, decoded with the same tokenizer; `session_of` finds it after a chat
+template's preamble) tell which session each request belonged to, and runs never share prefix-cache blocks.
 """
 
 from __future__ import annotations
@@ -37,13 +47,17 @@ import re
 import sys
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 import uvloop
+
+from benchmarks.agent_protocols import AGENT_APIS, HEADERS, PATHS, AnswerError, Conversation, Pieces, Reply
+from benchmarks.agent_protocols import read_answer as read_agent_answer
+from benchmarks.agent_protocols import request_body as agent_body
+from benchmarks.agent_protocols import sse_events as sse_data
 
 WORDS = (
     "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud forest ember harbor "
@@ -58,8 +72,9 @@ def session_name(tag: int, session: int) -> str:
 
 
 def session_of(prompt_head: str) -> tuple[int, int] | None:
-    """(run tag, session number) from the decoded start of a prompt, as the replicas logged it."""
-    match = SESSION_PATTERN.match(prompt_head)
+    """(run tag, session number) from the decoded start of a prompt, as the replicas logged it (after a chat
+    template's preamble, where there is one)."""
+    match = SESSION_PATTERN.search(prompt_head)
     return (int(match[1]), int(match[2])) if match else None
 
 
@@ -81,9 +96,19 @@ class Spec:
     warmup: int = 1  # requests per agent before "warm" (on separate sessions: tag + 1)
     timeout_s: float = 120.0
     seed: int = 0
-    api: str = "completions"  # or "generate": this gateway's token-in/token-out `POST /generate`
+    api: str = "completions"  # or "generate" (this gateway's token-in/token-out route), or one of AGENT_APIS
     duration_s: float = 0.0  # > 0: no new request starts after this long (the bound in time besides `requests`)
     one_turn: bool = False  # name no session: every request is a one-turn session of its own in this gateway
+    echo: bool = False  # `completions` with `grow`: each prompt also carries the previous reply (agent-shaped)
+    chained: bool = False  # `responses`: a turn sends only its new message and the previous response's id
+
+    def __post_init__(self) -> None:
+        if self.api not in ("completions", "generate", *AGENT_APIS):
+            raise ValueError(f"unknown api {self.api!r}")
+        if self.echo and self.api == "generate":
+            raise ValueError("echo needs a text route (generate sends token ids)")
+        if self.chained and self.api != "responses":
+            raise ValueError("chained turns are the Responses API's (previous_response_id)")
 
 
 @dataclass
@@ -100,10 +125,6 @@ class Result:
         self.errors += 1
         if len(self.error_samples) < 5:
             self.error_samples.append(message[:300])
-
-
-class HttpError(Exception):
-    pass
 
 
 class Connection:
@@ -126,7 +147,7 @@ class Connection:
             self.writer.close()
         self.reader = self.writer = None
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, list[tuple[float, bytes]]]:
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, Pieces]:
         """Send one POST; return (status, [(arrival time, body piece)]): one piece per chunk (or the whole body)."""
         reader, writer = await self._open()
         head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
@@ -150,7 +171,7 @@ class Connection:
                 chunked = True
             elif name == b"connection" and b"close" in value.lower():
                 close = True
-        pieces: list[tuple[float, bytes]] = []
+        pieces: Pieces = []
         if chunked:
             while True:
                 size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
@@ -169,18 +190,7 @@ class Connection:
         return status, pieces
 
 
-def sse_data(pieces: list[tuple[float, bytes]]) -> Iterator[tuple[float, Any]]:
-    """(arrival time, decoded event) of each `data:` event but `[DONE]`."""
-    buffer = b""
-    for now, piece in pieces:
-        buffer += piece
-        while (end := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            if event.startswith(b"data: ") and event != b"data: [DONE]":
-                yield now, orjson.loads(event[6:])
-
-
-def check_generate(pieces: list[tuple[float, bytes]], stream: bool, budget: int) -> tuple[int, float | None]:
+def check_generate(pieces: Pieces, stream: bool, budget: int) -> tuple[int, float | None]:
     """`POST /generate` answers: `output_ids` (in one body, or in stream events) and `finish_reason`."""
     if not stream:
         answer = orjson.loads(b"".join(p for _, p in pieces))
@@ -189,44 +199,45 @@ def check_generate(pieces: list[tuple[float, bytes]], stream: bool, budget: int)
         tokens, finish, first = 0, None, None
         for now, data in sse_data(pieces):
             if "error" in data:
-                raise HttpError(f"stream error: {str(data['error'])[:200]}")
+                raise AnswerError(f"stream error: {str(data['error'])[:200]}")
             if "finish_reason" in data:
                 finish = data["finish_reason"]
             elif data.get("output_ids"):
                 first = first or now
                 tokens += len(data["output_ids"])
     if finish != "length" or tokens != budget:
-        raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
+        raise AnswerError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
     return tokens, first
 
 
-def check_answer(
-    status: int, pieces: list[tuple[float, bytes]], stream: bool, budget: int, api: str = "completions"
-) -> tuple[int, float | None]:
-    """(tokens, first-token time) of a valid answer; raises HttpError naming what is wrong otherwise."""
+def check_answer(status: int, pieces: Pieces, stream: bool, budget: int, api: str = "completions") -> Reply:
+    """The reply of a valid answer (tokens, first-token time, text); raises AnswerError saying what is wrong."""
+    if api in AGENT_APIS:
+        return read_agent_answer(api, status, pieces, stream, budget)
     if status != 200:
-        raise HttpError(f"HTTP {status}: {b''.join(p for _, p in pieces)[:200]!r}")
+        raise AnswerError(f"HTTP {status}: {b''.join(p for _, p in pieces)[:200]!r}")
     if api == "generate":
-        return check_generate(pieces, stream, budget)
+        return Reply(*check_generate(pieces, stream, budget), text="")
     if not stream:
         answer = orjson.loads(pieces[0][1] if len(pieces) == 1 else b"".join(p for _, p in pieces))
-        finish = answer["choices"][0]["finish_reason"]
+        choice = answer["choices"][0]
         tokens = int(answer["usage"]["completion_tokens"])
-        if finish != "length" or tokens != budget:
-            raise HttpError(f"asked {budget} tokens, got {tokens} (finish_reason {finish!r})")
-        return tokens, None
-    first, finish, usage = None, None, None
+        if choice["finish_reason"] != "length" or tokens != budget:
+            raise AnswerError(f"asked {budget} tokens, got {tokens} (finish_reason {choice['finish_reason']!r})")
+        return Reply(tokens, None, choice["text"])
+    first, finish, usage, text = None, None, None, []
     for now, data in sse_data(pieces):
         if "error" in data:
-            raise HttpError(f"stream error: {str(data['error'])[:200]}")
+            raise AnswerError(f"stream error: {str(data['error'])[:200]}")
         if data.get("choices"):
             first = first or now
             finish = data["choices"][0].get("finish_reason") or finish
+            text.append(data["choices"][0]["text"])
         if data.get("usage"):
             usage = int(data["usage"]["completion_tokens"])
     if finish != "length" or usage != budget:
-        raise HttpError(f"asked {budget} tokens, streamed usage {usage} (finish_reason {finish!r})")
-    return budget, first
+        raise AnswerError(f"asked {budget} tokens, streamed usage {usage} (finish_reason {finish!r})")
+    return Reply(budget, first, "".join(text))
 
 
 class LoadGen:
@@ -241,16 +252,24 @@ class LoadGen:
             from gateway.config import DEFAULT_TOKENIZER
 
             self.tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER / "tokenizer.json"))
+        self.path = PATHS.get(spec.api) or ("/generate" if spec.api == "generate" else "/v1/completions")
 
     def url_of(self, session: str) -> str:
         urls = self.spec.urls
         return urls[zlib.crc32(session.encode()) % len(urls)]
 
     def headers(self, session: str) -> dict[str, str]:
-        """The session as this gateway and the routers read it, from a header (none with `one_turn`)."""
-        return {} if self.spec.one_turn else {"X-Session-ID": session, "X-SMG-Routing-Key": session}
+        """The session as this gateway and the routers read it, from a header (none with `one_turn`), and the
+        protocol's own headers (an agent protocol's API key and version)."""
+        session_headers = {} if self.spec.one_turn else {"X-Session-ID": session, "X-SMG-Routing-Key": session}
+        return session_headers | HEADERS.get(self.spec.api, {})
 
-    def body(self, session: str, prompt: str, budget: int) -> bytes:
+    def body(self, session: str, conversation: Conversation, budget: int, previous: str | None = None) -> bytes:
+        """An agent protocol's turn (`previous`: the response a chained Responses turn follows), or (`completions`,
+        `generate`) the conversation's texts as one prompt."""
+        if self.spec.api in AGENT_APIS:
+            return orjson.dumps(agent_body(self.spec.api, conversation, budget, self.spec.stream, previous))
+        prompt = "\n".join(text for _, text in conversation)
         if self.spec.api == "generate":
             ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
             sampling = {"max_tokens": budget, "temperature": 0, "ignore_eos": True}
@@ -270,25 +289,34 @@ class LoadGen:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)
 
-    async def one(self, conn: Connection, session: str, prompt: str, budget: int, result: Result) -> None:
-        headers = self.headers(session)
+    async def one(
+        self,
+        conn: Connection,
+        session: str,
+        conversation: Conversation,
+        budget: int,
+        result: Result,
+        previous: str | None = None,
+    ) -> Reply | None:
+        """One request, counted in `result`: the reply, or None where it failed."""
         started = time.perf_counter()
         try:
-            path = "/generate" if self.spec.api == "generate" else "/v1/completions"
-            status, pieces = await conn.post(path, self.body(session, prompt, budget), headers)
-            tokens, first = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
+            body = self.body(session, conversation, budget, previous)
+            status, pieces = await conn.post(self.path, body, self.headers(session))
+            reply = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, KeyError) as exc:
             conn.close()
             result.error(f"{type(exc).__name__}: {exc}")
-            return
-        except HttpError as exc:
+            return None
+        except AnswerError as exc:
             result.error(str(exc))
-            return
+            return None
         result.latencies.append(time.perf_counter() - started)
-        if first is not None:
-            result.ttfts.append(first - started)
-        result.tokens += tokens
+        if reply.first is not None:
+            result.ttfts.append(reply.first - started)
+        result.tokens += reply.tokens
         result.ok += 1
+        return reply
 
     def budget(self) -> int:
         return self.rng.randint(self.spec.min_tokens, self.spec.max_tokens)
@@ -296,21 +324,32 @@ class LoadGen:
     async def agent(
         self, tag: int, number: int, turns: int, remaining: list[int], result: Result, until: float
     ) -> None:
+        """One session: its turns one after the other; with `grow`, each turn's conversation is the previous one,
+        its reply (agent protocols, `echo`) and `append_words` more words from the user."""
         spec = self.spec
         session = session_name(tag, number)
         conn = Connection(self.url_of(session))
         offset = (number * 7919) % 2048
-        prompt = f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words])
+        conversation: Conversation = [
+            ("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))
+        ]
+        with_replies = spec.api in AGENT_APIS or spec.echo
+        previous: str | None = None  # the response a chained turn follows
         try:
             turn = 0
             while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
                 if not turns:
                     remaining[0] -= 1
-                await self.one(conn, session, prompt, self.budget(), result)
+                reply = await self.one(conn, session, conversation, self.budget(), result, previous)
                 turn += 1
+                if reply is None and with_replies:
+                    break  # the conversation cannot go on without its reply
                 if spec.grow:
                     start = (offset + spec.prompt_words + turn * spec.append_words) % 2048
-                    prompt += "\n" + " ".join(self.filler[start : start + spec.append_words])
+                    previous = reply.response_id if reply is not None and spec.chained else None
+                    if with_replies:
+                        conversation.append(("assistant", reply.text if reply is not None else ""))
+                    conversation.append(("user", " ".join(self.filler[start : start + spec.append_words])))
         finally:
             conn.close()
 

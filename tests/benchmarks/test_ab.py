@@ -99,10 +99,10 @@ def test_a_one_turn_load_names_no_session() -> None:
     spec = Spec(["http://127.0.0.1:1"], 1, 1, 0, 1, 1, 1, stream=False, api="generate", one_turn=True)
     alone = LoadGen(spec)
     assert alone.headers("s-1") == {}
-    assert "session_id" not in orjson.loads(alone.body("s-1", "hello there", 4))
+    assert "session_id" not in orjson.loads(alone.body("s-1", [("user", "hello there")], 4))
     named = LoadGen(replace(spec, one_turn=False))
     assert named.headers("s-1") == {"X-Session-ID": "s-1", "X-SMG-Routing-Key": "s-1"}
-    assert orjson.loads(named.body("s-1", "hello there", 4))["session_id"] == "s-1"
+    assert orjson.loads(named.body("s-1", [("user", "hello there")], 4))["session_id"] == "s-1"
 
 
 def test_prompt_words_make_the_prompts_longer() -> None:

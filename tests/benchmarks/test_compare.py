@@ -8,7 +8,19 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from benchmarks.compare import Options, figures, place_processes, report, router_command, run_all, workloads
+from benchmarks.compare import (
+    AGENT_ROUTES,
+    AGENT_WORKLOADS,
+    Options,
+    agent_checks,
+    figures,
+    place_processes,
+    report,
+    router_command,
+    run_all,
+    workloads,
+)
+from benchmarks.litellm_target import litellm_missing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,6 +52,48 @@ async def test_direct_and_gateway_end_to_end() -> None:
     out = io.StringIO()
     report(Console(file=out, width=200), options, results)
     assert "multiturn" in out.getvalue() and "gateway" in out.getvalue()
+
+
+def agent_options(targets: tuple[str, ...]) -> Options:
+    """The agent workloads, whole and streamed, at 3 sessions × 3 turns."""
+    by_name = {w.name: w for w in workloads(True, None, None, 0.0)}
+    chosen = tuple(replace(by_name[name], sessions=3, turns=3, min_tokens=4, max_tokens=8) for name in AGENT_WORKLOADS)
+    return Options(targets, chosen, rounds=1, timeout_s=30.0, pin=False, json_path=None)
+
+
+async def test_agent_sessions_on_the_gateways_protocol_routes_and_as_completions() -> None:
+    """Every turn of every session answered in full on the gateway's chat, Messages and Responses routes (also
+    chained by `previous_response_id`) and (with the replies echoed in the prompt) on /v1/completions; the replicas
+    attribute each turn to its session through the chat template's preamble, and the gateway keeps each session on
+    one replica."""
+    options = agent_options(("direct", "gateway", *AGENT_ROUTES))
+    results = await run_all(options, Console(file=io.StringIO()))
+    for workload in AGENT_WORKLOADS:
+        for name, run in results[workload].items():
+            assert (run.ok, run.errors, run.error_samples) == (9, 0, []), (workload, name)
+            assert 9 * 4 <= run.tokens <= 9 * 8
+            assert (sum(run.per_replica), run.pairs, run.same) == (9, 6, 6), (workload, name)
+    assert all(len(results["agent-stream"][route].ttfts) == 9 for route in AGENT_ROUTES)
+    checks = agent_checks(results)  # each other protocol against chat, for both workloads (no LiteLLM here)
+    assert len(checks) == 2 * 3 and all("× gateway-chat" in line for line in checks)
+    out = io.StringIO()
+    report(Console(file=out, width=200), options, results)
+    assert "agent-stream" in out.getvalue() and "gateway-chat" in out.getvalue()
+
+
+@pytest.mark.skipif(litellm_missing() is not None, reason=f"{litellm_missing()}")
+async def test_litellm_serves_every_agent_protocol() -> None:
+    """LiteLLM's three routes (through the chat front to the replicas) answer every turn in full; it is not sticky,
+    but every turn reaches a replica and is attributed to its session."""
+    options = agent_options(("gateway-chat", "litellm-chat", "litellm-messages", "litellm-responses"))
+    results = await run_all(options, Console(file=io.StringIO()))
+    for workload in AGENT_WORKLOADS:
+        for name, run in results[workload].items():
+            assert (run.ok, run.errors, run.error_samples) == (9, 0, []), (workload, name)
+            assert (sum(run.per_replica), run.pairs) == (9, 6), (workload, name)
+            assert run.cpu_proxy_s > 0
+    checks = agent_checks(results)
+    assert len(checks) == 2 and all("gateway-chat" in line and "LiteLLM's" in line for line in checks)
 
 
 @pytest.mark.skipif(
