@@ -13,7 +13,14 @@ import re
 from gateway.parsers.base import StreamingToolParser, ToolStreamDelta, json_object, new_tool_call_id
 from gateway.parsers.tool_calls.arguments import ToolSchemas, json_call
 from gateway.parsers.tool_calls.json_scan import JsonSpan
-from gateway.parsers.tool_calls.stream import Call, DeltaWriter, IdFactory, OnePassToolParser, partial_marker_suffix
+from gateway.parsers.tool_calls.stream import (
+    BufferedStreamingParser,
+    Call,
+    DeltaWriter,
+    IdFactory,
+    OnePassToolParser,
+    partial_marker_suffix,
+)
 
 __all__ = ["Llama3JsonStreamingToolParser", "Llama3JsonToolParser"]
 
@@ -36,7 +43,7 @@ class Llama3JsonToolParser(OnePassToolParser):
         return Llama3JsonStreamingToolParser(writer)
 
 
-class Llama3JsonStreamingToolParser:
+class Llama3JsonStreamingToolParser(BufferedStreamingParser):
     """The streaming Llama JSON parser: a call goes out when its object closes; content once the text shows it is
     no call."""
 
@@ -46,17 +53,6 @@ class Llama3JsonStreamingToolParser:
         self._span: JsonSpan | None = None  # the object being read
         self._text = False  # the rest is content
         self._unfinished = False
-
-    @property
-    def unfinished(self) -> bool:
-        return self._unfinished
-
-    def feed(self, text: str) -> list[ToolStreamDelta]:
-        self._buffer += text
-        out: list[ToolStreamDelta] = []
-        while self._advance(out):
-            pass
-        return out
 
     def finish(self, *, cut: bool = False) -> list[ToolStreamDelta]:
         out: list[ToolStreamDelta] = []

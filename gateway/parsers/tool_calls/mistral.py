@@ -18,7 +18,14 @@ from typing import Any
 from gateway.parsers.base import StreamingToolParser, ToolStreamDelta, json_object
 from gateway.parsers.tool_calls.arguments import ToolSchemas, arguments_json, json_call
 from gateway.parsers.tool_calls.json_scan import JsonSpan
-from gateway.parsers.tool_calls.stream import Call, DeltaWriter, IdFactory, OnePassToolParser, partial_marker_suffix
+from gateway.parsers.tool_calls.stream import (
+    BufferedStreamingParser,
+    Call,
+    DeltaWriter,
+    IdFactory,
+    OnePassToolParser,
+    partial_marker_suffix,
+)
 
 __all__ = ["MistralStreamingToolParser", "MistralToolParser", "new_mistral_call_id"]
 
@@ -52,7 +59,7 @@ class MistralToolParser(OnePassToolParser):
         return MistralStreamingToolParser(writer)
 
 
-class MistralStreamingToolParser:
+class MistralStreamingToolParser(BufferedStreamingParser):
     """The streaming Mistral parser: the calls of one `[TOOL_CALLS]` go out when their JSON closes."""
 
     def __init__(self, writer: DeltaWriter) -> None:
@@ -61,17 +68,6 @@ class MistralStreamingToolParser:
         self._inside = False
         self._span: JsonSpan | None = None
         self._unfinished = False
-
-    @property
-    def unfinished(self) -> bool:
-        return self._unfinished
-
-    def feed(self, text: str) -> list[ToolStreamDelta]:
-        self._buffer += text
-        out: list[ToolStreamDelta] = []
-        while self._advance(out):
-            pass
-        return out
 
     def finish(self, *, cut: bool = False) -> list[ToolStreamDelta]:
         out: list[ToolStreamDelta] = []

@@ -18,7 +18,7 @@ from gateway.parsers.base import (
 )
 from gateway.parsers.tool_calls.arguments import ToolSchemas
 
-__all__ = ["Call", "DeltaWriter", "IdFactory", "OnePassToolParser", "partial_marker_suffix"]
+__all__ = ["BufferedStreamingParser", "Call", "DeltaWriter", "IdFactory", "OnePassToolParser", "partial_marker_suffix"]
 
 IdFactory = Callable[[], str]
 
@@ -86,6 +86,29 @@ def partial_marker_suffix(text: str, markers: Sequence[str]) -> int:
                 longest = size
                 break
     return longest
+
+
+class BufferedStreamingParser:
+    """A streaming tool parser that buffers the text and consumes what the buffer decides (`_advance`, until it says
+    there is no more to do); `finish` sets `_unfinished`."""
+
+    _buffer: str = ""
+    _unfinished: bool = False
+
+    @property
+    def unfinished(self) -> bool:
+        return self._unfinished
+
+    def feed(self, text: str) -> list[ToolStreamDelta]:
+        self._buffer += text
+        out: list[ToolStreamDelta] = []
+        while self._advance(out):
+            pass
+        return out
+
+    def _advance(self, out: list[ToolStreamDelta]) -> bool:
+        """Consume what the buffer decides, writing into `out`; True when there may be more to do."""
+        raise NotImplementedError
 
 
 class OnePassToolParser:

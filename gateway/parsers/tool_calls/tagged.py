@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 from gateway.parsers.base import ToolStreamDelta
 from gateway.parsers.tool_calls.arguments import ToolSchemas
-from gateway.parsers.tool_calls.stream import Call, DeltaWriter, OnePassToolParser, partial_marker_suffix
+from gateway.parsers.tool_calls.stream import (
+    BufferedStreamingParser,
+    Call,
+    DeltaWriter,
+    OnePassToolParser,
+    partial_marker_suffix,
+)
 
 __all__ = ["TaggedFormat", "TaggedStreamingToolParser", "TaggedToolParser"]
 
@@ -49,7 +55,7 @@ class TaggedToolParser(OnePassToolParser):
         return TaggedStreamingToolParser(self.format, writer, schemas)
 
 
-class TaggedStreamingToolParser:
+class TaggedStreamingToolParser(BufferedStreamingParser):
     """The streaming parser of a block format: content goes out as it comes, except text that could be the start of
     a marker (and the whitespace `DeltaWriter` holds); a call goes out when its block closes, since emitting earlier
     could announce a call whose body then turns out malformed, which is content."""
@@ -63,17 +69,6 @@ class TaggedStreamingToolParser:
         self._in_section = False
         self._scan_from = 0  # where to look for the end marker next: the buffer before it cannot hold one
         self._unfinished = False
-
-    @property
-    def unfinished(self) -> bool:
-        return self._unfinished
-
-    def feed(self, text: str) -> list[ToolStreamDelta]:
-        self._buffer += text
-        out: list[ToolStreamDelta] = []
-        while self._advance(out):
-            pass
-        return out
 
     def finish(self, *, cut: bool = False) -> list[ToolStreamDelta]:
         out: list[ToolStreamDelta] = []
