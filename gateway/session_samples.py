@@ -454,8 +454,3 @@ def _as_said(message: Message) -> Message:
     """A message without what agents echo back differently: an assistant reply's reasoning, empty fields."""
     drop = ("reasoning_content", "reasoning") if message.get("role") == "assistant" else ()
     return {key: value for key, value in message.items() if key not in drop and value not in (None, "")}
-
-
-def all_messages_text(messages: Sequence[Message]) -> int:
-    """Number of messages (a cheap bound used by request limits)."""
-    return len(messages)

@@ -168,6 +168,7 @@ class TurnRunner:
     async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
         messages, tools = chat_inputs(body)
+        self._check_fits(sum(_characters(m.get("content")) for m in messages), "messages")
         top = body.top_logprobs or 0
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
@@ -185,6 +186,15 @@ class TurnRunner:
         except BaseException:
             self.lifecycle.refused(sid, one_turn, lock)
             raise
+
+    def _check_fits(self, characters: int, param: str) -> None:
+        """Refuse a text the context cannot hold before tokenizing it (a 15 MB prompt cost seconds of CPU and a GB of
+        memory to learn it was too long): its length alone says so (`ChatTokenizer.fits_in`)."""
+        if not self.tokenizer.fits_in(characters, self.max_model_len):
+            raise InvalidRequest(
+                f"{characters} characters of prompt text cannot fit the context length of {self.max_model_len} tokens",
+                param=param,
+            )
 
     async def _encode_prompt(self, text: str, session_id: str | None) -> list[int]:
         """The ids of a raw completion's text prompt; in a session, reusing those of the beginning it shares with the
@@ -205,6 +215,7 @@ class TurnRunner:
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
         self.check_model(body.model)
         if isinstance(body.prompt, str):
+            self._check_fits(len(body.prompt), "prompt")
             prompt = await self._encode_prompt(body.prompt, None if body.group else session_id)
         else:
             prompt = list(body.prompt)
@@ -503,6 +514,16 @@ def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list
     if body.tools and body.tool_choice != "none":
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
     return messages, tools
+
+
+def _characters(content: Any) -> int:
+    """The characters of a message's text (string content, or its text parts): a lower bound of its rendering's."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return sum(len(text) for text in texts if isinstance(text, str))
+    return 0
 
 
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:

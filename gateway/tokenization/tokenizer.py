@@ -87,6 +87,9 @@ class ChatTokenizer:
         # padding), and the copy takes those settings.
         self._threads = EncodeThreads(private_copy(self._backend), encode_threads) if encode_threads else None
         self.reused_ids = 0  # ids `encode_continuing` took from a prefix instead of tokenizing their text again
+        # The most UTF-8 bytes one token's string takes: a text of more than `n * max_token_bytes` characters is more
+        # than n tokens, whatever it says (`fits_in`).
+        self._max_token_bytes = max((len(token.encode()) for token in self._backend.get_vocab()), default=1)
 
     @classmethod
     def load(
@@ -131,6 +134,12 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included."""
         return self._vocab_size
+
+    def fits_in(self, characters: int, tokens: int) -> bool:
+        """False when a text of `characters` characters is surely more than `tokens` tokens, known without
+        tokenizing it: a character is at least a byte, a token at most the vocabulary's longest string. True says
+        only that it may fit."""
+        return characters <= tokens * self._max_token_bytes
 
     @property
     def eos_token_id(self) -> int:

@@ -85,6 +85,37 @@ async def test_max_tokens_limit(
     assert await nothing_stored(redis)
 
 
+@pytest.mark.parametrize(
+    ("path", "param"), [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"), ("/v1/messages", None)]
+)
+async def test_a_text_the_context_cannot_hold_is_refused_before_it_is_tokenized(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+    path: str,
+    param: str | None,
+) -> None:
+    """Issue 38 §10: a 15 MB prompt cost seconds of CPU and a GB of memory to tokenize before its 400; its length
+    alone says it cannot fit, so nothing reaches the tokenizer (its worker threads take every long text)."""
+    gw = await gateway_on(make_sim, make_gateway, max_body_bytes=32 * 1024 * 1024)
+    text = "word " * 3_000_000  # 15 MB
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    response = await http.post(f"{gw.url}{path}", json=body)
+    assert response.status_code == 400, response.text[:300]
+    assert "cannot fit the context length" in response.text
+    if param is not None:  # Anthropic's error shape names no field
+        assert response.json()["error"]["param"] == param
+    assert gw.services.turns.tokenizer.thread_encodes == 0
+    assert await nothing_stored(redis)
+    fits = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "word " * 900}]}
+    assert (await http.post(f"{gw.url}/v1/chat/completions", json=fits)).status_code == 200
+
+
 async def test_concurrent_sessions_per_key(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
