@@ -67,6 +67,14 @@ async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str
 async def finish_session(body: SessionFinish, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
     """`{reward?, rewards?, metadata?}`: `reward` is the session's, `rewards` one per sample (their count must be
     the session's sample count, else 400 and the session stays active). Idempotent: a finished session answers
-    its entry again, the first finish's rewards standing."""
+    its entry again; other rewards than it was finished with are a 409. `delivered` false: the session had no
+    sample and no group, and the trainer gets nothing (`stream_id` null)."""
     stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
-    return {"id": session_id, "object": "session", "status": "finished", "stream_id": stream_id}
+    delivered = bool(stream_id)
+    return {
+        "id": session_id,
+        "object": "session",
+        "status": "finished",
+        "stream_id": stream_id if delivered else None,
+        "delivered": delivered,
+    }

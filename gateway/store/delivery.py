@@ -44,7 +44,17 @@ class Delivery:
 
     async def deliver(self, meta: SessionMeta) -> str:
         """Steps (3)-(5) for a finished session; its real entry's id. Safe to run any number of times,
-        concurrently."""
+        concurrently. A session with no sample and no group is not delivered (nothing to train on, and anyone could
+        fill the trainer's backlog with them): "" and out of the repair set. A group's empty member is delivered:
+        its group is complete only with it."""
+        if meta.sample_count == 0 and meta.group_id is None:
+            undelivered = self._core.keys.undelivered
+
+            def confirm(pipe: Pipeline) -> None:
+                pipe.srem(undelivered, meta.id)
+
+            await self._core.batched(confirm, "confirm an empty session")
+            return ""
         entry_id = await self.append_entry(meta)
         return await self.claim_entry(meta.id, entry_id)
 

@@ -3,6 +3,8 @@ next turn of a response chain reads it (`gateway.response_records`)."""
 
 from __future__ import annotations
 
+from redis.asyncio.client import Pipeline
+
 from gateway.errors import StoreError
 from gateway.store.core import StoreCore
 from gateway.store.keys import call, text
@@ -22,8 +24,12 @@ class ResponseKeys:
 
     async def save(self, response_id: str, payload: bytes) -> None:
         """Store a response for `session_idle_ttl_s + ttl_s` (the longest a session it belongs to stays active)."""
-        key = self._core.keys.response(response_id)
-        await call(self._core.client.set(key, payload, ex=self._core.active_ttl_s), "save response")
+        key, ttl = self._core.keys.response(response_id), self._core.active_ttl_s
+
+        def build(pipe: Pipeline) -> None:
+            pipe.set(key, payload, ex=ttl)
+
+        await self._core.batched(build, "save response")  # with the other turns' writes of the moment
 
     async def load(self, response_id: str) -> bytes | None:
         found = await call(self._core.client.get(self._core.keys.response(response_id)), "read response")

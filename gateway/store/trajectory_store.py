@@ -255,8 +255,9 @@ class TrajectoryStore:
         the session's samples is `InvalidRequest`, and the session stays active.
 
         Idempotent: a finished session returns its existing entry id; concurrent calls in this process share
-        one run (the first call's reward and metadata win), and across processes the WATCHed transaction and
-        the `stream_id` claim keep exactly one real entry. The run is shielded: a cancelled caller does not stop
+        one run (a call naming other rewards is a `Conflict`), and across processes the WATCHed transaction and
+        the `stream_id` claim keep exactly one real entry. A session with no sample and no group is finished but
+        not delivered: "" (`Delivery.deliver`). The run is shielded: a cancelled caller does not stop
         it. Redis failures are retried with backoff for `retry_budget_s`, then `StoreError`; a returned id is
         durable. Unknown session: `SessionNotFound`; abandoned: `Conflict`.
         """

@@ -22,7 +22,7 @@ from gateway.config import Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest, Overloaded, SessionNotFound, StoreError
 from gateway.store import Keys, TrajectoryStore, _SampleWrite, connect
-from gateway.trajectory import F32, I32, U8, Sample, StoredChunks
+from gateway.trajectory import F32, I32, U8, Sample, SessionMeta, StoredChunks
 
 KEYS = Keys()
 TTL_S = 3_600
@@ -81,6 +81,13 @@ async def wait_for(condition: Callable[[], Awaitable[bool]], timeout_s: float = 
     while not await condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def with_a_sample(store: TrajectoryStore) -> SessionMeta:
+    """A new session with one sample: one the finish delivers (an empty one it does not)."""
+    meta = await store.create_session()
+    await store.save_sample(meta.id, 0, make_sample())
+    return meta
 
 
 def make_store(client: Redis, **options: Any) -> TrajectoryStore:
@@ -312,7 +319,7 @@ async def test_a_named_session_is_created_once_without_a_transaction(store: Traj
 async def test_a_finish_of_a_session_that_is_not_active_leaves_the_repair_set_as_it_was(
     store: TrajectoryStore, redis: Redis
 ) -> None:
-    idle, done = await store.create_session(), await store.create_session()
+    idle, done = await with_a_sample(store), await with_a_sample(store)
     await redis.zadd(KEYS.active_sessions, {idle.id: 0})
     await redis.hset(KEYS.meta(idle.id), "updated_at", 0)
     assert await store.abandon_idle() == [idle.id]
@@ -332,7 +339,7 @@ async def test_concurrent_finishes_in_one_and_in_two_processes_give_one_entry(
     store: TrajectoryStore, client: Redis, redis: Redis
 ) -> None:
     other = make_store(client)  # a second gateway process on the same Redis
-    one, two, three = [await store.create_session() for _ in range(3)]
+    one, two, three = [await with_a_sample(store) for _ in range(3)]
 
     same = await asyncio.gather(store.finish(one.id, 1.0), store.finish(one.id, 1.0))
     across = await asyncio.gather(store.finish(two.id, 1.0), other.finish(two.id, 1.0))
@@ -352,7 +359,7 @@ async def test_concurrent_finishes_in_one_and_in_two_processes_give_one_entry(
 
 
 async def test_a_cancelled_caller_cannot_half_finish(store: TrajectoryStore, redis: Redis) -> None:
-    meta = await store.create_session()
+    meta = await with_a_sample(store)
     caller = asyncio.create_task(store.finish(meta.id, 1.0))
     await asyncio.sleep(0)  # one turn of the loop: the caller started the run and awaits it; the run has not begun
     running = store._finishing[meta.id]
@@ -387,7 +394,7 @@ async def test_a_crash_between_xadd_and_the_stream_id_claim_is_repaired(store: T
 
 
 async def test_a_duplicate_entry_loses_the_claim_and_is_deleted(store: TrajectoryStore, redis: Redis) -> None:
-    meta = await store.create_session()
+    meta = await with_a_sample(store)
     entry_id = await store.finish(meta.id, 1.0)
     finished = await store.get_session(meta.id)
     assert finished is not None
@@ -401,7 +408,7 @@ async def test_a_duplicate_entry_loses_the_claim_and_is_deleted(store: Trajector
 
 
 async def test_repair_confirms_or_forgets_what_the_undelivered_set_holds(store: TrajectoryStore, redis: Redis) -> None:
-    delivered, in_progress, gone = await store.create_session(), await store.create_session(), "expired-session"
+    delivered, in_progress, gone = await with_a_sample(store), await with_a_sample(store), "expired-session"
     entry_id = await store.finish(delivered.id)
     # A crash after the claim but before SREM; a finish that has not marked its session yet; an expired meta.
     await redis.sadd(KEYS.undelivered, delivered.id, in_progress.id, gone)
@@ -415,7 +422,7 @@ async def test_repair_confirms_or_forgets_what_the_undelivered_set_holds(store: 
 
 async def test_the_periodic_sweeper_repairs_and_abandons(client: Redis, redis: Redis) -> None:
     store = make_store(client, sweep_interval_s=0.05, repair_grace_s=0.0)
-    interrupted, idle = await store.create_session(), await store.create_session()
+    interrupted, idle = await with_a_sample(store), await with_a_sample(store)
     await redis.sadd(KEYS.undelivered, interrupted.id)
     await store._mark_finished(interrupted.id, None, None)  # a finish that died before XADD
     await redis.zadd(KEYS.active_sessions, {idle.id: 0})
@@ -430,7 +437,7 @@ async def test_the_periodic_sweeper_repairs_and_abandons(client: Redis, redis: R
 
 
 async def test_repair_leaves_recent_finishes_to_their_own_finish(store: TrajectoryStore, redis: Redis) -> None:
-    meta = await store.create_session()
+    meta = await with_a_sample(store)
     await redis.sadd(KEYS.undelivered, meta.id)
     await store._mark_finished(meta.id, None, None)
 
@@ -444,12 +451,12 @@ async def test_repair_leaves_recent_finishes_to_their_own_finish(store: Trajecto
 
 async def test_backpressure_refuses_new_sessions_only(client: Redis, redis: Redis) -> None:
     store = make_store(client, max_pending=2, retry_after_s=3.0)
-    first, second, ongoing = [await store.create_session() for _ in range(3)]
+    first, second, ongoing = [await with_a_sample(store) for _ in range(3)]
     await store.finish(first.id)
     await store.finish(second.id)
 
     with pytest.raises(Overloaded) as refused:
-        await store.create_session()
+        await with_a_sample(store)
     assert refused.value.retry_after_s > 0
     with pytest.raises(Overloaded):
         await store.ensure_session("brand-new")
@@ -460,13 +467,13 @@ async def test_backpressure_refuses_new_sessions_only(client: Redis, redis: Redi
     assert await store.pending() == 3
 
     await redis.decr(KEYS.pending, 2)  # the trainer acknowledged two trajectories
-    assert (await store.create_session()).status == "active"
+    assert (await with_a_sample(store)).status == "active"
     await store.aclose()
 
 
 async def test_idle_sessions_are_abandoned_and_never_delivered(store: TrajectoryStore, redis: Redis) -> None:
-    idle, fresh, done = await store.create_session({"group_id": "g"}), await store.create_session(), None
-    done = await store.create_session()
+    idle, fresh, done = await store.create_session({"group_id": "g"}), await with_a_sample(store), None
+    done = await with_a_sample(store)
     await store.save_sample(idle.id, 0, make_sample())
     await store.finish(done.id)
     await redis.zadd(KEYS.active_sessions, {fresh.id: 0})  # a stale index entry; the meta says it is fresh
@@ -618,7 +625,7 @@ async def test_finish_gives_up_after_the_retry_budget(
     own_redis: EmbeddedRedis, own_client: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = make_store(own_client, retry_budget_s=0.5)
-    meta = await store.create_session()
+    meta = await with_a_sample(store)
 
     own_redis.kill()
     with pytest.raises(StoreError, match="retry budget"):
@@ -892,3 +899,19 @@ async def test_consecutive_turns_buffered_in_an_outage_land_in_place(
     assert_same(stored, third)
     assert stored.writer == "t3" and store.stats.samples_moved == 0
     await store.aclose()
+
+
+async def test_an_empty_session_is_finished_but_not_delivered_unless_a_group_needs_it(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    """Issue 38 §7: sessions created and finished with no sample were delivered and counted toward `max_pending`
+    (200 of them in 0.3 s refused every new session with 429). One in a group is delivered: the group needs it."""
+    empty = await store.create_session()
+    member = await store.create_session({"group_id": "g", "group_size": 2, "group_index": 0})
+    assert await store.finish(empty.id, 1.0) == "" == await store.finish(empty.id, 1.0)
+    finished = await store.get_session(empty.id)
+    assert finished is not None and finished.status == "finished" and finished.stream_id is None
+    delivered = await store.finish(member.id, 0.0)
+    summary = {"session_id": member.id, "group_id": "g", "reward": "0.0", "samples": "0"}
+    assert await entries(redis) == [(delivered, summary)]
+    assert await store.pending() == 1 and await redis.smembers(KEYS.undelivered) == set()
