@@ -34,6 +34,7 @@ from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
+from gateway.api.openai_models import TextMetadata
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.api.token_ids import TokenId, first_outside
 from gateway.errors import InvalidRequest
@@ -66,7 +67,7 @@ class GenerateBody(BaseModel):
     sampling_params: GenerateSampling
     stream: bool = False
     return_routed_experts: bool = False
-    metadata: dict[str, str] | None = Field(None, description="The session's metadata (needs `session_id`).")
+    metadata: TextMetadata | None = Field(None, description="The session's metadata (needs `session_id`).")
 
 
 def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from gateway.api.openai_models import Stop, _storable
+from gateway.api.openai_models import Stop, TextMetadata, _storable
 
 
 class _Body(BaseModel):
@@ -211,7 +211,7 @@ class ResponseRequest(_Body):
     stream: bool = False
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     store: bool | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: TextMetadata | None = Field(None, max_length=16)
     text: TextConfig | None = None
     user: str | None = Field(None, max_length=256)
     background: Literal[False] | None = None

@@ -218,3 +218,27 @@ async def test_secrets_never_logged(
     assert "settings:" in caplog.text and "api_keys" in str(raised.value)
     for secret in (AGENT_KEY, AGENT_KEY[:-1] + "Z", ADMIN_TOKEN, f"{ADMIN_TOKEN}-wrong"):
         assert secret not in everything
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/sessions", {"metadata": {"blob": "x" * 20_000}}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 2, "metadata": {"k": "x" * 20_000}}),
+        ("/generate", generate_body([5, 6, 7], 2, session_id="m", metadata={"k": "x" * 20_000})),
+    ],
+)
+async def test_metadata_has_its_own_size_limit(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+    path: str,
+    body: dict[str, Any],
+) -> None:
+    """Issue 38 §7: session metadata was bounded only by the body size (5 × 10 MiB kept 84 MB for a day)."""
+    gw = await gateway_on(make_sim, make_gateway)
+    response = await http.post(f"{gw.url}{path}", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith("metadata"), response.text
+    assert "16384 bytes" in response.json()["error"]["message"]
+    assert await nothing_stored(redis)
