@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, SessionNotFound
 from gateway.routing import ReplicaPool
 from gateway.session_samples import SessionManager
 from gateway.store import metadata_additions
@@ -33,7 +33,14 @@ from gateway.trajectory import SessionMeta
 if TYPE_CHECKING:
     from gateway.turns import PreparedTurn
 
-__all__ = ["SessionLifecycle"]
+__all__ = ["SessionLifecycle", "check_owner"]
+
+
+def check_owner(meta: SessionMeta | None, owner: str | None) -> None:
+    """A session another API key created is a 404 to this one, as if there were none: a key reads, extends and
+    finishes only its own sessions. Sessions made without API keys (no owner) are open to all."""
+    if meta is not None and meta.owner is not None and meta.owner != owner:
+        raise SessionNotFound(f"no session {meta.id!r}", param="session_id")
 
 
 class SessionLifecycle:
@@ -64,12 +71,18 @@ class SessionLifecycle:
         self._open -= 1
         self._check_idle()
 
-    async def begin(self, session_id: str, *, new: bool = False) -> tuple[asyncio.Lock, SessionMeta | None]:
+    async def begin(
+        self, session_id: str, *, new: bool = False, owner: str | None = None
+    ) -> tuple[asyncio.Lock, SessionMeta | None]:
         """Lock the session and load it: the lock the turn holds, and the session's stored meta (None: none yet).
-        `new`: the id was just made up for a one-turn session (nothing to read). Failing, the lock is released."""
+        `new`: the id was just made up for a one-turn session (nothing to read). `owner`: the caller's key id; a
+        session another key created is a 404, as if there were none (`check_owner`). Failing, the lock is
+        released."""
         lock = await self.lock(session_id)
         try:
-            return lock, await self.sessions.open(session_id, new=new)
+            meta = await self.sessions.open(session_id, new=new)
+            check_owner(meta, owner)
+            return lock, meta
         except BaseException:
             self.refused(session_id, new, lock)
             raise
@@ -97,26 +110,32 @@ class SessionLifecycle:
     # -- create, or refuse -----------------------------------------------------------------------------------
 
     async def create(
-        self, session_id: str, one_turn: bool, meta: SessionMeta | None, metadata: dict[str, str] | None = None
+        self,
+        session_id: str,
+        one_turn: bool,
+        meta: SessionMeta | None,
+        metadata: dict[str, str] | None = None,
+        owner: str | None = None,
     ) -> None:
         """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
         request stores nothing), with the request's `metadata` (`gateway.turns`). A new session is refused with 429
         while the trainer lags (backpressure)."""
         if one_turn:
             # 128 random bits we just made: nobody else can know the id.
-            await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True)
+            await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True, owner=owner)
             return
         if meta is None:
-            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True)
+            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True, owner=owner)
+            check_owner(meta, owner)  # another key created it meanwhile
         if metadata and metadata_additions(meta.metadata, metadata, session_id):
             await self.store.add_metadata(session_id, metadata)  # checks again against what is stored then
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.pool.remember(session_id, meta.replica)
 
-    async def create_group(self, members: list[str], metadata: dict[str, Any]) -> None:
+    async def create_group(self, members: list[str], metadata: dict[str, Any], owner: str | None = None) -> None:
         """Record the member sessions of a group in Redis, member i with `group_index` i."""
         for index, member in enumerate(members):
-            await self.store.create_session(metadata | {"group_index": index}, member, absent=True)
+            await self.store.create_session(metadata | {"group_index": index}, member, absent=True, owner=owner)
 
     def refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
         """The turn ends before it generated: nothing of it is stored; the lock is released."""

@@ -376,6 +376,9 @@ class SessionMeta:
     # One reward per sample, in index order, where the finish gave them (`POST /v1/sessions/{id}/finish {rewards}`);
     # stored as their reprs joined by commas.
     rewards: list[float] | None = None
+    # The API key that created the session (its `gateway.quotas.key_id`, never the key): only that key may read,
+    # extend or finish it. None: made on a gateway without API keys, open to all.
+    owner: str | None = None
 
     @property
     def group_id(self) -> str | None:
@@ -395,6 +398,7 @@ class SessionMeta:
             "finished_at": "" if self.finished_at is None else self.finished_at,
             "replica": self.replica or "",
             "rewards": "" if self.rewards is None else ",".join(repr(r) for r in self.rewards),
+            "owner": self.owner or "",
         }
 
     @classmethod
@@ -414,6 +418,7 @@ class SessionMeta:
                 stream_id=fields.get("stream_id") or None,
                 revision=int(fields.get("revision") or 0),
                 rewards=[float(r) for r in fields["rewards"].split(",")] if fields.get("rewards") else None,
+                owner=fields.get("owner") or None,
             )
         except (ValueError, orjson.JSONDecodeError) as exc:
             raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc

@@ -165,7 +165,11 @@ class TurnRunner:
                 f"The model `{model}` does not exist; this gateway serves `{self.model_name}`", param="model"
             )
 
-    async def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> PreparedTurn:
+    async def prepare_chat(
+        self, body: ChatCompletionRequest, session_id: str | None, owner: str | None = None
+    ) -> PreparedTurn:
+        """A chat turn of `session_id` (None: a one-turn session), for the API key `owner` (its key id: a session
+        another key created is a 404, `SessionLifecycle.begin`)."""
         self.check_model(body.model)
         messages, tools = chat_inputs(body)
         self._check_fits(sum(_characters(m.get("content")) for m in messages), "messages")
@@ -173,15 +177,15 @@ class TurnRunner:
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
             prompt = await self.tokenizer.render_async(messages, tools)
-            return await self._prepare_group(base, prompt, messages, tools, body, body.budget, top)
+            return await self._prepare_group(base, prompt, messages, tools, body, body.budget, top, owner)
         one_turn = session_id is None
         sid = session_id or f"chat-{secrets.token_hex(16)}"
-        lock, meta = await self.lifecycle.begin(sid, new=one_turn)
+        lock, meta = await self.lifecycle.begin(sid, new=one_turn, owner=owner)
         try:
             turn = await self.sessions.begin_chat_turn(sid, messages, tools)
             turns = self.sessions.branch(turn, body.n)
             prepared = self._prepare(sid, one_turn, turns, body, body.budget, top, tools, [lock], chat=True)
-            await self.lifecycle.create(sid, one_turn, meta, body.metadata)
+            await self.lifecycle.create(sid, one_turn, meta, body.metadata, owner)
             return prepared
         except BaseException:
             self.lifecycle.refused(sid, one_turn, lock)
@@ -212,7 +216,10 @@ class TurnRunner:
                 self._prefixes.popitem(last=False)
         return ids
 
-    async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> PreparedTurn:
+    async def prepare_completion(
+        self, body: CompletionRequest, session_id: str | None, owner: str | None = None
+    ) -> PreparedTurn:
+        """A raw completion turn; `owner` as `prepare_chat`'s."""
         self.check_model(body.model)
         if isinstance(body.prompt, str):
             self._check_fits(len(body.prompt), "prompt")
@@ -227,16 +234,16 @@ class TurnRunner:
         budget, top = body.max_tokens or 16, body.logprobs or 0
         if body.group:
             return await self._prepare_group(
-                session_id or f"cmpl-{secrets.token_hex(16)}", prompt, [], None, body, budget, top
+                session_id or f"cmpl-{secrets.token_hex(16)}", prompt, [], None, body, budget, top, owner
             )
         one_turn = session_id is None
         sid = session_id or f"cmpl-{secrets.token_hex(16)}"
-        lock, meta = await self.lifecycle.begin(sid, new=one_turn)
+        lock, meta = await self.lifecycle.begin(sid, new=one_turn, owner=owner)
         try:
             turn = await self.sessions.begin_completion_turn(sid, prompt)
             turns = self.sessions.branch(turn, body.n)
             prepared = self._prepare(sid, one_turn, turns, body, budget, top, None, [lock])
-            await self.lifecycle.create(sid, one_turn, meta, body.metadata)
+            await self.lifecycle.create(sid, one_turn, meta, body.metadata, owner)
             return prepared
         except BaseException:
             self.lifecycle.refused(sid, one_turn, lock)
@@ -251,13 +258,14 @@ class TurnRunner:
         stream: bool,
         want_routed_experts: bool,
         metadata: dict[str, str] | None = None,
+        owner: str | None = None,
     ) -> PreparedTurn:
         """A token-in/token-out turn of a session (`POST /generate` with `session_id`): `prompt_ids` are the caller's,
         taken as they are. Where they extend one of the session's samples (its prompt and response ids, then more),
         the turn continues that sample, the extension an environment span (loss mask 0), as a raw completion does
         (`SessionManager.begin_completion_turn`); else a new sample starts in the session. The session is created on
         first use; a finished one is a 409. The caller checked the ids and the context length."""
-        lock, meta = await self.lifecycle.begin(session_id)
+        lock, meta = await self.lifecycle.begin(session_id, owner=owner)
         try:
             turn = await self.sessions.begin_completion_turn(session_id, prompt_ids)
             want = want_routed_experts or self.want_routed_experts
@@ -265,7 +273,7 @@ class TurnRunner:
             detokenizer = IncrementalDetokenizer(self.tokenizer)  # unused: the caller decodes, if at all
             choice = Choice(0, turn, request, GenerationState(request), detokenizer, None)
             prepared = PreparedTurn(session_id, False, [choice], turn.prompt_ids, [lock], conversation=False)
-            await self.lifecycle.create(session_id, False, meta, metadata)
+            await self.lifecycle.create(session_id, False, meta, metadata, owner)
             return prepared
         except BaseException:
             self.lifecycle.refused(session_id, False, lock)
@@ -280,6 +288,7 @@ class TurnRunner:
         body: _Sampling,
         budget: int | None,
         top_logprobs: int,
+        owner: str | None,
     ) -> PreparedTurn:
         """The n choices of a group request as the first turns of n new sessions (see the module docstring)."""
         group_id = (body.metadata or {}).get("group_id", base)
@@ -294,7 +303,7 @@ class TurnRunner:
             chat = bool(messages)  # a raw completion's group has none
             prepared = self._prepare(base, False, turns, body, budget, top_logprobs, tools, locks, chat=chat)
             prepared.group_id = group_id
-            await self.lifecycle.create_group(members, metadata)
+            await self.lifecycle.create_group(members, metadata, owner)
             return prepared
         except BaseException:
             for lock in locks:

@@ -55,7 +55,7 @@ async def messages(body: MessagesRequest, raw: Request, svc: ServicesDep) -> Res
     user = body.metadata.user_id if body.metadata else None
     session, metadata = session_of(raw, body.session_id, user, None)
     chat = chat_request(body, metadata)
-    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_chat(chat, session))
+    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(chat, session, owner))
     message_id = f"msg_{new_name()}"
     if body.stream:
         events = message_events(message_id, runner, prepared)

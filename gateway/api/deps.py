@@ -94,4 +94,11 @@ def agent_key(request: Request) -> str:
     return found
 
 
+def session_owner(request: Request) -> str | None:
+    """The owner of the sessions this request creates, and the only one that may use them (`SessionMeta.owner`):
+    its key id; None on a gateway without API keys."""
+    key = agent_key(request)
+    return None if key == ANONYMOUS else key
+
+
 ServicesDep = Annotated[Services, Depends(services)]

@@ -30,7 +30,7 @@ from backends.routed_experts import ExpertArray, encode_npy_b64
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
 from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
-from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
@@ -217,6 +217,7 @@ async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: 
             stream=body.stream,
             want_routed_experts=body.return_routed_experts,
             metadata=body.metadata,
+            owner=session_owner(raw),
         )
     except BaseException:
         lease.release()

@@ -98,7 +98,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(body.budget, budget_param, svc.settings.server)
     session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
-    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_chat(body, session))
+    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(body, session, owner))
     completion_id = new_request_id("chatcmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -226,7 +226,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
     runner = svc.turns
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
-    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_completion(body, session))
+    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_completion(body, session, owner))
     completion_id = new_request_id("cmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

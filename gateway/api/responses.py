@@ -79,7 +79,7 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
         history = await records.conversation(body.previous_response_id, previous)
     chat = _chat_request(body, history, metadata)
     check_messages(len(chat.messages), svc.settings.server)
-    prepared = await prepare_turn(raw, svc, session, lambda: runner.prepare_chat(chat, session))
+    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(chat, session, owner))
     answer = _Answer(body, runner, prepared, records)
     if body.stream:
         return streaming_answer(_relay(raw, answer), runner, prepared)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request
 
-from gateway.api.deps import ServicesDep, require_agent
+from gateway.api.deps import ServicesDep, require_agent, session_owner
 from gateway.api.openai_models import SessionCreate, SessionFinish
-from gateway.errors import SessionNotFound
+from gateway.errors import Conflict, SessionNotFound
+from gateway.services import Services
 from gateway.session_identity import SESSION_ID_PATTERN
+from gateway.session_lifecycle import check_owner
 from gateway.trajectory import SessionMeta
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])
@@ -32,15 +34,28 @@ def _meta(meta: SessionMeta) -> dict[str, Any]:
 
 
 @router.post("", status_code=201)
-async def create_session(body: SessionCreate, svc: ServicesDep) -> dict[str, Any]:
-    return _meta(await svc.store.create_session(body.metadata, body.session_id))
+async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) -> dict[str, Any]:
+    """A new session of the caller's API key (an existing one of that key is answered as it is; another key's id is
+    a 409)."""
+    owner = session_owner(raw)
+    meta = await svc.store.create_session(body.metadata, body.session_id, owner=owner)
+    if meta.owner != owner:
+        raise Conflict(f"session id {meta.id!r} is taken", param="session_id")
+    return _meta(meta)
 
 
-@router.get("/{session_id}")
-async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+async def _own_session(svc: Services, raw: Request, session_id: str) -> SessionMeta:
+    """The session if the caller's key may see it (`check_owner`), else `SessionNotFound`."""
     meta = await svc.store.get_session(session_id)
     if meta is None:
         raise SessionNotFound(f"no session {session_id!r}", param="session_id")
+    check_owner(meta, session_owner(raw))
+    return meta
+
+
+@router.get("/{session_id}")
+async def get_session(raw: Request, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+    meta = await _own_session(svc, raw, session_id)
     samples = await svc.store.load_samples(session_id)
     out = _meta(meta)
     out["samples"] = [
@@ -64,11 +79,15 @@ async def get_session(svc: ServicesDep, session_id: str = SessionId) -> dict[str
 
 
 @router.post("/{session_id}/finish")
-async def finish_session(body: SessionFinish, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+async def finish_session(
+    body: SessionFinish, raw: Request, svc: ServicesDep, session_id: str = SessionId
+) -> dict[str, Any]:
     """`{reward?, rewards?, metadata?}`: `reward` is the session's, `rewards` one per sample (their count must be
     the session's sample count, else 400 and the session stays active). Idempotent: a finished session answers
     its entry again; other rewards than it was finished with are a 409. `delivered` false: the session had no
     sample and no group, and the trainer gets nothing (`stream_id` null)."""
+    if session_owner(raw) is not None:  # a gateway with API keys: only the key that made the session finishes it
+        await _own_session(svc, raw, session_id)
     stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
     delivered = bool(stream_id)
     return {

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
-from gateway.api.deps import agent_key, turn_session
+from gateway.api.deps import agent_key, session_owner, turn_session
 from gateway.api.errors import stream_error
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.services import Services
@@ -65,12 +65,13 @@ def session_of(
 
 
 async def prepare_turn(
-    raw: Request, svc: Services, session: str | None, prepare: Callable[[], Awaitable[PreparedTurn]]
+    raw: Request, svc: Services, session: str | None, prepare: Callable[[str | None], Awaitable[PreparedTurn]]
 ) -> PreparedTurn:
-    """Take the caller's per-key session slot, then prepare the turn; the slot is freed when the turn closes."""
+    """Take the caller's per-key session slot, then prepare the turn (`prepare(owner)`: the caller's
+    `session_owner`, which alone may use the session); the slot is freed when the turn closes."""
     lease = svc.quota.acquire(agent_key(raw), session)
     try:
-        prepared = await prepare()
+        prepared = await prepare(session_owner(raw))
     except BaseException:
         lease.release()
         raise

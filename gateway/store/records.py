@@ -69,8 +69,9 @@ class Sessions:
         *,
         fresh: bool = False,
         absent: bool = False,
+        owner: str | None = None,
     ) -> SessionMeta:
-        """A new active session (a fresh uuid unless `session_id` is given).
+        """A new active session (a fresh uuid unless `session_id` is given), of `owner` (`SessionMeta.owner`).
 
         An existing active session of that id is returned as is (and counts as activity); a finished or
         abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
@@ -82,7 +83,7 @@ class Sessions:
         repeated; a creation of the same id meanwhile is still caught, as for any other.
         """
         if session_id is None or fresh:
-            return await self._create_fresh(metadata, uuid.uuid4().hex if session_id is None else session_id)
+            return await self._create_fresh(metadata, uuid.uuid4().hex if session_id is None else session_id, owner)
         session_id = check_session_id(session_id)
         if not absent:
             existing = await self.touch_session(session_id)
@@ -90,15 +91,15 @@ class Sessions:
                 return existing
         await self._backpressure.check()
         now = time.time()
-        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
+        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now, owner=owner)
         before = await self._create_absent(meta)
         return meta if before is None else await self._reuse(before)
 
-    async def _create_fresh(self, metadata: dict[str, Any] | None, session_id: str) -> SessionMeta:
+    async def _create_fresh(self, metadata: dict[str, Any] | None, session_id: str, owner: str | None) -> SessionMeta:
         """Write a session whose id nobody else knows: backpressure, then index and meta in one round trip."""
         await self._backpressure.check()
         now = time.time()
-        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now)
+        meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now, owner=owner)
         keys = self._core.keys
         key = keys.meta(session_id)
         meta_fields = meta.to_redis()

@@ -161,9 +161,10 @@ class TrajectoryStore:
         *,
         fresh: bool = False,
         absent: bool = False,
+        owner: str | None = None,
     ) -> SessionMeta:
         """A new active session; see `Sessions.create_session`."""
-        return await self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent)
+        return await self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent, owner=owner)
 
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
         """The session named by a client (header or body), created on first use; see `create_session`."""

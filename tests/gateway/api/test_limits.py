@@ -135,7 +135,8 @@ async def test_concurrent_sessions_per_key(
     chat = {"model": "tiny", "messages": USER, "max_tokens": 2}
     refused = await http.post(f"{gw.url}/v1/chat/completions", json=chat, headers=mine)
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
-    assert (await http.post(f"{gw.url}/generate", json=second, headers=other)).status_code == 200  # its own quota
+    theirs = generate_body([5, 6, 7], 2, session_id="theirs")  # a session is its key's own (issue 38 §6)
+    assert (await http.post(f"{gw.url}/generate", json=theirs, headers=other)).status_code == 200  # its own quota
     assert (await first).status_code == 200
     assert (await http.post(f"{gw.url}/generate", json=second, headers=mine)).status_code == 200  # slot freed
     stream = {"model": "tiny", "messages": USER, "max_tokens": 2, "stream": True}

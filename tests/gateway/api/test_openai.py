@@ -312,8 +312,9 @@ async def test_n_samples_of_one_prompt(make_sim: SimFactory, make_gateway: Gatew
 
 async def test_backpressure_429(make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient) -> None:
     _, gw = await gateway_on(make_sim, make_gateway, store={"max_pending": 1})
-    session = (await http.post(f"{gw.url}/v1/sessions", json={})).json()["id"]
-    await http.post(f"{gw.url}/v1/sessions/{session}/finish", json={"reward": 0.5})
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    assert (await http.post(f"{gw.url}/v1/chat/completions", json=chat, headers={"X-Session-ID": "s"})).is_success
+    await http.post(f"{gw.url}/v1/sessions/s/finish", json={"reward": 0.5})  # one delivered, not yet taken
     refused = await http.post(f"{gw.url}/v1/sessions", json={})
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"
