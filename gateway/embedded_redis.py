@@ -19,6 +19,8 @@ Lifecycle invariants:
   Linux it also dies with its owner (a parent-death SIGTERM: Redis flushes the AOF and exits), however the owner
   ended, kill -9 included. Servers are spawned from one long-lived thread, since that signal follows the thread
   that forked the server, not the process.
+* The data is its owner's alone: a data directory it creates is 0700, and the server creates its files (the
+  AOF, the log) under umask 077.
 * One server per data directory: the server writes its pid to `redis.pid` there, and a start on a directory
   whose server still runs (another gateway's, or one still exiting after its owner died) waits up to
   `shutdown_timeout` for it to go, then refuses with `StoreError` naming its pid, never opening the AOF twice.
@@ -141,18 +143,20 @@ def _request_shutdown(port: int) -> bool:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A `preexec_fn` that has the child get SIGTERM when the thread that forked it ends (Linux), else None. libc
-    is loaded here, in the parent: the child only calls into it."""
-    if not os.uname().sysname == "Linux":
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    prctl = libc.prctl
+def _child_setup() -> Callable[[], None]:
+    """The server's `preexec_fn`: files it creates (the AOF, its folder, the log) are its owner's alone (umask 077),
+    and on Linux it gets SIGTERM when the thread that forked it ends. libc is loaded here, in the parent: the child
+    only calls into it."""
+    prctl = None
+    if os.uname().sysname == "Linux":
+        prctl = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
 
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    def setup() -> None:
+        os.umask(0o077)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
-    return die_with_parent
+    return setup
 
 
 _spawner: ThreadPoolExecutor | None = None
@@ -167,7 +171,7 @@ def _spawn(args: list[str], log_file: IO[bytes], cwd: Path) -> subprocess.Popen[
     with _spawner_lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="redis-spawner")
-    preexec = _parent_death_signal()
+    preexec = _child_setup()
 
     def popen() -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -385,7 +389,7 @@ class EmbeddedRedis:
     def _ensure_data_dir(self) -> Path:
         if self._data_dir is None:
             if self._requested_dir is not None:
-                self._requested_dir.mkdir(parents=True, exist_ok=True)
+                self._requested_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the data: its owner's alone
                 self._data_dir = self._requested_dir.resolve()
             else:
                 self._data_dir = Path(tempfile.mkdtemp(prefix="embedded-redis-"))

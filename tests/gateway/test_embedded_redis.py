@@ -368,3 +368,13 @@ def test_a_second_server_on_a_data_dir_in_use_is_refused(tmp_path: Path) -> None
         with socket.create_connection(("127.0.0.1", first.port), timeout=1) as still_serving:
             still_serving.sendall(b"PING\r\n")
             assert still_serving.recv(64) == b"+PONG\r\n"
+
+
+async def test_the_data_is_its_owners_alone(tmp_path: Path) -> None:
+    """Issue 38 §14: a user-supplied data_dir is created 0700 and the server's files (the AOF) are 0600."""
+    data_dir = tmp_path / "fresh" / "data"
+    async with EmbeddedRedis(data_dir=data_dir, appendfsync="always") as server, _client(server) as client:
+        await client.set(b"k", b"v")
+        assert data_dir.stat().st_mode & 0o777 == 0o700
+        aof = [p for p in data_dir.rglob("*") if "appendonly" in p.name]
+        assert aof and all(p.stat().st_mode & 0o077 == 0 for p in aof), [oct(p.stat().st_mode) for p in aof]
