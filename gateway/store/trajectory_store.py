@@ -8,16 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.errors import Conflict, InvalidRequest, SessionNotFound
+from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
 from gateway.store.backpressure import Backpressure
 from gateway.store.buffer import WriteBuffer
-from gateway.store.core import StoreCore, background, cancel
+from gateway.store.core import StoreCore, background, backoff_s, cancel
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
 from gateway.store.keys import Keys
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from gateway.config import RedisConfig, StoreConfig
 
 __all__ = ["TrajectoryStore"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +174,8 @@ class TrajectoryStore:
 
     async def touch_session(self, session_id: str) -> SessionMeta | None:
         """An active session's meta, with activity recorded; None if there is no such session. A finished or
-        abandoned one is a `Conflict`."""
-        return await self._sessions.touch_session(session_id)
+        abandoned one is a `Conflict`. A turn reads it: retried through a Redis outage (`_read`)."""
+        return await self._read(lambda: self._sessions.touch_session(session_id), "read session")
 
     async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
         """Add to an active session's metadata the keys it does not hold; see `Sessions.add_metadata`."""
@@ -236,11 +238,33 @@ class TrajectoryStore:
         raise Conflict(f"session {session_id} is {verdict}; its samples can no longer change", param="session_id")
 
     async def load_samples(self, session_id: str) -> list[Sample]:
-        """The session's samples in index order (gaps skipped), including writes still buffered here."""
-        meta = await self._core.get_session(session_id)
-        found = await read_samples(self._core, session_id, meta.sample_count if meta is not None else 0)
+        """The session's samples in index order (gaps skipped), including writes still buffered here; retried
+        through a Redis outage (`_read`)."""
+
+        async def read() -> dict[int, Any]:
+            meta = await self._core.get_session(session_id)
+            return await read_samples(self._core, session_id, meta.sample_count if meta is not None else 0)
+
+        found = await self._read(read, "read samples")
         found |= self._buffer.waiting(session_id)
         return [Sample.from_redis(found[index]) for index in sorted(found)]
+
+    async def _read(self, read: Callable[[], Awaitable[T]], what: str) -> T:
+        """`read()`, tried again with backoff while Redis is unreachable, for up to `retry_budget_s` (a Redis restart
+        costs a turn a wait, not a 503); then its `StoreError`."""
+        deadline = time.monotonic() + self.retry_budget_s
+        attempt = 0
+        while True:
+            try:
+                return await read()
+            except StoreError as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                attempt += 1
+                delay = min(remaining, backoff_s(attempt))
+                logger.warning("%s failed (%s); retry %d in %.2fs", what, exc, attempt, delay)
+                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
 
     # -- finish and the sweepers ----------------------------------------------------------------------------
 

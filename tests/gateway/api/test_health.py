@@ -4,6 +4,7 @@ request got a 503 naming Redis's host and port)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -44,3 +45,28 @@ async def test_ready_follows_the_store_and_a_503_for_it_names_no_host(
                 return (await http.get(f"{gw.url}/ready")).status_code == 200
 
             await wait_for(ready_again, what="/ready once Redis is back")
+
+
+async def test_a_turn_waits_out_a_short_redis_outage_within_the_retry_budget(
+    make_sim: SimFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """Issue 38 §13: a turn's session read failed after ~2.5 s with a 503 while `redis.retry_budget_s` said 30 s; it
+    is retried with backoff, so a Redis restart costs the agent a wait, not an error."""
+    sim = await make_sim("vllm")
+    async with EmbeddedRedis(data_dir=tmp_path) as redis:
+        settings = Settings(
+            server={"port": 0, "admin_token": ADMIN_TOKEN},
+            redis={"url": redis.url, "retry_budget_s": 20, "socket_timeout_s": 0.5},
+            replicas=[ReplicaConfig(url=sim.url, backend="sim", dialect="vllm")],
+        )
+        async with serve_gateway(settings) as gw:
+            headers = {"X-Session-ID": "outage"}
+            assert (await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers)).status_code == 200
+            gw.services.turns.sessions.forget("outage")  # the next turn reads the session from Redis
+            redis.kill()
+            turn = asyncio.create_task(http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers=headers))
+            await asyncio.sleep(3.0)  # longer than a read used to survive; the outage itself, not a wait on a result
+            assert not turn.done()
+            await redis.arestart()
+            answer = await turn
+            assert answer.status_code == 200, answer.text
