@@ -310,7 +310,7 @@ def test_bad_replica(replica: dict[str, object], expected: str) -> None:
         ({"generation": {"keepalive_expiry_s": 0}}, "generation.keepalive_expiry_s"),
         ({"generation": {"stream_pacing_min_streams": 0}}, "generation.stream_pacing_min_streams"),
         ({"generation": {"stream_pacing_s": 0.5, "read_timeout_s": 0.5}}, "generation"),
-        ({"model": {"tool_parser": "mistral"}}, "model.tool_parser"),
+        ({"model": {"tool_parser": "no-such-format"}}, "model.tool_parser"),
     ],
 )
 def test_bad_values_name_their_key(overrides: dict[str, object], key: str) -> None:
