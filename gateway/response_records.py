@@ -14,7 +14,7 @@ request's `instructions`: a request that names a previous response gives its own
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -47,7 +47,7 @@ class ResponseRecords:
         self._keys = keys
 
     async def save(self, response_id: str, record: ResponseRecord) -> None:
-        await self._keys.save(response_id, orjson.dumps(asdict(record)))
+        await self._keys.save(response_id, orjson.dumps(record))  # orjson writes a dataclass (no deep copy)
 
     async def get(self, response_id: str) -> ResponseRecord:
         """The stored response; `NotFound` if there is none (never stored, `store: false`, or expired)."""
