@@ -38,6 +38,7 @@ from gateway.parsers import (
     ContentDelta,
     ReasoningDelta,
     ReasoningParser,
+    ReasoningStreamDelta,
     StreamingReasoningParser,
     StreamingToolParser,
     ToolCall,
@@ -45,6 +46,7 @@ from gateway.parsers import (
     ToolParser,
     ToolStreamDelta,
     collect_deltas,
+    collect_reasoning,
 )
 from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
@@ -78,6 +80,7 @@ class Choice:
     # What `tool_stream` made: the reply's content and calls are these collected, so that the ids a streamed reply
     # sent are the ids its recorded message holds (the chat templates of some families write them back).
     tool_deltas: list[ToolStreamDelta] = field(default_factory=list)
+    reasoning_deltas: list[ReasoningStreamDelta] = field(default_factory=list)  # what `reasoning_stream` made
 
     @property
     def finish_reason(self) -> str:
@@ -477,11 +480,12 @@ class TurnRunner:
         return event
 
     def _split(
-        self, choice: Choice, event: ChoiceEvent, reasoned: list[ReasoningDelta | ContentDelta] | None, text: str
+        self, choice: Choice, event: ChoiceEvent, reasoned: list[ReasoningStreamDelta] | None, text: str
     ) -> None:
         """Add to `event` the reasoning the reasoning parser made of new text (`reasoned`; None: no such parser, the
         text is all content), and the content and tool calls the tool parser made of the rest."""
         if reasoned is not None:
+            choice.reasoning_deltas += reasoned
             event.reasoning += "".join(d.text for d in reasoned if isinstance(d, ReasoningDelta))
             text = "".join(d.text for d in reasoned if isinstance(d, ContentDelta))
         if choice.tool_stream is None:
@@ -503,8 +507,8 @@ class TurnRunner:
         if choice.tool_stream is not None:
             self._add_tool_deltas(tail, choice.tool_stream.finish(cut=cut))
         content = choice.text
-        if self.reasoning_parser is not None and choice.reasoning_stream is not None:
-            split = self.reasoning_parser.parse(choice.text, choice.prompt_tail)
+        if choice.reasoning_stream is not None:  # the streamed deltas are what `parse(text)` gives
+            split = collect_reasoning(choice.reasoning_deltas)
             choice.reasoning, content = split.reasoning, split.content
         if choice.tool_stream is not None:  # the streamed deltas are what `parse(content)` gives, ids kept
             parsed = collect_deltas(choice.tool_deltas, unfinished=choice.tool_stream.unfinished)
