@@ -1,6 +1,9 @@
-"""The chaos soak: hundreds of multi-turn agent sessions through the official `openai` client while weight
-updates fire every 1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted,
-Redis restarts once and clients disconnect mid-turn. The verdict is read from the trainer side.
+"""The chaos soak: hundreds of multi-turn agent sessions through the official `openai` client, spread over two
+gateways on one Redis (one in this process, one a `rollout-gateway serve` child), while weight updates fire every
+1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, Redis restarts once, the
+child gateway is SIGKILLed once and restarted on its port, and clients disconnect mid-turn. An agent whose gateway
+cannot be reached retries its turn on the other one, as behind a load balancer. The verdict is read from the
+trainer side.
 
 Everything is on loopback, every loop is bounded in count and time, and one seed drives every random choice
 (printed, so a failure can be replayed: `RG_CHAOS_SEED=<seed> python -m pytest tests/chaos`).
@@ -10,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
+import signal
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 import openai
+import yaml
 
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 from backends.sim.server import SimProcess
@@ -29,6 +36,7 @@ from gateway.errors import StoreError
 from gateway.server import RunningGateway, serve_gateway
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import ENV_VERSION, Sample, Trajectory
+from tests.cli_helpers import CLI, free_port
 
 ADMIN_TOKEN = "chaos-admin-token"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -42,7 +50,7 @@ class SoakOptions:
     seed: int = 7
     sessions: int = 300
     turns: tuple[int, int] = (2, 3)
-    max_tokens: tuple[int, int] = (4, 16)
+    max_tokens: tuple[int, int] = (4, 64)
     token_delay_s: float = 0.002
     duration_s: float = 150.0  # hard bound on the agents' phase; the check after it has its own
     update_every_s: tuple[float, float] = (1.0, 2.0)
@@ -54,6 +62,8 @@ class SoakOptions:
     min_kills: int = 2
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
+    # When the child gateway is SIGKILLed (once) and restarted, in seconds after the agents start.
+    gateway_kill_at_s: tuple[float, float] = (4.0, 8.0)
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
     # tokens no version draws (see docs/reliability.md). RG_CHAOS_PREFIX_CACHE=0 turns it off.
     prefix_cache: bool = True
@@ -69,6 +79,8 @@ class SoakReport:
     update_modes: Counter[str] = field(default_factory=Counter)
     kills: int = 0
     redis_restarts: int = 0
+    gateway_kills: int = 0
+    turns_spanning_updates: int = 0  # replies whose tokens span an update with no kill during the turn
     disconnects: int = 0
     resumes: int = 0
     delivered: int = 0
@@ -87,8 +99,9 @@ class SoakReport:
         return (
             f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked}), "
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
-            f"{self.kills}, redis restarts {self.redis_restarts}, client disconnects {self.disconnects}, "
-            f"resumes {self.resumes}, delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}, "
+            f"{self.kills}, redis restarts {self.redis_restarts}, gateway kills {self.gateway_kills}, "
+            f"client disconnects {self.disconnects}, "
+            f"resumes {self.resumes}, replies spanning an update without a kill {self.turns_spanning_updates}, delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}, "
             f"samples checked {self.samples_checked} ({self.tokens_checked} sampled tokens, "
             f"{self.samples_spanning_updates} spanning an update, {self.samples_without_experts} without routed "
             f"experts), documented 503s {self.documented_503}, "
@@ -102,66 +115,74 @@ class Soak:
         self.rng = random.Random(options.seed)
         self.report = SoakReport(seed=options.seed, sessions=options.sessions)
         self.redis = EmbeddedRedis(data_dir=data_dir)
+        self.data_dir = data_dir
         args = ["--token-delay", str(options.token_delay_s), "--enable-return-routed-experts"]
         if not options.prefix_cache:
             args += ["--cache-blocks", "0"]
         self.sims = [SimProcess(["--dialect", d, *args]) for d in DIALECTS]
         self.acked: set[str] = set()
+        self.update_modes: dict[int, set[str]] = {}  # the modes of the updates that asked for each version
+        self.kill_times: list[float] = []  # replica kills, the Redis restart, the gateway kill (monotonic)
         self.agents_done = asyncio.Event()
         self.deadline = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def settings(self) -> Settings:
+    def settings(self, port: int = 0) -> dict[str, Any]:
+        """The gateways' configuration, as the keyword arguments of `Settings` (the child's YAML file too)."""
         replicas = [
             ReplicaConfig(
                 url=s.url,
                 backend="sim",
-                dialect=d,  # type: ignore[arg-type]
+                dialect=d,
                 routed_experts=True,
                 routed_experts_shape=EXPERTS_SHAPE if d == "sglang" else None,
-            )
+            ).model_dump(mode="json", exclude_none=True)
             for s, d in zip(self.sims, DIALECTS, strict=True)
         ]
-        return Settings(
-            server={"port": 0, "admin_token": ADMIN_TOKEN},
-            redis={"url": self.redis.url, "retry_budget_s": 60},
-            replicas=replicas,
-            routing={"health_interval_s": 0.2, "circuit_open_s": 1.0},
-            generation={"max_wait_s": 60, "request_timeout_s": 120},
-        )
+        return {
+            "server": {"port": port, "admin_token": ADMIN_TOKEN},
+            "redis": {"url": self.redis.url, "retry_budget_s": 60},
+            "replicas": replicas,
+            "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
+            "generation": {"max_wait_s": 60, "request_timeout_s": 120},
+        }
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
         await self.redis.astart()
+        child: GatewayChild | None = None
         try:
             for sim in self.sims:
                 await asyncio.to_thread(sim.start)
-            async with serve_gateway(self.settings()) as gw:
-                await self._run(gw)
+            child = GatewayChild(self.settings(port=free_port()), self.data_dir.parent / "gateway-b")
+            await asyncio.to_thread(child.start)
+            async with serve_gateway(Settings(**self.settings())) as gw:
+                await self._run(gw, child)
         finally:
+            if child is not None:
+                await asyncio.to_thread(child.stop)
             for sim in self.sims:
                 await asyncio.to_thread(sim.stop)
             await self.redis.astop()
         self.report.elapsed_s = time.monotonic() - started
         return self.report
 
-    async def _run(self, gw: RunningGateway) -> None:
+    async def _run(self, gw: RunningGateway, child: GatewayChild) -> None:
         self.deadline = time.monotonic() + self.o.duration_s
         limits = httpx.Limits(max_connections=2 * self.o.sessions, max_keepalive_connections=2 * self.o.sessions)
-        http = httpx.AsyncClient(base_url=gw.url, timeout=120, limits=limits)
-        api = openai.AsyncOpenAI(
-            base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120, http_client=http
-        )
+        fronts = [Front.to(url, limits) for url in (gw.url, child.url)]
         # The trainer's calls go through a client of their own, as a trainer's would. Sent on the agents' shared
         # pool (hundreds of connections), `POST /admin/weights` reached the gateway 4-5 s later and returned after
         # 4-11 s, for updates the gateway did in 0.1-0.6 s; from a client of its own it arrives within 0.15 s.
         trainer_http = httpx.AsyncClient(base_url=gw.url, timeout=120)
-        async with (
-            http,
-            trainer_http,
-            TrajectoryConsumer(self.redis.url, "chaos", "trainer-0", claim_idle_s=5) as consumer,
-        ):
+        async with contextlib.AsyncExitStack() as stack:
+            for front in fronts:
+                await stack.enter_async_context(front.http)
+            await stack.enter_async_context(trainer_http)
+            consumer = await stack.enter_async_context(
+                TrajectoryConsumer(self.redis.url, "chaos", "trainer-0", claim_idle_s=5)
+            )
             delivered: Counter[str] = Counter()
             trajectories: list[Trajectory] = []
             trainer = asyncio.create_task(self._trainer(consumer, delivered, trajectories))
@@ -169,9 +190,10 @@ class Soak:
                 asyncio.create_task(self._updates(trainer_http)),
                 asyncio.create_task(self._kills()),
                 asyncio.create_task(self._redis_restart()),
+                asyncio.create_task(self._gateway_kill(child)),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
-            await asyncio.gather(*(self._session(api, http, i, seeds[i]) for i in range(self.o.sessions)))
+            await asyncio.gather(*(self._session(Route(fronts, i), i, seeds[i]) for i in range(self.o.sessions)))
             self.agents_done.set()
             for task in chaos:
                 await task  # each ends at agents_done; an exception in one is a failure of the soak
@@ -181,28 +203,27 @@ class Soak:
 
     # -- the agents ----------------------------------------------------------------------------
 
-    async def _session(self, api: openai.AsyncOpenAI, http: httpx.AsyncClient, index: int, seed: int) -> None:
+    async def _session(self, route: Route, index: int, seed: int) -> None:
         rng = random.Random(seed)
         session = f"chaos-{self.o.seed}-{index}"
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {index}: {rng.random():.6f}"}]
         planned, turn = rng.randint(*self.o.turns), 0
         while turn < planned or self._chaos_pending():
-            reply = await self._turn(api, session, messages, rng)
+            reply = await self._turn(route, session, messages, rng)
             if reply is None:
                 return  # gave up inside the bound: the session is simply never finished
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"go on {turn}"}]
             turn += 1
-        if await self._finish(http, session, rng.random()):
+        if await self._finish(route, session, rng.random()):
             self.acked.add(session)
             self.report.sessions_acked += 1
 
-    async def _turn(
-        self, api: openai.AsyncOpenAI, session: str, messages: list[dict[str, Any]], rng: random.Random
-    ) -> str | None:
+    async def _turn(self, route: Route, session: str, messages: list[dict[str, Any]], rng: random.Random) -> str | None:
         max_tokens = rng.randint(*self.o.max_tokens)
         stream = rng.random() < self.o.stream_rate
         while time.monotonic() < self.deadline:
-            call = asyncio.ensure_future(self._create(api, session, messages, max_tokens, stream))
+            began = time.monotonic()
+            call = asyncio.ensure_future(self._create(route.front.api, session, messages, max_tokens, stream))
             if rng.random() < self.o.disconnect_rate:
                 await asyncio.wait({call}, timeout=rng.uniform(0.0, 0.1))
                 if not call.done():  # the client leaves mid-turn: the connection closes, the agent retries
@@ -212,7 +233,7 @@ class Soak:
                     self.report.disconnects += 1
                     continue
             try:
-                content, finish = await call
+                content, finish, versions = await call
             except openai.APIStatusError as exc:
                 if not self._retryable_status(exc):
                     self.report.violations.append(f"{session}: HTTP {exc.status_code}: {exc.message}")
@@ -220,19 +241,38 @@ class Soak:
                 continue
             except (openai.APIConnectionError, openai.APITimeoutError) as exc:
                 self.report.retries[type(exc).__name__] += 1
+                route.fail_over()
                 continue
             if finish not in ("stop", "length", "tool_calls"):
                 self.report.violations.append(f"{session}: agent-visible finish_reason {finish!r}")
+            self._check_wait(session, versions, began)
             self.report.turns += 1
             return content
         self.report.violations.append(f"{session}: turn not done within the soak's bound")
         return None
 
+    def _check_wait(self, session: str, versions: list[int], began: float) -> None:
+        """A reply whose tokens span a `wait` update was cut by it, unless a kill (of a replica or the gateway) or the
+        Redis restart during the turn explains its resume: `wait` lets every in-flight request end first, on every
+        gateway."""
+        changes = [(a, b) for a, b in itertools.pairwise(versions) if a != b]
+        if not changes or any(began <= at for at in self.kill_times):
+            return
+        self.report.turns_spanning_updates += 1
+        for old, new in changes:
+            if all(self.update_modes.get(v) == {"wait"} for v in range(old + 1, new + 1)):
+                self.report.violations.append(f"{session}: one reply spans the wait update v{old} -> v{new}")
+
     def _chaos_pending(self) -> bool:
         """Whether the soak's least chaos (`min_updates`, `min_kills`, the Redis restart) is still to come while
         there is time for it: the agents keep the gateway busy until then."""
         r = self.report
-        done = r.updates >= self.o.min_updates and r.kills >= self.o.min_kills and r.redis_restarts >= 1
+        done = (
+            r.updates >= self.o.min_updates
+            and r.kills >= self.o.min_kills
+            and r.redis_restarts >= 1
+            and r.gateway_kills >= 1
+        )
         return not done and time.monotonic() < self.deadline - self.o.duration_s / 5
 
     def _retryable_status(self, exc: openai.APIStatusError) -> bool:
@@ -246,7 +286,8 @@ class Soak:
 
     async def _create(
         self, api: openai.AsyncOpenAI, session: str, messages: list[dict[str, Any]], max_tokens: int, stream: bool
-    ) -> tuple[str, str | None]:
+    ) -> tuple[str, str | None, list[int]]:
+        """The reply's text, finish reason and per-token weight versions (the vendor field `rollout`)."""
         kwargs: dict[str, Any] = {
             "model": "tiny",
             "messages": messages,
@@ -256,21 +297,23 @@ class Soak:
         }
         if not stream:
             chat = await api.chat.completions.create(**kwargs)
-            return chat.choices[0].message.content or "", chat.choices[0].finish_reason
-        text, finish = "", None
+            return chat.choices[0].message.content or "", chat.choices[0].finish_reason, _versions(chat)
+        text, finish, versions = "", None, []
         async with await api.chat.completions.create(**kwargs, stream=True) as chunks:
             async for chunk in chunks:
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
                     finish = choice.finish_reason or finish
-        return text, finish
+                versions = _versions(chunk) or versions
+        return text, finish, versions
 
-    async def _finish(self, http: httpx.AsyncClient, session: str, reward: float) -> bool:
+    async def _finish(self, route: Route, session: str, reward: float) -> bool:
         while time.monotonic() < self.deadline:
             try:
-                response = await http.post(f"/v1/sessions/{session}/finish", json={"reward": reward})
+                response = await route.front.http.post(f"/v1/sessions/{session}/finish", json={"reward": reward})
             except httpx.TransportError as exc:
                 self.report.retries[f"finish {type(exc).__name__}"] += 1
+                route.fail_over()
                 continue
             if response.status_code == 200:
                 return True
@@ -295,6 +338,7 @@ class Soak:
         while await self._pause(self.o.update_every_s):
             mode = self.rng.choice(("abort", "keep", "wait"))
             body = {"version": version + 1, "path": f"ckpt-{version + 1}", "mode": mode}
+            self.update_modes.setdefault(version + 1, set()).add(mode)  # before: replies may end under it first
             response = await http.post("/admin/weights", json=body, headers=ADMIN)
             if response.status_code in (200, 207):  # 207: a replica was down (killed); it is stale until it returns
                 version += 1
@@ -320,14 +364,23 @@ class Soak:
     async def _kills(self) -> None:
         while await self._pause(self.o.kill_every_s):
             victim = self.rng.choice(self.sims)
+            self.kill_times.append(time.monotonic())
             await asyncio.to_thread(victim.kill)  # SIGKILL: connections reset mid-generation
             self.report.kills += 1
             await asyncio.to_thread(victim.start)  # the same port, its initial weights
 
     async def _redis_restart(self) -> None:
         if await self._pause((3.0, 6.0)):
+            self.kill_times.append(time.monotonic())
             await self.redis.arestart()
             self.report.redis_restarts += 1
+
+    async def _gateway_kill(self, child: GatewayChild) -> None:
+        if await self._pause(self.o.gateway_kill_at_s):
+            self.kill_times.append(time.monotonic())
+            await asyncio.to_thread(child.kill)  # SIGKILL: its agents' connections drop mid-turn
+            self.report.gateway_kills += 1
+            await asyncio.to_thread(child.start)  # the same port, the same Redis
 
     # -- the trainer ---------------------------------------------------------------------------
 
@@ -373,6 +426,82 @@ class Soak:
                 # A segment cut by a crash before the engine sent its experts leaves them unknown: the sample then
                 # has none (never misaligned ones). Counted and printed; see docs/reliability.md.
                 r.samples_without_experts += sample.routed_experts is None
+
+
+@dataclass
+class Front:
+    """One gateway as the agents reach it."""
+
+    http: httpx.AsyncClient
+    api: openai.AsyncOpenAI
+
+    @classmethod
+    def to(cls, url: str, limits: httpx.Limits) -> Front:
+        http = httpx.AsyncClient(base_url=url, timeout=120, limits=limits)
+        return cls(http, openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http))
+
+
+@dataclass
+class Route:
+    """The gateway an agent talks to: the `index`-th, round robin; a connection error moves it on to the next, as
+    a load balancer would."""
+
+    fronts: list[Front]
+    index: int
+
+    @property
+    def front(self) -> Front:
+        return self.fronts[self.index % len(self.fronts)]
+
+    def fail_over(self) -> None:
+        self.index += 1
+
+
+class GatewayChild:
+    """The second gateway: `rollout-gateway serve` in a process of its own, on a fixed port, configured by a YAML
+    file, so that it can be SIGKILLed and started again where agents expect it."""
+
+    def __init__(self, settings: dict[str, Any], folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config = folder / "config.yaml"
+        self.config.write_text(yaml.safe_dump(settings))
+        self.log = folder / "serve.log"
+        self.url = f"http://127.0.0.1:{settings['server']['port']}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        with self.log.open("ab") as log:  # the child keeps its own descriptor
+            command = [*CLI, "serve", "--config", str(self.config), "--log-level", "warning"]
+            self.process = process = subprocess.Popen(command, stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the child gateway did not come up; its log ends:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def _versions(answer: openai.BaseModel) -> list[int]:
+    """The per-token weight versions of the first choice, from the vendor field `rollout` (empty when absent)."""
+    rollout = (answer.model_extra or {}).get("rollout") or {}
+    choices = rollout.get("choices") or [{}]
+    return list(choices[0].get("versions") or [])
 
 
 def weights_of(version: int) -> tuple[str, str]:
