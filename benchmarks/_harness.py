@@ -113,6 +113,24 @@ def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 
 
 @contextlib.contextmanager
+def log_tail(log: Path | None, lines: int = 15) -> str:
+    """The last `lines` lines of a child's log file, for an error message."""
+    if log is None or not log.exists():
+        return "(no log)"
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def terminate(process: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
+    """SIGTERM a child that still runs, SIGKILL after `timeout_s`."""
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def sim_replicas(
     args_per_replica: Sequence[Sequence[str]], cpus: Sequence[set[int] | None] = ()
 ) -> Iterator[list[SimProcess]]:
@@ -222,19 +240,11 @@ class GatewayProcess:
         raise BenchmarkError(f"the gateway was not ready within {self.startup_timeout_s} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
-        if self._dir is None or not (self._dir / "gateway.log").exists():
-            return "(no log)"
-        return "\n".join((self._dir / "gateway.log").read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self._dir / "gateway.log" if self._dir is not None else None, lines)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM (graceful: the gateway drains, then stops its embedded Redis), SIGKILL after `timeout_s`."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout_s)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

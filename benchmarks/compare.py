@@ -60,7 +60,6 @@ import itertools
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -82,6 +81,7 @@ from benchmarks._harness import (
     child_pids,
     cpu_seconds,
     free_port,
+    log_tail,
     machine_line,
     pin_process,
     pinned,
@@ -89,6 +89,7 @@ from benchmarks._harness import (
     run_benchmark,
     sim_replica_entry,
     sim_replicas,
+    terminate,
 )
 from benchmarks.litellm_target import LiteLLMProcess, litellm_missing
 from benchmarks.loadgen import Result, session_of
@@ -318,18 +319,10 @@ class RouterProcess:
         raise BenchmarkError(f"{self.name} did not become ready:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 15) -> str:
-        if self.log is None or not self.log.exists():
-            return "(no log)"
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
 
 def api_of(target: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
-from benchmarks._harness import BenchmarkError, free_port, pinned
+from benchmarks._harness import BenchmarkError, free_port, log_tail, pinned, terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = "scripts/bench/litellm_setup.sh"
@@ -101,18 +100,10 @@ class _Child:
         return self.process is not None and self.process.poll() is None
 
     def log_tail(self, lines: int = 15) -> str:
-        if self.log is None or not self.log.exists():
-            return "(no log)"
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log, lines)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
 
 class LiteLLMProcess:
