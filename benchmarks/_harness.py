@@ -112,7 +112,6 @@ def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-@contextlib.contextmanager
 def log_tail(log: Path | None, lines: int = 15) -> str:
     """The last `lines` lines of a child's log file, for an error message."""
     if log is None or not log.exists():
@@ -131,6 +130,7 @@ def terminate(process: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) 
             process.wait()
 
 
+@contextlib.contextmanager
 def sim_replicas(
     args_per_replica: Sequence[Sequence[str]], cpus: Sequence[set[int] | None] = ()
 ) -> Iterator[list[SimProcess]]:
