@@ -193,12 +193,10 @@ def _dialect_from_backend(data: dict[str, Any]) -> Dialect:
     return "sglang" if data["backend"] == "sglang" else "vllm"
 
 
-class ReplicaConfig(_Section):
-    """One engine replica. `dialect` is the wire protocol it speaks: its backend's, or the simulator's choice."""
+class ReplicaFields(_Section):
+    """What a replica is besides where: its engine, protocol and capabilities (`discovery.replica` is one)."""
 
-    url: HttpUrlStr = Field(description="Base URL of the engine's HTTP server.")
     backend: Backend = Field(description="Engine kind: vllm | sglang | sim (the bundled simulator).")
-    id: str = Field(default_factory=_id_from_url, min_length=1, description="Unique name; default host:port.")
     dialect: Dialect = Field(
         default_factory=_dialect_from_backend, description="Protocol; settable only for backend sim."
     )
@@ -220,12 +218,19 @@ class ReplicaConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _dialect_matches_backend(self) -> ReplicaConfig:
+    def _dialect_matches_backend(self) -> ReplicaFields:
         if self.backend != "sim" and self.dialect != self.backend:
             raise ValueError(f"dialect {self.dialect!r} contradicts backend {self.backend!r} (only sim takes one)")
         if self.routed_experts and self.dialect == "sglang" and self.routed_experts_shape is None:
             raise ValueError("routed_experts on an SGLang replica needs routed_experts_shape: [layers, top_k]")
         return self
+
+
+class ReplicaConfig(ReplicaFields):
+    """One engine replica. `dialect` is the wire protocol it speaks: its backend's, or the simulator's choice."""
+
+    url: HttpUrlStr = Field(description="Base URL of the engine's HTTP server.")
+    id: str = Field(default_factory=_id_from_url, min_length=1, description="Unique name; default host:port.")
 
 
 def _unique_ids(replicas: tuple[ReplicaConfig, ...]) -> tuple[ReplicaConfig, ...]:
@@ -241,6 +246,37 @@ DEFAULT_REPLICAS = (
     ReplicaConfig(url="http://127.0.0.1:8001", backend="sim", dialect="vllm"),
     ReplicaConfig(url="http://127.0.0.1:8002", backend="sim", dialect="sglang"),
 )
+
+
+def _check_replicas_from(source: str | None) -> str | None:
+    """`dns://name:port` or `file://path` (relative paths: to the working folder)."""
+    if source is None:
+        return None
+    parts = urlsplit(source)
+    if parts.scheme == "dns":
+        if not parts.hostname or parts.port is None:
+            raise ValueError("a dns:// source names a host and the engines' port, e.g. dns://engines.ns.svc:8000")
+    elif parts.scheme == "file":
+        if not (parts.netloc + parts.path):
+            raise ValueError("a file:// source names a YAML file, e.g. file:///etc/rollout-gateway/replicas.yaml")
+    else:
+        raise ValueError("must be null, dns://name:port or file://path")
+    return source
+
+
+class DiscoveryConfig(_Section):
+    """How `replicas_from` is followed (docs/serving.md, replica discovery)."""
+
+    interval_s: Seconds = Field(5.0, description="Period of re-resolving the name or re-reading the file, seconds.")
+    nameserver: str | None = Field(
+        None,
+        pattern=r"^[^:\s]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$",
+        description="dns://: the DNS server to ask, host:port; null: the system's (/etc/resolv.conf).",
+    )
+    replica: ReplicaFields = Field(
+        ReplicaFields(backend="vllm"),
+        description="dns://: the fields of every discovered replica but its url (backend, dialect, routed_experts...).",
+    )
 
 
 class RoutingConfig(_Section):
@@ -389,6 +425,10 @@ class Settings(BaseSettings):
     replicas: Annotated[tuple[ReplicaConfig, ...], AfterValidator(_unique_ids)] = Field(
         DEFAULT_REPLICAS, description="Engine replicas at startup (more via POST /admin/replicas)."
     )
+    replicas_from: Annotated[str | None, AfterValidator(_check_replicas_from)] = Field(
+        None, description="More replicas, followed at run time: dns://name:port | file://path | null."
+    )
+    discovery: DiscoveryConfig = DiscoveryConfig()
     routing: RoutingConfig = RoutingConfig()
     generation: GenerationConfig = GenerationConfig()
     weights: WeightsConfig = WeightsConfig()

@@ -15,6 +15,7 @@ from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
+from gateway.discovery import Discovery, make_source
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
 from gateway.fastpath.engine_client import KeepAlivePool
@@ -98,7 +99,19 @@ class Services:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
         if self.pool.get(config.id) is not None:
             raise Conflict(f"replica {config.id!r} is already in the pool", param="id")
+        return await self._admit(config, self.backend_factory(config, self.settings))
+
+    async def admit_discovered(self, config: ReplicaConfig) -> bool:
+        """Admit a replica that discovery found, once it answers its health probe (False: not now; discovery tries
+        again next round)."""
         backend = self.backend_factory(config, self.settings)
+        if self.pool.get(config.id) is not None or not await backend.health():
+            await backend.aclose()
+            return False
+        await self._admit(config, backend)
+        return True
+
+    async def _admit(self, config: ReplicaConfig, backend: EngineBackend) -> Replica:
         version = await _reported_version(backend)
         replica = self.pool.add(backend, version=version, stale=version != self.weights.version)
         self.replica_configs[config.id] = config
@@ -164,6 +177,26 @@ class Services:
     async def remove_replica(self, replica_id: str) -> Replica:
         self.replica_configs.pop(replica_id, None)
         return await self.pool.remove(replica_id)
+
+    async def remove_discovered(self, replica_id: str) -> None:
+        """Remove a replica its discovery source no longer lists: its streams go on elsewhere, tokens kept."""
+        if self.pool.get(replica_id) is not None:
+            await self.remove_replica(replica_id)
+
+    def follow_discovery(self) -> Discovery | None:
+        """Start following `replicas_from` (None when it is not set); the caller closes what this returns."""
+        if self.settings.replicas_from is None:
+            return None
+        source = make_source(self.settings.replicas_from, self.settings.discovery)
+        discovery = Discovery(
+            source,
+            self.settings.discovery.interval_s,
+            admit=self.admit_discovered,
+            remove=self.remove_discovered,
+            is_known=lambda replica_id: self.pool.get(replica_id) is not None,
+        )
+        discovery.start()
+        return discovery
 
 
 async def _reported_version(backend: EngineBackend) -> int | None:
@@ -287,5 +320,8 @@ async def open_services(
         )
         pool.on_probe = services.verify_replica
         stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close
+        discovery = services.follow_discovery()
+        if discovery is not None:
+            stack.push_async_callback(discovery.aclose)  # closes first: no replica is added while the rest close
         logger.info("gateway ready: %d replicas, weight version %d", len(backends), current, extra={"version": current})
         yield services

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 import gateway.config as config_module
 from gateway.config import (
@@ -81,7 +81,7 @@ def test_repo_config_documents_every_key() -> None:
     data = yaml.safe_load(REPO_CONFIG.read_text())
     assert set(data) == set(Settings.model_fields)
     for section, value in data.items():
-        if section != "replicas":
+        if isinstance(getattr(Settings(), section), BaseModel):  # a section, not a top-level value
             assert set(value) == set(type(getattr(Settings(), section)).model_fields), section
     lines = REPO_CONFIG.read_text().splitlines()
     for key in ReplicaConfig.model_fields:
