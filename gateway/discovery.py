@@ -57,7 +57,8 @@ class DnsSource:
         failures = 0
         for kind in ("A", "AAAA"):
             try:
-                answer = await self.resolver.resolve(self.host, kind)
+                # search: a short name (a Service's) is looked up in the pod's search domains, as resolv.conf says.
+                answer = await self.resolver.resolve(self.host, kind, search=True)
             except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
                 continue  # no record of this kind (or none at all: an empty Service lists no replica)
             except dns.exception.DNSException as exc:
