@@ -1,0 +1,206 @@
+"""A real Redis Cluster on this host, for tests and benchmarks: `masters` primaries and `replicas_per_master`
+replicas of each, every one an `EmbeddedRedis` (the same binary, data directory and lifecycle) started with
+`cluster-enabled yes`, formed the way an operator forms one by hand: the 16,384 slots split over the masters
+(CLUSTER ADDSLOTSRANGE), every node introduced to the first (CLUSTER MEET), each replica attached to its master
+(CLUSTER REPLICATE); ready once every node reports `cluster_state:ok` and sees every other.
+
+`url` is the gateway's cluster URL, `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node a startup node).
+`kill_master(i)` SIGKILLs a master; with a replica the cluster promotes it after `node_timeout_ms`
+(`wait_for_failover`).
+
+```python
+with LocalRedisCluster() as cluster:
+    client = redis.asyncio.cluster.RedisCluster.from_url(cluster.nodes[0].url)
+```
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import redis
+
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.errors import StoreError
+
+__all__ = ["LocalRedisCluster", "SLOTS"]
+
+SLOTS = 16384
+BUS_PORT_OFFSET = 10000
+_HOST = "127.0.0.1"
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of real `redis-server` processes on 127.0.0.1. Not started by the constructor."""
+
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas_per_master: int = 1,
+        *,
+        data_dir: Path | None = None,
+        node_timeout_ms: int = 1000,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        if masters < 1 or replicas_per_master < 0:
+            raise ValueError("a cluster needs at least one master and a non-negative number of replicas")
+        self.masters_count = masters
+        self.replicas_per_master = replicas_per_master
+        self.node_timeout_ms = node_timeout_ms
+        self.startup_timeout_s = startup_timeout_s
+        config = {
+            "cluster-enabled": "yes",
+            "cluster-config-file": "nodes.conf",
+            "cluster-node-timeout": str(node_timeout_ms),
+            # A replica promoted by a failover serves at once, whatever its last contact with the master.
+            "cluster-replica-validity-factor": "0",
+            # Slots of a dead master without a replica do not stop the rest of the cluster from serving.
+            "cluster-require-full-coverage": "no",
+        }
+        total = masters * (1 + replicas_per_master)
+        self.nodes = [
+            EmbeddedRedis(data_dir=data_dir / f"node-{i}" if data_dir else None, port=port, extra_config=config)
+            for i, port in enumerate(_cluster_ports(total))
+        ]
+
+    @property
+    def url(self) -> str:
+        """The gateway's URL of this cluster: every node is a startup node."""
+        return "redis+cluster://" + ",".join(f"{_HOST}:{node.port}" for node in self.nodes)
+
+    def masters(self) -> list[EmbeddedRedis]:
+        """The nodes that are masters now (a failover changes which)."""
+        return [node for node in self._alive() if _role(node) == "master"]
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            for node in self.nodes:
+                node.start()
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def kill_master(self, index: int = 0) -> EmbeddedRedis:
+        """SIGKILL the `index`-th current master; the node killed."""
+        victim = self.masters()[index]
+        victim.kill()
+        return victim
+
+    def wait_for_failover(self, timeout_s: float = 30.0) -> None:
+        """Until every slot is served again by a live master (a replica promoted) and the live nodes agree."""
+        deadline = time.monotonic() + timeout_s
+        while not self._all_slots_served():
+            if time.monotonic() > deadline:
+                raise StoreError(f"the cluster did not fail over within {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- forming the cluster ------------------------------------------------------------------------------------
+
+    def _form(self) -> None:
+        masters = self.nodes[: self.masters_count]
+        per_master = SLOTS // self.masters_count
+        for index, node in enumerate(masters):
+            first = index * per_master
+            last = SLOTS - 1 if index == self.masters_count - 1 else first + per_master - 1
+            _command(node, "CLUSTER", "ADDSLOTS", *range(first, last + 1))  # Redis 6 has no RANGE
+        for node in self.nodes[1:]:
+            _command(node, "CLUSTER", "MEET", _HOST, self.nodes[0].port)
+        self._wait(lambda: all(len(_known_nodes(node)) == len(self.nodes) for node in self.nodes), "every node met")
+        replicas = self.nodes[self.masters_count :]
+        for index, node in enumerate(replicas):
+            master = masters[index % self.masters_count]
+            master_id = _command(master, "CLUSTER", "MYID")
+            _command(node, "CLUSTER", "REPLICATE", _text(master_id))
+        self._wait(self._formed, "cluster_state:ok with every replica attached")
+
+    def _formed(self) -> bool:
+        if not self._all_slots_served():
+            return False
+        roles = [_role(node) for node in self.nodes]
+        return roles.count("slave") == len(self.nodes) - self.masters_count
+
+    def _all_slots_served(self) -> bool:
+        alive = self._alive()
+        if not alive or not all(_info(node).get("cluster_state") == "ok" for node in alive):
+            return False
+        ports = {node.port for node in alive}
+        ranges = _command(alive[0], "CLUSTER", "SLOTS")
+        served: int = sum(last - first + 1 for first, last, master, *_ in ranges if int(master[1]) in ports)
+        return served == SLOTS
+
+    def _alive(self) -> list[EmbeddedRedis]:
+        return [node for node in self.nodes if node.pid is not None]
+
+    def _wait(self, condition: object, what: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                if callable(condition) and condition():
+                    return
+            except redis.RedisError:
+                pass  # a node still settling (e.g. CLUSTERDOWN): ask again
+            if time.monotonic() > deadline:
+                raise StoreError(f"local Redis Cluster: not {what} within {self.startup_timeout_s:g} s")
+            time.sleep(0.05)
+
+
+def _cluster_ports(count: int) -> list[int]:
+    """`count` free ports whose cluster bus ports (port + 10000: Redis 6 has no `cluster-port`) are free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as data, socket.socket() as bus:
+            data.bind((_HOST, 0))
+            port = data.getsockname()[1]
+            if port > 65535 - BUS_PORT_OFFSET or port in ports:
+                continue
+            try:
+                bus.bind((_HOST, port + BUS_PORT_OFFSET))
+            except OSError:
+                continue
+            ports.append(port)
+    return ports
+
+
+def _command(node: EmbeddedRedis, *args: str | int) -> Any:
+    """One command to one node, on a connection of its own (this runs rarely: forming, watching a failover)."""
+    with redis.Redis(host=_HOST, port=node.port, socket_timeout=2.0) as client:
+        return client.execute_command(*args)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _info(node: EmbeddedRedis) -> dict[str, str]:
+    raw = _text(_command(node, "CLUSTER", "INFO"))
+    return dict(line.split(":", 1) for line in raw.splitlines() if ":" in line)
+
+
+def _known_nodes(node: EmbeddedRedis) -> list[str]:
+    raw = _text(_command(node, "CLUSTER", "NODES"))
+    return [line for line in raw.splitlines() if line and "handshake" not in line]
+
+
+def _role(node: EmbeddedRedis) -> str:
+    role = _command(node, "ROLE")
+    return _text(role[0])

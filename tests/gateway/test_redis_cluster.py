@@ -1,0 +1,60 @@
+"""The local Redis Cluster (gateway/redis_cluster.py): six real redis-server processes formed into 3 masters with
+a replica each; a killed master's replica takes over its slots with the writes it had replicated."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from gateway.redis_cluster import SLOTS, LocalRedisCluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    with LocalRedisCluster(data_dir=Path(tmp_path_factory.mktemp("cluster"))) as running:
+        yield running
+
+
+def client_of(cluster: LocalRedisCluster) -> RedisCluster:
+    return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", node.port) for node in cluster.nodes])
+
+
+async def test_three_masters_share_every_slot_and_each_has_a_replica(cluster: LocalRedisCluster) -> None:
+    client = client_of(cluster)
+    try:
+        ranges = await client.cluster_slots()
+        assert sum(last - first + 1 for first, last in ranges) == SLOTS
+        assert len({tuple(r["primary"]) for r in ranges.values()}) == 3
+        assert all(len(r["replicas"]) == 1 for r in ranges.values())
+        keys = [f"key-{i}" for i in range(64)]  # spread over the three masters
+        assert len({client.keyslot(k) * 3 // SLOTS for k in keys}) == 3
+        for i, key in enumerate(keys):
+            await client.set(key, i)
+        assert [int(await client.get(k)) for k in keys] == list(range(64))
+    finally:
+        await client.aclose()
+
+
+async def test_a_killed_masters_replica_takes_over_with_the_replicated_writes(cluster: LocalRedisCluster) -> None:
+    client = client_of(cluster)
+    try:
+        keys = [f"failover-{i}" for i in range(64)]
+        for i, key in enumerate(keys):
+            await client.set(key, i)
+        for master in cluster.masters():  # every write reached the replicas before the kill
+            node = client.get_node("127.0.0.1", master.port)
+            assert node is not None
+            assert await client.execute_command("WAIT", 1, 5000, target_nodes=node) == 1
+        victim = cluster.kill_master(0)
+        cluster.wait_for_failover()
+        assert victim.port not in {m.port for m in cluster.masters()} and len(cluster.masters()) == 3
+    finally:
+        await client.aclose()
+    client = client_of(cluster)  # a new client: its startup nodes include the dead one
+    try:
+        assert [int(await client.get(k)) for k in keys] == list(range(64))
+    finally:
+        await client.aclose()
