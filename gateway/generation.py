@@ -28,7 +28,7 @@ import numpy as np
 from backends.base import Chunk, SamplingParams, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
-from gateway.errors import DeadlinePassed, ReplicaWentDown
+from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
 from gateway.routing import Replica, ReplicaPool
 from gateway.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
@@ -199,6 +199,8 @@ class Generator:
         self.on_dispatch = on_dispatch
         self.resumes_total = 0
         self.preemptions_total = 0
+        self.interrupted_total = 0  # segments cut because the pool took their replica out
+        self.stalled_total = 0  # streamed segments cut by the stall timeout
         self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
         self.completion_tokens_total = 0  # tokens handed to callers
         self._aborts: set[asyncio.Task[None]] = set()
@@ -545,7 +547,10 @@ class Generator:
             extra={"session_id": state.request.session_id, "replica": replica.id, "version": replica.version},
         )
         if isinstance(exc, ReplicaWentDown):
+            self.interrupted_total += 1
             return  # the pool took the replica out itself
+        if isinstance(exc, ReplicaStalled):
+            self.stalled_total += 1
         if isinstance(exc, BackendUnavailable):
             self.pool.mark_unreachable(replica)
         else:

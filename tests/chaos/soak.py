@@ -1,6 +1,7 @@
 """The chaos soak: hundreds of multi-turn agent sessions through the official `openai` client while weight
-updates fire every 1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted,
-Redis restarts once and clients disconnect mid-turn. The verdict is read from the trainer side.
+updates fire every 1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, or hang
+a few seconds (SIGSTOP, then SIGCONT), Redis restarts once and clients disconnect mid-turn. The verdict is read
+from the trainer side.
 
 Everything is on loopback, every loop is bounded in count and time, and one seed drives every random choice
 (printed, so a failure can be replayed: `RG_CHAOS_SEED=<seed> python -m pytest tests/chaos`).
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -47,11 +50,16 @@ class SoakOptions:
     duration_s: float = 150.0  # hard bound on the agents' phase; the check after it has its own
     update_every_s: tuple[float, float] = (1.0, 2.0)
     kill_every_s: tuple[float, float] = (2.0, 4.0)
+    # A replica hangs (SIGSTOP: its sockets stay open, nothing comes) for `hang_s`, longer than the health probe's
+    # timeout, so that the probe marks it down and its requests resume elsewhere, then goes on (SIGCONT).
+    hang_every_s: tuple[float, float] = (3.0, 6.0)
+    hang_s: tuple[float, float] = (2.5, 4.0)
     # The least chaos a soak must go through: agents past their planned turns go on with more until it happened
     # (within 80 % of `duration_s`). A fast machine finished every episode after one weight update (each admin
     # call then waited seconds on the agents' client pool, see `_run`); the test had nothing to judge.
     min_updates: int = 3
     min_kills: int = 2
+    min_hangs: int = 1
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
@@ -68,9 +76,11 @@ class SoakReport:
     updates: int = 0
     update_modes: Counter[str] = field(default_factory=Counter)
     kills: int = 0
+    hangs: int = 0
     redis_restarts: int = 0
     disconnects: int = 0
     resumes: int = 0
+    segments_cut: Counter[str] = field(default_factory=Counter)
     delivered: int = 0
     lost: int = 0
     duplicated: int = 0
@@ -87,8 +97,10 @@ class SoakReport:
         return (
             f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked}), "
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
-            f"{self.kills}, redis restarts {self.redis_restarts}, client disconnects {self.disconnects}, "
-            f"resumes {self.resumes}, delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}, "
+            f"{self.kills}, replica hangs {self.hangs}, redis restarts {self.redis_restarts}, "
+            f"client disconnects {self.disconnects}, "
+            f"resumes {self.resumes} (segments cut {dict(self.segments_cut)}), delivered {self.delivered}, "
+            f"lost {self.lost}, duplicated {self.duplicated}, "
             f"samples checked {self.samples_checked} ({self.tokens_checked} sampled tokens, "
             f"{self.samples_spanning_updates} spanning an update, {self.samples_without_experts} without routed "
             f"experts), documented 503s {self.documented_503}, "
@@ -106,6 +118,8 @@ class Soak:
         if not options.prefix_cache:
             args += ["--cache-blocks", "0"]
         self.sims = [SimProcess(["--dialect", d, *args]) for d in DIALECTS]
+        # A kill and a hang never act on one replica at once (a SIGCONT must reach the process it stopped).
+        self.sim_locks = {id(sim): asyncio.Lock() for sim in self.sims}
         self.acked: set[str] = set()
         self.agents_done = asyncio.Event()
         self.deadline = 0.0
@@ -168,6 +182,7 @@ class Soak:
             chaos = [
                 asyncio.create_task(self._updates(trainer_http)),
                 asyncio.create_task(self._kills()),
+                asyncio.create_task(self._hangs()),
                 asyncio.create_task(self._redis_restart()),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
@@ -176,7 +191,9 @@ class Soak:
             for task in chaos:
                 await task  # each ends at agents_done; an exception in one is a failure of the soak
             await asyncio.wait_for(trainer, timeout=120)
-            self.report.resumes = gw.services.generator.resumes_total
+            generator = gw.services.generator
+            self.report.resumes = generator.resumes_total
+            self.report.segments_cut.update(replica_out=generator.interrupted_total, stalled=generator.stalled_total)
         self._verdict(delivered, trajectories)
 
     # -- the agents ----------------------------------------------------------------------------
@@ -232,7 +249,12 @@ class Soak:
         """Whether the soak's least chaos (`min_updates`, `min_kills`, the Redis restart) is still to come while
         there is time for it: the agents keep the gateway busy until then."""
         r = self.report
-        done = r.updates >= self.o.min_updates and r.kills >= self.o.min_kills and r.redis_restarts >= 1
+        done = (
+            r.updates >= self.o.min_updates
+            and r.kills >= self.o.min_kills
+            and r.hangs >= self.o.min_hangs
+            and r.redis_restarts >= 1
+        )
         return not done and time.monotonic() < self.deadline - self.o.duration_s / 5
 
     def _retryable_status(self, exc: openai.APIStatusError) -> bool:
@@ -320,9 +342,25 @@ class Soak:
     async def _kills(self) -> None:
         while await self._pause(self.o.kill_every_s):
             victim = self.rng.choice(self.sims)
-            await asyncio.to_thread(victim.kill)  # SIGKILL: connections reset mid-generation
-            self.report.kills += 1
-            await asyncio.to_thread(victim.start)  # the same port, its initial weights
+            async with self.sim_locks[id(victim)]:
+                await asyncio.to_thread(victim.kill)  # SIGKILL: connections reset mid-generation
+                self.report.kills += 1
+                await asyncio.to_thread(victim.start)  # the same port, its initial weights
+
+    async def _hangs(self) -> None:
+        while await self._pause(self.o.hang_every_s):
+            victim = self.rng.choice(self.sims)
+            hang_s = self.rng.uniform(*self.o.hang_s)
+            async with self.sim_locks[id(victim)]:
+                pid = victim.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)  # hung: its connections stay open, nothing more comes
+                self.report.hangs += 1
+                try:
+                    # The hang's length, not synchronisation: the replica stays stopped this long whatever happens.
+                    await asyncio.sleep(hang_s)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
 
     async def _redis_restart(self) -> None:
         if await self._pause((3.0, 6.0)):

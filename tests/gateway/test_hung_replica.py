@@ -117,6 +117,7 @@ async def test_requests_on_a_replica_the_probe_marks_down_resume_elsewhere_at_on
         assert body["output_ids"] == expected_tokens(PROMPT, body["versions"], TOTAL)
         await _check_sample(gw, "hung-stream", result.output_ids, result.final["replicas"])
         await _check_sample(gw, "hung-whole", body["output_ids"], body["replicas"])
+        assert gw.services.generator.interrupted_total >= 2 and gw.services.generator.stalled_total == 0
         assert time.monotonic() - stopped_at < FINISH_WITHIN_S
 
 
@@ -158,3 +159,4 @@ async def test_a_stream_that_stalls_resumes_elsewhere_and_counts_a_failure(
         await _check_sample(gw, "stalled", result.output_ids, result.final["replicas"])
         victim = pool.get(victim_id)
         assert victim is not None and victim.healthy and victim.consecutive_failures == 1
+        assert gw.services.generator.stalled_total == 1 and gw.services.generator.interrupted_total == 0
