@@ -1,7 +1,8 @@
 """A hung replica (a real simulator process stopped with SIGSTOP mid-generation: its sockets stay open, nothing more
 comes) must not hold its requests: once the health probe marks it down they resume on another replica at once, and
 a stream that sends no token for `generation.stall_timeout_s` counts as a failure of its replica and resumes too.
-Either way the caller gets the uninterrupted run's tokens, and the stored sample is one contiguous run of them."""
+Either way the caller gets the uninterrupted run's tokens, and the stored sample is one contiguous run of them. A
+`keep` pause that holds a stream's tokens past the stall timeout is no stall."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import pytest
 from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
-from tests.conftest import GatewayFactory
-from tests.gateway_helpers import PROMPT, Streamed, expected_tokens, generate_body, stream_generate
+from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway_helpers import PROMPT, Streamed, expected_tokens, generate_body, slow, stream_generate
 from tests.sim_helpers import sim_state, wait_for
 
 TOTAL = 400
@@ -160,3 +161,25 @@ async def test_a_stream_that_stalls_resumes_elsewhere_and_counts_a_failure(
         victim = pool.get(victim_id)
         assert victim is not None and victim.healthy and victim.consecutive_failures == 1
         assert gw.services.generator.stalled_total == 1 and gw.services.generator.interrupted_total == 0
+
+
+async def test_a_stream_held_by_a_keep_pause_past_the_stall_timeout_goes_on(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A `keep` pause freezes the engine's requests for as long as the weight sync takes: no token comes, and that
+    is no stall. The stream goes on in the same engine request after the resume."""
+    sim = await make_sim(*slow("vllm", 0.005))
+    gw = await make_gateway([sim], generation={"stall_timeout_s": 0.3})
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 300, session_id="held"), progress))
+    await wait_for(lambda: progress[0] >= 20, what="tokens before the pause")
+    assert (await http.post(f"{gw.url}/admin/pause", json={"mode": "keep"}, headers=ADMIN)).status_code == 200
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": "ckpt-1"}}  # the out-of-band weight sync
+    assert (await http.post(f"{sim.url}/collective_rpc", json=rpc)).status_code == 200
+    await asyncio.sleep(1.0)  # the sync outlasts the stall timeout: the duration under test, not synchronisation
+    assert (await http.post(f"{gw.url}/admin/resume", json={"version": 1}, headers=ADMIN)).status_code == 200
+    result = await task
+    assert result.error is None and result.final["finish_reason"] == "length"
+    assert result.final["num_resumes"] == 0 and set(result.final["versions"]) == {0, 1}
+    assert result.output_ids == expected_tokens(PROMPT, result.final["versions"], 300)
+    assert gw.services.generator.stalled_total == 0
