@@ -96,6 +96,7 @@ class SegmentWatch:
         """The segment ended. A cancellation the watch sent that a layer below turned into another error (a read
         timeout at the same moment) is withdrawn here."""
         self.reading = False
+        self.error = None  # raised by now, if at all: its traceback holds the frame that holds this watch
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None

@@ -22,7 +22,16 @@ from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway_helpers import PROMPT, Streamed, expected_tokens, generate_body, slow, stream_generate
+from tests.gateway_helpers import (
+    PROMPT,
+    Streamed,
+    expected_tokens,
+    generate_body,
+    scrape,
+    slow,
+    stream_generate,
+    value,
+)
 from tests.sim_helpers import sim_state, wait_for
 
 TOTAL = 400
@@ -161,6 +170,9 @@ async def test_a_stream_that_stalls_resumes_elsewhere_and_counts_a_failure(
         victim = pool.get(victim_id)
         assert victim is not None and victim.healthy and victim.consecutive_failures == 1
         assert gw.services.generator.stalled_total == 1 and gw.services.generator.interrupted_total == 0
+        samples = await scrape(http, gw.url)
+        assert value(samples, "rollout_gateway_segments_cut_total", cause="stalled") == 1
+        assert value(samples, "rollout_gateway_segments_cut_total", cause="replica_out") == 0
 
 
 async def test_a_stream_held_by_a_keep_pause_past_the_stall_timeout_goes_on(
