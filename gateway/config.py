@@ -301,6 +301,11 @@ class GenerationConfig(_Section):
     read_timeout_s: Seconds = Field(
         600.0, description="Max gap between bytes from a replica (a whole answer: up to request_timeout_s), seconds."
     )
+    stall_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="A stream silent this long after its first token: its replica failed, resume elsewhere; s, 0: off.",
+    )
     write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
     pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
     keepalive_expiry_s: Seconds = Field(
@@ -316,11 +321,16 @@ class GenerationConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _pacing_within_read_timeout(self) -> GenerationConfig:
+    def _pacing_within_timeouts(self) -> GenerationConfig:
         if self.stream_pacing_s >= self.read_timeout_s:
             raise ValueError(
                 f"stream_pacing_s ({self.stream_pacing_s:g}) must be shorter than read_timeout_s "
                 f"({self.read_timeout_s:g}): a held stream would count as a silent replica"
+            )
+        if 0 < self.stall_timeout_s <= self.stream_pacing_s:
+            raise ValueError(
+                f"stall_timeout_s ({self.stall_timeout_s:g}) must be 0 (off) or longer than stream_pacing_s "
+                f"({self.stream_pacing_s:g}): a held stream would count as a stalled replica"
             )
         return self
 

@@ -12,8 +12,10 @@ GatewayError                      base of every error the gateway raises on purp
 ├── Overloaded                    429: backpressure; carries `retry_after_s`
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
+│   │   └── ReplicaWentDown       503: the pool took the replica out while it generated (resumed elsewhere)
 │   ├── BackendTimeout            504: connect/read/pool timeout
-│   │   └── DeadlinePassed        504: the request's own deadline passed (not retried, no replica blamed)
+│   │   ├── DeadlinePassed        504: the request's own deadline passed (not retried, no replica blamed)
+│   │   └── ReplicaStalled        504: a stream sent no token for generation.stall_timeout_s (resumed elsewhere)
 │   ├── BackendProtocolError      502: the replica answered something the contract does not allow
 │   ├── WeightsNotLoaded          502: the replica refused a weight load and kept the weights it had
 │   └── BackendRejected           400: the replica refused the request itself (not retryable)
@@ -97,6 +99,17 @@ class DeadlinePassed(BackendTimeout):
     retryable = False
 
 
+class ReplicaWentDown(BackendUnavailable):
+    """The pool took the replica out (its health probe failed, its circuit opened) while a request generated on it:
+    the request resumes on another replica at once, with its tokens so far. The pool knows already: nothing more is
+    counted against the replica."""
+
+
+class ReplicaStalled(BackendTimeout):
+    """A streamed engine answer sent no token for `generation.stall_timeout_s` after its first one (a hung engine
+    keeps its sockets open): a failure of its replica, counted; the request resumes on another one."""
+
+
 class WeightsNotUpdated(GatewayError):
     """`POST /admin/weights` loaded the new version on no replica. The gateway's version is unchanged, and every
     replica that kept the previous weights serves on; `details` carries the report (`errors` per replica, `kept`,
@@ -139,6 +152,8 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "Overloaded",
+    "ReplicaStalled",
+    "ReplicaWentDown",
     "SessionNotFound",
     "StoreError",
     "Unauthorized",

@@ -28,8 +28,9 @@ import numpy as np
 from backends.base import Chunk, SamplingParams, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
-from gateway.errors import DeadlinePassed
+from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
 from gateway.routing import Replica, ReplicaPool
+from gateway.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
 from gateway.weights import WeightCoordinator, version_label, version_labels
 
@@ -129,6 +130,7 @@ class GenerationSettings:
     routed_experts: RoutedExpertsPolicy = "splice"
     failure_backoff_s: float = 0.05
     failure_backoff_max_s: float = 2.0
+    stall_timeout_s: float = 60.0  # a streamed segment silent this long after its first chunk: its replica failed
 
 
 class _SegmentRun:
@@ -197,6 +199,8 @@ class Generator:
         self.on_dispatch = on_dispatch
         self.resumes_total = 0
         self.preemptions_total = 0
+        self.interrupted_total = 0  # segments cut because the pool took their replica out
+        self.stalled_total = 0  # streamed segments cut by the stall timeout
         self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
         self.completion_tokens_total = 0  # tokens handed to callers
         self._aborts: set[asyncio.Task[None]] = set()
@@ -347,12 +351,15 @@ class Generator:
         """One segment: the engine answer's chunks absorbed into `state`, the caller's new tokens yielded. The request's
         `deadline` (loop time) went with the answer: its transport's own timer enforces it, streamed or whole."""
         engine_done = False
-        with self.pool.lease(run.replica):
+        watch = SegmentWatch(run.replica.id, self.settings.stall_timeout_s if call.streamed else 0.0, self._quiet_since)
+        with self.pool.lease(run.replica, watch):
             try:
                 if run.preempted_at is not None:
                     self._dispatched(run.preempted_at)
                 async with contextlib.aclosing(call.chunks) as chunks:
+                    watch.first_chunk()
                     async for chunk in chunks:
+                        watch.reading = False
                         engine_done = chunk.finish_reason is not None
                         delta = self._absorb(state, run, chunk, request)
                         if delta is not None:
@@ -360,14 +367,27 @@ class Generator:
                             yield delta
                         if run.finish is not None:
                             break
+                        watch.next_chunk()  # raises if the replica was taken out meanwhile
+                    watch.reading = False
+            except asyncio.CancelledError:
+                error = watch.withdraw()  # the replica was taken out, or stalled: not the caller's cancellation
+                if error is None:
+                    raise
+                raise error from None
             except BackendTimeout:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise self._deadline_passed(run) from None
                 raise
             finally:
+                watch.close()
                 if not engine_done:  # stop string, client gone, or a broken answer: stop the engine request
                     self._abort_in_background(run.replica, call.request_id)
         self.pool.report_success(run.replica)
+
+    def _quiet_since(self) -> float | None:
+        """Since when a silent stream counts as stalled (the last weight update's end); None while an update runs."""
+        weights = self.weights
+        return weights.released_at if weights.serving else None
 
     def _deadline_passed(self, run: _SegmentRun) -> DeadlinePassed:
         return DeadlinePassed(
@@ -526,6 +546,11 @@ class Generator:
             exc,
             extra={"session_id": state.request.session_id, "replica": replica.id, "version": replica.version},
         )
+        if isinstance(exc, ReplicaWentDown):
+            self.interrupted_total += 1
+            return  # the pool took the replica out itself
+        if isinstance(exc, ReplicaStalled):
+            self.stalled_total += 1
         if isinstance(exc, BackendUnavailable):
             self.pool.mark_unreachable(replica)
         else:

@@ -12,6 +12,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_paced_reads_total`      | counter   | replica       | read at scrape from each replica's pacer  |
 | `rollout_gateway_resumes_total`          | counter   |               | read at scrape from `Generator`           |
 | `rollout_gateway_preemptions_total`      | counter   |               | read at scrape from `Generator`           |
+| `rollout_gateway_segments_cut_total`     | counter   | cause         | read at scrape from `Generator`           |
 | `rollout_gateway_resume_latency_seconds` | histogram |               | `Generator.on_resume`, per streamed resume|
 | `rollout_gateway_resume_dispatch_seconds`| histogram |               | `Generator.on_dispatch`, per preemption   |
 | `rollout_gateway_weight_version`         | gauge     |               | read at scrape from the coordinator       |
@@ -136,6 +137,14 @@ class _LiveCollector:
         yield CounterMetricFamily(
             f"{PREFIX}_preemptions", "Segments aborted by a weight update.", src.generator.preemptions_total
         )
+        cut = CounterMetricFamily(
+            f"{PREFIX}_segments_cut",
+            "Segments the gateway cut: replica taken out (probe, circuit) or stalled (generation.stall_timeout_s).",
+            labels=["cause"],
+        )
+        cut.add_metric(["replica_out"], src.generator.interrupted_total)
+        cut.add_metric(["stalled"], src.generator.stalled_total)
+        yield cut
         yield GaugeMetricFamily(f"{PREFIX}_weight_version", "Weight version the pool serves.", src.weights.version)
         yield GaugeMetricFamily(
             f"{PREFIX}_affinity_ratio", "Turns that reached their previous turn's replica.", src.pool.affinity.ratio

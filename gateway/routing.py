@@ -27,6 +27,12 @@ logger = logging.getLogger(__name__)
 RoutingPolicyName = Literal["sticky", "least_loaded", "round_robin"]
 
 
+class InFlight(Protocol):
+    """A request in flight on a replica (`ReplicaPool.lease`) that can be told its replica was taken out."""
+
+    def interrupt(self, reason: str) -> None: ...
+
+
 @dataclass(eq=False)
 class Replica:
     """One engine replica as the gateway sees it."""
@@ -39,6 +45,8 @@ class Replica:
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0
     version: int | None = None
+    # Requests in flight that the pool interrupts when it takes the replica out (`ReplicaPool.lease`).
+    requests: set[InFlight] = field(default_factory=set, repr=False)
     id: str = field(init=False)  # the backend's, kept here: read several times a request
     key: int = field(init=False)
 
@@ -110,19 +118,24 @@ class Lease:
     async one costs several times more per request.
     """
 
-    __slots__ = ("_pool", "_replica")
+    __slots__ = ("_pool", "_replica", "_request")
 
-    def __init__(self, pool: ReplicaPool, replica: Replica) -> None:
+    def __init__(self, pool: ReplicaPool, replica: Replica, request: InFlight | None) -> None:
         self._pool = pool
         self._replica = replica
+        self._request = request
 
     def __enter__(self) -> Replica:
         self._replica.in_flight += 1
+        if self._request is not None:
+            self._replica.requests.add(self._request)
         return self._replica
 
     def __exit__(self, *exc_info: object) -> None:
         replica = self._replica
         replica.in_flight -= 1
+        if self._request is not None:
+            replica.requests.discard(self._request)
         if replica.in_flight == 0:
             self._pool.notify()
 
@@ -240,20 +253,23 @@ class ReplicaPool:
                 raise BackendUnavailable("no replica can serve: all are down, stale or draining")
             await self.wait_for_change(remaining)
 
-    def lease(self, replica: Replica) -> Lease:
-        """Count a request in flight on `replica` for the duration of a `with` block."""
-        return Lease(self, replica)
+    def lease(self, replica: Replica, request: InFlight | None = None) -> Lease:
+        """Count a request in flight on `replica` for the duration of a `with` block; `request`, if given, is
+        interrupted if the pool takes the replica out meanwhile (`take_out`)."""
+        return Lease(self, replica, request)
 
     # -- health --------------------------------------------------------------------------------
 
     def report_failure(self, replica: Replica) -> None:
-        """Passive failure: count it; open the circuit past the threshold (the request moves elsewhere)."""
+        """Passive failure: count it; open the circuit past the threshold (the request moves elsewhere, and so do
+        the others in flight on it: `take_out`)."""
         replica.consecutive_failures += 1
         if replica.consecutive_failures >= self.failure_threshold or not replica.healthy:
             replica.circuit_open_until = time.monotonic() + self.circuit_open_s
             logger.warning(
                 "replica %s: circuit open for %.1fs", replica.id, self.circuit_open_s, extra={"replica": replica.id}
             )
+            self.take_out(replica, "circuit open")
         self.notify()
 
     def report_success(self, replica: Replica) -> None:
@@ -284,7 +300,26 @@ class ReplicaPool:
             if ok:
                 replica.consecutive_failures = 0
                 replica.circuit_open_until = 0.0
+            else:
+                self.take_out(replica, "health probe failed")
             self.notify()
+
+    def take_out(self, replica: Replica, reason: str) -> None:
+        """The replica stopped serving (health probe, circuit): interrupt every request in flight on it, which
+        resumes on another replica with its tokens so far, instead of waiting on a replica that may never answer
+        (a hung engine keeps its sockets open)."""
+        requests = list(replica.requests)
+        if not requests:
+            return
+        logger.warning(
+            "replica %s taken out (%s): %d requests in flight resume elsewhere",
+            replica.id,
+            reason,
+            len(requests),
+            extra={"replica": replica.id},
+        )
+        for request in requests:
+            request.interrupt(reason)
 
     def start_health_checks(self) -> None:
         if self._health_task is None:

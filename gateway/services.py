@@ -265,6 +265,7 @@ async def open_services(
                 request_timeout_s=g.request_timeout_s,
                 max_wait_s=g.max_wait_s,
                 routed_experts=g.routed_experts,
+                stall_timeout_s=g.stall_timeout_s,
             ),
         )
         stack.push_async_callback(generator.aclose)

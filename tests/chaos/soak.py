@@ -1,9 +1,9 @@
 """The chaos soak: hundreds of multi-turn agent sessions through the official `openai` client, spread over two
 gateways on one Redis (one in this process, one a `rollout-gateway serve` child), while weight updates fire every
-1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, Redis restarts once, the
-child gateway is SIGKILLed once and restarted on its port, and clients disconnect mid-turn. An agent whose gateway
-cannot be reached retries its turn on the other one, as behind a load balancer. The verdict is read from the
-trainer side.
+1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, or hang a few seconds
+(SIGSTOP, then SIGCONT), Redis restarts once, the child gateway is SIGKILLed once and restarted on its port, and
+clients disconnect mid-turn. An agent whose gateway cannot be reached retries its turn on the other one, as behind
+a load balancer. The verdict is read from the trainer side.
 
 Everything is on loopback, every loop is bounded in count and time, and one seed drives every random choice
 (printed, so a failure can be replayed: `RG_CHAOS_SEED=<seed> python -m pytest tests/chaos`).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 import signal
 import subprocess
@@ -43,6 +44,7 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 SHAPE = ModelShape()
 DIALECTS = ("vllm", "sglang", "vllm")
 EXPERTS_SHAPE = (2, 2)  # the simulator's default (layers, top_k)
+FAULT_REACH_S = 6.0  # how long before a turn a fault may still cut it (a hang: its length, then the probe's)
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,16 @@ class SoakOptions:
     duration_s: float = 150.0  # hard bound on the agents' phase; the check after it has its own
     update_every_s: tuple[float, float] = (1.0, 2.0)
     kill_every_s: tuple[float, float] = (2.0, 4.0)
+    # A replica hangs (SIGSTOP: its sockets stay open, nothing comes) for `hang_s`, longer than the health probe's
+    # timeout, so that the probe marks it down and its requests resume elsewhere, then goes on (SIGCONT).
+    hang_every_s: tuple[float, float] = (3.0, 6.0)
+    hang_s: tuple[float, float] = (2.5, 4.0)
     # The least chaos a soak must go through: agents past their planned turns go on with more until it happened
     # (within 80 % of `duration_s`). A fast machine finished every episode after one weight update (each admin
     # call then waited seconds on the agents' client pool, see `_run`); the test had nothing to judge.
     min_updates: int = 3
     min_kills: int = 2
+    min_hangs: int = 1
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
     # When the child gateway is SIGKILLed (once) and restarted, in seconds after the agents start.
@@ -78,11 +85,13 @@ class SoakReport:
     updates: int = 0
     update_modes: Counter[str] = field(default_factory=Counter)
     kills: int = 0
+    hangs: int = 0
     redis_restarts: int = 0
     gateway_kills: int = 0
     turns_spanning_updates: int = 0  # replies whose tokens span an update with no kill during the turn
     disconnects: int = 0
     resumes: int = 0
+    segments_cut: Counter[str] = field(default_factory=Counter)
     delivered: int = 0
     lost: int = 0
     duplicated: int = 0
@@ -99,9 +108,11 @@ class SoakReport:
         return (
             f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked}), "
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
-            f"{self.kills}, redis restarts {self.redis_restarts}, gateway kills {self.gateway_kills}, "
-            f"client disconnects {self.disconnects}, "
-            f"resumes {self.resumes}, replies spanning an update without a kill {self.turns_spanning_updates}, delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}, "
+            f"{self.kills}, replica hangs {self.hangs}, redis restarts {self.redis_restarts}, "
+            f"gateway kills {self.gateway_kills}, client disconnects {self.disconnects}, "
+            f"resumes {self.resumes} (segments cut {dict(self.segments_cut)}), replies spanning an update without "
+            f"a kill {self.turns_spanning_updates}, delivered {self.delivered}, "
+            f"lost {self.lost}, duplicated {self.duplicated}, "
             f"samples checked {self.samples_checked} ({self.tokens_checked} sampled tokens, "
             f"{self.samples_spanning_updates} spanning an update, {self.samples_without_experts} without routed "
             f"experts), documented 503s {self.documented_503}, "
@@ -120,9 +131,12 @@ class Soak:
         if not options.prefix_cache:
             args += ["--cache-blocks", "0"]
         self.sims = [SimProcess(["--dialect", d, *args]) for d in DIALECTS]
+        # A kill and a hang never act on one replica at once (a SIGCONT must reach the process it stopped).
+        self.sim_locks = {id(sim): asyncio.Lock() for sim in self.sims}
         self.acked: set[str] = set()
         self.update_modes: dict[int, set[str]] = {}  # the modes of the updates that asked for each version
-        self.kill_times: list[float] = []  # replica kills, the Redis restart, the gateway kill (monotonic)
+        # Replica kills and hangs, the Redis restart, the gateway kill (monotonic): faults that explain a resume.
+        self.kill_times: list[float] = []
         self.agents_done = asyncio.Event()
         self.deadline = 0.0
 
@@ -189,6 +203,7 @@ class Soak:
             chaos = [
                 asyncio.create_task(self._updates(trainer_http)),
                 asyncio.create_task(self._kills()),
+                asyncio.create_task(self._hangs()),
                 asyncio.create_task(self._redis_restart()),
                 asyncio.create_task(self._gateway_kill(child)),
             ]
@@ -198,7 +213,9 @@ class Soak:
             for task in chaos:
                 await task  # each ends at agents_done; an exception in one is a failure of the soak
             await asyncio.wait_for(trainer, timeout=120)
-            self.report.resumes = gw.services.generator.resumes_total
+            generator = gw.services.generator
+            self.report.resumes = generator.resumes_total
+            self.report.segments_cut.update(replica_out=generator.interrupted_total, stalled=generator.stalled_total)
         self._verdict(delivered, trajectories)
 
     # -- the agents ----------------------------------------------------------------------------
@@ -256,7 +273,8 @@ class Soak:
         Redis restart during the turn explains its resume: `wait` lets every in-flight request end first, on every
         gateway."""
         changes = [(a, b) for a, b in itertools.pairwise(versions) if a != b]
-        if not changes or any(began <= at for at in self.kill_times):
+        # A fault shortly before the turn counts too: a hung replica is taken out a probe's timeout after its stop.
+        if not changes or any(began - FAULT_REACH_S <= at for at in self.kill_times):
             return
         self.report.turns_spanning_updates += 1
         for old, new in changes:
@@ -270,6 +288,7 @@ class Soak:
         done = (
             r.updates >= self.o.min_updates
             and r.kills >= self.o.min_kills
+            and r.hangs >= self.o.min_hangs
             and r.redis_restarts >= 1
             and r.gateway_kills >= 1
         )
@@ -364,10 +383,27 @@ class Soak:
     async def _kills(self) -> None:
         while await self._pause(self.o.kill_every_s):
             victim = self.rng.choice(self.sims)
-            self.kill_times.append(time.monotonic())
-            await asyncio.to_thread(victim.kill)  # SIGKILL: connections reset mid-generation
-            self.report.kills += 1
-            await asyncio.to_thread(victim.start)  # the same port, its initial weights
+            async with self.sim_locks[id(victim)]:
+                self.kill_times.append(time.monotonic())
+                await asyncio.to_thread(victim.kill)  # SIGKILL: connections reset mid-generation
+                self.report.kills += 1
+                await asyncio.to_thread(victim.start)  # the same port, its initial weights
+
+    async def _hangs(self) -> None:
+        while await self._pause(self.o.hang_every_s):
+            victim = self.rng.choice(self.sims)
+            hang_s = self.rng.uniform(*self.o.hang_s)
+            async with self.sim_locks[id(victim)]:
+                pid = victim.pid
+                assert pid is not None
+                self.kill_times.append(time.monotonic())
+                os.kill(pid, signal.SIGSTOP)  # hung: its connections stay open, nothing more comes
+                self.report.hangs += 1
+                try:
+                    # The hang's length, not synchronisation: the replica stays stopped this long whatever happens.
+                    await asyncio.sleep(hang_s)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
 
     async def _redis_restart(self) -> None:
         if await self._pause((3.0, 6.0)):

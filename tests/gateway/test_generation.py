@@ -339,7 +339,9 @@ async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_anoth
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     """A preempted request builds its continuation for the replica it ran on before it waits to resume; when that
-    replica is out of the pool by then, the continuation goes to another replica, built for that one."""
+    replica is out of the pool by then, the continuation goes to another replica, built for that one. The replica is
+    taken out without failing (it drains, as before a cache flush): one the probe marks down has its requests
+    interrupted at once (`test_hung_replica.py`), before any preemption."""
     sims = [await make_sim(*slow("vllm", 0.005)) for _ in range(2)]
     gw = await make_gateway(sims, routing={"balance_factor": 0.0})
     n, total = 6, 200
@@ -349,7 +351,9 @@ async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_anoth
     pool = gw.services.pool
     async with streams_under_way(gw, prompts, total, "m") as tasks:
         assert all(r.in_flight for r in pool.all())  # both replicas hold some
-        await http.post(f"{bad.url}/sim/faults", json={"ready": False})  # /health answers 503: ejected
+        out = pool.get(bad_id)
+        assert out is not None
+        out.draining = True  # takes no new request; its streams go on
         await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")
         await http.post(f"{bad.url}/sim/faults", json={"abort_all": True})  # its streams end in abort: preempted
         results = await asyncio.gather(*tasks)
