@@ -113,6 +113,9 @@ class ServerConfig(_Section):
         (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
     )
     admin_token: SecretStr = Field(SecretStr(DEFAULT_ADMIN_TOKEN), description="Bearer token for /admin routes.")
+    metrics_token: SecretStr | None = Field(
+        None, description="Bearer token for /metrics and /dashboard/state; None leaves them open."
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat completion request.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens one request may ask for.")
@@ -460,7 +463,7 @@ def _env_parse_error(exc: SettingsError, environ: Mapping[str, str]) -> str:
 
 
 # Values under these keys are never echoed back in an error message.
-_SECRET_KEYS = {("server", "admin_token"), ("server", "api_keys"), ("redis", "url")}
+_SECRET_KEYS = {("server", "admin_token"), ("server", "metrics_token"), ("server", "api_keys"), ("redis", "url")}
 
 
 def format_validation_error(exc: ValidationError, file: Path | None = None) -> str:

@@ -46,7 +46,7 @@ ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
 
 ERRORS = {
     "400": "Invalid request: malformed, out of range or over a limit; `param` names the field.",
-    "401": "Missing credentials (admin token, or an API key where the gateway requires one).",
+    "401": "Missing credentials (admin token, metrics token or API key, where the gateway requires one).",
     "403": "Wrong credentials.",
     "404": "Unknown model, session or replica.",
     "409": "Conflict, e.g. a weight version that is not newer than the current one.",
