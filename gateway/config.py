@@ -314,6 +314,9 @@ class StoreConfig(_Section):
     session_cache_size: int = Field(
         10000, ge=1, description="Sessions whose samples this process keeps between turns (LRU); others: from Redis."
     )
+    session_cache_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."
+    )
 
 
 class SessionsConfig(_Section):

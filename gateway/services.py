@@ -256,7 +256,13 @@ async def open_services(
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
         # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
-        sessions = SessionManager(tokenizer, trajectories, cache_size=s.session_cache_size, locks=trajectories.locks)
+        sessions = SessionManager(
+            tokenizer,
+            trajectories,
+            cache_size=s.session_cache_size,
+            cache_bytes=s.session_cache_bytes,
+            locks=trajectories.locks,
+        )
         lifecycle = SessionLifecycle(sessions, trajectories, pool)
         turns = TurnRunner(
             generator,

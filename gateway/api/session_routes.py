@@ -89,6 +89,7 @@ async def finish_session(
     if session_owner(raw) is not None:  # a gateway with API keys: only the key that made the session finishes it
         await _own_session(svc, raw, session_id)
     stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
+    svc.turns.forget(session_id)  # no turn extends it any more: its samples leave this process's cache
     delivered = bool(stream_id)
     return {
         "id": session_id,
