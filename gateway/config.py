@@ -122,6 +122,9 @@ class ServerConfig(_Section):
     max_sessions_per_key: int = Field(
         0, ge=0, description="Sessions with a request in flight per API key (per process); 0 = no limit."
     )
+    max_open_sessions_per_key: int = Field(
+        0, ge=0, description="Sessions created and not finished per API key, across processes (Redis); 0 = no limit."
+    )
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
     )
