@@ -15,10 +15,9 @@ sampled tokens; settings:
   in the cache up to its byte bound (`--cache-mib`);
 - `unbounded`: unfinished, with the byte bound out of reach (the count bound alone, as before).
 
-Reported: the gateway's RSS (VmRSS) after start and after each round, the cache's sessions and estimated bytes
-(`/admin/status` does not show them; the gateway's `/metrics` neither: read from the RSS alone), and the RSS growth
-per session and per prompt token of the `unbounded` setting (what a cached session really holds: the figure to check
-`session_samples.TOKEN_BYTES`, the estimate, against). Every turn and finish must answer 200 (exit status 1 else).
+Reported: the gateway's RSS (VmRSS) after start and after each round, and the RSS growth per session and per
+prompt token of the `unbounded` setting (what a cached session really holds: the figure to check the estimate,
+`session_samples.PROMPT_TOKEN_BYTES`, against). Every turn and finish must answer 200 (exit status 1 else).
 
     python -m benchmarks.session_memory
     python -m benchmarks.session_memory --quick

@@ -100,11 +100,13 @@ class Turn:
 
 _UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a stored revision)
 
-# What a cached session costs this process, estimated from its token counts: per token of its samples, the python
-# lists (ids, loss mask, logprobs, versions: pointers and int/float objects), their arrays (`WorkingSample.arrays`)
-# and the conversation text the template renders; per session, the entry's objects. The routed experts' array is
-# counted as it is. `benchmarks/session_memory.py` measures what a session really holds.
-TOKEN_BYTES = 96
+# What a cached session costs this process, estimated from its token counts: per prompt token, the python list of
+# ids (pointers and int objects), its array (`WorkingSample.arrays`) and the text the template rendered; per response
+# token, the lists of ids, loss mask, logprobs (float objects) and versions, and their arrays; per session, the
+# entry's objects. The routed experts' array is counted as it is. `benchmarks/session_memory.py` measures what a
+# session really holds (50 bytes a prompt token, 3,785-token prompts, 2026-11-28).
+PROMPT_TOKEN_BYTES = 56
+RESPONSE_TOKEN_BYTES = 128
 SESSION_BYTES = 2048
 
 
@@ -168,13 +170,14 @@ def _last_id(sample: WorkingSample) -> int:
 
 
 def _footprint(known: _Known) -> int:
-    """The estimated bytes of a cache entry (`TOKEN_BYTES`), from its token counts: never a walk over its tokens."""
+    """The estimated bytes of a cache entry (`PROMPT_TOKEN_BYTES`...), from its token counts, never its tokens."""
     return SESSION_BYTES + sum(_sample_bytes(sample) for sample in known.samples)
 
 
 def _sample_bytes(sample: WorkingSample) -> int:
     experts = sample.routed_experts
-    return sample.length * TOKEN_BYTES + (experts.nbytes if experts is not None else 0)
+    tokens = len(sample.prompt_ids) * PROMPT_TOKEN_BYTES + len(sample.response_ids) * RESPONSE_TOKEN_BYTES
+    return tokens + (experts.nbytes if experts is not None else 0)
 
 
 def _end(sample: WorkingSample) -> tuple[int, int]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import httpx
 
 from gateway.server import RunningGateway
-from gateway.session_samples import SESSION_BYTES, TOKEN_BYTES
+from gateway.session_samples import PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES, SESSION_BYTES
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body
 
 PROMPT_TOKENS, OUT = 100, 4
-ENTRY = SESSION_BYTES + (PROMPT_TOKENS + OUT) * TOKEN_BYTES  # one session of one turn, as the cache counts it
+ENTRY = SESSION_BYTES + PROMPT_TOKENS * PROMPT_TOKEN_BYTES + OUT * RESPONSE_TOKEN_BYTES  # a one-turn session
 
 
 def prompt(session: str) -> list[int]:
@@ -42,8 +42,8 @@ async def test_finishing_a_session_drops_it_from_the_cache(
 async def test_the_byte_bound_evicts_the_least_recently_used_session_which_still_works(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
-    # Room for two sessions of one turn plus a second turn of one of them, not for three sessions.
-    bound = 3 * ENTRY - SESSION_BYTES - 1
+    # Room for two sessions of one turn plus a second turn of one of them (6 response tokens more), not for three.
+    bound = 2 * ENTRY + 6 * RESPONSE_TOKEN_BYTES
     gw = await make_gateway([await make_sim("vllm")], store={"session_cache_bytes": bound})
     sessions = gw.services.turns.sessions
     ids = {name: await turn(http, gw, name, prompt(name)) for name in ("a", "b")}
