@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, SessionNotFound, StoreError
 from gateway.quotas import ANONYMOUS
 from gateway.routing import ReplicaPool
 from gateway.session_samples import SessionManager
@@ -165,8 +165,11 @@ class SessionLifecycle:
             await self.open_sessions.claim(owner or ANONYMOUS, session_id)
 
     async def _release(self, owner: str | None, session_id: str) -> None:
+        """Give back the slot of a session that was not made. Shielded, and quiet if Redis fails: the caller is
+        raising its own error, and a slot left behind frees itself once it expires idle."""
         if self.open_sessions is not None:
-            await asyncio.shield(self.open_sessions.release(owner or ANONYMOUS, session_id))
+            with contextlib.suppress(StoreError):
+                await asyncio.shield(self.open_sessions.release(owner or ANONYMOUS, session_id))
 
     def refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
         """The turn ends before it generated: nothing of it is stored; the lock is released."""

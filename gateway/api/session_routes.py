@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from typing import Any
 
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends, Path, Request
 
 from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
 from gateway.api.openai_models import SessionCreate, SessionFinish
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, SessionNotFound, StoreError
 from gateway.services import Services
 from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.session_lifecycle import check_owner
@@ -47,8 +48,9 @@ async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) ->
     try:
         meta = await svc.store.create_session(body.metadata, session_id, fresh=body.session_id is None, owner=owner)
     except BaseException:
-        if opened is not None:
-            await asyncio.shield(opened.release(agent_key(raw), session_id))
+        if opened is not None:  # quiet if Redis fails too: a slot left behind frees itself once it expires idle
+            with contextlib.suppress(StoreError):
+                await asyncio.shield(opened.release(agent_key(raw), session_id))
         raise
     if meta.owner != owner:
         raise Conflict(f"session id {meta.id!r} is taken", param="session_id")

@@ -56,6 +56,12 @@ async def test_open_sessions_per_key_are_counted_across_two_gateways(
     assert (await http.post(f"{b.url}/v1/sessions/s1/finish", json={"reward": 1.0}, headers=K1)).status_code == 200
     assert (await chat(http, a, "s3", K1)).status_code == 200
     assert refused(await create(http, b, "s4", K1))
+    # A creation refused for another reason (a finished session's id) gives its slot back.
+    assert (await http.post(f"{a.url}/v1/sessions/t1/finish", json={"reward": 0.0}, headers=K2)).status_code == 200
+    assert (await create(http, b, "t1", K2)).status_code == 409
+    opened = a.services.open_sessions
+    assert opened is not None and await opened.count(key_id("key-two")) == 0
+    assert await opened.count(key_id("key-one")) == 2
 
 
 async def test_an_abandoned_session_frees_its_slot_once_it_expires_idle(
