@@ -1,4 +1,5 @@
-"""Bearer-token checks: the admin token for /admin/*, optional API keys for agent routes (with `sessions.identity:
+"""Bearer-token checks: the admin token for /admin/*, an optional metrics token for `/metrics` and the status page's
+data, optional API keys for agent routes (with `sessions.identity:
 api_key`, the agent's key may name its session too: `gateway.session_identity`)."""
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def check_admin(request: Request, admin_token: str) -> None:
         raise Unauthorized("admin routes need 'Authorization: Bearer <admin token>'")
     if not _matches(token, (admin_token,)):
         raise Forbidden("wrong admin token")
+
+
+def check_metrics(request: Request, metrics_token: str | None) -> None:
+    """The observability routes are open when no metrics token is configured; otherwise 401 without a bearer token,
+    403 with a wrong one (neither the admin token nor an API key opens them)."""
+    if metrics_token is None:
+        return
+    token = _bearer(request)
+    if token is None:
+        raise Unauthorized("this route needs 'Authorization: Bearer <metrics token>' (server.metrics_token)")
+    if not _matches(token, (metrics_token,)):
+        raise Forbidden("wrong metrics token")
 
 
 def check_agent(request: Request, api_keys: tuple[str, ...]) -> str:

@@ -113,11 +113,17 @@ class ServerConfig(_Section):
         (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
     )
     admin_token: SecretStr = Field(SecretStr(DEFAULT_ADMIN_TOKEN), description="Bearer token for /admin routes.")
+    metrics_token: SecretStr | None = Field(
+        None, description="Bearer token for /metrics and /dashboard/state; None leaves them open."
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
     max_messages: int = Field(1024, ge=1, description="Most messages in one chat completion request.")
     max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens one request may ask for.")
     max_sessions_per_key: int = Field(
         0, ge=0, description="Sessions with a request in flight per API key (per process); 0 = no limit."
+    )
+    max_open_sessions_per_key: int = Field(
+        0, ge=0, description="Sessions created and not finished per API key, across processes (Redis); 0 = no limit."
     )
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
@@ -357,6 +363,9 @@ class StoreConfig(_Section):
     session_cache_size: int = Field(
         10000, ge=1, description="Sessions whose samples this process keeps between turns (LRU); others: from Redis."
     )
+    session_cache_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."
+    )
 
 
 class SessionsConfig(_Section):
@@ -510,7 +519,7 @@ def _env_parse_error(exc: SettingsError, environ: Mapping[str, str]) -> str:
 
 
 # Values under these keys are never echoed back in an error message.
-_SECRET_KEYS = {("server", "admin_token"), ("server", "api_keys"), ("redis", "url")}
+_SECRET_KEYS = {("server", "admin_token"), ("server", "metrics_token"), ("server", "api_keys"), ("redis", "url")}
 
 
 def format_validation_error(exc: ValidationError, file: Path | None = None) -> str:

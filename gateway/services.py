@@ -27,7 +27,7 @@ from gateway.quotas import SessionQuota
 from gateway.routing import Replica, ReplicaPool
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.session_samples import SessionManager
-from gateway.store import Keys, TrajectoryStore, WeightsBus
+from gateway.store import Keys, OpenSessions, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns import TurnRunner
 from gateway.weights import WeightCoordinator, parse_version
@@ -93,6 +93,7 @@ class Services:
     replica_configs: dict[str, ReplicaConfig] = field(default_factory=dict)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     quota: SessionQuota = field(default_factory=lambda: SessionQuota(0))
+    open_sessions: OpenSessions | None = None  # `server.max_open_sessions_per_key`, across processes
     _catching_up: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
@@ -290,8 +291,17 @@ async def open_services(
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
         # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
-        sessions = SessionManager(tokenizer, trajectories, cache_size=s.session_cache_size, locks=trajectories.locks)
-        lifecycle = SessionLifecycle(sessions, trajectories, pool)
+        sessions = SessionManager(
+            tokenizer,
+            trajectories,
+            cache_size=s.session_cache_size,
+            cache_bytes=s.session_cache_bytes,
+            locks=trajectories.locks,
+        )
+        open_sessions = OpenSessions(
+            redis, Keys(s.prefix), settings.server.max_open_sessions_per_key, s.session_idle_ttl_s
+        )
+        lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions)
         turns = TurnRunner(
             generator,
             lifecycle,
@@ -318,6 +328,7 @@ async def open_services(
             replica_configs={replica.id: replica for replica in settings.replicas},
             metrics=metrics,
             quota=SessionQuota(settings.server.max_sessions_per_key),
+            open_sessions=open_sessions,
         )
         pool.on_probe = services.verify_replica
         stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close

@@ -24,10 +24,12 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, SessionNotFound, StoreError
+from gateway.quotas import ANONYMOUS
 from gateway.routing import ReplicaPool
 from gateway.session_samples import SessionManager
 from gateway.store import metadata_additions
+from gateway.store.open_sessions import OpenSessions
 from gateway.trajectory import SessionMeta
 
 if TYPE_CHECKING:
@@ -47,10 +49,14 @@ class SessionLifecycle:
     """Begins and closes the turns of sessions (see the module docstring). `store`: the `TrajectoryStore`;
     `pool`: where a session placed by an earlier turn is remembered."""
 
-    def __init__(self, sessions: SessionManager, store: Any, pool: ReplicaPool) -> None:
+    def __init__(
+        self, sessions: SessionManager, store: Any, pool: ReplicaPool, open_sessions: OpenSessions | None = None
+    ) -> None:
+        """`open_sessions`: the per-key bound on open sessions (none if None)."""
         self.sessions = sessions
         self.store = store
         self.pool = pool
+        self.open_sessions = open_sessions
         self._open = 0  # turns begun and not yet closed
         self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
         self._idle = asyncio.Event()
@@ -125,17 +131,45 @@ class SessionLifecycle:
             await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True, owner=owner)
             return
         if meta is None:
-            meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True, owner=owner)
+            await self._claim(owner, session_id)
+            try:
+                meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True, owner=owner)
+            except BaseException:
+                await self._release(owner, session_id)
+                raise
             check_owner(meta, owner)  # another key created it meanwhile
+        elif self.open_sessions is not None:
+            await self.open_sessions.touch(owner or ANONYMOUS, session_id)
         if metadata and metadata_additions(meta.metadata, metadata, session_id):
             await self.store.add_metadata(session_id, metadata)  # checks again against what is stored then
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.pool.remember(session_id, meta.replica)
 
     async def create_group(self, members: list[str], metadata: dict[str, Any], owner: str | None = None) -> None:
-        """Record the member sessions of a group in Redis, member i with `group_index` i."""
-        for index, member in enumerate(members):
-            await self.store.create_session(metadata | {"group_index": index}, member, absent=True, owner=owner)
+        """Record the member sessions of a group in Redis, member i with `group_index` i; each one counts as an open
+        session of the key (none is made if they do not all fit)."""
+        claimed: list[str] = []
+        try:
+            for member in members:
+                await self._claim(owner, member)
+                claimed.append(member)
+            for index, member in enumerate(members):
+                await self.store.create_session(metadata | {"group_index": index}, member, absent=True, owner=owner)
+        except BaseException:
+            for member in claimed:
+                await self._release(owner, member)
+            raise
+
+    async def _claim(self, owner: str | None, session_id: str) -> None:
+        if self.open_sessions is not None:
+            await self.open_sessions.claim(owner or ANONYMOUS, session_id)
+
+    async def _release(self, owner: str | None, session_id: str) -> None:
+        """Give back the slot of a session that was not made. Shielded, and quiet if Redis fails: the caller is
+        raising its own error, and a slot left behind frees itself once it expires idle."""
+        if self.open_sessions is not None:
+            with contextlib.suppress(StoreError):
+                await asyncio.shield(self.open_sessions.release(owner or ANONYMOUS, session_id))
 
     def refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
         """The turn ends before it generated: nothing of it is stored; the lock is released."""

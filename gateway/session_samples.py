@@ -7,8 +7,10 @@ messages add (`ChatTokenizer.render_delta`); sampled tokens get loss mask 1, eve
 model produced is never re-tokenized. When the new messages do not extend any sample of the session (history
 rewritten, system prompt or tools changed) a new sample starts, and the session counts it.
 
-A session's samples live in Redis (`TrajectoryStore`); this process keeps a bounded cache of the ones it
-served, so another gateway process can serve the next turn by reading them back. The cache is trusted only at
+A session's samples live in Redis (`TrajectoryStore`); this process keeps a cache of the ones it served, bounded
+by count and by an estimate of its bytes (`_footprint`), least recently used out first, and a finished session
+leaves it at once (`forget`). Any process can serve the next turn of a session it does not hold by reading it
+back. The cache is trusted only at
 the session's revision it was read or written at: every sample write bumps the stored revision, so a turn that
 finds it moved (another process served the session meanwhile, or a write of ours did not land) reads the
 samples back first (`SessionManager.open`).
@@ -98,6 +100,15 @@ class Turn:
 
 _UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a stored revision)
 
+# What a cached session costs this process, estimated from its token counts: per prompt token, the python list of
+# ids (pointers and int objects), its array (`WorkingSample.arrays`) and the text the template rendered; per response
+# token, the lists of ids, loss mask, logprobs (float objects) and versions, and their arrays; per session, the
+# entry's objects. The routed experts' array is counted as it is. `benchmarks/session_memory.py` measures what a
+# session really holds (50 bytes a prompt token, 3,785-token prompts, 2026-11-28).
+PROMPT_TOKEN_BYTES = 56
+RESPONSE_TOKEN_BYTES = 128
+SESSION_BYTES = 2048
+
 
 @dataclass(slots=True)
 class _Known:
@@ -112,6 +123,7 @@ class _Known:
     samples: list[WorkingSample]
     revision: int
     ends: dict[int, dict[int, list[WorkingSample]]] | None = None
+    size: int = 0  # `_footprint` when last counted into the cache's total
 
     def file(self, sample: WorkingSample, was: tuple[int, int] | None = None) -> None:
         """File `sample` under its end, out of `was` (the end it had), if the index is built."""
@@ -157,6 +169,17 @@ def _last_id(sample: WorkingSample) -> int:
     return ids[-1] if ids else _NO_ID
 
 
+def _footprint(known: _Known) -> int:
+    """The estimated bytes of a cache entry (`PROMPT_TOKEN_BYTES`...), from its token counts, never its tokens."""
+    return SESSION_BYTES + sum(_sample_bytes(sample) for sample in known.samples)
+
+
+def _sample_bytes(sample: WorkingSample) -> int:
+    experts = sample.routed_experts
+    tokens = len(sample.prompt_ids) * PROMPT_TOKEN_BYTES + len(sample.response_ids) * RESPONSE_TOKEN_BYTES
+    return tokens + (experts.nbytes if experts is not None else 0)
+
+
 def _end(sample: WorkingSample) -> tuple[int, int]:
     return sample.length, _last_id(sample)
 
@@ -176,13 +199,18 @@ class SessionManager:
         store: SampleStore,
         *,
         cache_size: int = 10_000,
+        cache_bytes: int = 256 * 1024 * 1024,
         locks: SessionLocks | None = None,
     ) -> None:
-        """`locks`: the process's session locks (the store's, `TrajectoryStore.locks`); new ones if None (a
-        manager standing for a process of its own)."""
+        """`cache_size`, `cache_bytes`: the bounds of the cache of sessions (count, and estimated bytes: `_footprint`).
+        `locks`: the process's session locks (the store's, `TrajectoryStore.locks`); new ones if None (a manager
+        standing for a process of its own)."""
         self.tokenizer = tokenizer
         self.store = store
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0  # the estimated bytes of the cached sessions (`_footprint`), at most `cache_bytes`
+        self.evictions = 0
         self.history_rewrites = 0
         self.reloads = 0  # sessions read back because the stored revision had moved past this process's copy
         self._cache: OrderedDict[str, _Known] = OrderedDict()
@@ -259,8 +287,18 @@ class SessionManager:
             known.revision = known.revision + 1 if next_one else _UNKNOWN
 
     def forget(self, session_id: str) -> None:
-        """Drop the session from the cache (a one-turn session, finished with its turn)."""
-        self._cache.pop(session_id, None)
+        """Drop the session from the cache: it is finished (a one-turn session with its turn), no turn extends it."""
+        known = self._cache.pop(session_id, None)
+        if known is not None:
+            self.cached_bytes -= known.size
+
+    def cached(self, session_id: str) -> bool:
+        """Whether this process holds the session's samples (else its next turn reads them from Redis)."""
+        return session_id in self._cache
+
+    @property
+    def cached_sessions(self) -> int:
+        return len(self._cache)
 
     def _distrust(self, session_id: str) -> None:
         known = self._cache.get(session_id)
@@ -268,10 +306,21 @@ class SessionManager:
             known.revision = _UNKNOWN
 
     def _remember(self, session_id: str, known: _Known) -> None:
+        self.forget(session_id)
         self._cache[session_id] = known
-        self._cache.move_to_end(session_id)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)  # a turn in flight keeps its lock and, once recorded, the store has all
+        known.size = 0
+        self._grow(known, _footprint(known))
+
+    def _grow(self, known: _Known, added: int) -> None:
+        """Count `added` bytes more for the entry, then evict the least recently used sessions past either bound. A
+        turn in flight keeps its sample and its lock, and once recorded the store has all: an evicted session's next
+        turn reads it back. The entry just used may go too, if it alone is past the byte bound."""
+        known.size += added
+        self.cached_bytes += added
+        while self._cache and (len(self._cache) > self.cache_size or self.cached_bytes > self.cache_bytes):
+            _, evicted = self._cache.popitem(last=False)
+            self.cached_bytes -= evicted.size
+            self.evictions += 1
 
     async def begin_chat_turn(self, session_id: str, messages: list[Message], tools: list[Tool] | None) -> Turn:
         """Find the sample these messages extend (most recent first) or start a new one.
@@ -352,6 +401,7 @@ class SessionManager:
         """Append the turn to its sample (env ids mask 0, sampled ids mask 1) and return the sample to store."""
         sample = turn.sample
         was = None if turn.new_sample else _end(sample)
+        counted = 0 if turn.new_sample else _sample_bytes(sample)
         sample.segments += _turn_segments(turn, state, len(sample.response_ids))
         sample.num_resumes += state.num_resumes
         ids, mask, logprobs, versions = _turn_entries(turn, state)
@@ -370,6 +420,7 @@ class SessionManager:
             if turn.new_sample:
                 known.samples.append(sample)
             known.file(sample, was)
+            self._grow(known, _sample_bytes(sample) - counted)
         return sample.to_sample()
 
     @staticmethod

@@ -162,6 +162,11 @@ class TurnRunner:
         # sessions as the session cache holds.
         self._prefixes: OrderedDict[str, EncodedPrefix] = OrderedDict()
 
+    def forget(self, session_id: str) -> None:
+        """Drop what this process keeps of a finished session: its samples and its last raw prompt."""
+        self.sessions.forget(session_id)
+        self._prefixes.pop(session_id, None)
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise NotFound(

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from gateway.auth import check_admin, check_agent, check_agent_key
+from gateway.auth import check_admin, check_agent, check_agent_key, check_metrics
 from gateway.errors import NotFound, Unauthorized
 from gateway.quotas import ANONYMOUS
 from gateway.services import Services
@@ -48,6 +48,12 @@ async def require_admin(request: Request) -> None:
     if raw is not None and b"%" in raw.partition(b"?")[0]:
         raise NotFound("no such route (an admin path is never percent-encoded)")
     check_admin(request, _services(request).settings.server.admin_token.get_secret_value())
+
+
+async def require_metrics(request: Request) -> None:
+    """The metrics token (`server.metrics_token`) on `/metrics` and `/dashboard/state`, where one is configured."""
+    token = _services(request).settings.server.metrics_token
+    check_metrics(request, None if token is None else token.get_secret_value())
 
 
 async def require_agent(request: Request) -> None:

@@ -1,9 +1,11 @@
 """Observability routes: `GET /metrics` (Prometheus), `GET /dashboard` (a live status page) and its JSON feed.
 
-No auth, by choice: Prometheus scrapers and an operator's browser read these, and neither carries the admin
-token. They expose no secrets and no per-session data: counters, replica ids and health, the weight version,
-queue depth. Like `/health`, they are meant for the cluster network; put them behind a proxy with auth before
-exposing the gateway beyond it. Everything that changes state stays under `/admin` with the bearer token.
+They expose no secrets and no per-session data: counters, replica ids and health, the weight version, queue depth.
+By default they are open, for a cluster network (Prometheus scrapers and an operator's browser rarely carry the
+admin token). `server.metrics_token` puts `/metrics` and `/dashboard/state` behind a bearer token of their own
+(401 without, 403 wrong); the page itself holds no data and sends the token it finds in its URL's fragment
+(`/dashboard#token=...`: a fragment never reaches a server or its logs). Everything that changes state stays under
+`/admin` with the admin token.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.api.deps import ServicesDep, services_of
+from gateway.api.deps import ServicesDep, require_metrics, services_of
 from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE
 from gateway.services import Services
 
@@ -73,7 +75,7 @@ def count_request(scope: Scope, status: int) -> None:
     services.metrics.observe_request(route.path if isinstance(route, Route) else UNMATCHED_ROUTE, status)
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", include_in_schema=False, dependencies=[Depends(require_metrics)])
 async def metrics(svc: ServicesDep) -> Response:
     """Prometheus text exposition of this gateway process (see gateway/metrics.py for the names)."""
     await svc.metrics.refresh()
@@ -94,7 +96,7 @@ def replica_view(svc: Services) -> list[dict[str, Any]]:
     ]
 
 
-@router.get("/dashboard/state")
+@router.get("/dashboard/state", dependencies=[Depends(require_metrics)])
 async def dashboard_state(svc: ServicesDep, response: Response) -> dict[str, Any]:
     """What the status page shows: a read-only subset of `/admin/status` (no URLs, no tokens)."""
     await svc.metrics.refresh()
@@ -220,9 +222,13 @@ function render(s) {
   $("replicas").replaceWith(body);
 }
 
+// The metrics token, if the gateway needs one, comes in the page's fragment (#token=...), which no server sees.
+const token = new URLSearchParams(location.hash.slice(1)).get("token");
+const headers = token ? { authorization: "Bearer " + token } : {};
+
 async function poll() {
   try {
-    const response = await fetch("dashboard/state", { cache: "no-store" });
+    const response = await fetch("dashboard/state", { cache: "no-store", headers });
     if (!response.ok) throw new Error("HTTP " + response.status);
     render(await response.json());
     $("status").className = "";

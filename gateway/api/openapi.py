@@ -46,12 +46,12 @@ ANTHROPIC_ERROR_SCHEMA: dict[str, Any] = {
 
 ERRORS = {
     "400": "Invalid request: malformed, out of range or over a limit; `param` names the field.",
-    "401": "Missing credentials (admin token, or an API key where the gateway requires one).",
+    "401": "Missing credentials (admin token, metrics token or API key, where the gateway requires one).",
     "403": "Wrong credentials.",
     "404": "Unknown model, session or replica.",
     "409": "Conflict, e.g. a weight version that is not newer than the current one.",
     "413": "Request body over server.max_body_bytes.",
-    "429": "Backpressure (the trainer lags) or per-key concurrency limit; see Retry-After.",
+    "429": "Backpressure (the trainer lags), or a per-key limit (sessions in flight, open sessions); see Retry-After.",
     "502": "An engine replica answered something its protocol does not allow.",
     "503": "No replica could serve within generation.max_wait_s, or Redis is unreachable past its retry budget.",
     "504": "An engine replica timed out.",

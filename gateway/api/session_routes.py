@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request
 
-from gateway.api.deps import ServicesDep, require_agent, session_owner
+from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
 from gateway.api.openai_models import SessionCreate, SessionFinish
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, SessionNotFound, StoreError
 from gateway.services import Services
 from gateway.session_identity import SESSION_ID_PATTERN
 from gateway.session_lifecycle import check_owner
@@ -38,7 +41,17 @@ async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) ->
     """A new session of the caller's API key (an existing one of that key is answered as it is; another key's id is
     a 409)."""
     owner = session_owner(raw)
-    meta = await svc.store.create_session(body.metadata, body.session_id, owner=owner)
+    session_id = body.session_id or uuid.uuid4().hex
+    opened = svc.open_sessions
+    if opened is not None:
+        await opened.claim(agent_key(raw), session_id)  # 429 past server.max_open_sessions_per_key
+    try:
+        meta = await svc.store.create_session(body.metadata, session_id, fresh=body.session_id is None, owner=owner)
+    except BaseException:
+        if opened is not None:  # quiet if Redis fails too: a slot left behind frees itself once it expires idle
+            with contextlib.suppress(StoreError):
+                await asyncio.shield(opened.release(agent_key(raw), session_id))
+        raise
     if meta.owner != owner:
         raise Conflict(f"session id {meta.id!r} is taken", param="session_id")
     return _meta(meta)
@@ -89,6 +102,9 @@ async def finish_session(
     if session_owner(raw) is not None:  # a gateway with API keys: only the key that made the session finishes it
         await _own_session(svc, raw, session_id)
     stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
+    svc.turns.forget(session_id)  # no turn extends it any more: its samples leave this process's cache
+    if svc.open_sessions is not None:
+        await svc.open_sessions.release(agent_key(raw), session_id)  # its slot of the key's open sessions
     delivered = bool(stream_id)
     return {
         "id": session_id,

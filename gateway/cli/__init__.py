@@ -73,9 +73,11 @@ def serve(
     embedded = not settings.redis.url
 
     def print_redis(url: str) -> None:
-        # Printed, not logged: a trainer needs this URL whatever the log level (the embedded one is new each run).
+        # Printed, not logged: a trainer needs this URL whatever the log level (the embedded one is new each run,
+        # and so is its password, which it carries: the trainer cannot connect without it). A configured URL's
+        # credentials are the operator's, who has them: never printed.
         where = " (embedded redis-server; it stops with the gateway)" if embedded else ""
-        typer.echo(f"rollout-gateway: Redis at {without_credentials(url)}{where}", err=True)
+        typer.echo(f"rollout-gateway: Redis at {url if embedded else without_credentials(url)}{where}", err=True)
 
     if workers > 1:
         from gateway.workers import serve_workers

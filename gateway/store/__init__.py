@@ -8,6 +8,7 @@ One module per concept:
 - `records`: session metas (create, read, activity, metadata); `backpressure`: `rg:pending`;
 - `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
 - `locks`: `SessionLocks`, the per-session locks of this process (a session's turns; its sample writes);
+- `open_sessions`: `OpenSessions`, the open sessions of each API key (`server.max_open_sessions_per_key`);
 - `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
 - `responses`: the Responses API's stored responses, and a sample's conversation read without its arrays;
 - `weights_bus`: `WeightsBus` (weight version, update lock, control channel);
@@ -21,6 +22,7 @@ from gateway.store.core import StoreStats
 from gateway.store.inspection import inspect_store, tail_trajectories
 from gateway.store.keys import Keys, connect
 from gateway.store.locks import SessionLocks
+from gateway.store.open_sessions import OpenSessions
 from gateway.store.records import metadata_additions
 from gateway.store.samples import SampleWrite
 from gateway.store.trajectory_store import TrajectoryStore
@@ -30,6 +32,7 @@ _SampleWrite = SampleWrite  # its name before the store was split in modules (te
 
 __all__ = [
     "Keys",
+    "OpenSessions",
     "SessionLocks",
     "StoreStats",
     "TrajectoryStore",

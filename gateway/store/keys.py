@@ -20,6 +20,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
 - `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
+- `rg:open:{key id}` (sorted set, score = when the session expires idle): the open sessions of one API key
+  (`server.max_open_sessions_per_key`, `OpenSessions`); it expires once idle `session_idle_ttl_s`.
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
@@ -84,6 +86,11 @@ class Keys:
     @property
     def abandoned(self) -> str:
         return f"{self.prefix}abandoned"
+
+    def open_sessions(self, key: str) -> str:
+        """Sorted set: the open sessions of one API key (its key id, never the key), scored by when they expire
+        idle (`OpenSessions`); it expires itself once idle that long."""
+        return f"{self.prefix}open:{key}"
 
     @property
     def weights(self) -> str:

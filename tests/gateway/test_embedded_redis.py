@@ -17,6 +17,7 @@ import pytest
 from redis.asyncio import Redis, UnixDomainSocketConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from gateway.embedded_redis import EmbeddedRedis, find_redis_server
 from gateway.errors import StoreError
@@ -42,6 +43,13 @@ def _script(path: Path, body: str) -> str:
     return str(path)
 
 
+def _read(sock: socket.socket, lines: int) -> bytes:
+    data = b""
+    while data.count(b"\r\n") < lines and (chunk := sock.recv(64)):
+        data += chunk
+    return data
+
+
 @asynccontextmanager
 async def _client(server: EmbeddedRedis, url: str | None = None) -> AsyncIterator[Redis]:
     # One retry re-dials a pooled connection that a restart closed (from_url's default is no retry at all).
@@ -56,9 +64,37 @@ async def _client(server: EmbeddedRedis, url: str | None = None) -> AsyncIterato
 
 
 async def test_session_server_answers_ping(redis_server: EmbeddedRedis, redis: Redis) -> None:
-    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+    assert redis_server.url == f"redis://:{redis_server.password}@127.0.0.1:{redis_server.port}/0"
     assert redis_server.pid is not None and _alive(redis_server.pid)
     assert await redis.ping() is True
+
+
+# What the server answers a client without the password (HELLO or a command before AUTH) or with a wrong one; redis-py
+# raises it as an AuthenticationError, or a ConnectionError around one after its retry.
+REFUSED = "authenticated|NOAUTH|WRONGPASS|invalid username-password"
+
+
+async def test_the_server_needs_its_random_password_on_the_port_and_the_socket(short_dir: Path) -> None:
+    """Issue 38 §14: another user of the host who finds the port (or the socket) finds a server that refuses every
+    command; the URLs the instance hands out carry its password, which a restart keeps."""
+    server = EmbeddedRedis(data_dir=short_dir / "data")
+    assert len(server.password) >= 32 and server.password != EmbeddedRedis().password
+    async with server:
+        for url in (server.url, server.local_url):
+            assert server.password in url and url.startswith(("redis://", "unix://"))
+            bare = url.replace(f":{server.password}@", "")
+            async with _client(server, bare) as anonymous:
+                with pytest.raises(RedisError, match=REFUSED):
+                    await anonymous.ping()
+            async with _client(server, url.replace(server.password, "wrong")) as wrong:
+                with pytest.raises(RedisError, match=REFUSED):
+                    await wrong.ping()
+            async with _client(server, url) as client:
+                assert await client.ping() is True
+        password = server.password
+        await server.arestart()
+        async with _client(server, server.local_url) as client:
+            assert server.password == password and await client.ping() is True
 
 
 async def test_session_server_is_configured_for_aof_on_localhost(redis: Redis) -> None:
@@ -366,8 +402,8 @@ def test_a_second_server_on_a_data_dir_in_use_is_refused(tmp_path: Path) -> None
             second.start()
         assert second.pid is None and _alive(first.pid or 0)
         with socket.create_connection(("127.0.0.1", first.port), timeout=1) as still_serving:
-            still_serving.sendall(b"PING\r\n")
-            assert still_serving.recv(64) == b"+PONG\r\n"
+            still_serving.sendall(f"AUTH {first.password}\r\nPING\r\n".encode())
+            assert _read(still_serving, 2) == b"+OK\r\n+PONG\r\n"
 
 
 async def test_the_data_is_its_owners_alone(tmp_path: Path) -> None:

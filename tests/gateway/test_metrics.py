@@ -240,6 +240,30 @@ async def test_dashboard_state_and_page(
     assert "http://" not in page.text and "https://" not in page.text and "<link" not in page.text  # self-contained
 
 
+METRICS = {"authorization": "Bearer m-tok-41"}
+
+
+async def test_a_metrics_token_guards_metrics_and_the_dashboard_state(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """With `server.metrics_token`, `/metrics` and `/dashboard/state` need it (neither the admin token nor an API key
+    opens them); the page itself holds no data and stays open."""
+    sim = await make_sim("vllm")
+    gw = await make_gateway([sim], server={"metrics_token": "m-tok-41", "api_keys": ["agent-key"]})
+    for path in ("/metrics", "/dashboard/state"):
+        missing = await http.get(f"{gw.url}{path}")
+        assert missing.status_code == 401, path
+        assert missing.json()["error"]["type"] == "authentication_error"
+        assert "m-tok-41" not in missing.text
+        for wrong in ("nope", ADMIN["authorization"].removeprefix("Bearer "), "agent-key"):
+            refused = await http.get(f"{gw.url}{path}", headers={"authorization": f"Bearer {wrong}"})
+            assert refused.status_code == 403, (path, wrong)
+        assert (await http.get(f"{gw.url}{path}", headers=METRICS)).status_code == 200, path
+    assert "rollout_gateway_" in (await http.get(f"{gw.url}/metrics", headers=METRICS)).text
+    page = await http.get(f"{gw.url}/dashboard")
+    assert page.status_code == 200 and "location.hash" in page.text
+
+
 async def _chromium(*args: str, timeout: float = 60.0) -> bytes:
     """Run headless Chromium without blocking the event loop the gateway under test runs on."""
     proc = await asyncio.create_subprocess_exec(
@@ -270,10 +294,17 @@ async def _chromium(*args: str, timeout: float = 60.0) -> bytes:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent (apt-get install -y chromium)")
+@pytest.mark.parametrize("token", [None, "m-tok-41"])
 async def test_dashboard_renders_in_headless_chromium(
-    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path, token: str | None
 ) -> None:
-    gw = await two_replica_gateway(make_sim, make_gateway, delay=0.02)
+    """The page renders live data; with a metrics token, the one its URL's fragment carries."""
+    sims = [
+        await make_sim("vllm", engine=EngineSettings(token_delay_s=0.02, block_size=16)),
+        await make_sim("sglang", engine=EngineSettings(token_delay_s=0.02, block_size=1)),
+    ]
+    gw = await make_gateway(sims, server={"metrics_token": token})
+    page = f"{gw.url}/dashboard" + (f"#token={token}" if token else "")
     progress = [0]
     # Some work in flight while the browser looks, so the page has load to show.
     tasks = [
@@ -283,9 +314,9 @@ async def test_dashboard_renders_in_headless_chromium(
     try:
         await wait_for(lambda: progress[0] >= 10, what="streams under way")
         common = [f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000", "--window-size=1200,800"]
-        dom = (await _chromium(*common, "--dump-dom", f"{gw.url}/dashboard")).decode()
+        dom = (await _chromium(*common, "--dump-dom", page)).decode()
         shot = tmp_path / "dash.png"
-        await _chromium(*common, f"--screenshot={shot}", f"{gw.url}/dashboard")
+        await _chromium(*common, f"--screenshot={shot}", page)
     finally:
         for task in tasks:
             task.cancel()

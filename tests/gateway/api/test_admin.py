@@ -41,7 +41,7 @@ async def test_admin_status_shows_the_redis_url_without_credentials(
     """A trainer finds the gateway's Redis in `/admin/status`; a password in the configured URL is not shown."""
     await redis.execute_command("ACL", "SETUSER", "rg-status-test", "on", ">s3cret-pw", "~*", "&*", "+@all")
     try:
-        url = redis_server.url.replace("redis://", "redis://rg-status-test:s3cret-pw@")
+        url = f"redis://rg-status-test:s3cret-pw@127.0.0.1:{redis_server.port}/0"
         sim = await make_sim("vllm")
         settings = Settings(
             server={"port": 0, "admin_token": ADMIN_TOKEN},
@@ -52,7 +52,7 @@ async def test_admin_status_shows_the_redis_url_without_credentials(
             # The credentials work: the gateway stores a session through them.
             assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2))).status_code == 200
             response = await http.get(f"{gw.url}/admin/status", headers=ADMIN)
-        assert response.json()["redis_url"] == redis_server.url
+        assert response.json()["redis_url"] == f"redis://127.0.0.1:{redis_server.port}/0"
         assert "s3cret-pw" not in response.text and "rg-status-test" not in response.text
     finally:
         await redis.execute_command("ACL", "DELUSER", "rg-status-test")

@@ -75,9 +75,12 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
 
 
 def test_serve_prints_the_embedded_redis_url_at_any_log_level(tmp_path: Path) -> None:
-    """The embedded Redis gets a new URL every run, and a trainer needs it: `serve` prints it at start even with
-    `--log-level error`, and `/admin/status` shows the same URL, which a client can use."""
+    """The embedded Redis gets a new URL and password every run, and a trainer needs both: `serve` prints the URL
+    with its password at start even with `--log-level error`, and a client connects with it; `/admin/status` shows
+    the same URL without the password, which alone is refused."""
     import redis
+
+    from gateway.config import without_credentials
 
     with SimProcess() as sim:
         port = free_port()
@@ -86,16 +89,22 @@ def test_serve_prints_the_embedded_redis_url_at_any_log_level(tmp_path: Path) ->
         with serving("--config", str(config), "--log-level", "error") as process:
             wait_for_health(process, url)
             shown = httpx.get(f"{url}/admin/status", headers={"authorization": "Bearer t0k"}, timeout=10).json()
-            client = redis.Redis.from_url(shown["redis_url"])
-            try:
-                assert client.ping() is True  # the URL the gateway shows is one a trainer can connect to
-            finally:
-                client.close()
+            assert process.stderr is not None
+            printed: list[str] = []
+            while not printed:  # printed before the gateway answered its first request
+                line = process.stderr.readline()
+                assert line, "the gateway ended without printing its Redis URL"
+                printed = re.findall(r"^rollout-gateway: Redis at (\S+) \(embedded redis-server", line)
+            assert without_credentials(printed[0]) == shown["redis_url"] != printed[0]  # the printed one: a password
+            with redis.Redis.from_url(printed[0]) as client:
+                assert client.ping() is True  # the printed URL is one a trainer can connect to
+            with redis.Redis.from_url(shown["redis_url"]) as anonymous:
+                with pytest.raises(redis.RedisError, match="authenticated"):
+                    anonymous.ping()  # the shown one alone is refused
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=20) in (0, -signal.SIGTERM)
-            stderr = process.stderr.read() if process.stderr else ""
-    printed = re.findall(r"^rollout-gateway: Redis at (\S+) \(embedded redis-server", stderr, re.MULTILINE)
-    assert printed == [shown["redis_url"]], stderr
+            stderr = process.stderr.read()
+    assert "Redis at" not in stderr, stderr  # printed once
 
 
 @pytest.mark.slow

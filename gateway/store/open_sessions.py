@@ -1,0 +1,95 @@
+"""Open sessions per API key, counted across gateway processes in Redis (`server.max_open_sessions_per_key`).
+
+Distinct from `gateway.quotas.SessionQuota` (`server.max_sessions_per_key`), which counts the sessions of a key with
+a request in flight, in one process: this counts the sessions a key has created and not yet finished, over every
+process on the Redis, whether a request is running or not.
+
+One sorted set per key (`Keys.open_sessions`): its open sessions, each scored by when it expires idle (the server's
+time + `store.session_idle_ttl_s`, pushed on at each of its turns). A session leaves it when finished, and an
+abandoned one (its agent gone without finishing) once its score passes: every claim first trims the expired, so an
+abandoned session frees its slot by itself. One-turn sessions (a request without a session) are not counted: they
+end with their request, which `max_sessions_per_key` bounds.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from gateway.errors import Overloaded
+from gateway.store.keys import Keys, call
+
+__all__ = ["OpenSessions"]
+
+# Atomic on the key's one set: trim the expired, then count the session in unless the key is at its limit.
+# ARGV: session id, limit, idle TTL (s). Answers -1 when counted (or already counted: its expiry pushed on), else
+# the number of open sessions that refused it. The server's clock: every gateway process agrees on it.
+_CLAIM = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+local ttl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+    local open = redis.call('ZCARD', KEYS[1])
+    if open >= tonumber(ARGV[2]) then
+        return open
+    end
+end
+redis.call('ZADD', KEYS[1], t + ttl, ARGV[1])
+redis.call('EXPIRE', KEYS[1], math.ceil(ttl) + 1)
+return -1
+"""
+
+# A turn of a counted session pushes its expiry on (XX: a session not counted is left out).
+_TOUCH = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1e6
+if redis.call('ZADD', KEYS[1], 'XX', 'CH', t + tonumber(ARGV[2]), ARGV[1]) == 1 then
+    redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])) + 1)
+end
+return 0
+"""
+
+
+class OpenSessions:
+    """At most `limit` open sessions per API key across gateway processes (0: no limit, and no Redis call)."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, limit: int, idle_ttl_s: float) -> None:
+        self.limit = limit
+        self.idle_ttl_s = idle_ttl_s
+        self._client = client
+        self._keys = keys
+        self._claim = client.register_script(_CLAIM)
+        self._touch = client.register_script(_TOUCH)
+
+    async def claim(self, key: str, session_id: str) -> None:
+        """Count a new session of `key` in (a session already counted stays counted): 429
+        `too_many_open_sessions` when the key has `limit` open sessions."""
+        if not self.limit:
+            return
+        args: list[str | float] = [session_id, self.limit, self.idle_ttl_s]
+        open_now = await call(self._claim(keys=[self._keys.open_sessions(key)], args=args), "count an open session")
+        if int(open_now) >= 0:
+            raise Overloaded(
+                f"this API key has {open_now} open sessions (server.max_open_sessions_per_key = {self.limit}): "
+                f"finish one (POST /v1/sessions/{{id}}/finish), or retry once one has been idle "
+                f"{self.idle_ttl_s:g} s (abandoned)",
+                code="too_many_open_sessions",
+                retry_after_s=1.0,
+            )
+
+    async def touch(self, key: str, session_id: str) -> None:
+        """A turn of the session: its expiry moves on, so a session in use never leaves the count."""
+        if self.limit:
+            args: list[str | float] = [session_id, self.idle_ttl_s]
+            await call(self._touch(keys=[self._keys.open_sessions(key)], args=args), "touch an open session")
+
+    async def release(self, key: str, session_id: str) -> None:
+        """The session is finished (or was never made): its slot is free."""
+        if self.limit:
+            await call(self._client.zrem(self._keys.open_sessions(key), session_id), "release an open session")
+
+    async def count(self, key: str) -> int:
+        """The open sessions of `key` now (expired ones left out)."""
+        key_name = self._keys.open_sessions(key)
+        now = await call(self._client.time(), "read the server's time")
+        return int(await call(self._client.zcount(key_name, now[0] + now[1] / 1e6, "+inf"), "count open sessions"))
