@@ -10,17 +10,19 @@ replicas of each, every one an `EmbeddedRedis` (the same binary, data directory 
 
 ```python
 with LocalRedisCluster() as cluster:
-    client = redis.asyncio.cluster.RedisCluster.from_url(cluster.nodes[0].url)
+    client = redis.asyncio.cluster.RedisCluster.from_url(cluster.nodes[0].url)  # its password in the URL
 ```
 """
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import quote
 
 import redis
 
@@ -52,7 +54,9 @@ class LocalRedisCluster:
         self.replicas_per_master = replicas_per_master
         self.node_timeout_ms = node_timeout_ms
         self.startup_timeout_s = startup_timeout_s
+        self.password = secrets.token_hex(24)  # one for every node: replicas log in to their master with it
         config = {
+            "masterauth": self.password,
             "cluster-enabled": "yes",
             "cluster-config-file": "nodes.conf",
             "cluster-node-timeout": str(node_timeout_ms),
@@ -63,14 +67,20 @@ class LocalRedisCluster:
         }
         total = masters * (1 + replicas_per_master)
         self.nodes = [
-            EmbeddedRedis(data_dir=data_dir / f"node-{i}" if data_dir else None, port=port, extra_config=config)
+            EmbeddedRedis(
+                data_dir=data_dir / f"node-{i}" if data_dir else None,
+                port=port,
+                password=self.password,
+                extra_config=config,
+            )
             for i, port in enumerate(_cluster_ports(total))
         ]
 
     @property
     def url(self) -> str:
-        """The gateway's URL of this cluster: every node is a startup node."""
-        return "redis+cluster://" + ",".join(f"{_HOST}:{node.port}" for node in self.nodes)
+        """The gateway's URL of this cluster, with its password: every node is a startup node."""
+        nodes = ",".join(f"{_HOST}:{node.port}" for node in self.nodes)
+        return f"redis+cluster://:{quote(self.password, safe='')}@{nodes}"
 
     def masters(self) -> list[EmbeddedRedis]:
         """The nodes that are masters now (a failover changes which)."""
@@ -183,7 +193,7 @@ def _cluster_ports(count: int) -> list[int]:
 
 def _command(node: EmbeddedRedis, *args: str | int) -> Any:
     """One command to one node, on a connection of its own (this runs rarely: forming, watching a failover)."""
-    with redis.Redis(host=_HOST, port=node.port, socket_timeout=2.0) as client:
+    with redis.Redis(host=_HOST, port=node.port, password=node.password, socket_timeout=2.0) as client:
         return client.execute_command(*args)
 
 

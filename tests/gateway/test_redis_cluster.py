@@ -19,7 +19,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisClus
 
 
 def client_of(cluster: LocalRedisCluster) -> RedisCluster:
-    return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", node.port) for node in cluster.nodes])
+    nodes = [ClusterNode("127.0.0.1", node.port) for node in cluster.nodes]
+    return RedisCluster(startup_nodes=nodes, password=cluster.password)
 
 
 async def test_three_masters_share_every_slot_and_each_has_a_replica(cluster: LocalRedisCluster) -> None:
