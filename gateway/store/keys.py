@@ -23,6 +23,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
+- `rg:dashboard` (stream, trimmed by MINID to the dashboard's window): each gateway process's per-second point
+  (JSON, `gateway.timeseries`), read back by every process to chart the whole cluster (`gateway.dashboard`).
 
 Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
 `ttl_s` once it is finished or abandoned; a response key `session_idle_ttl_s + ttl_s` after it was written. The
@@ -96,6 +98,10 @@ class Keys:
     @property
     def control(self) -> str:
         return f"{self.prefix}control"
+
+    @property
+    def dashboard(self) -> str:
+        return f"{self.prefix}dashboard"
 
 
 def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512) -> aioredis.Redis:

@@ -1,0 +1,211 @@
+// The dashboard: polls dashboard/state once a second and draws it with uPlot (vendored, served by the gateway).
+// Text goes in with textContent, never as HTML. Every chart's container carries `data-points` (how many seconds,
+// versions or buckets it drew) and #errors collects the page's own errors: the headless-browser test reads both.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const errors = [];
+
+function reportError(message) {
+  errors.push(String(message));
+  const box = $("errors");
+  box.dataset.count = String(errors.length);
+  box.textContent = "page errors: " + errors.join(" | ");
+}
+window.addEventListener("error", (event) => reportError(event.message));
+window.addEventListener("unhandledrejection", (event) => reportError(event.reason));
+
+const show = (id, value) => { $(id).textContent = value === null || value === undefined ? "\u2013" : value; };
+const COLORS = ["#4c7bd9", "#d08700", "#1f9d55", "#d64545", "#8a55d6", "#2aa3b8"];
+const charts = {};
+
+function width(el) { return Math.max(300, el.clientWidth || 500); }
+
+function lineSeries(names) {
+  return [{}, ...names.map((name, i) => ({ label: name, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false }))];
+}
+
+function chart(id, opts, data) {
+  const el = $(id);
+  if (!charts[id]) {
+    charts[id] = new uPlot({ width: width(el), height: 200, ...opts }, data, el);
+  } else {
+    charts[id].setData(data);
+  }
+  // Points drawn: x values with at least one y value.
+  let points = 0;
+  for (let i = 0; i < data[0].length; i++) {
+    if (data.slice(1).some((column) => column[i] !== null && column[i] !== undefined)) points++;
+  }
+  el.dataset.points = String(points);
+  return charts[id];
+}
+
+// -- the weight-version timeline: bands drawn under a stepped version line and the preemptions as bars -----------
+
+let timeline = [];
+const PHASES = [["started_at", "paused_at", "rgba(208,135,0,.30)"], ["paused_at", "loaded_at", "rgba(76,123,217,.30)"],
+  ["loaded_at", "finished_at", "rgba(31,157,85,.30)"]];
+
+function drawBands(u) {
+  const ctx = u.ctx;
+  const { top, height } = u.bbox;
+  ctx.save();
+  for (const ev of timeline) {
+    for (const [from, to, color] of PHASES) {
+      if (!ev[from] || !ev[to]) continue;
+      const x0 = u.valToPos(ev[from], "x", true);
+      const x1 = Math.max(x0 + 2, u.valToPos(ev[to], "x", true));
+      ctx.fillStyle = ev.status === "failed" ? "rgba(214,69,69,.45)" : color;
+      ctx.fillRect(x0, top, x1 - x0, height);
+    }
+    if (ev.status !== "updated") {
+      const x = u.valToPos(ev.started_at, "x", true);
+      ctx.fillStyle = "#d64545";
+      ctx.font = "bold " + Math.round(11 * devicePixelRatio) + "px system-ui";
+      ctx.fillText(ev.status + " v" + ev.version, x + 3, top + 14 * devicePixelRatio);
+    }
+  }
+  ctx.restore();
+}
+
+function seconds(value) { return value ? value.toFixed(2) + " s" : "\u2013"; }
+
+function renderUpdates(events) {
+  const body = document.createElement("tbody");
+  body.id = "updates";
+  for (const ev of [...events].reverse()) {
+    const row = body.insertRow();
+    row.dataset.version = ev.version;
+    row.dataset.status = ev.status;
+    const cells = [ev.version, ev.mode, ev.status,
+      seconds(ev.paused_at && ev.paused_at - ev.started_at), seconds(ev.loaded_at && ev.paused_at && ev.loaded_at - ev.paused_at),
+      seconds(ev.finished_at && ev.loaded_at && ev.finished_at - ev.loaded_at), seconds(ev.duration_s), ev.preemptions];
+    for (const text of cells) row.insertCell().textContent = text;
+  }
+  $("updates").replaceWith(body);
+}
+
+// -- replicas: a row each, with sparklines ----------------------------------------------------------------------
+
+const replicaRows = {};
+
+function health(r) {
+  if (!r.healthy) return ["down", "bad"];
+  if (r.stale) return ["stale", "warn"];
+  if (r.draining) return ["draining", "warn"];
+  return ["healthy", "ok"];
+}
+
+function spark(cell, color) {
+  const box = document.createElement("div");
+  box.className = "spark";
+  cell.appendChild(box);
+  return new uPlot({
+    width: 200, height: 36, legend: { show: false }, cursor: { show: false }, select: { show: false },
+    axes: [{ show: false }, { show: false }], scales: { x: { time: true } },
+    series: [{}, { stroke: color, fill: color + "33", width: 1 }],
+  }, [[], []], box);
+}
+
+function renderReplicas(replicas, series) {
+  const seen = new Set();
+  for (const r of replicas) {
+    seen.add(r.id);
+    let entry = replicaRows[r.id];
+    if (!entry) {
+      const row = $("replicas").insertRow();
+      row.dataset.replica = r.id;
+      const cells = [];
+      for (let i = 0; i < 7; i++) cells.push(row.insertCell());
+      cells[0].textContent = r.id;
+      cells[3].className = cells[4].className = "num";
+      entry = replicaRows[r.id] = { row, cells, inFlight: spark(cells[5], "#4c7bd9"), tokens: spark(cells[6], "#1f9d55") };
+    }
+    const [label, tone] = health(r);
+    const pill = document.createElement("span");
+    pill.className = "pill " + tone;
+    pill.textContent = label;
+    entry.cells[1].replaceChildren(pill);
+    const columns = series[r.id] || { t: [], in_flight: [], tokens: [], open: [] };
+    const open = columns.open.length && columns.open[columns.open.length - 1];
+    entry.cells[2].textContent = open ? "open" : "closed";
+    entry.cells[3].textContent = r.version === null ? "?" : r.version;
+    entry.cells[4].textContent = r.in_flight;
+    entry.inFlight.setData([columns.t, columns.in_flight]);
+    entry.tokens.setData([columns.t, columns.tokens]);
+    entry.row.dataset.points = String(columns.t.length);
+  }
+  for (const id of Object.keys(replicaRows)) {
+    if (!seen.has(id)) { replicaRows[id].row.remove(); delete replicaRows[id]; }
+  }
+}
+
+// -- the page -----------------------------------------------------------------------------------------------------
+
+function render(s) {
+  const d = s.series;
+  show("version", s.version);
+  show("state", s.state);
+  show("serving", s.serving_replicas + " / " + s.replicas.length);
+  show("in_flight", s.in_flight);
+  show("queue_depth", s.queue_depth);
+  show("resumes", s.resumes_total);
+  show("affinity", (100 * s.affinity_ratio).toFixed(1) + "%");
+  show("open_sessions", d.active_sessions.length ? d.active_sessions[d.active_sessions.length - 1] : null);
+
+  chart("chart-throughput", {
+    series: lineSeries(["turns/s", "tokens/s", "trajectories/s"]).map((x, i) => (i === 2 ? { ...x, scale: "tok" } : x)),
+    axes: [{}, {}, { scale: "tok", side: 1, grid: { show: false } }],
+  }, [d.t, d.turns, d.tokens, d.delivered]);
+  chart("chart-latency", { series: lineSeries(["turn p50", "turn p99", "TTFT p50", "TTFT p99"]) },
+    [d.t, d.latency_p50, d.latency_p99, d.ttft_p50, d.ttft_p99]);
+
+  timeline = s.timeline;
+  const versions = chart("chart-versions", {
+    height: 180,
+    series: [{}, { label: "version", stroke: "#1c2430", width: 2, paths: uPlot.paths.stepped({ align: 1 }) },
+      { label: "resumes", stroke: "#d64545", fill: "rgba(214,69,69,.5)", scale: "n", paths: uPlot.paths.bars({ size: [1, 6] }) }],
+    axes: [{}, { label: "version" }, { scale: "n", side: 1, grid: { show: false } }],
+    hooks: { drawClear: [drawBands] },
+  }, [d.t, d.version, d.preemptions]);
+  versions.redraw(false);
+  $("chart-versions").dataset.updates = String(s.timeline.length);
+  renderUpdates(s.timeline);
+
+  chart("chart-backlog", { series: lineSeries(["pending", "unacked", "redelivered"]) },
+    [d.t, d.pending, d.unacked, d.redelivered]);
+  const reward = s.reward;
+  chart("chart-reward", {
+    scales: { x: { time: false } },
+    series: [{ label: "version" }, { label: "mean reward", stroke: "#8a55d6", width: 2, points: { show: true, size: 6 } }],
+  }, [reward.map((r) => r.version), reward.map((r) => r.mean)]);
+  const behind = Object.keys(s.staleness).map(Number);
+  chart("chart-staleness", {
+    scales: { x: { time: false } },
+    series: [{ label: "versions behind" }, { label: "samples", stroke: "#2aa3b8", fill: "rgba(42,163,184,.5)",
+      paths: uPlot.paths.bars({ size: [0.6, 60] }) }],
+  }, [behind, behind.map((k) => s.staleness[k])]);
+  chart("chart-sessions", {
+    series: lineSeries(["open", "finished/s", "abandoned (total)"]).map((x, i) => (i === 2 ? { ...x, scale: "n" } : x)),
+    axes: [{}, {}, { scale: "n", side: 1, grid: { show: false } }],
+  }, [d.t, d.active_sessions, d.delivered, d.abandoned_total]);
+  renderReplicas(s.replicas, s.replica_series);
+}
+
+async function poll() {
+  try {
+    const response = await fetch("dashboard/state", { cache: "no-store" });
+    if (!response.ok) throw new Error("HTTP " + response.status);
+    render(await response.json());
+    $("status").className = "";
+    $("status").textContent = "live \u00b7 updated " + new Date().toLocaleTimeString();
+  } catch (err) {
+    $("status").className = "error";
+    $("status").textContent = "disconnected: " + err.message;
+    if (!(err instanceof TypeError) && !String(err.message).startsWith("HTTP")) reportError(err.stack || err);
+  } finally {
+    setTimeout(poll, 1000);
+  }
+}
+poll();

@@ -1,0 +1,133 @@
+"""The dashboard's time series: the mergeable points and ring, and the feed of `/dashboard/state` over real
+gateways (one, and two sharing one Redis), after turns, a weight update, a failed one and finished sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from backends.sim.engine import EngineSettings
+from gateway.server import RunningGateway
+from gateway.timeseries import LatencyHistogram, Ring, empty_point
+from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway_helpers import generate_body, publish, stream_generate
+from tests.sim_helpers import wait_for
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+def test_latency_histogram_quantiles_are_bucket_upper_bounds() -> None:
+    h = LatencyHistogram()
+    assert h.quantile(0.5) is None
+    for seconds in [0.01] * 98 + [1.0, 2.0]:
+        h.observe(seconds)
+    p50, p99 = h.quantile(0.5), h.quantile(0.99)
+    assert p50 is not None and 0.01 <= p50 < 0.01 * 1.2  # 2^(1/4) apart: within 19% above
+    assert p99 is not None and 1.0 <= p99 < 1.2
+    merged = LatencyHistogram(dict(h.counts))
+    merged.add({LatencyHistogram.bucket(5.0): 100})
+    assert merged.total == 200 and merged.quantile(0.99) is not None and merged.quantile(0.99) >= 5.0  # type: ignore[operator]
+
+
+def test_ring_merges_points_of_a_second_and_drops_what_leaves_the_window() -> None:
+    ring = Ring(window_s=10)
+    for worker, turns in (("a", 3), ("b", 4)):
+        point = empty_point(100) | {"w": worker, "n": {"turns": turns}, "g": {"in_flight": 2}, "x": {"pending": 7}}
+        point["r"] = {"r1": {"healthy": 1, "in_flight": 1, "tokens": 5, "version": turns, "open": 0}}
+        ring.merge(point)
+    (merged,) = ring.points()
+    assert merged["n"]["turns"] == 7 and merged["g"]["in_flight"] == 4 and merged["x"]["pending"] == 7
+    assert merged["r"]["r1"] == {"healthy": 1, "in_flight": 2, "tokens": 10, "version": 4, "open": 0}
+    ring.merge(empty_point(105))
+    ring.merge(empty_point(111))  # 100 is now more than 10 s old
+    assert [p["t"] for p in ring.points()] == [105, 111]
+    ring.merge(empty_point(90))  # late and outside the window: dropped
+    assert len(ring) == 2
+
+
+async def _state(http: httpx.AsyncClient, gw: RunningGateway) -> dict[str, Any]:
+    response = await http.get(f"{gw.url}/dashboard/state")
+    assert response.status_code == 200
+    return dict(response.json())
+
+
+async def _until(http: httpx.AsyncClient, gw: RunningGateway, check: Any, what: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def holds() -> bool:
+        seen.update(await _state(http, gw))
+        return bool(check(seen))
+
+    await wait_for(holds, timeout=15.0, what=what)
+    return seen
+
+
+async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005, block_size=16)) for _ in range(2)]
+    gw = await make_gateway(sims)
+    for session in ("a", "b", "c"):
+        body = generate_body(PROMPT, 12, session_id=session)
+        assert (await http.post(f"{gw.url}/generate", json=body)).status_code == 200
+    progress = [0]
+    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200, session_id="long"), progress))
+    await wait_for(lambda: progress[0] >= 30, what="tokens before the update")
+    assert (await publish(http, gw.url, 1)).status_code == 200
+    streamed = await task
+    assert streamed.error is None and streamed.final["num_resumes"] >= 1
+    finished = await http.post(f"{gw.url}/v1/sessions/long/finish", json={"reward": 0.75})
+    assert finished.status_code == 200 and finished.json()["delivered"]
+    completion = gw.services.generator.completion_tokens_total
+
+    state = await _until(
+        http,
+        gw,
+        lambda s: sum(s["series"]["turns"]) == 4 and sum(s["series"]["tokens"]) == completion and s["reward"],
+        "turns, tokens and the reward in the feed",
+    )
+    series = state["series"]
+    assert len(series["t"]) == len(series["turns"]) == len(series["latency_p99"]) and series["t"] == sorted(series["t"])
+    assert sum(series["delivered"]) == 1 and max(series["version"]) == 1
+    assert any(p is not None for p in series["latency_p50"]) and any(p is not None for p in series["ttft_p99"])
+    (update,) = state["timeline"]
+    assert (update["version"], update["mode"], update["status"]) == (1, "abort", "updated")
+    assert update["started_at"] <= update["paused_at"] <= update["loaded_at"] <= update["finished_at"]
+    assert update["preemptions"] >= 1  # the long stream was cut by it
+    # The long session's tokens came from versions 0 and 1: its reward counts for its newest version, and its
+    # sample's oldest token is one version behind the version serving at delivery.
+    assert state["reward"] == [{"version": 1, "mean": 0.75, "sessions": 1}]
+    assert state["staleness"] == {"1": 1}
+    assert set(state["replica_series"]) == {r.id for r in gw.services.pool.all()}
+    assert sum(sum(columns["tokens"]) for columns in state["replica_series"].values()) == completion
+    for columns in state["replica_series"].values():
+        assert len(columns["t"]) == len(columns["in_flight"]) and set(columns["healthy"]) == {1}
+
+
+async def test_a_failed_update_is_marked_in_the_timeline(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm", weights_must_exist=True)])
+    assert (await publish(http, gw.url, 1)).status_code == 502
+    state = await _until(http, gw, lambda s: s["timeline"], "the failed update in the timeline")
+    (update,) = state["timeline"]
+    assert (update["version"], update["status"], update["errors"]) == (1, "failed", 1)
+    assert state["version"] == 0
+
+
+async def test_two_gateways_on_one_redis_each_show_the_whole_cluster(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim("vllm")]
+    first, second = await make_gateway(sims), await make_gateway(sims)
+    for n, (gw, turns) in enumerate(((first, 2), (second, 3))):
+        for i in range(turns):
+            body = generate_body(PROMPT, 5, session_id=f"g{n}-{i}")
+            assert (await http.post(f"{gw.url}/generate", json=body)).status_code == 200
+    for gw in (first, second):
+        state = await _until(
+            http, gw, lambda s: sum(s["series"]["turns"]) == 5, "both processes' turns in each one's feed"
+        )
+        assert sum(state["series"]["tokens"]) == 25
