@@ -104,6 +104,7 @@ def test_demo_runs_and_checks_itself() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "OK" in out
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/dashboard\n", out), out[:500]  # said at start
     lost = re.search(r"lost\s*│\s*(\d+)", out)
     updates = re.search(r"weight updates\s*│\s*(\d+)", out)
     spanning = re.search(r"samples spanning an update\s*│\s*(\d+)", out)
