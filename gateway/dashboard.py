@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,7 +33,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from gateway.errors import StoreError
-from gateway.generation import Generator
+from gateway.generation import GenerationRequest, Generator
 from gateway.routing import ReplicaPool
 from gateway.store import Keys
 from gateway.store.keys import call, text
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 WINDOW_S = 900  # 15 minutes of seconds
 MAX_DELIVERED_PER_TICK = 500  # sessions whose reward and versions one tick reads; the rest wait for the next
 MAX_STALENESS_BUCKET = 8  # versions behind, the last bucket holds this many and more
+TOP_SESSIONS = 20  # sessions by turns kept per point (and listed by the feed): bounds a point's size
 REDELIVERED_SCAN = 100  # unacknowledged entries looked at per group for redeliveries (reclaimed by a consumer)
 
 
@@ -78,6 +80,7 @@ class DashboardSampler:
         self._latency = LatencyHistogram()
         self._ttft = LatencyHistogram()
         self._turns = 0
+        self._sessions: Counter[str] = Counter()
         self._events: list[dict[str, Any]] = []
         self._delivered: deque[str] = deque()
         self._last: dict[str, int] = {}
@@ -90,8 +93,10 @@ class DashboardSampler:
 
     # -- what the gateway tells it -------------------------------------------------------------------------------
 
-    def observe_turn(self, first_token_s: float | None, duration_s: float) -> None:
+    def observe_turn(self, request: GenerationRequest, first_token_s: float | None, duration_s: float) -> None:
         self._turns += 1
+        if request.session_id is not None:
+            self._sessions[request.session_id] += 1
         self._latency.observe(duration_s)
         if first_token_s is not None:
             self._ttft.observe(first_token_s)
@@ -180,6 +185,8 @@ class DashboardSampler:
         point["lat"] = {str(k): v for k, v in self._latency.counts.items()}
         point["ttft"] = {str(k): v for k, v in self._ttft.counts.items()}
         self._turns, self._latency, self._ttft = 0, LatencyHistogram(), LatencyHistogram()
+        point["ss"] = dict(self._sessions.most_common(TOP_SESSIONS))
+        self._sessions = Counter()
         now = time.monotonic()
         replicas = {}
         for r in self.pool.all():
@@ -318,7 +325,18 @@ class DashboardSampler:
                 if count
             ],
             "staleness": {int(k): v for k, v in sorted(self.staleness.items(), key=lambda kv: int(kv[0]))},
+            "top_sessions": _top_sessions(points),
         }
+
+
+def _top_sessions(points: list[Point]) -> list[dict[str, Any]]:
+    """The sessions with the most turns in the window (each point kept its second's busiest: an approximation for
+    a session that was never among them)."""
+    turns: Counter[str] = Counter()
+    for p in points:
+        turns.update(p.get("ss", {}))
+    top = heapq.nlargest(TOP_SESSIONS, turns.items(), key=lambda kv: (kv[1], kv[0]))
+    return [{"session_id": session, "turns": count} for session, count in top]
 
 
 def _quantile(counts: dict[str, int], q: float) -> float | None:

@@ -197,7 +197,7 @@ class Generator:
         self.settings = settings or GenerationSettings()
         self.on_resume = on_resume
         self.on_dispatch = on_dispatch
-        self.on_finished: Callable[[float | None, float], None] | None = None
+        self.on_finished: Callable[[GenerationRequest, float | None, float], None] | None = None
         self.resumes_total = 0
         self.preemptions_total = 0
         self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
@@ -251,7 +251,7 @@ class Generator:
             state.cancelled = True
             raise
         if self.on_finished is not None:
-            self.on_finished(None if first is None else first - started, time.monotonic() - started)
+            self.on_finished(request, None if first is None else first - started, time.monotonic() - started)
 
     def _done(self, request: GenerationRequest, state: GenerationState) -> bool:
         """Whether the completion is finished (a spent budget finishes it as `length`)."""

@@ -13,6 +13,7 @@ A *point* is what one gateway process saw during one wall-clock second, as a pla
 | `rw` | rewards of delivered sessions by weight version: [sum, n] | sum                     |
 | `st` | delivered samples by versions behind: count              | sum                      |
 | `ev` | weight updates this process coordinated                  | union                    |
+| `ss` | turns by session (the busiest few of the second)         | sum                      |
 
 Everything merges by sum or max, so percentiles come from merged histograms rather than from averaging each
 process's percentiles (which would be wrong), and a point that arrives late simply joins its second.
@@ -81,7 +82,10 @@ class LatencyHistogram:
 
 
 def empty_point(second: int) -> Point:
-    return {"t": second, "n": {}, "lat": {}, "ttft": {}, "g": {}, "x": {}, "r": {}, "rw": {}, "st": {}, "ev": []}
+    point: Point = {"t": second, "ev": []}
+    for key in ("n", "lat", "ttft", "g", "x", "r", "rw", "st", "ss"):
+        point[key] = {}
+    return point
 
 
 def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
@@ -127,6 +131,7 @@ def merge_point(into: Point, other: Point) -> None:
         before = into["rw"].get(version, (0.0, 0))
         into["rw"][version] = [before[0] + total, before[1] + count]
     _add(into["st"], other.get("st", {}))
+    _add(into["ss"], other.get("ss", {}))
     into["ev"].extend(other.get("ev", []))
 
 

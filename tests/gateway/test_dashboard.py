@@ -100,6 +100,12 @@ async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
     # sample's oldest token is one version behind the version serving at delivery.
     assert state["reward"] == [{"version": 1, "mean": 0.75, "sessions": 1}]
     assert state["staleness"] == {"1": 1}
+    assert sorted((e["session_id"], e["turns"]) for e in state["top_sessions"]) == [
+        ("a", 1),
+        ("b", 1),
+        ("c", 1),
+        ("long", 1),
+    ]
     assert set(state["replica_series"]) == {r.id for r in gw.services.pool.all()}
     assert sum(sum(columns["tokens"]) for columns in state["replica_series"].values()) == completion
     for columns in state["replica_series"].values():

@@ -289,13 +289,14 @@ async def test_dashboard_renders_in_headless_chromium(
     gw = await two_replica_gateway(make_sim, make_gateway, delay=0.02)
     progress = [0]
     tasks = [
-        asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 400, session_id=f"s{i}"), progress))
+        asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 150, session_id=f"s{i}"), progress))
         for i in range(5)
     ]
     try:
         await wait_for(lambda: progress[0] >= 50, what="streams under way")
         assert (await publish(http, gw.url, 1)).status_code == 200
-        await wait_for(lambda: progress[0] >= 150, what="streams resumed after the update")
+        for streamed in await asyncio.gather(*tasks):  # each one resumed across the update
+            assert streamed.error is None and streamed.final["num_resumes"] >= 1
         done = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 8, session_id="episode"))
         assert done.status_code == 200
         finished = await http.post(f"{gw.url}/v1/sessions/episode/finish", json={"reward": 0.5})
@@ -310,6 +311,7 @@ async def test_dashboard_renders_in_headless_chromium(
         dom = (await _chromium(*common, "--dump-dom", f"{gw.url}/dashboard")).decode()
         shot = tmp_path / "dash.png"
         await _chromium(*common, f"--screenshot={shot}", f"{gw.url}/dashboard")
+        detail = (await _chromium(*common, "--dump-dom", f"{gw.url}/dashboard#session=s0")).decode()
     finally:
         for task in tasks:
             task.cancel()
@@ -325,6 +327,12 @@ async def test_dashboard_renders_in_headless_chromium(
         assert re.search(rf'id="chart-{name}"[^>]*>\s*<div class="uplot', dom), f"chart {name} is not a uPlot chart"
     assert re.search(r'id="chart-versions"[^>]*data-updates="1"', dom)
     assert re.search(r'<tr data-version="1" data-status="updated">', dom)
+    assert re.search(r'<tr data-session="episode"><td><a href="#session=episode">episode</a></td><td>1</td>', dom)
+    # A session's detail: its sample with the per-token version strip, two segments (versions 0 then 1).
+    errors = re.search(r'<span id="errors" data-count="(\d+)">([^<]*)</span>', detail)
+    assert errors is not None and errors.group(1) == "0", errors and errors.group(2)
+    assert re.search(r'<div class="sample" data-sample="0">sample 0: [^<]*0 \u2192 1\)<canvas', detail), detail[-3000:]
+    assert 'data-segments="2"' in detail
     for replica in gw.services.pool.all():
         row = re.search(rf'<tr data-replica="{re.escape(replica.id)}" data-points="(\d+)"', dom)
         assert row is not None and int(row.group(1)) > 0, f"replica {replica.id} has no sparkline points"

@@ -141,6 +141,78 @@ function renderReplicas(replicas, series) {
   }
 }
 
+// -- sessions: the busiest, and one session's detail (from GET v1/sessions/{id}, behind the agents' auth) ----------
+
+function renderTopSessions(top) {
+  const body = document.createElement("tbody");
+  body.id = "top_sessions";
+  for (const entry of top) {
+    const row = body.insertRow();
+    row.dataset.session = entry.session_id;
+    const link = document.createElement("a");
+    link.href = "#session=" + encodeURIComponent(entry.session_id);
+    link.textContent = entry.session_id;
+    row.insertCell().appendChild(link);
+    row.insertCell().textContent = entry.turns;
+  }
+  $("top_sessions").replaceWith(body);
+}
+
+const VERSION_COLORS = ["#4c7bd9", "#d08700", "#1f9d55", "#8a55d6", "#d64545", "#2aa3b8", "#6b7583"];
+
+// One pixel column per token or more: each segment (model tokens of one weight version) in its version's color,
+// the tokens between segments (tool results, user turns: loss mask 0) left light grey.
+function strip(sample) {
+  const canvas = document.createElement("canvas");
+  canvas.className = "strip";
+  canvas.width = 800;
+  canvas.height = 18;
+  const ctx = canvas.getContext("2d");
+  const total = Math.max(1, sample.response_tokens);
+  ctx.fillStyle = "#e3e6ea";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  for (const seg of sample.segments) {
+    ctx.fillStyle = VERSION_COLORS[seg.version % VERSION_COLORS.length];
+    const x0 = (seg.start / total) * canvas.width;
+    ctx.fillRect(x0, 0, Math.max(1, ((seg.end - seg.start) / total) * canvas.width), canvas.height);
+  }
+  canvas.dataset.segments = String(sample.segments.length);
+  return canvas;
+}
+
+async function showSession() {
+  const match = location.hash.match(/^#session=(.+)$/);
+  $("session").hidden = !match;
+  if (!match) return;
+  const id = decodeURIComponent(match[1]);
+  $("session_id").textContent = id;
+  const response = await fetch("v1/sessions/" + encodeURIComponent(id), { cache: "no-store" });
+  if (!response.ok) {
+    $("session_meta").textContent = "cannot read it: HTTP " + response.status + (response.status === 401 ? " (needs an API key)" : "");
+    return;
+  }
+  const s = await response.json();
+  $("session_meta").textContent = "status " + s.status + " \u00b7 reward " + (s.reward === null ? "\u2013" : s.reward) +
+    " \u00b7 samples " + s.sample_count + " \u00b7 metadata " + JSON.stringify(s.metadata);
+  const box = document.createElement("div");
+  box.id = "session_samples";
+  for (const sample of s.samples) {
+    const item = document.createElement("div");
+    item.className = "sample";
+    item.dataset.sample = sample.index;
+    const versions = sample.segments.map((seg) => seg.version);
+    const resumes = sample.segments.length - 1;
+    item.textContent = "sample " + sample.index + ": " + sample.response_tokens + " tokens, " + sample.num_turns +
+      " turns, versions " + sample.min_version + "\u2013" + sample.max_version + ", " + sample.num_resumes +
+      " resumes (" + Math.max(0, resumes) + " segment breaks: " + versions.join(" \u2192 ") + ")";
+    item.appendChild(strip(sample));
+    box.appendChild(item);
+  }
+  $("session_samples").replaceWith(box);
+}
+window.addEventListener("hashchange", () => showSession().catch(reportError));
+showSession().catch(reportError);
+
 // -- the page -----------------------------------------------------------------------------------------------------
 
 function render(s) {
@@ -177,20 +249,22 @@ function render(s) {
     [d.t, d.pending, d.unacked, d.redelivered]);
   const reward = s.reward;
   chart("chart-reward", {
-    scales: { x: { time: false } },
+    scales: { x: { time: false, range: (u, lo, hi) => (hi === null ? [0, 1] : [Math.min(lo, hi - 1) - 0.5, hi + 0.5]) } },
     series: [{ label: "version" }, { label: "mean reward", stroke: "#8a55d6", width: 2, points: { show: true, size: 6 } }],
   }, [reward.map((r) => r.version), reward.map((r) => r.mean)]);
-  const behind = Object.keys(s.staleness).map(Number);
+  // Every bucket from 0 to 8 (the last holds 8 and more), so the bars keep their places as counts come in.
+  const behind = [0, 1, 2, 3, 4, 5, 6, 7, 8];
   chart("chart-staleness", {
-    scales: { x: { time: false } },
+    scales: { x: { time: false, range: [-0.5, 8.5] } },
     series: [{ label: "versions behind" }, { label: "samples", stroke: "#2aa3b8", fill: "rgba(42,163,184,.5)",
       paths: uPlot.paths.bars({ size: [0.6, 60] }) }],
-  }, [behind, behind.map((k) => s.staleness[k])]);
+  }, [behind, behind.map((k) => s.staleness[k] ?? null)]);
   chart("chart-sessions", {
     series: lineSeries(["open", "finished/s", "abandoned (total)"]).map((x, i) => (i === 2 ? { ...x, scale: "n" } : x)),
     axes: [{}, {}, { scale: "n", side: 1, grid: { show: false } }],
   }, [d.t, d.active_sessions, d.delivered, d.abandoned_total]);
   renderReplicas(s.replicas, s.replica_series);
+  renderTopSessions(s.top_sessions);
 }
 
 async function poll() {
