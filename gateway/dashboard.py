@@ -32,9 +32,11 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from backends.base import Load
+from backends.errors import BackendError
 from gateway.errors import StoreError
 from gateway.generation import GenerationRequest, Generator
-from gateway.routing import ReplicaPool
+from gateway.routing import Replica, ReplicaPool
 from gateway.store import Keys
 from gateway.store.keys import call, text
 from gateway.timeseries import LatencyHistogram, Point, Ring, empty_point
@@ -48,6 +50,7 @@ WINDOW_S = 900  # 15 minutes of seconds
 MAX_DELIVERED_PER_TICK = 500  # sessions whose reward and versions one tick reads; the rest wait for the next
 MAX_STALENESS_BUCKET = 8  # versions behind, the last bucket holds this many and more
 TOP_SESSIONS = 20  # sessions by turns kept per point (and listed by the feed): bounds a point's size
+CACHE_INTERVAL_S = 5.0  # how often each replica's /metrics is read for its prefix cache counters
 REDELIVERED_SCAN = 100  # unacknowledged entries looked at per group for redeliveries (reclaimed by a consumer)
 
 
@@ -64,6 +67,7 @@ class DashboardSampler:
         *,
         window_s: int = WINDOW_S,
         interval_s: float = 1.0,
+        cache_interval_s: float = CACHE_INTERVAL_S,
     ) -> None:
         self.pool = pool
         self.weights = weights
@@ -72,6 +76,7 @@ class DashboardSampler:
         self.keys = keys
         self.window_s = window_s
         self.interval_s = interval_s
+        self.cache_interval_s = cache_interval_s
         self.worker = uuid.uuid4().hex[:12]
         self.ring = Ring(window_s)
         # Since the start of this process (and the window it backfilled): the run's learning curve and staleness.
@@ -86,7 +91,10 @@ class DashboardSampler:
         self._last: dict[str, int] = {}
         self._replica_tokens: dict[str, int] = {}
         self._read_from = f"{int((time.time() - window_s) * 1000)}-0"
+        self._cache_seen: dict[str, tuple[float, float]] = {}  # replica -> its last (queries, hits)
+        self._cache_delta: dict[str, list[float]] = {}  # replica -> [queries, hits] since the last tick
         self._task: asyncio.Task[None] | None = None
+        self._cache_task: asyncio.Task[None] | None = None
         self._failing = False
         generator.on_finished = self.observe_turn
         weights.on_update.append(self.observe_update)
@@ -125,15 +133,41 @@ class DashboardSampler:
 
     def start(self) -> None:
         if self._task is None:
-            # Hard reference: the event loop keeps only weak references to tasks.
+            # Hard references: the event loop keeps only weak references to tasks.
             self._task = asyncio.create_task(self._run(), name="dashboard-sampler")
+            self._cache_task = asyncio.create_task(self._scrape_caches_forever(), name="dashboard-caches")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._cache_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._cache_task = None
+
+    async def _scrape_caches_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cache_interval_s)  # a period, not synchronisation
+            await self.scrape_caches()
+
+    async def scrape_caches(self) -> None:
+        """Read each replica's prefix cache counters (its /metrics) and add what they grew by since the last read;
+        a replica that does not answer in its probe timeout is left out this time."""
+        replicas = self.pool.all()
+        async with asyncio.TaskGroup() as group:
+            reads = [group.create_task(_load(replica)) for replica in replicas]
+        for replica, read in zip(replicas, reads, strict=True):
+            load = read.result()
+            if load is None or load.prefix_cache_queries is None or load.prefix_cache_hits is None:
+                continue
+            now = (load.prefix_cache_queries, load.prefix_cache_hits)
+            before = self._cache_seen.get(replica.id)
+            self._cache_seen[replica.id] = now
+            if before is None or now[0] < before[0]:  # the first reading, or the engine restarted: no interval
+                continue
+            delta = self._cache_delta.setdefault(replica.id, [0.0, 0.0])
+            delta[0] += now[0] - before[0]
+            delta[1] += now[1] - before[1]
 
     async def _run(self) -> None:
         while True:
@@ -188,7 +222,7 @@ class DashboardSampler:
         point["ss"] = dict(self._sessions.most_common(TOP_SESSIONS))
         self._sessions = Counter()
         now = time.monotonic()
-        replicas = {}
+        replicas: dict[str, dict[str, Any]] = {}
         for r in self.pool.all():
             replicas[r.id] = {
                 "healthy": int(r.healthy),
@@ -200,6 +234,9 @@ class DashboardSampler:
                 "in_flight": r.in_flight,
                 "tokens": self._delta(f"replica:{r.id}", r.tokens_total),
             }
+            cache = self._cache_delta.pop(r.id, None)
+            if cache is not None:
+                replicas[r.id]["cache_queries"], replicas[r.id]["cache_hits"] = cache
         point["r"] = replicas
         point["g"] = {"in_flight": sum(r.in_flight for r in self.pool.all())}
         point["x"] = {"version": self.weights.version}
@@ -329,6 +366,13 @@ class DashboardSampler:
         }
 
 
+async def _load(replica: Replica) -> Load | None:
+    try:
+        return await replica.backend.load()
+    except BackendError:
+        return None
+
+
 def _top_sessions(points: list[Point]) -> list[dict[str, Any]]:
     """The sessions with the most turns in the window (each point kept its second's busiest: an approximation for
     a session that was never among them)."""
@@ -389,10 +433,12 @@ def _replica_series(points: list[Point]) -> dict[str, dict[str, list[Any]]]:
     out: dict[str, dict[str, list[Any]]] = {}
     for p in points:
         for replica, seen in p["r"].items():
-            columns = out.setdefault(replica, {name: [] for name in ("t", *_REPLICA_COLUMNS)})
+            columns = out.setdefault(replica, {name: [] for name in ("t", *_REPLICA_COLUMNS, "cache_hit_rate")})
             columns["t"].append(p["t"])
             for name in _REPLICA_COLUMNS:
                 columns[name].append(seen.get(name))
+            queries = seen.get("cache_queries")
+            columns["cache_hit_rate"].append(seen.get("cache_hits", 0) / queries if queries else None)
     return out
 
 

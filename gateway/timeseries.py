@@ -9,7 +9,7 @@ A *point* is what one gateway process saw during one wall-clock second, as a pla
 | `lat`, `ttft` | latency histograms (`LatencyHistogram` buckets) | sum, bucket by bucket    |
 | `g`  | this process's gauges (requests in flight)               | sum                      |
 | `x`  | shared values every process reads from Redis (backlog)   | max (the same value)     |
-| `r`  | per replica: health, version, in flight, tokens, circuit | see `_merge_replica`     |
+| `r`  | per replica: health, version, in flight, tokens, circuit, prefix cache counts | see `_merge_replica` |
 | `rw` | rewards of delivered sessions by weight version: [sum, n] | sum                     |
 | `st` | delivered samples by versions behind: count              | sum                      |
 | `ev` | weight updates this process coordinated                  | union                    |
@@ -110,7 +110,7 @@ def _merge_replica(into: dict[str, Any], other: dict[str, Any]) -> None:
             continue
         if into.get(key) is None:
             into[key] = value
-        elif key in ("in_flight", "tokens"):
+        elif key in ("in_flight", "tokens", "cache_queries", "cache_hits"):
             into[key] += value
         elif key in ("healthy", "serving"):
             into[key] = min(into[key], value)

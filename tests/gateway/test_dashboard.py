@@ -16,6 +16,7 @@ from tests.gateway_helpers import generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
 
 PROMPT = [11, 22, 33, 44, 55]
+LONG_PROMPT = list(range(100, 140))  # two full cache blocks of 16 tokens
 
 
 def test_latency_histogram_quantiles_are_bucket_upper_bounds() -> None:
@@ -69,11 +70,16 @@ async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
 ) -> None:
     sims = [await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005, block_size=16)) for _ in range(2)]
     gw = await make_gateway(sims)
+    dashboard = gw.services.dashboard
+    assert dashboard is not None
+    await dashboard.scrape_caches()  # the engines' prefix cache counters before (the sampler reads them every 5 s)
     for session in ("a", "b", "c"):
-        body = generate_body(PROMPT, 12, session_id=session)
+        body = generate_body(LONG_PROMPT, 12, session_id=session)
         assert (await http.post(f"{gw.url}/generate", json=body)).status_code == 200
     progress = [0]
-    task = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 200, session_id="long"), progress))
+    task = asyncio.create_task(
+        stream_generate(http, gw.url, generate_body(LONG_PROMPT, 200, session_id="long"), progress)
+    )
     await wait_for(lambda: progress[0] >= 30, what="tokens before the update")
     assert (await publish(http, gw.url, 1)).status_code == 200
     streamed = await task
@@ -81,12 +87,18 @@ async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
     finished = await http.post(f"{gw.url}/v1/sessions/long/finish", json={"reward": 0.75})
     assert finished.status_code == 200 and finished.json()["delivered"]
     completion = gw.services.generator.completion_tokens_total
+    await dashboard.scrape_caches()  # and after: the next tick carries what they grew by
 
     state = await _until(
         http,
         gw,
-        lambda s: sum(s["series"]["turns"]) == 4 and sum(s["series"]["tokens"]) == completion and s["reward"],
-        "turns, tokens and the reward in the feed",
+        lambda s: (
+            sum(s["series"]["turns"]) == 4
+            and sum(s["series"]["tokens"]) == completion
+            and s["reward"]
+            and any(rate is not None for c in s["replica_series"].values() for rate in c["cache_hit_rate"])
+        ),
+        "turns, tokens, the reward and the prefix cache in the feed",
     )
     series = state["series"]
     assert len(series["t"]) == len(series["turns"]) == len(series["latency_p99"]) and series["t"] == sorted(series["t"])
@@ -109,7 +121,11 @@ async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
     assert set(state["replica_series"]) == {r.id for r in gw.services.pool.all()}
     assert sum(sum(columns["tokens"]) for columns in state["replica_series"].values()) == completion
     for columns in state["replica_series"].values():
-        assert len(columns["t"]) == len(columns["in_flight"]) and set(columns["healthy"]) == {1}
+        assert len(columns["t"]) == len(columns["in_flight"]) == len(columns["cache_hit_rate"])
+        assert set(columns["healthy"]) == {1}
+    # The prompt repeats across sessions and a resumed request re-sends its own prefix: the caches hit.
+    rates = [rate for c in state["replica_series"].values() for rate in c["cache_hit_rate"] if rate is not None]
+    assert max(rates) > 0 and all(0 <= rate <= 1 for rate in rates)
 
 
 async def test_a_failed_update_is_marked_in_the_timeline(

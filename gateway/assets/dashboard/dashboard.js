@@ -117,23 +117,29 @@ function renderReplicas(replicas, series) {
       const row = $("replicas").insertRow();
       row.dataset.replica = r.id;
       const cells = [];
-      for (let i = 0; i < 7; i++) cells.push(row.insertCell());
+      for (let i = 0; i < 8; i++) cells.push(row.insertCell());
       cells[0].textContent = r.id;
       cells[3].className = cells[4].className = "num";
-      entry = replicaRows[r.id] = { row, cells, inFlight: spark(cells[5], "#4c7bd9"), tokens: spark(cells[6], "#1f9d55") };
+      entry = replicaRows[r.id] = { row, cells, inFlight: spark(cells[5], "#4c7bd9"), tokens: spark(cells[6], "#1f9d55"),
+        cache: spark(cells[7], "#8a55d6") };
     }
     const [label, tone] = health(r);
     const pill = document.createElement("span");
     pill.className = "pill " + tone;
     pill.textContent = label;
     entry.cells[1].replaceChildren(pill);
-    const columns = series[r.id] || { t: [], in_flight: [], tokens: [], open: [] };
+    const columns = series[r.id] || { t: [], in_flight: [], tokens: [], open: [], cache_hit_rate: [] };
     const open = columns.open.length && columns.open[columns.open.length - 1];
     entry.cells[2].textContent = open ? "open" : "closed";
     entry.cells[3].textContent = r.version === null ? "?" : r.version;
     entry.cells[4].textContent = r.in_flight;
     entry.inFlight.setData([columns.t, columns.in_flight]);
     entry.tokens.setData([columns.t, columns.tokens]);
+    // Read every 5 s: the seconds between readings are gaps, bridged.
+    const cacheT = [], cacheRate = [];
+    columns.cache_hit_rate.forEach((rate, i) => { if (rate !== null) { cacheT.push(columns.t[i]); cacheRate.push(100 * rate); } });
+    entry.cache.setData([cacheT, cacheRate]);
+    entry.cells[7].title = cacheRate.length ? cacheRate[cacheRate.length - 1].toFixed(0) + "% of prompt tokens" : "not read yet";
     entry.row.dataset.points = String(columns.t.length);
   }
   for (const id of Object.keys(replicaRows)) {
