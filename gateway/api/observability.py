@@ -1,9 +1,11 @@
 """Observability routes: `GET /metrics` (Prometheus), `GET /dashboard` (a live status page) and its JSON feed.
 
 No auth, by choice: Prometheus scrapers and an operator's browser read these, and neither carries the admin
-token. They expose no secrets and no per-session data: counters, replica ids and health, the weight version,
-queue depth. Like `/health`, they are meant for the cluster network; put them behind a proxy with auth before
-exposing the gateway beyond it. Everything that changes state stays under `/admin` with the bearer token.
+token. They expose no secrets: counters, replica ids and health, the weight version, queue depth, time series;
+of sessions only the ids of the busiest few (their contents stay behind `/v1/sessions`, which the page's session
+view calls with the agents' auth). Like `/health`, they are meant for the cluster network; put them behind a
+proxy with auth before exposing the gateway beyond it. Everything that changes state stays under `/admin` with
+the bearer token. The time series and how several processes share them: `gateway.dashboard`.
 """
 
 from __future__ import annotations
