@@ -141,6 +141,7 @@ class Ring:
     def __init__(self, window_s: int) -> None:
         self.window_s = window_s
         self._points: dict[int, Point] = {}
+        self.changes = 0  # counts merges: what was computed from the ring holds while it is unchanged
 
     def merge(self, point: Point) -> None:
         """Merge one process's point into its second; a point older than the window is dropped."""
@@ -149,6 +150,7 @@ class Ring:
         if second <= newest - self.window_s:
             return
         merge_point(self._points.setdefault(second, empty_point(second)), point)
+        self.changes += 1
         for old in [s for s in self._points if s <= max(newest, second) - self.window_s]:
             del self._points[old]
 

@@ -104,6 +104,11 @@ async def test_the_feed_shows_turns_an_update_and_a_finished_sessions_reward(
     assert len(series["t"]) == len(series["turns"]) == len(series["latency_p99"]) and series["t"] == sorted(series["t"])
     assert sum(series["delivered"]) == 1 and max(series["version"]) == 1
     assert any(p is not None for p in series["latency_p50"]) and any(p is not None for p in series["ttft_p99"])
+    # A page that has the earlier seconds asks for the newest only; the whole-window parts come every time.
+    newest = series["t"][-1]
+    recent = (await http.get(f"{gw.url}/dashboard/state", params={"since": newest})).json()
+    assert recent["series"]["t"] and recent["series"]["t"][0] == newest and recent["timeline"] == state["timeline"]
+    assert all(len(column) == len(recent["series"]["t"]) for column in recent["series"].values())
     (update,) = state["timeline"]
     assert (update["version"], update["mode"], update["status"]) == (1, "abort", "updated")
     assert update["started_at"] <= update["paused_at"] <= update["loaded_at"] <= update["finished_at"]

@@ -273,11 +273,38 @@ function render(s) {
   renderTopSessions(s.top_sessions);
 }
 
+// The page keeps the series it has and asks only for the newest seconds (from 2 s before its last one: another
+// process's point of a recent second may have arrived since), replacing those it had.
+const WINDOW_S = 900;
+let series = null;
+const replicaSeries = {};
+
+function splice(local, incoming) {
+  if (!local) return incoming;
+  const newest = incoming.t.length ? incoming.t[incoming.t.length - 1] : local.t[local.t.length - 1];
+  let keep = local.t.findIndex((t) => t >= incoming.t[0]);
+  if (keep < 0) keep = local.t.length;
+  let drop = 0;
+  while (drop < keep && local.t[drop] <= newest - WINDOW_S) drop++;
+  const out = {};
+  for (const name of Object.keys(incoming)) out[name] = (local[name] || []).slice(drop, keep).concat(incoming[name]);
+  return out;
+}
+
+function absorb(s) {
+  series = splice(series, s.series);
+  for (const [id, columns] of Object.entries(s.replica_series)) replicaSeries[id] = splice(replicaSeries[id], columns);
+  s.series = series;
+  s.replica_series = replicaSeries;
+  return s;
+}
+
 async function poll() {
   try {
-    const response = await fetch("dashboard/state", { cache: "no-store" });
+    const last = series && series.t.length ? series.t[series.t.length - 1] : null;
+    const response = await fetch(last === null ? "dashboard/state" : "dashboard/state?since=" + (last - 2), { cache: "no-store" });
     if (!response.ok) throw new Error("HTTP " + response.status);
-    render(await response.json());
+    render(absorb(await response.json()));
     $("status").className = "";
     $("status").textContent = "live \u00b7 updated " + new Date().toLocaleTimeString();
   } catch (err) {
