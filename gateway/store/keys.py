@@ -17,6 +17,7 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
 - `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:reclaimed` (counter): stream entries trainers took over from a consumer that left them idle (XAUTOCLAIM).
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
 - `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
@@ -28,7 +29,7 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 
 Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
 `ttl_s` once it is finished or abandoned; a response key `session_idle_ttl_s + ttl_s` after it was written. The
-global keys (both streams, both sets, the counter) have no TTL: the trainer trims `rg:trajectories` and
+global keys (the streams, both sets, the counters) have no TTL: the trainer trims `rg:trajectories` and
 `rg:abandoned` is capped (approximate MAXLEN).
 """
 
@@ -74,6 +75,10 @@ class Keys:
     @property
     def pending(self) -> str:
         return f"{self.prefix}pending"
+
+    @property
+    def reclaimed(self) -> str:
+        return f"{self.prefix}reclaimed"
 
     @property
     def active_sessions(self) -> str:

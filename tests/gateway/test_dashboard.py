@@ -4,13 +4,21 @@ gateways (one, and two sharing one Redis), after turns, a weight update, a faile
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
 
 from backends.sim.engine import EngineSettings
+from gateway.dashboard import DashboardSampler
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.generation import Generator
+from gateway.routing import ReplicaPool
 from gateway.server import RunningGateway
+from gateway.store import Keys, connect
 from gateway.timeseries import LatencyHistogram, Ring, empty_point
+from gateway.trainer import TrajectoryConsumer
+from gateway.weights import WeightCoordinator
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body, publish, stream_generate
 from tests.sim_helpers import wait_for
@@ -158,3 +166,39 @@ async def test_two_gateways_on_one_redis_each_show_the_whole_cluster(
             http, gw, lambda s: sum(s["series"]["turns"]) == 5, "both processes' turns in each one's feed"
         )
         assert sum(state["series"]["tokens"]) == 25
+
+
+async def test_the_backlog_shows_unacknowledged_and_reclaimed_entries(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis_server: EmbeddedRedis
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 4, session_id="ep"))).status_code == 200
+    assert (await http.post(f"{gw.url}/v1/sessions/ep/finish", json={"reward": 1.0})).status_code == 200
+    async with (
+        TrajectoryConsumer(redis_server.url, "trainers", "t0") as first,
+        TrajectoryConsumer(redis_server.url, "trainers", "t1", claim_idle_s=0) as second,
+    ):
+        assert len((await first.next_batch(4, timeout=5)).trajectories) == 1  # read, never acknowledged
+        assert len((await second.next_batch(4, timeout=5)).trajectories) == 1  # reclaimed from t0 at once
+
+        def backlog(s: dict[str, Any]) -> bool:
+            series = s["series"]
+            last = [series[name][-1] for name in ("pending", "unacked", "reclaimed_total")] if series["t"] else []
+            return last == [1, 1, 1]
+
+        await _until(http, gw, backlog, "pending, unacknowledged and reclaimed entries in the feed")
+
+
+async def test_with_redis_unreachable_a_process_charts_what_it_sees(unused_tcp_port: int) -> None:
+    pool = ReplicaPool()
+    weights = WeightCoordinator(pool)
+    generator = Generator(pool, weights)
+    client = connect(f"redis://127.0.0.1:{unused_tcp_port}", socket_timeout_s=0.5)  # nothing listens there
+    sampler = DashboardSampler(pool, weights, generator, client, Keys())
+    try:
+        generator.completion_tokens_total += 7  # as a turn would have counted them
+        await sampler.tick(int(time.time()) - 1)  # Redis refuses: logged, the point still counts
+        feed = sampler.feed()
+        assert feed["series"]["tokens"] == [7] and feed["series"]["pending"] == [None]
+    finally:
+        await client.aclose()

@@ -251,8 +251,8 @@ function render(s) {
   $("chart-versions").dataset.updates = String(s.timeline.length);
   renderUpdates(s.timeline);
 
-  chart("chart-backlog", { series: lineSeries(["pending", "unacked", "redelivered"]) },
-    [d.t, d.pending, d.unacked, d.redelivered]);
+  chart("chart-backlog", { series: lineSeries(["pending", "unacked", "reclaimed (total)"]) },
+    [d.t, d.pending, d.unacked, d.reclaimed_total]);
   const reward = s.reward;
   chart("chart-reward", {
     scales: { x: { time: false, range: (u, lo, hi) => (hi === null ? [0, 1] : [Math.min(lo, hi - 1) - 0.5, hi + 0.5]) } },
