@@ -74,7 +74,7 @@ function seconds(value) { return value ? value.toFixed(2) + " s" : "\u2013"; }
 function renderUpdates(events) {
   const body = document.createElement("tbody");
   body.id = "updates";
-  for (const ev of [...events].reverse()) {
+  for (const ev of [...events].reverse().slice(0, 12)) {  // the newest dozen; the chart shows them all
     const row = body.insertRow();
     row.dataset.version = ev.version;
     row.dataset.status = ev.status;
@@ -97,14 +97,16 @@ function health(r) {
   return ["healthy", "ok"];
 }
 
-function spark(cell, color) {
+function spark(cell, color, stepped) {
   const box = document.createElement("div");
   box.className = "spark";
   cell.appendChild(box);
+  const line = { stroke: color, fill: color + "33", width: 1 };
+  if (stepped) line.paths = uPlot.paths.stepped({ align: 1 });
   return new uPlot({
-    width: 200, height: 36, legend: { show: false }, cursor: { show: false }, select: { show: false },
+    width: 130, height: 30, legend: { show: false }, cursor: { show: false }, select: { show: false },
     axes: [{ show: false }, { show: false }], scales: { x: { time: true } },
-    series: [{}, { stroke: color, fill: color + "33", width: 1 }],
+    series: [{}, line],
   }, [[], []], box);
 }
 
@@ -117,29 +119,32 @@ function renderReplicas(replicas, series) {
       const row = $("replicas").insertRow();
       row.dataset.replica = r.id;
       const cells = [];
-      for (let i = 0; i < 8; i++) cells.push(row.insertCell());
+      for (let i = 0; i < 10; i++) cells.push(row.insertCell());
       cells[0].textContent = r.id;
       cells[3].className = cells[4].className = "num";
-      entry = replicaRows[r.id] = { row, cells, inFlight: spark(cells[5], "#4c7bd9"), tokens: spark(cells[6], "#1f9d55"),
-        cache: spark(cells[7], "#8a55d6") };
+      entry = replicaRows[r.id] = { row, cells, serving: spark(cells[5], "#1f9d55", true), version: spark(cells[6], "#1c2430", true),
+        inFlight: spark(cells[7], "#4c7bd9"), tokens: spark(cells[8], "#2aa3b8"), cache: spark(cells[9], "#8a55d6") };
     }
     const [label, tone] = health(r);
     const pill = document.createElement("span");
     pill.className = "pill " + tone;
     pill.textContent = label;
     entry.cells[1].replaceChildren(pill);
-    const columns = series[r.id] || { t: [], in_flight: [], tokens: [], open: [], cache_hit_rate: [] };
+    const columns = series[r.id] || { t: [], in_flight: [], tokens: [], open: [], cache_hit_rate: [], serving: [], version: [] };
     const open = columns.open.length && columns.open[columns.open.length - 1];
     entry.cells[2].textContent = open ? "open" : "closed";
     entry.cells[3].textContent = r.version === null ? "?" : r.version;
     entry.cells[4].textContent = r.in_flight;
+    // Serving: healthy, not stale, not draining, circuit closed (1) or not (0), as every process saw it.
+    entry.serving.setData([columns.t, columns.serving]);
+    entry.version.setData([columns.t, columns.version]);
     entry.inFlight.setData([columns.t, columns.in_flight]);
     entry.tokens.setData([columns.t, columns.tokens]);
     // Read every 5 s: the seconds between readings are gaps, bridged.
     const cacheT = [], cacheRate = [];
     columns.cache_hit_rate.forEach((rate, i) => { if (rate !== null) { cacheT.push(columns.t[i]); cacheRate.push(100 * rate); } });
     entry.cache.setData([cacheT, cacheRate]);
-    entry.cells[7].title = cacheRate.length ? cacheRate[cacheRate.length - 1].toFixed(0) + "% of prompt tokens" : "not read yet";
+    entry.cells[9].title = cacheRate.length ? cacheRate[cacheRate.length - 1].toFixed(0) + "% of prompt tokens" : "not read yet";
     entry.row.dataset.points = String(columns.t.length);
   }
   for (const id of Object.keys(replicaRows)) {
