@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import time
 import uuid
@@ -87,6 +88,7 @@ class DashboardSampler:
         self._latency = LatencyHistogram()
         self._ttft = LatencyHistogram()
         self._turns = 0
+        self._delivered_count = 0
         self._sessions: Counter[str] = Counter()
         self._events: list[dict[str, Any]] = []
         self._delivered: deque[str] = deque()
@@ -131,6 +133,7 @@ class DashboardSampler:
         )
 
     def observe_delivered(self, session_id: str) -> None:
+        self._delivered_count += 1
         self._delivered.append(session_id)
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -152,7 +155,10 @@ class DashboardSampler:
     async def _scrape_caches_forever(self) -> None:
         while True:
             await asyncio.sleep(self.cache_interval_s)  # a period, not synchronisation
-            await self.scrape_caches()
+            try:
+                await self.scrape_caches()
+            except Exception:  # as in `_run`: logged, and the next period tries again
+                logger.exception("dashboard: reading the replicas' cache counters failed")
 
     async def scrape_caches(self) -> None:
         """Read each replica's prefix cache counters (its /metrics) and add what they grew by since the last read;
@@ -221,11 +227,12 @@ class DashboardSampler:
             "prompt_tokens": self._delta("prompt_tokens", g.prompt_tokens_total),
             "resumes": self._delta("resumes", g.resumes_total),
             "preemptions": self._delta("preemptions", g.preemptions_total),
-            "delivered": len(self._delivered),
+            "delivered": self._delivered_count,
         }
         point["lat"] = {str(k): v for k, v in self._latency.counts.items()}
         point["ttft"] = {str(k): v for k, v in self._ttft.counts.items()}
         self._turns, self._latency, self._ttft = 0, LatencyHistogram(), LatencyHistogram()
+        self._delivered_count = 0
         point["ss"] = dict(self._sessions.most_common(TOP_SESSIONS))
         self._sessions = Counter()
         now = time.monotonic()
@@ -282,7 +289,8 @@ class DashboardSampler:
         """Rewards by weight version and staleness of the sessions delivered since the last tick. A session's
         version is its samples' newest (the policy that acted last); staleness, per sample, how many versions
         its oldest token lags the version serving when it was delivered (the trainer sees it at least that stale)."""
-        batch = [self._delivered.popleft() for _ in range(min(len(self._delivered), MAX_DELIVERED_PER_TICK))]
+        # Taken off the queue only once read: after a Redis error the next tick reads them again.
+        batch = list(itertools.islice(self._delivered, MAX_DELIVERED_PER_TICK))
         rewards: dict[str, list[float]] = {}
         staleness: dict[str, int] = {}
         if not batch:
@@ -306,6 +314,8 @@ class DashboardSampler:
                 return list(await pipe.execute())
 
         versions = await call(read_samples(), "read delivered samples")
+        for _ in batch:
+            self._delivered.popleft()
         at = 0
         for reward, count in metas:
             newest: int | None = None
