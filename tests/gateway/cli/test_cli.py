@@ -228,6 +228,13 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
             deadline = time.monotonic() + 20
             while set(statuses(50).values()) != {3}:  # the other worker follows through Redis
                 assert time.monotonic() < deadline, "the other worker never adopted version 3"
+            # The dashboard: whichever worker answers shows the turn and the update, both done by one of them (each
+            # worker merges the other's per-second points from Redis).
+            feeds: dict[str, tuple[int, list[int]]] = {}
+            while sum(feed == (1, [3]) for feed in feeds.values()) < 2:
+                assert time.monotonic() < deadline + 20, feeds
+                state = httpx.get(f"{url}/dashboard/state", timeout=10).json()
+                feeds[state["worker"]] = (sum(state["series"]["turns"]), [e["version"] for e in state["timeline"]])
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0
             stderr = process.stderr.read() if process.stderr else ""
