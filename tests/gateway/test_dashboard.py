@@ -4,7 +4,10 @@ gateways (one, and two sharing one Redis), after turns, a weight update, a faile
 from __future__ import annotations
 
 import asyncio
+import glob
 import time
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -202,3 +205,18 @@ async def test_with_redis_unreachable_a_process_charts_what_it_sees(unused_tcp_p
         assert feed["series"]["tokens"] == [7] and feed["series"]["pending"] == [None]
     finally:
         await client.aclose()
+
+
+def test_the_package_data_ships_every_dashboard_asset() -> None:
+    """The page and vendored uPlot are package data (an installed gateway serves them): setuptools globs these
+    patterns from the package folder, so every file under assets/dashboard must match one."""
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["gateway"]
+    shipped = {path for pattern in patterns for path in glob.glob(pattern, root_dir=root / "gateway")}
+    assets = {
+        str(path.relative_to(root / "gateway"))
+        for path in (root / "gateway" / "assets" / "dashboard").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+    assert {"assets/dashboard/index.html", "assets/dashboard/vendor/uPlot.iife.min.js"} <= assets
+    assert assets <= shipped, assets - shipped
