@@ -41,6 +41,10 @@ function chart(id, opts, data) {
   return charts[id];
 }
 
+window.addEventListener("resize", () => {
+  for (const [id, plot] of Object.entries(charts)) plot.setSize({ width: width($(id)), height: plot.height });
+});
+
 // -- the weight-version timeline: bands drawn under a stepped version line and the preemptions as bars -----------
 
 let timeline = [];
@@ -245,14 +249,13 @@ function render(s) {
     [d.t, d.latency_p50, d.latency_p99, d.ttft_p50, d.ttft_p99]);
 
   timeline = s.timeline;
-  const versions = chart("chart-versions", {
+  chart("chart-versions", {
     height: 180,
     series: [{}, { label: "version", stroke: "#1c2430", width: 2, paths: uPlot.paths.stepped({ align: 1 }) },
       { label: "resumes", stroke: "#d64545", fill: "rgba(214,69,69,.5)", scale: "n", paths: uPlot.paths.bars({ size: [1, 6] }) }],
     axes: [{}, { label: "version" }, { scale: "n", side: 1, grid: { show: false } }],
     hooks: { drawClear: [drawBands] },
   }, [d.t, d.version, d.preemptions]);
-  versions.redraw(false);
   $("chart-versions").dataset.updates = String(s.timeline.length);
   renderUpdates(s.timeline);
 
