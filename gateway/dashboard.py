@@ -265,10 +265,11 @@ class DashboardSampler:
             async with client.pipeline(transaction=False) as pipe:
                 pipe.get(keys.pending)
                 pipe.get(keys.reclaimed)
+                pipe.get(keys.acked)
                 pipe.zcard(keys.active_sessions)
                 pipe.xlen(keys.abandoned)
                 pipe.exists(keys.trajectories)
-                pending, reclaimed, active, abandoned, stream = await pipe.execute()
+                pending, reclaimed, acked, active, abandoned, stream = await pipe.execute()
             unacked = consumers = 0
             if stream:
                 for group in await client.xinfo_groups(keys.trajectories):
@@ -278,6 +279,7 @@ class DashboardSampler:
                 "pending": int(pending or 0),
                 "unacked": unacked,
                 "reclaimed_total": int(reclaimed or 0),
+                "acked_total": int(acked or 0),
                 "consumers": consumers,
                 "active_sessions": int(active),
                 "abandoned_total": int(abandoned),
@@ -432,11 +434,14 @@ def _series(points: list[Point]) -> dict[str, list[Any]]:
             "pending",
             "unacked",
             "reclaimed_total",
+            "consumed",
             "active_sessions",
             "abandoned_total",
             "version",
         )
     }
+    previous: dict[str, Any] = {}
+    previous_t = 0
     for p in points:
         n, x = p["n"], p["x"]
         out["t"].append(p["t"])
@@ -449,6 +454,10 @@ def _series(points: list[Point]) -> dict[str, list[Any]]:
         out["in_flight"].append(p["g"].get("in_flight", 0))
         for name in ("pending", "unacked", "reclaimed_total", "active_sessions", "abandoned_total", "version"):
             out[name].append(x.get(name))
+        # Acknowledged by trainers during the second: the growth of their shared counter since the second before.
+        acked, before = x.get("acked_total"), previous.get("acked_total")
+        out["consumed"].append(None if acked is None or before is None or p["t"] - previous_t != 1 else acked - before)
+        previous, previous_t = x, p["t"]
     return out
 
 

@@ -17,6 +17,7 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
 - `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:acked` (counter): sessions trainers acknowledged (their entries' XACK removed them from a pending list).
 - `rg:reclaimed` (counter): stream entries trainers took over from a consumer that left them idle (XAUTOCLAIM).
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
 - `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
@@ -75,6 +76,10 @@ class Keys:
     @property
     def pending(self) -> str:
         return f"{self.prefix}pending"
+
+    @property
+    def acked(self) -> str:
+        return f"{self.prefix}acked"
 
     @property
     def reclaimed(self) -> str:

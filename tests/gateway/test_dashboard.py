@@ -182,7 +182,8 @@ async def test_the_backlog_shows_unacknowledged_and_reclaimed_entries(
         TrajectoryConsumer(redis_server.url, "trainers", "t1", claim_idle_s=0) as second,
     ):
         assert len((await first.next_batch(4, timeout=5)).trajectories) == 1  # read, never acknowledged
-        assert len((await second.next_batch(4, timeout=5)).trajectories) == 1  # reclaimed from t0 at once
+        batch = await second.next_batch(4, timeout=5)
+        assert len(batch.trajectories) == 1  # reclaimed from t0 at once
 
         def backlog(s: dict[str, Any]) -> bool:
             series = s["series"]
@@ -190,6 +191,13 @@ async def test_the_backlog_shows_unacknowledged_and_reclaimed_entries(
             return last == [1, 1, 1]
 
         await _until(http, gw, backlog, "pending, unacknowledged and reclaimed entries in the feed")
+        await second.ack(batch)
+
+        def consumed(s: dict[str, Any]) -> bool:
+            series = s["series"]
+            return series["unacked"][-1] == series["pending"][-1] == 0 and sum(c or 0 for c in series["consumed"]) == 1
+
+        await _until(http, gw, consumed, "the acknowledged entry in the feed")
 
 
 async def test_with_redis_unreachable_a_process_charts_what_it_sees(unused_tcp_port: int) -> None:

@@ -242,9 +242,10 @@ function render(s) {
   show("open_sessions", d.active_sessions.length ? d.active_sessions[d.active_sessions.length - 1] : null);
 
   chart("chart-throughput", {
-    series: lineSeries(["turns/s", "tokens/s", "trajectories/s"]).map((x, i) => (i === 2 ? { ...x, scale: "tok" } : x)),
+    series: lineSeries(["turns/s", "tokens/s", "trajectories delivered/s", "consumed by trainers/s"])
+      .map((x, i) => (i === 2 ? { ...x, scale: "tok" } : x)),
     axes: [{}, {}, { scale: "tok", side: 1, grid: { show: false } }],
-  }, [d.t, d.turns, d.tokens, d.delivered]);
+  }, [d.t, d.turns, d.tokens, d.delivered, d.consumed]);
   chart("chart-latency", { series: lineSeries(["turn p50", "turn p99", "TTFT p50", "TTFT p99"]) },
     [d.t, d.latency_p50, d.latency_p99, d.ttft_p50, d.ttft_p99]);
 
