@@ -485,6 +485,8 @@ class HttpEngineBackend:
 
     running_gauge: str
     waiting_gauge: str
+    cache_queries_counter: str  # prompt tokens the prefix cache was asked for (a counter, `_total` included)
+    cache_hits_counter: str  # of them, those it had
 
     def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
@@ -507,14 +509,18 @@ class HttpEngineBackend:
         return await probe(self._client, self.id, "/health", timeout=self._probe)
 
     async def load(self) -> Load:
-        """Running and waiting requests from `/metrics`, summed over label sets (engines, models)."""
+        """Running and waiting requests and the prefix cache's counters from `/metrics`, summed over label sets
+        (engines, models)."""
         response = await request(self._client, self.id, "GET", "/metrics", timeout=self._probe)
+        names = (self.running_gauge, self.waiting_gauge, self.cache_queries_counter, self.cache_hits_counter)
         with translate_errors(self.id):
-            gauges = parse_gauges(response.text, (self.running_gauge, self.waiting_gauge))
+            gauges = parse_gauges(response.text, names)
         running, waiting = gauges.get(self.running_gauge), gauges.get(self.waiting_gauge)
         return Load(
             running=None if running is None else int(running),
             waiting=None if waiting is None else int(waiting),
+            prefix_cache_queries=gauges.get(self.cache_queries_counter),
+            prefix_cache_hits=gauges.get(self.cache_hits_counter),
         )
 
     async def aclose(self) -> None:

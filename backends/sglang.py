@@ -64,6 +64,8 @@ class SglangBackend(HttpEngineBackend):
 
     running_gauge = "sglang:num_running_reqs"
     waiting_gauge = "sglang:num_queue_reqs"
+    cache_queries_counter = "sglang:prompt_tokens_total"
+    cache_hits_counter = "sglang:cached_tokens_total"
 
     def __init__(self, spec: ReplicaSpec) -> None:
         if spec.routed_experts and spec.routed_experts_shape is None:

@@ -136,6 +136,8 @@ class VllmBackend(HttpEngineBackend):
 
     running_gauge = "vllm:num_requests_running"
     waiting_gauge = "vllm:num_requests_waiting"
+    cache_queries_counter = "vllm:prefix_cache_queries_total"
+    cache_hits_counter = "vllm:prefix_cache_hits_total"
 
     def __init__(self, spec: ReplicaSpec) -> None:
         super().__init__(spec)

@@ -181,7 +181,9 @@ class Generator:
     off (abort or failure) to the continuation's first token, waiting for a weight update included (a whole answer
     brings its first token with its last, so it reports none). `on_dispatch`
     gets, once per continuation of a preempted segment, the seconds from the coordinator's release of waiters
-    (or from the preemption, if that came later) to the continuation being sent to the engine.
+    (or from the preemption, if that came later) to the continuation being sent to the engine. `on_finished` gets,
+    per completion that finished (not cancelled, not failed), its seconds to the first token handed to the caller
+    and its whole duration.
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class Generator:
         self.settings = settings or GenerationSettings()
         self.on_resume = on_resume
         self.on_dispatch = on_dispatch
+        self.on_finished: Callable[[GenerationRequest, float | None, float], None] | None = None
         self.resumes_total = 0
         self.preemptions_total = 0
         self.interrupted_total = 0  # segments cut because the pool took their replica out
@@ -227,13 +230,17 @@ class Generator:
         version) close it, prepare the resume and start the next on a replica the pool picks."""
         self.prompt_tokens_total += len(request.prompt_ids)
         timeout = self.settings.request_timeout_s
-        resume = _Resume(time.monotonic() + timeout, asyncio.get_running_loop().time() + timeout)
+        started = time.monotonic()
+        first: float | None = None
+        resume = _Resume(started + timeout, asyncio.get_running_loop().time() + timeout)
         try:
             while not self._done(request, state):
                 run, call = self._start(request, state, resume) or await self._start_after_wait(request, state, resume)
                 failed = False
                 try:
                     async for delta in self._segment(request, state, run, call, resume.loop_deadline):
+                        if first is None and delta.token_ids:
+                            first = time.monotonic()
                         yield delta
                 except BackendError as exc:
                     self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
@@ -247,6 +254,8 @@ class Generator:
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
             raise
+        if self.on_finished is not None:
+            self.on_finished(request, None if first is None else first - started, time.monotonic() - started)
 
     def _done(self, request: GenerationRequest, state: GenerationState) -> bool:
         """Whether the completion is finished (a spent budget finishes it as `length`)."""
@@ -400,6 +409,7 @@ class Generator:
         if run.interrupted_at is not None:
             self._resumed(run, observe=observe)
         self.completion_tokens_total += len(delta.token_ids)
+        run.replica.tokens_total += len(delta.token_ids)
 
     def _dispatched(self, preempted_at: float) -> None:
         """A continuation of a preempted segment was handed to its engine's client: report how long after the

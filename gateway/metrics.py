@@ -233,7 +233,8 @@ class GatewayMetrics:
 
     def observe_update(self, report: UpdateReport) -> None:
         # An out-of-band pause/resume reports no duration (the sync ran outside the gateway): nothing to observe.
-        if report.duration_s > 0:
+        # A failed update (announced too, for the dashboard's timeline) is not an update's duration either.
+        if report.duration_s > 0 and report.status != "failed":
             self.weight_update.observe(report.duration_s)
 
     @property

@@ -42,6 +42,7 @@ class Replica:
     stale: bool = False  # failed a weight update: serves nothing until a later update succeeds
     draining: bool = False  # finishing in-flight work before a cache flush; takes no new requests
     in_flight: int = 0
+    tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
     consecutive_failures: int = 0
     circuit_open_until: float = 0.0
     version: int | None = None

@@ -15,6 +15,7 @@ from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
+from gateway.dashboard import DashboardSampler
 from gateway.discovery import Discovery, make_source
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
@@ -94,6 +95,7 @@ class Services:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     quota: SessionQuota = field(default_factory=lambda: SessionQuota(0))
     open_sessions: OpenSessions | None = None  # `server.max_open_sessions_per_key`, across processes
+    dashboard: DashboardSampler | None = None
     _catching_up: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
@@ -315,6 +317,10 @@ async def open_services(
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
         metrics.bind(pool, weights, generator, trajectories)
+        dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix))
+        trajectories.on_delivered.append(dashboard.observe_delivered)
+        dashboard.start()
+        stack.push_async_callback(dashboard.aclose)  # before Redis closes
         services = Services(
             settings=settings,
             pool=pool,
@@ -329,6 +335,7 @@ async def open_services(
             metrics=metrics,
             quota=SessionQuota(settings.server.max_sessions_per_key),
             open_sessions=open_sessions,
+            dashboard=dashboard,
         )
         pool.on_probe = services.verify_replica
         stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close

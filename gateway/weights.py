@@ -80,6 +80,12 @@ class UpdateReport:
     errors: dict[str, str] = field(default_factory=dict)
     flush_pending: list[str] = field(default_factory=list)
     duration_s: float = 0.0
+    # Wall-clock times of its phases (the dashboard's timeline): pause asked, every replica paused, the weights
+    # loaded and verified, serving again. 0.0: the phase was not reached.
+    started_at: float = 0.0
+    paused_at: float = 0.0
+    loaded_at: float = 0.0
+    finished_at: float = 0.0
     # Replicas whose engine refused the load and said it kept its weights: rolled back if no replica updated.
     refused: list[str] = field(default_factory=list)
 
@@ -129,6 +135,7 @@ class WeightCoordinator:
         self._paused_at = 0.0
         self._paused_token: str | None = None
         self._paused_leadership: contextlib.AbstractAsyncContextManager[str | None] | None = None
+        # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
     @property
@@ -178,14 +185,16 @@ class WeightCoordinator:
         async with self._lock, self._leadership(version) as token:
             started = time.monotonic()
             previous = self.version
-            report = UpdateReport(version, mode)
+            report = UpdateReport(version, mode, started_at=time.time())
             self._serving.clear()
             try:
                 async with asyncio.timeout(self.update_timeout_s):
                     await self._pause_all(mode, report)
+                    report.paused_at = time.time()
                     self.state = "updating"
                     await self._update_all(version, source, report)
                     await self._settle_refusals(previous, report)
+                    report.loaded_at = time.time()
                     self.state = "resuming"
                     await self._resume_all(report)
             finally:
@@ -194,8 +203,10 @@ class WeightCoordinator:
                 await self._publish_result(token, report)
                 self.state = "serving"
                 self._release()
+                report.finished_at = time.time()
             report.duration_s = time.monotonic() - started
             if not report.updated:
+                await self._announce(report)  # a failed update is announced too (status "failed")
                 raise self._failed(previous, report)
             self.updates += 1
             logger.info(
@@ -405,8 +416,9 @@ class WeightCoordinator:
             self._paused_token = await leadership.__aenter__()
             self._paused_leadership = leadership
             self._serving.clear()
-            report = UpdateReport(self.version, mode or self.default_mode)
+            report = UpdateReport(self.version, mode or self.default_mode, started_at=time.time())
             await self._pause_all(mode or self.default_mode, report)
+            report.paused_at = time.time()
             self.state = "paused"
             self._paused_report = report
             self._paused_at = time.monotonic()
@@ -430,6 +442,7 @@ class WeightCoordinator:
             self.state = "updating"
             await self._update_all(version, None, report)
             await self._settle_refusals(self.version, report, rollback=False)
+            report.loaded_at = time.time()
             self.state = "resuming"
             await self._resume_all(report)
             self.version = version
@@ -442,6 +455,7 @@ class WeightCoordinator:
             self.state = "serving"
             self._release()
             self._lock.release()
+            report.finished_at = time.time()
         report.duration_s = time.monotonic() - self._paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
         await self._announce(report)

@@ -167,6 +167,7 @@ async def run_demo(options: DemoOptions, console: Console | None = None) -> bool
             f"[bold]rollout-gateway demo[/]: gateway {gateway.url}, redis {gateway.services.redis_url}, "
             f"{options.replicas} simulator replicas ({', '.join(_dialects(options))}), {options.agent} agents"
         )
+        console.print(f"[bold]dashboard[/]: {gateway.url}/dashboard")
         agents_done = asyncio.Event()
         started = time.monotonic()
         trainer = asyncio.create_task(_trainer(gateway, options, stats, agents_done))

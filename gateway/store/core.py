@@ -44,6 +44,7 @@ class StoreStats:
     repaired: int = 0  # sessions delivered by `repair_undelivered`
     abandoned: int = 0  # sessions closed by `abandon_idle`
     samples_moved: int = 0  # sample writes that found their index taken by another turn, and moved (logged)
+    delivered: int = 0  # sessions this process delivered to the trajectories stream (their real entry)
 
 
 class StoreCore:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 from redis.asyncio.client import Pipeline
 
@@ -41,6 +41,8 @@ class Delivery:
         self._core = core
         self._backpressure = backpressure
         self._finishing = finishing
+        # Told the id of each session this process delivered (its real entry, once): the dashboard's feed.
+        self.on_delivered: list[Callable[[str], None]] = []
 
     async def deliver(self, meta: SessionMeta) -> str:
         """Steps (3)-(5) for a finished session; its real entry's id. Safe to run any number of times,
@@ -91,6 +93,9 @@ class Delivery:
             raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
         if winner == entry_id:
             await self._backpressure.count_delivery()
+            self._core.stats.delivered += 1
+            for callback in self.on_delivered:
+                callback(session_id)
         else:
             self._core.stats.duplicate_entries += 1
             with contextlib.suppress(StoreError):  # best effort: consumers skip entries other than `stream_id`

@@ -17,6 +17,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
 - `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:acked` (counter): sessions trainers acknowledged (their entries' XACK removed them from a pending list).
+- `rg:reclaimed` (counter): stream entries trainers took over from a consumer that left them idle (XAUTOCLAIM).
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
 - `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
@@ -25,10 +27,12 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
+- `rg:dashboard` (stream, trimmed by MINID to the dashboard's window): each gateway process's per-second point
+  (JSON, `gateway.timeseries`), read back by every process to chart the whole cluster (`gateway.dashboard`).
 
 Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
 `ttl_s` once it is finished or abandoned; a response key `session_idle_ttl_s + ttl_s` after it was written. The
-global keys (both streams, both sets, the counter) have no TTL: the trainer trims `rg:trajectories` and
+global keys (the streams, both sets, the counters) have no TTL: the trainer trims `rg:trajectories` and
 `rg:abandoned` is capped (approximate MAXLEN).
 """
 
@@ -76,6 +80,14 @@ class Keys:
         return f"{self.prefix}pending"
 
     @property
+    def acked(self) -> str:
+        return f"{self.prefix}acked"
+
+    @property
+    def reclaimed(self) -> str:
+        return f"{self.prefix}reclaimed"
+
+    @property
     def active_sessions(self) -> str:
         return f"{self.prefix}sessions:active"
 
@@ -103,6 +115,10 @@ class Keys:
     @property
     def control(self) -> str:
         return f"{self.prefix}control"
+
+    @property
+    def dashboard(self) -> str:
+        return f"{self.prefix}dashboard"
 
 
 def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512) -> aioredis.Redis:

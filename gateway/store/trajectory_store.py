@@ -102,6 +102,7 @@ class TrajectoryStore:
         # The finishes running in this process, by session; the sweepers leave those sessions alone.
         self._finishing: dict[str, asyncio.Task[str]] = {}
         self._delivery = Delivery(core, self._backpressure, self._finishing)
+        self.on_delivered = self._delivery.on_delivered  # called with each session this process delivers
         self._finisher = Finisher(core, self._buffer, self._delivery, self._finishing, retry_budget_s=retry_budget_s)
         self._idle = IdleSweeper(core, self._finishing)
         self.responses = ResponseKeys(core)  # the Responses API's stored responses

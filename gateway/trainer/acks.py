@@ -54,6 +54,7 @@ async def settle(
     removed = [e for e, count in zip(real, acked, strict=False) if count]
     if removed:
         pipe = client.pipeline(transaction=False)
+        pipe.incrby(keys.acked, len(removed))  # counted for the operator (the dashboard's consumed/s)
         for entry in removed:
             pipe.decr(keys.pending)
             session_keys = [keys.meta(entry.session_id)]

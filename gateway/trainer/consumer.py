@@ -251,10 +251,11 @@ class TrajectoryConsumer:
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
+        pipe.incrby(self.keys.reclaimed, len(ids))  # counted for the operator (the dashboard's backlog)
         for entry_id in ids:
             pipe.xrange(self.keys.trajectories, entry_id, entry_id)
         with store_errors("load reclaimed entries"):
-            found = await pipe.execute()
+            _, *found = await pipe.execute()
         entries = [(i, hits[0][1]) for i, hits in zip(ids, found, strict=True) if hits]
         gone = [i for i, hits in zip(ids, found, strict=True) if not hits]
         if gone:

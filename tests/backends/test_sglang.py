@@ -248,15 +248,22 @@ async def test_load_counts_a_running_request(
 ) -> None:
     sim = await make_sim("sglang", engine=sg(token_delay_s=0.002))
     backend = make_backend(sim.url)
-    assert await backend.load() == Load(running=0, waiting=0)
+    assert busy(await backend.load()) == (0, 0)
     received: list[Chunk] = []
     async with contextlib.aclosing(backend.generate(PROMPT, greedy(300), "busy")) as stream:
         await read_until(stream, received, 2)
-        assert await backend.load() == Load(running=1, waiting=0)
+        assert busy(await backend.load()) == (1, 0)
         await backend.abort("busy")
         received.extend([chunk async for chunk in stream])
     assert received[-1].finish_reason == "abort"
-    assert await backend.load() == Load(running=0, waiting=0)
+    assert busy(await backend.load()) == (0, 0)
+    # The prefix cache's counters (sglang:{prompt,cached}_tokens_total): the prompt was looked up once.
+    load = await backend.load()
+    assert load.prefix_cache_queries == len(PROMPT) and load.prefix_cache_hits == 0
+
+
+def busy(load: Load) -> tuple[int | None, int | None]:
+    return load.running, load.waiting
 
 
 # -- abort and pause -------------------------------------------------------------------------------------------

@@ -467,13 +467,20 @@ async def test_a_whole_answer_is_bounded_by_whole_answer_not_by_the_read_gap(
 async def test_load_counts_running_requests(make_sim: SimFactory, backend_for: BackendFactory) -> None:
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.002))
     backend = backend_for(sim)
-    assert await backend.load() == Load(running=0, waiting=0)
+    assert busy(await backend.load()) == (0, 0)
     ready = asyncio.Event()
     task = asyncio.create_task(generate_until(backend, greedy(2000), "ld", ready, after=1))
     await ready.wait()
-    assert await backend.load() == Load(running=1, waiting=0)
+    assert busy(await backend.load()) == (1, 0)
     await backend.abort("ld")
     assert (await task)[-1].finish_reason == "abort"
+    # The prefix cache's counters (vllm:prefix_cache_{queries,hits}_total): the prompt was looked up once.
+    load = await backend.load()
+    assert load.prefix_cache_queries == len(PROMPT) and load.prefix_cache_hits == 0
+
+
+def busy(load: Load) -> tuple[int | None, int | None]:
+    return load.running, load.waiting
 
 
 async def test_aclose_closes_the_client(make_sim: SimFactory, backend_for: BackendFactory) -> None:
@@ -717,7 +724,7 @@ vllm:num_requests_waiting{engine="0",model_name="a b"} 4.0
 vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
 """
     backend = backend_for((await scripted(replying(metrics))).url)
-    assert await backend.load() == Load(running=5, waiting=4)
+    assert busy(await backend.load()) == (5, 4)
     assert await backend_for((await scripted(replying(b"# nothing\n"))).url).load() == Load()
     assert parse_gauges("", ["x"]) == {}
 

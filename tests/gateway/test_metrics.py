@@ -32,12 +32,14 @@ PROMPT = [11, 22, 33, 44, 55]
 CHROMIUM = "/usr/bin/chromium"
 
 
-async def two_replica_gateway(make_sim: SimFactory, make_gateway: GatewayFactory, delay: float) -> RunningGateway:
+async def two_replica_gateway(
+    make_sim: SimFactory, make_gateway: GatewayFactory, delay: float, **sections: Any
+) -> RunningGateway:
     sims = [
         await make_sim("vllm", engine=EngineSettings(token_delay_s=delay, block_size=16)),
         await make_sim("sglang", engine=EngineSettings(token_delay_s=delay, block_size=1)),
     ]
-    return await make_gateway(sims)
+    return await make_gateway(sims, **sections)
 
 
 async def test_metrics_after_generation_and_an_update(
@@ -187,8 +189,9 @@ def test_hooks_record_updates_and_resumes() -> None:
     metrics.bind(pool, weights, generator, _Store("ok"))  # type: ignore[arg-type]
     assert generator.on_resume == metrics.observe_resume and weights.on_update == [metrics.observe_update]
     assert generator.on_dispatch == metrics.observe_dispatch
-    metrics.observe_update(UpdateReport(1, "abort", duration_s=0.5))
-    metrics.observe_update(UpdateReport(2, "abort"))  # out-of-band resume: no duration measured, nothing observed
+    metrics.observe_update(UpdateReport(1, "abort", updated=["r1"], duration_s=0.5))
+    metrics.observe_update(UpdateReport(2, "abort", updated=["r1"]))  # out-of-band: no duration, nothing observed
+    metrics.observe_update(UpdateReport(3, "abort", duration_s=0.5))  # failed (announced for the dashboard): not one
     generator.on_resume(0.2)
     generator.on_dispatch(0.01)
     text = metrics.render().decode()
@@ -235,9 +238,16 @@ async def test_dashboard_state_and_page(
 
     page = await http.get(f"{gw.url}/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert "default-src 'none'" in page.headers["content-security-policy"]
-    assert "fetch(" in page.text and "dashboard/state" in page.text
-    assert "http://" not in page.text and "https://" not in page.text and "<link" not in page.text  # self-contained
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "script-src 'self';" in policy  # no inline script, nothing elsewhere
+    assert "http://" not in page.text and "https://" not in page.text  # self-contained: assets from the gateway
+    for asset, kind in (("uPlot.iife.min.js", "text/javascript"), ("uPlot.min.css", "text/css")):
+        assert f'"dashboard/assets/{asset}"' in page.text
+        served = await http.get(f"{gw.url}/dashboard/assets/{asset}")
+        assert served.status_code == 200 and served.headers["content-type"].startswith(kind) and served.content
+    script = await http.get(f"{gw.url}/dashboard/assets/dashboard.js")
+    assert "fetch(" in script.text and "dashboard/state" in script.text and "http" not in script.text
+    assert (await http.get(f"{gw.url}/dashboard/assets/..%2Fdashboard.py")).status_code == 404
 
 
 METRICS = {"authorization": "Bearer m-tok-41"}
@@ -260,8 +270,9 @@ async def test_a_metrics_token_guards_metrics_and_the_dashboard_state(
             assert refused.status_code == 403, (path, wrong)
         assert (await http.get(f"{gw.url}{path}", headers=METRICS)).status_code == 200, path
     assert "rollout_gateway_" in (await http.get(f"{gw.url}/metrics", headers=METRICS)).text
-    page = await http.get(f"{gw.url}/dashboard")
-    assert page.status_code == 200 and "location.hash" in page.text
+    page = await http.get(f"{gw.url}/dashboard")  # the page and its assets hold no data: open
+    script = await http.get(f"{gw.url}/dashboard/assets/dashboard.js")
+    assert page.status_code == 200 and script.status_code == 200 and "location.hash" in script.text
 
 
 async def _chromium(*args: str, timeout: float = 60.0) -> bytes:
@@ -292,43 +303,74 @@ async def _chromium(*args: str, timeout: float = 60.0) -> bytes:
     return stdout
 
 
+CHARTS = ("throughput", "latency", "versions", "backlog", "reward", "staleness", "sessions")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is absent (apt-get install -y chromium)")
 @pytest.mark.parametrize("token", [None, "m-tok-41"])
 async def test_dashboard_renders_in_headless_chromium(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path, token: str | None
 ) -> None:
-    """The page renders live data; with a metrics token, the one its URL's fragment carries."""
-    sims = [
-        await make_sim("vllm", engine=EngineSettings(token_delay_s=0.02, block_size=16)),
-        await make_sim("sglang", engine=EngineSettings(token_delay_s=0.02, block_size=1)),
-    ]
-    gw = await make_gateway(sims, server={"metrics_token": token})
+    """A short demo-like run (turns, a weight update under load, a finished session with a reward), then the page
+    in a real browser: every chart drew points, every replica its sparklines, and the page raised no error; with a
+    metrics token, the one its URL's fragment carries."""
+    gw = await two_replica_gateway(make_sim, make_gateway, delay=0.02, server={"metrics_token": token})
+    auth = {"authorization": f"Bearer {token}"} if token else {}
     page = f"{gw.url}/dashboard" + (f"#token={token}" if token else "")
     progress = [0]
-    # Some work in flight while the browser looks, so the page has load to show.
     tasks = [
-        asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 400, session_id=f"s{i}"), progress))
+        asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 150, session_id=f"s{i}"), progress))
         for i in range(5)
     ]
     try:
-        await wait_for(lambda: progress[0] >= 10, what="streams under way")
-        common = [f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000", "--window-size=1200,800"]
+        await wait_for(lambda: progress[0] >= 50, what="streams under way")
+        assert (await publish(http, gw.url, 1)).status_code == 200
+        for streamed in await asyncio.gather(*tasks):  # each one resumed across the update
+            assert streamed.error is None and streamed.final["num_resumes"] >= 1
+        done = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 8, session_id="episode"))
+        assert done.status_code == 200
+        finished = await http.post(f"{gw.url}/v1/sessions/episode/finish", json={"reward": 0.5})
+        assert finished.status_code == 200
+
+        async def fed() -> bool:
+            state = (await http.get(f"{gw.url}/dashboard/state", headers=auth)).json()
+            return bool(state["reward"] and state["timeline"] and len(state["series"]["t"]) >= 3)
+
+        await wait_for(fed, timeout=15.0, what="the feed to hold the update and the reward")
+        common = [f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=4000", "--window-size=1400,1700"]
         dom = (await _chromium(*common, "--dump-dom", page)).decode()
         shot = tmp_path / "dash.png"
         await _chromium(*common, f"--screenshot={shot}", page)
+        detail_page = f"{gw.url}/dashboard#" + (f"token={token}&" if token else "") + "session=s0"
+        detail = (await _chromium(*common, "--dump-dom", detail_page)).decode()
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    # The table rows exist only if the page's script fetched the state and rendered it.
-    for replica in gw.services.pool.all():
-        assert f'data-replica="{replica.id}"' in dom and f"<td>{replica.id}</td>" in dom
+    errors = re.search(r'<span id="errors" data-count="(\d+)">([^<]*)</span>', dom)
+    assert errors is not None and errors.group(1) == "0", errors and errors.group(2)
     status = re.search(r'<span id="status"[^>]*>([^<]*)</span>', dom)
     assert status is not None and status.group(1).startswith("live"), status
+    for name in CHARTS:
+        drawn = re.search(rf'id="chart-{name}"[^>]*data-points="(\d+)"', dom)
+        assert drawn is not None and int(drawn.group(1)) > 0, f"chart {name} drew nothing"
+        assert re.search(rf'id="chart-{name}"[^>]*>\s*<div class="uplot', dom), f"chart {name} is not a uPlot chart"
+    assert re.search(r'id="chart-versions"[^>]*data-updates="1"', dom)
+    assert re.search(r'<tr data-version="1" data-status="updated">', dom)
+    link = r'href="#(?:token=[\w-]+&amp;)?session=episode"'
+    assert re.search(rf'<tr data-session="episode"><td><a {link}>episode</a></td><td>1</td>', dom)
+    # A session's detail: its sample with the per-token version strip, two segments (versions 0 then 1).
+    errors = re.search(r'<span id="errors" data-count="(\d+)">([^<]*)</span>', detail)
+    assert errors is not None and errors.group(1) == "0", errors and errors.group(2)
+    assert re.search(r'<div class="sample" data-sample="0">sample 0: [^<]*0 \u2192 1\)<canvas', detail), detail[-3000:]
+    assert 'data-segments="2"' in detail
+    for replica in gw.services.pool.all():
+        row = re.search(rf'<tr data-replica="{re.escape(replica.id)}" data-points="(\d+)"', dom)
+        assert row is not None and int(row.group(1)) > 0, f"replica {replica.id} has no sparkline points"
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    assert int.from_bytes(data[16:20], "big") == 1200 and len(data) > 10_000  # a real page, not a blank frame
+    assert int.from_bytes(data[16:20], "big") == 1400 and len(data) > 20_000  # a real page, not a blank frame
     if os.environ.get("RG_DASHBOARD_SCREENSHOT"):
         shutil.copyfile(shot, os.environ["RG_DASHBOARD_SCREENSHOT"])

@@ -113,6 +113,7 @@ def test_demo_runs_and_checks_itself() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "OK" in out
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/dashboard\n", out), out[:500]  # said at start
     lost = re.search(r"lost\s*│\s*(\d+)", out)
     updates = re.search(r"weight updates\s*│\s*(\d+)", out)
     spanning = re.search(r"samples spanning an update\s*│\s*(\d+)", out)
@@ -236,6 +237,13 @@ def test_serve_workers_share_one_port_and_one_redis(tmp_path: Path) -> None:
             deadline = time.monotonic() + 20
             while set(statuses(50).values()) != {3}:  # the other worker follows through Redis
                 assert time.monotonic() < deadline, "the other worker never adopted version 3"
+            # The dashboard: whichever worker answers shows the turn and the update, both done by one of them (each
+            # worker merges the other's per-second points from Redis).
+            feeds: dict[str, tuple[int, list[int]]] = {}
+            while sum(feed == (1, [3]) for feed in feeds.values()) < 2:
+                assert time.monotonic() < deadline + 20, feeds
+                state = httpx.get(f"{url}/dashboard/state", timeout=10).json()
+                feeds[state["worker"]] = (sum(state["series"]["turns"]), [e["version"] for e in state["timeline"]])
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0
             stderr = process.stderr.read() if process.stderr else ""
