@@ -1,6 +1,7 @@
 """Streaming clients that read slowly or not at all (issue 38 §2): the generation runs at engine speed whatever the
 client's pace, so its engine request ends, a `wait` weight update drains it and the turn is recorded, while the
-answer waits for the client; a client past `server.stream_buffer_bytes` is cut, its turn kept as cancelled."""
+answer waits for the client; a client past `server.stream_buffer_bytes` queued, or `server.slow_client_timeout_s`
+without progress, is cut, its turn kept as cancelled."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import orjson
+import pytest
 from redis.asyncio import Redis
 
 from gateway.store import Keys, TrajectoryStore
@@ -85,11 +87,21 @@ async def test_a_client_that_stops_reading_does_not_hold_a_wait_update(
             assert sample.versions.tolist() == [0] * total  # drained, never aborted
 
 
-async def test_a_client_past_the_buffer_limit_is_cut_and_its_turn_kept_as_cancelled(
-    make_sim: SimFactory, make_gateway: GatewayFactory, redis: Redis
+@pytest.mark.parametrize(
+    "limit",
+    [({"stream_buffer_bytes": 4096}, "bytes of the answer wait"), ({"slow_client_timeout_s": 1.0}, "no progress")],
+    ids=["stream_buffer_bytes", "slow_client_timeout_s"],
+)
+async def test_a_client_past_a_limit_is_cut_and_its_turn_kept_as_cancelled(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    redis: Redis,
+    limit: tuple[dict[str, float], str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    server, why = limit
     sim = await make_sim(*slow("vllm", delay=0.001, max_model_len=LONG))
-    gw = await make_gateway([sim], server={"stream_buffer_bytes": 4096}, model={"max_model_len": LONG})
+    gw = await make_gateway([sim], server=server, model={"max_model_len": LONG})
     total = 20000  # 20 s of generation: cut long before
     pool = gw.services.pool
     with stalled_stream(gw.url, "cut", total) as sock:
@@ -104,6 +116,7 @@ async def test_a_client_past_the_buffer_limit_is_cut_and_its_turn_kept_as_cancel
         await wait_for(recorded, what="the cut turn recorded")
         [sample] = await store.load_samples("cut")
         assert sample.cancelled and 0 < int(sample.loss_mask.sum()) < total
+        assert any(why in r.getMessage() for r in caplog.records if r.name == "gateway.api.streaming")
         # The connection was closed: reading what arrived ends (EOF or a reset), it never blocks.
         async with asyncio.timeout(10):
             while True:
