@@ -538,9 +538,11 @@ class WeightCoordinator:
         follows aborts whatever runs there, whichever process sent it)."""
         if mode != "wait" or self.bus is None or token is None:
             return
+        # The processes on the bus when `pausing` went out; one that joins later never saw it, so is not waited for.
+        expected = await self.bus.members()
         while True:
             self._drained_news.clear()
-            waiting = await self.bus.members() - await self.bus.drained(token)
+            waiting = (expected & await self.bus.members()) - await self.bus.drained(token)
             if not waiting:
                 return
             logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
