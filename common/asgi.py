@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -143,7 +143,7 @@ async def unless_disconnected(
 
 async def relay_until_disconnected(
     request: Request, items: AsyncGenerator[T, None], watch_after_s: float = 0.0
-) -> AsyncIterator[T]:
+) -> AsyncGenerator[T, None]:
     """Relay `items` from a streaming response body until the client disconnects.
 
     A disconnect is noticed even while no item is due (a send-free wait would never see it): the task is

@@ -128,6 +128,12 @@ class ServerConfig(_Section):
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
     )
+    stream_buffer_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="Most bytes of a streamed answer queued for one client before it is cut."
+    )
+    slow_client_timeout_s: Seconds = Field(
+        60.0, description="How long one send to a streaming client may make no progress before it is cut, seconds."
+    )
 
     @model_validator(mode="after")
     def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:

@@ -24,7 +24,7 @@ import contextlib
 import random
 import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -435,13 +435,13 @@ class TurnRunner:
         async for _ in self.events(prepared):
             pass
 
-    def events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
+    def events(self, prepared: PreparedTurn) -> AsyncGenerator[ChoiceEvent, None]:
         """Text and tool-call deltas of all choices as they arrive, then one `finished` event per choice."""
         if len(prepared.choices) == 1:
             return self._choice_events(prepared.choices[0])  # no merging layer on the common path
         return self._merged_events(prepared)
 
-    async def _merged_events(self, prepared: PreparedTurn) -> AsyncIterator[ChoiceEvent]:
+    async def _merged_events(self, prepared: PreparedTurn) -> AsyncGenerator[ChoiceEvent, None]:
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
@@ -468,7 +468,7 @@ class TurnRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # results were consumed above
 
-    async def _choice_events(self, choice: Choice) -> AsyncIterator[ChoiceEvent]:
+    async def _choice_events(self, choice: Choice) -> AsyncGenerator[ChoiceEvent, None]:
         stream = self.generator.stream(choice.request, choice.state)
         async with contextlib.aclosing(stream):
             async for delta in stream:

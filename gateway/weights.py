@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming", "following"]
 UpdateStatus = Literal["updated", "partial", "failed"]
 INITIAL_LABELS = frozenset({"default", ""})
+MEMBER_TTL_S = 10.0
+"""How long a gateway process counts as on the weights bus after its last heartbeat (every `HEARTBEAT_S`): a `wait`
+update waits for the live ones to drain their requests, so one that died holds it for this long at most."""
+HEARTBEAT_S = 2.0
 
 
 def version_label(version: int) -> str:
@@ -117,6 +121,8 @@ class WeightCoordinator:
         self.pool = pool
         self.bus = bus
         self._follow_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._drained_news = asyncio.Event()  # a follower reported its requests drained (`_followers_drained`)
         self.version = initial_version
         self.default_mode = default_mode
         self.update_timeout_s = update_timeout_s
@@ -182,13 +188,14 @@ class WeightCoordinator:
         relabel), verify, resume. Some replicas failing is a `partial` report (they are stale); all of them
         failing raises `WeightsNotUpdated` after the rollback (see the module docstring)."""
         mode = mode or self.default_mode
-        async with self._lock, self._leadership(version) as token:
+        async with self._lock, self._leadership(version, mode) as token:
             started = time.monotonic()
             previous = self.version
             report = UpdateReport(version, mode, started_at=time.time())
             self._serving.clear()
             try:
                 async with asyncio.timeout(self.update_timeout_s):
+                    await self._followers_drained(mode, token)
                     await self._pause_all(mode, report)
                     report.paused_at = time.time()
                     self.state = "updating"
@@ -411,13 +418,16 @@ class WeightCoordinator:
     async def pause(self, mode: PauseMode | None = None) -> None:
         """Pause for an out-of-band weight sync; `resume(version)` ends it."""
         await self._lock.acquire()
-        leadership = self._leadership(None)
+        mode = mode or self.default_mode
+        leadership = self._leadership(None, mode)
         try:
             self._paused_token = await leadership.__aenter__()
             self._paused_leadership = leadership
             self._serving.clear()
-            report = UpdateReport(self.version, mode or self.default_mode, started_at=time.time())
-            await self._pause_all(mode or self.default_mode, report)
+            report = UpdateReport(self.version, mode, started_at=time.time())
+            async with asyncio.timeout(self.update_timeout_s):
+                await self._followers_drained(mode, self._paused_token)
+            await self._pause_all(mode, report)
             report.paused_at = time.time()
             self.state = "paused"
             self._paused_report = report
@@ -464,9 +474,10 @@ class WeightCoordinator:
     # -- several gateway processes on one Redis ----------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _leadership(self, version: int | None) -> AsyncIterator[str | None]:
+    async def _leadership(self, version: int | None, mode: PauseMode) -> AsyncIterator[str | None]:
         """Become the one process that updates the shared replicas: take the Redis lock, check that `version`
-        is still new cluster-wide, tell the others to stop dispatching. Yields the lock token (None alone)."""
+        is still new cluster-wide, tell the others to stop dispatching (and, in `wait` mode, to drain their own
+        requests: `_followers_drained`). Yields the lock token (None alone)."""
         if version is not None:
             self._check_newer(version)
         if self.bus is None:
@@ -479,7 +490,7 @@ class WeightCoordinator:
             record = await self.bus.read()
             if version is not None and record is not None and record.version >= version:
                 raise Conflict(f"weight version {version} is not newer than {record.version}", param="version")
-            await self.bus.announce({"event": "pausing", "version": version})
+            await self.bus.announce({"event": "pausing", "version": version, "mode": mode, "token": token})
             yield token
         finally:
             with contextlib.suppress(StoreError):
@@ -505,20 +516,73 @@ class WeightCoordinator:
             )
 
     def start_following(self) -> None:
-        """Follow updates that other gateway processes coordinate."""
+        """Follow updates that other gateway processes coordinate, and tell them this process is there."""
         if self.bus is not None and self._follow_task is None:
-            # Hard reference: the loop keeps only weak references to tasks.
+            # Hard references: the loop keeps only weak references to tasks.
             self._follow_task = asyncio.create_task(self._follow(), name="weights-follow")
+            self._heartbeat_task = asyncio.create_task(self._heartbeat(self.bus), name="weights-heartbeat")
+
+    async def _heartbeat(self, bus: WeightsBus) -> None:
+        while True:
+            try:
+                await bus.join(MEMBER_TTL_S)
+            except StoreError as exc:  # the others stop waiting for this process once its last heartbeat expires
+                logger.warning("weights: heartbeat failed: %s", exc)
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _follow(self) -> None:
         assert self.bus is not None
         async for event in self.bus.events():
-            if event.get("event") == "pausing" and not self._lock.locked():
+            kind = event.get("event")
+            if kind == "pausing" and not self._lock.locked():
                 self._serving.clear()
                 self.state = "following"
                 self._watchdog(event.get("version"))
-            elif event.get("event") == "serving":
+                token = event.get("token")
+                if event.get("mode") == "wait" and isinstance(token, str):
+                    self._drain_and_report(token)
+            elif kind == "serving":
                 self._adopt(event)
+            elif kind == "drained":
+                self._drained_news.set()
+
+    async def _followers_drained(self, mode: PauseMode, token: str | None) -> None:
+        """`wait` across processes: before any replica is paused, every other live gateway process on the bus has
+        stopped dispatching and seen its own requests end on the replicas without a native `wait` (the pause that
+        follows aborts whatever runs there, whichever process sent it)."""
+        if mode != "wait" or self.bus is None or token is None:
+            return
+        # The processes on the bus when `pausing` went out; one that joins later never saw it, so is not waited for.
+        expected = await self.bus.members()
+        while True:
+            self._drained_news.clear()
+            waiting = (expected & await self.bus.members()) - await self.bus.drained(token)
+            if not waiting:
+                return
+            logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
+            # Woken by each report; re-read at least every heartbeat, so a process that died stops being waited for.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEARTBEAT_S):
+                    await self._drained_news.wait()
+
+    def _drain_and_report(self, token: str) -> None:
+        """Follow a `wait` update: once this process's requests on the replicas without a native `wait` ended (it
+        dispatches none meanwhile), report it drained to the coordinating process."""
+        bus = self.bus
+        assert bus is not None
+
+        async def drain() -> None:
+            for replica in self.pool.all():
+                if "wait" not in replica.backend.capabilities.pause_modes:
+                    await self._drain(replica)
+            try:
+                await bus.report_drained(token, self.update_timeout_s + 30)
+            except StoreError as exc:  # the coordinating process times out (`weights.update_timeout_s`)
+                logger.error("weights: could not report this process drained: %s", exc)
+
+        task = asyncio.create_task(drain(), name="weights-drain")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _watchdog(self, version: object) -> None:
         """If the coordinating process dies mid-update, stop waiting for it after the update timeout."""
@@ -564,10 +628,14 @@ class WeightCoordinator:
 
     async def aclose(self) -> None:
         self._enable_gc()
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follow_task
+        for task in (self._follow_task, self._heartbeat_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._heartbeat_task is not None and self.bus is not None:
+            with contextlib.suppress(StoreError):
+                await self.bus.leave()  # a `wait` update stops waiting for this process at once
         for task in list(self._background):
             task.cancel()
         if self._background:

@@ -8,6 +8,7 @@ message (whole) or on `message_delta` (streamed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -84,20 +85,21 @@ async def message_events(message_id: str, runner: TurnRunner, prepared: Prepared
     start = {**_head(message_id, runner), "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
     yield _sse("message_start", {"type": "message_start", "message": start})
     blocks = _Blocks()
-    async for event in runner.events(prepared):
-        out = blocks.add(event)
-        if event.finished:
-            out += blocks.finish(event.choice)
-            stop_reason, stop_sequence = stop_of(event.choice)
-            delta = {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": {"output_tokens": len(event.choice.state.output_ids)},
-                "rollout": rollout_field(prepared, [event.choice]),
-            }
-            out += _sse("message_delta", delta)
-        if out:
-            yield out
+    async with contextlib.aclosing(runner.events(prepared)) as events:  # closed before the turn is recorded
+        async for event in events:
+            out = blocks.add(event)
+            if event.finished:
+                out += blocks.finish(event.choice)
+                stop_reason, stop_sequence = stop_of(event.choice)
+                delta = {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                    "usage": {"output_tokens": len(event.choice.state.output_ids)},
+                    "rollout": rollout_field(prepared, [event.choice]),
+                }
+                out += _sse("message_delta", delta)
+            if out:
+                yield out
 
 
 class _Blocks:

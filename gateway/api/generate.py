@@ -15,6 +15,7 @@ a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it deli
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -192,8 +193,10 @@ async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Respon
 async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: GenerateBody) -> AsyncIterator[bytes]:
     state = GenerationState(request)
     try:
-        async for delta in relay_until_disconnected(raw, stream(request, state), DISCONNECT_WATCH_AFTER_S):
-            yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
+        relayed = relay_until_disconnected(raw, stream(request, state), DISCONNECT_WATCH_AFTER_S)
+        async with contextlib.aclosing(relayed):
+            async for delta in relayed:
+                yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
     except ClientDisconnected:
         raise
     except Exception as exc:  # the answer started (200): the error can only be an event
@@ -248,8 +251,10 @@ async def _session_stream(
     choice = prepared.choices[0]
     try:
         stream = svc.generator.stream(choice.request, choice.state)
-        async for delta in relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S):
-            yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
+        # Closed before the turn is recorded however the stream ends (`turn_http.relay`).
+        async with contextlib.aclosing(relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S)) as relayed:
+            async for delta in relayed:
+                yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
         await svc.turns.lifecycle.close(prepared)
     except ClientDisconnected:
         raise

@@ -7,6 +7,7 @@ resumes) travels under the vendor key `rollout`, which they ignore.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -156,25 +157,26 @@ async def _turn_chunks(
         yield opening
     unfinished = len(prepared.choices)
     last = b""
-    async for event in runner.events(prepared):
-        out = b""
-        delta = delta_of(event)
-        if delta is not None:
-            out += openai_sse({**head, "choices": [delta]})
-        if event.finished:
-            end = {
-                "index": event.choice.index,
-                **no_content,
-                "logprobs": None,
-                "finish_reason": event.choice.finish_reason,
-            }
-            out += openai_sse({**head, "choices": [end], "rollout": rollout_field(prepared, [event.choice])})
-            unfinished -= 1
-            if not unfinished:
-                last = out
-                continue
-        if out:
-            yield out
+    async with contextlib.aclosing(runner.events(prepared)) as events:  # closed before the turn is recorded
+        async for event in events:
+            out = b""
+            delta = delta_of(event)
+            if delta is not None:
+                out += openai_sse({**head, "choices": [delta]})
+            if event.finished:
+                end = {
+                    "index": event.choice.index,
+                    **no_content,
+                    "logprobs": None,
+                    "finish_reason": event.choice.finish_reason,
+                }
+                out += openai_sse({**head, "choices": [end], "rollout": rollout_field(prepared, [event.choice])})
+                unfinished -= 1
+                if not unfinished:
+                    last = out
+                    continue
+            if out:
+                yield out
     if include_usage:
         last += openai_sse({**head, "choices": [], "usage": _usage(prepared)})
     if last:

@@ -13,6 +13,7 @@ named is a 400.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -238,10 +239,13 @@ class _Answer:
         (`response.completed` or `response.incomplete`) is left in `final_event` for the relay to send last."""
         stream = self.stream
         yield stream.opening(self.response("in_progress"))
-        async for event in self.runner.events(self.prepared):
-            out = stream.of(event)
-            if out:
-                yield out
+        async with contextlib.aclosing(
+            self.runner.events(self.prepared)
+        ) as events:  # closed before the turn is recorded
+            async for event in events:
+                out = stream.of(event)
+                if out:
+                    yield out
         final = await self.final()
         yield stream.closing(final["output"])
         await self.runner.lifecycle.close(self.prepared)  # recorded before the client hears the end

@@ -4,11 +4,13 @@ Every ASGI middleware wraps `send` and so adds a Python call to every message; f
 call per middleware per event (per token on RL-shaped streams). The middlewares here (Starlette's error
 handling, FastAPI's, the request metrics, the body limit) only ever look at `http.response.start`, so once the
 head went through them, body chunks go straight to the server's own `send`, which `GatewayApp` puts in the
-scope. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`).
+scope. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`), in a writer task of the
+response's own (`gateway.api.client_writer`): the generation never waits for the client.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Literal, Protocol
 
@@ -18,7 +20,11 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.asgi import ClientDisconnected, unless_disconnected
+from gateway.api.client_writer import ClientWriter, SlowClient, cut
+from gateway.config import ServerConfig
 from gateway.services import Services
+
+logger = logging.getLogger(__name__)
 
 
 class LastChunk(bytes):
@@ -125,20 +131,55 @@ class GuardedStreamingResponse(StreamingResponse):
             except ClientDisconnected:
                 return  # nobody is left to read the body
             body_send = scope.get(SERVER_SEND) or send
-            last = b""  # a `LastChunk`, held for the end of the body (the generator runs on to its own end)
-            async for chunk in self.body_iterator:
-                if last:  # anything after a LastChunk: the held one was not the last after all
-                    await body_send({"type": "http.response.body", "body": last, "more_body": True})
-                    last = b""
-                if type(chunk) is LastChunk:
-                    last = chunk
-                else:
-                    await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": last, "more_body": False})
+            limits = _limits(scope)
+            writer = ClientWriter(body_send, limits.stream_buffer_bytes, limits.slow_client_timeout_s)
+            try:
+                await self._relay(writer, send)
+            except SlowClient as exc:
+                logger.warning("streamed answer cut: %s", exc)
+                cut(body_send)
+            finally:
+                writer.close()
             if self.background is not None:
                 await self.background()
         finally:
             await self.on_close()
+
+    async def _relay(self, writer: ClientWriter, send: Send) -> None:
+        """Run the body generator to its end in this task, its chunks queued to `writer` (never waiting for the
+        client), then send the end of the body. A client cut (`SlowClient`) closes the generator: the generation
+        stops and its turn is recorded as cancelled, as for a client that left."""
+        body = self.body_iterator
+        last = b""  # a `LastChunk`, held for the end of the body (the generator runs on to its own end)
+        finished = False
+        try:
+            async for chunk in body:
+                if last:  # anything after a LastChunk: the held one was not the last after all
+                    writer.put(last)
+                    last = b""
+                if type(chunk) is LastChunk:
+                    last = chunk
+                elif isinstance(chunk, bytes):
+                    writer.put(chunk)
+                else:  # Starlette's body types: text, or a memoryview (none of the gateway's)
+                    writer.put(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+            finished = True
+        finally:
+            if not finished:
+                aclose = getattr(body, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        await writer.finish(last, send)
+
+
+def _limits(scope: Scope) -> ServerConfig:
+    """The server settings of the app serving `scope` (the defaults for an app without services: tests' own)."""
+    app = scope.get("app")
+    services = app.services if isinstance(app, GatewayApp) else None
+    return services.settings.server if services is not None else _DEFAULT_LIMITS
+
+
+_DEFAULT_LIMITS = ServerConfig()
 
 
 def _nothing() -> None:

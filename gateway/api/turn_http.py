@@ -5,6 +5,7 @@ module shapes only its request and its answer around these (docs/architecture.md
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -107,8 +108,11 @@ async def relay(
     (`error_event`), an unexpected one a 500 event; the turn is always recorded, one that did not finish as
     cancelled."""
     try:
-        async for chunk in relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S):
-            yield chunk
+        # Closed before the turn is recorded, however the relay ends (a client cut while this generator is
+        # suspended closes it from outside): its generation closes its segment first.
+        async with contextlib.aclosing(relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S)) as relayed:
+            async for chunk in relayed:
+                yield chunk
         await runner.lifecycle.close(prepared)
         yield LastChunk(last())
     except ClientDisconnected:

@@ -26,6 +26,9 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   (`server.max_open_sessions_per_key`, `OpenSessions`); it expires once idle `session_idle_ttl_s`.
 - `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
+- `rg:weights:members` (sorted set): the gateway processes on the bus, each scored with the time its heartbeat
+  expires; a `wait` update waits for every live one to drain its own requests (`rg:weights:drained:{token}`).
+- `rg:weights:drained:{token}` (set, TTL): the processes that drained their requests for the update `token`.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
 - `rg:dashboard` (stream, trimmed by MINID to the dashboard's window): each gateway process's per-second point
   (JSON, `gateway.timeseries`), read back by every process to chart the whole cluster (`gateway.dashboard`).
@@ -111,6 +114,13 @@ class Keys:
     @property
     def weights_lock(self) -> str:
         return f"{self.prefix}weights:lock"
+
+    @property
+    def weights_members(self) -> str:
+        return f"{self.prefix}weights:members"
+
+    def weights_drained(self, token: str) -> str:
+        return f"{self.prefix}weights:drained:{token}"
 
     @property
     def control(self) -> str:

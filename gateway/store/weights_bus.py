@@ -69,6 +69,36 @@ class WeightsBus:
         mapping = {"version": version, "state": state, "source": source or "", "updated_at": time.time()}
         await call(self.client.hset(self.keys.weights, mapping=mapping), "record weights")  # type: ignore[arg-type]
 
+    async def join(self, ttl_s: float) -> None:
+        """Say this process is on the bus for `ttl_s` more seconds (a heartbeat); forget members long expired."""
+        now = time.time()
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.zadd(self.keys.weights_members, {self.origin: now + ttl_s})
+            pipe.zremrangebyscore(self.keys.weights_members, "-inf", now - 3600)
+            await call(pipe.execute(), "join the weights bus")
+
+    async def leave(self) -> None:
+        await call(self.client.zrem(self.keys.weights_members, self.origin), "leave the weights bus")
+
+    async def members(self) -> set[str]:
+        """The other processes on the bus whose heartbeat has not expired."""
+        found = await call(self.client.zrangebyscore(self.keys.weights_members, time.time(), "+inf"), "bus members")
+        return {text(m) for m in found if isinstance(m, bytes | str)} - {self.origin}
+
+    async def report_drained(self, token: str, ttl_s: float) -> None:
+        """Say this process's own requests are drained for the update `token`, and tell the coordinating one."""
+        key = self.keys.weights_drained(token)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, self.origin)
+            pipe.expire(key, max(1, int(ttl_s)))
+            await call(pipe.execute(), "report drained")
+        await self.announce({"event": "drained", "token": token})
+
+    async def drained(self, token: str) -> set[str]:
+        """The processes that drained their requests for the update `token`."""
+        found = await call(self.client.smembers(self.keys.weights_drained(token)), "read drained")
+        return {text(m) for m in found}
+
     async def announce(self, event: dict[str, Any]) -> None:
         payload = orjson.dumps(event | {"origin": self.origin})
         await call(self.client.publish(self.keys.control, payload), "publish control event")

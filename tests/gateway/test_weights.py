@@ -358,3 +358,29 @@ def test_the_labels_of_a_version_are_those_that_parse_to_it() -> None:
         assert {parse_version(label) for label in labels} == {version}
     assert version_labels(0) >= INITIAL_LABELS  # an engine that never had an update says "default"
     assert "default" not in version_labels(1)
+
+
+async def test_a_wait_update_drains_every_gateway_process_before_any_replica_is_paused(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 38 §3: SGLang has no native `wait`, so the coordinating process pauses it with `abort` once requests
+    are drained; the other processes' requests on it must be drained too, or they resume under the new version
+    (two versions in one reply)."""
+    sim = await make_sim(*slow("sglang", delay=0.004), incremental_streaming_output=True)
+    leader, follower = await make_gateway([sim]), await make_gateway([sim])
+    total, progress = 300, [0]
+    tasks = [
+        asyncio.create_task(
+            stream_generate(http, follower.url, generate_body(PROMPT, total, session_id=f"b{i}"), progress)
+        )
+        for i in range(3)
+    ]
+    await wait_for(lambda: progress[0] >= 30, what="progress on the follower")
+    response = await publish(http, leader.url, 1, mode="wait")
+    assert response.status_code == 200, response.text
+    for result in await asyncio.gather(*tasks):
+        assert result.error is None
+        assert result.final["versions"] == [0] * total and result.final["num_resumes"] == 0  # one version each
+        assert result.output_ids == expected_tokens(PROMPT, [0] * total, total)
+    after = (await http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 5, session_id="later"))).json()
+    assert after["versions"] == [1] * 5
