@@ -122,6 +122,15 @@ class ServerConfig(_Section):
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
     )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request head (request line and headers), bytes; more is a 431."
+    )
+    header_timeout_s: Seconds = Field(
+        10.0, description="A connection that has not sent a complete request head within this is closed, seconds."
+    )
+    max_connections: int | None = Field(
+        None, ge=1, description="Open client connections per process; more get 503; None: derived from the fd limit."
+    )
 
     @model_validator(mode="after")
     def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:
