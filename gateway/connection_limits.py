@@ -8,8 +8,10 @@ Three limits (config.yaml, `server`):
 - `header_timeout_s`: a connection must send a complete request head within this long of connecting, or of the
   first byte of its next request; otherwise it is closed (408 if part of a head came). Idle time between requests
   is uvicorn's keep-alive timeout.
-- `max_connections`: one connection more than this is answered 503 at once and closed, so idle sockets cannot
-  take the file descriptors the gateway needs for Redis and the replicas.
+- `max_connections`: a connection past this closes the longest-idle connection (one that has sent nothing since
+  it connected or since its last response) and is served; when none is idle it is answered 503 at once and
+  closed. So idle sockets can neither take the file descriptors the gateway needs for Redis and the replicas nor
+  keep agents out; only requests under way (and heads still within `header_timeout_s`) fill the cap.
 
 A refused connection is closed the way HTTP servers close one whose client may still be sending (RFC 9112 §9.6,
 "lingering close"): the answer, then the write side shut, then what the client still sends is read and dropped
@@ -17,11 +19,11 @@ until it closes or `LINGER_S` passes. Closing at once would reset the connection
 would see the reset instead of the answer.
 
 The limits live in a subclass of uvicorn's `HttpToolsProtocol` (uvicorn takes a protocol class as `http=`). It
-overrides asyncio's `Protocol` callbacks and httptools' parser callbacks only, each calling the parent's, and
-reads the parent's public attributes `transport`, `loop`, `server_state` (uvicorn's connection set) and `cycle`
-(whether a response is under way; uvicorn's own `shutdown` reads the same), nothing underscored. uvicorn's
-`limit_concurrency` is not used: it answers 503 only once a whole head has come, so idle sockets past it still
-hold their file descriptors.
+overrides asyncio's `Protocol` callbacks, httptools' parser callbacks and `on_response_complete` (the callback
+uvicorn gives each response) only, each calling the parent's, and reads the parent's public attributes
+`transport`, `loop`, `server_state` (uvicorn's connection set) and `cycle` (whether a response is under way;
+uvicorn's own `shutdown` reads the same), nothing underscored. uvicorn's `limit_concurrency` is not used: it
+answers 503 only once a whole head has come, so idle sockets past it still hold their file descriptors.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `limits`; use `protocol_class` to set them."""
 
     limits: ClassVar[ConnectionLimits]
+    idle: ClassVar[dict[LimitedHttpToolsProtocol, None]]
+    """This server's idle connections, longest idle first (a dict as an ordered set)."""
     too_large: ClassVar[bytes]
     too_many: ClassVar[bytes]
     timed_out: ClassVar[bytes]
@@ -124,12 +128,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head, self._head_bytes, self._heads, self._refused = True, 0, 0, False
         self._head_timer = self._linger = None
         if len(self.server_state.connections) > self.limits.max_connections:
-            _warn(f"more than server.max_connections={self.limits.max_connections} open (503)")
-            self._refuse(self.too_many)
-            return
+            if not self.idle:
+                _warn(f"more than server.max_connections={self.limits.max_connections} busy (503)")
+                self._refuse(self.too_many)
+                return
+            longest_idle = next(iter(self.idle))
+            del self.idle[longest_idle]
+            longest_idle.transport.close()  # it has nothing unanswered and sent nothing since: a plain close
+        self.idle[self] = None
         self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.idle.pop(self, None)
         self._cancel_head_timer()
         if self._linger is not None:
             self._linger.cancel()
@@ -142,6 +152,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self._reading_head:
             super().data_received(data)
             return
+        if not self._head_bytes:
+            self.idle.pop(self, None)  # a request begins
         room = self.limits.max_header_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -177,6 +189,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._reading_head, self._head_bytes = True, 0
+
+    # The callback uvicorn's response cycle calls when a response is sent
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._reading_head and not self._head_bytes and not self._responding() and not self.transport.is_closing():
+            self.idle[self] = None  # nothing of a next request yet
 
     # ---
 
@@ -219,6 +238,7 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
     protocol itself, with no room for arguments of ours)."""
     attributes = {
         "limits": limits,
+        "idle": {},
         "too_large": _answer(
             431,
             "Request Header Fields Too Large",
@@ -231,7 +251,7 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
             "Service Unavailable",
             "service_unavailable",
             "too_many_connections",
-            f"the gateway has {limits.max_connections} client connections open (server.max_connections); retry",
+            f"the gateway has {limits.max_connections} client connections busy (server.max_connections); retry",
         ),
         "timed_out": _answer(
             408,

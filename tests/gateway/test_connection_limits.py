@@ -137,14 +137,36 @@ async def test_the_next_request_of_a_kept_alive_connection_has_the_same_timeout(
             assert (await answer(reader))[0] == 408
 
 
+async def test_a_connection_past_max_connections_closes_the_longest_idle_one(make_gateway: GatewayFactory) -> None:
+    cap = 8
+    gw = await make_gateway([], server={"max_connections": cap})
+    async with contextlib.AsyncExitStack() as stack:
+        idle = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
+        reader, writer = idle[-1]
+        writer.write(get("/health"))  # served: idle again, but the others have been idle longer
+        async with asyncio.timeout(10):
+            assert (await answer(reader))[0] == 200
+            for i in range(cap - 1):
+                reader, writer = await stack.enter_async_context(connected(gw))
+                writer.write(get("/health"))
+                assert (await answer(reader))[0] == 200
+                assert await idle[i][0].read() == b""  # closed to make room
+            reader, writer = idle[-1]
+            writer.write(get("/health"))
+            assert (await answer(reader))[0] == 200
+
+
 @pytest.mark.timeout(60)
-async def test_connections_past_max_connections_get_503_and_the_others_keep_working(
+async def test_connections_past_max_connections_all_busy_get_503_and_the_busy_ones_keep_working(
     make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     cap = 8
     gw = await make_gateway([], server={"max_connections": cap})
     async with contextlib.AsyncExitStack() as stack:
-        idle = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
+        busy = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
+        for _, writer in busy:
+            writer.write(b"GET /health HTTP/1.1\r\n")  # a request begun: not idle
+            await writer.drain()
         async with connected(gw) as (reader, writer):
             writer.write(get("/health"))
             async with asyncio.timeout(10):
@@ -153,11 +175,11 @@ async def test_connections_past_max_connections_get_503_and_the_others_keep_work
         assert status == 503
         assert headers["connection"] == "close"
         assert json.loads(body)["error"]["code"] == "too_many_connections"
-        reader, writer = idle[0]  # a connection within the cap is served as before
-        writer.write(get("/health"))
+        reader, writer = busy[0]  # a connection within the cap is served as before
+        writer.write(b"host: gateway\r\n\r\n")
         async with asyncio.timeout(10):
             assert (await answer(reader))[0] == 200
-    async with asyncio.timeout(10):  # the idle ones closed: the server forgets them, then has room again
+    async with asyncio.timeout(10):  # the others closed: the server forgets them, then has room again
         while gw.server.server_state.connections:
             await asyncio.sleep(0.01)
     assert (await http.get(f"{gw.url}/health")).status_code == 200
