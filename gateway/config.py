@@ -129,7 +129,7 @@ class ServerConfig(_Section):
         10.0, description="A connection that has not sent a complete request head within this is closed, seconds."
     )
     max_connections: int | None = Field(
-        None, ge=1, description="Client connections per process; past it idle ones close, else 503; None: from the fd limit."
+        None, ge=1, description="Client connections per process; then idle ones close, else 503; None: by fd limit."
     )
 
     @model_validator(mode="after")
