@@ -9,9 +9,10 @@ Three limits (config.yaml, `server`):
   first byte of its next request; otherwise it is closed (408 if part of a head came). Idle time between requests
   is uvicorn's keep-alive timeout.
 - `max_connections`: a connection past this closes the longest-idle connection (one that has sent nothing since
-  it connected or since its last response) and is served; when none is idle it is answered 503 at once and
-  closed. So idle sockets can neither take the file descriptors the gateway needs for Redis and the replicas nor
-  keep agents out; only requests under way (and heads still within `header_timeout_s`) fill the cap.
+  it connected or since its last response, for at least `IDLE_GRACE_S`) and is served; when none is idle it is
+  answered 503 at once and closed. So idle sockets can neither take the file descriptors the gateway needs for
+  Redis and the replicas nor keep agents out; only requests under way (and heads still within
+  `header_timeout_s`) fill the cap.
 
 A refused connection is closed the way HTTP servers close one whose client may still be sending (RFC 9112 §9.6,
 "lingering close"): the answer, then the write side shut, then what the client still sends is read and dropped
@@ -39,6 +40,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = [
+    "IDLE_GRACE_S",
     "LINGER_S",
     "MIN_DERIVED_CONNECTIONS",
     "RESERVED_FDS",
@@ -52,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
 """How long a refused connection's remaining input is read and dropped before it is closed, seconds."""
+
+IDLE_GRACE_S = 1.0
+"""How long a connection must have been idle before a new one past the cap may close it, seconds. Without it a
+burst of new connections past the cap would close the burst's first ones before their requests were read."""
 
 RESERVED_FDS = 64
 """File descriptors kept out of the derived connection cap: listeners, log files, the tokenizer's files, pipes."""
@@ -109,8 +115,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `limits`; use `protocol_class` to set them."""
 
     limits: ClassVar[ConnectionLimits]
-    idle: ClassVar[dict[LimitedHttpToolsProtocol, None]]
-    """This server's idle connections, longest idle first (a dict as an ordered set)."""
+    idle: ClassVar[dict[LimitedHttpToolsProtocol, float]]
+    """This server's idle connections and since when (loop time), longest idle first."""
     too_large: ClassVar[bytes]
     too_many: ClassVar[bytes]
     timed_out: ClassVar[bytes]
@@ -127,15 +133,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._reading_head, self._head_bytes, self._heads, self._refused = True, 0, 0, False
         self._head_timer = self._linger = None
+        now = self.loop.time()
         if len(self.server_state.connections) > self.limits.max_connections:
-            if not self.idle:
+            longest_idle = next(iter(self.idle), None)
+            if longest_idle is None or now - self.idle[longest_idle] < IDLE_GRACE_S:
                 _warn(f"more than server.max_connections={self.limits.max_connections} busy (503)")
                 self._refuse(self.too_many)
                 return
-            longest_idle = next(iter(self.idle))
             del self.idle[longest_idle]
             longest_idle.transport.close()  # it has nothing unanswered and sent nothing since: a plain close
-        self.idle[self] = None
+        self.idle[self] = now
         self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -195,7 +202,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self._reading_head and not self._head_bytes and not self._responding() and not self.transport.is_closing():
-            self.idle[self] = None  # nothing of a next request yet
+            self.idle[self] = self.loop.time()  # nothing of a next request yet
 
     # ---
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gateway.connection_limits import MIN_DERIVED_CONNECTIONS, RESERVED_FDS, derived_max_connections
+from gateway.connection_limits import IDLE_GRACE_S, MIN_DERIVED_CONNECTIONS, RESERVED_FDS, derived_max_connections
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
 
@@ -146,6 +146,8 @@ async def test_a_connection_past_max_connections_closes_the_longest_idle_one(mak
         writer.write(get("/health"))  # served: idle again, but the others have been idle longer
         async with asyncio.timeout(10):
             assert (await answer(reader))[0] == 200
+        await asyncio.sleep(IDLE_GRACE_S)  # a connection idle for less is not closed for a newcomer
+        async with asyncio.timeout(10):
             for i in range(cap - 1):
                 reader, writer = await stack.enter_async_context(connected(gw))
                 writer.write(get("/health"))
@@ -154,6 +156,21 @@ async def test_a_connection_past_max_connections_closes_the_longest_idle_one(mak
             reader, writer = idle[-1]
             writer.write(get("/health"))
             assert (await answer(reader))[0] == 200
+
+
+async def test_a_burst_past_max_connections_gets_503_without_closing_the_first_connections(
+    make_gateway: GatewayFactory,
+) -> None:
+    cap = 8
+    gw = await make_gateway([], server={"max_connections": cap})
+    async with contextlib.AsyncExitStack() as stack:
+        first = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
+        late = [await stack.enter_async_context(connected(gw)) for _ in range(4)]
+        async with asyncio.timeout(10):
+            for _, writer in first + late:
+                writer.write(get("/health"))
+            assert [(await answer(reader))[0] for reader, _ in first] == [200] * cap
+            assert [(await answer(reader))[0] for reader, _ in late] == [503] * 4
 
 
 @pytest.mark.timeout(60)
