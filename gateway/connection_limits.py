@@ -16,8 +16,8 @@ Three limits (config.yaml, `server`):
 
 A refused connection is closed the way HTTP servers close one whose client may still be sending (RFC 9112 §9.6,
 "lingering close"): the answer, then the write side shut, then what the client still sends is read and dropped
-until it closes or `LINGER_S` passes. Closing at once would reset the connection, and a client still sending
-would see the reset instead of the answer.
+until it closes or `LINGER_S` passes (`REFUSAL_LINGER_S` for a connection refused as it connects). Closing at
+once would reset the connection, and a client still sending would see the reset instead of the answer.
 
 The limits live in a subclass of uvicorn's `HttpToolsProtocol` (uvicorn takes a protocol class as `http=`). It
 overrides asyncio's `Protocol` callbacks, httptools' parser callbacks and `on_response_complete` (the callback
@@ -42,6 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 __all__ = [
     "IDLE_GRACE_S",
     "LINGER_S",
+    "REFUSAL_LINGER_S",
     "MIN_DERIVED_CONNECTIONS",
     "RESERVED_FDS",
     "ConnectionLimits",
@@ -54,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 LINGER_S = 2.0
 """How long a refused connection's remaining input is read and dropped before it is closed, seconds."""
+
+REFUSAL_LINGER_S = 0.25
+"""The same for a connection refused past the cap as it connects: its client has at most a request head on the
+way, and a flood of them must give its file descriptors back soon."""
 
 IDLE_GRACE_S = 1.0
 """How long a connection must have been idle before a new one past the cap may close it, seconds. Without it a
@@ -138,7 +143,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             longest_idle = next(iter(self.idle), None)
             if longest_idle is None or now - self.idle[longest_idle] < IDLE_GRACE_S:
                 _warn(f"more than server.max_connections={self.limits.max_connections} busy (503)")
-                self._refuse(self.too_many)
+                self._refuse(self.too_many, REFUSAL_LINGER_S)
                 return
             del self.idle[longest_idle]
             longest_idle.transport.close()  # it has nothing unanswered and sent nothing since: a plain close
@@ -225,7 +230,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Whether a response is being sent on this connection (a request pipelined behind it is waiting)."""
         return self.cycle is not None and not self.cycle.response_complete
 
-    def _refuse(self, answer: bytes) -> None:
+    def _refuse(self, answer: bytes, linger_s: float = LINGER_S) -> None:
         self._refused = True
         self._cancel_head_timer()
         if self._responding():
@@ -237,7 +242,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         # The client's EOF closes the transport (the parent's eof_received); this bounds a client that never sends it.
-        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+        self._linger = self.loop.call_later(linger_s, self.transport.close)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
