@@ -134,6 +134,15 @@ class ServerConfig(_Section):
     slow_client_timeout_s: Seconds = Field(
         60.0, description="How long one send to a streaming client may make no progress before it is cut, seconds."
     )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request head (request line and headers), bytes; more is a 431."
+    )
+    header_timeout_s: Seconds = Field(
+        10.0, description="A connection that has not sent a complete request head within this is closed, seconds."
+    )
+    max_connections: int | None = Field(
+        None, ge=1, description="Client connections per process; then idle ones close, else 503; None: by fd limit."
+    )
 
     @model_validator(mode="after")
     def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.connection_limits import ConnectionLimits, derived_max_connections, protocol_class
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -35,19 +36,28 @@ class RunningGateway:
             await self.task
 
 
+def connection_limits(settings: Settings) -> ConnectionLimits:
+    """The client connection limits of `settings.server` (the connection cap derived from the fd limit if unset)."""
+    server = settings.server
+    cap = server.max_connections or derived_max_connections(settings.redis.max_connections)
+    return ConnectionLimits(server.max_header_bytes, server.header_timeout_s, cap)
+
+
 def uvicorn_config(
     app: FastAPI,
+    settings: Settings,
     *,
     log_level: str = "warning",
     in_process: bool = True,
-    shutdown_timeout_s: float = 10.0,
 ) -> uvicorn.Config:
-    """Graceful shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
-    `shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the services."""
+    """httptools with the connection limits of `settings.server` (gateway/connection_limits.py). Graceful
+    shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
+    `server.shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the
+    services."""
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http="httptools",
+        http=protocol_class(connection_limits(settings)),
         lifespan="on",
         log_level=log_level,
         access_log=False,
@@ -56,7 +66,7 @@ def uvicorn_config(
         proxy_headers=False,
         server_header=False,
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=max(1, round(shutdown_timeout_s)),
+        timeout_graceful_shutdown=max(1, round(settings.server.shutdown_timeout_s)),
     )
 
 
@@ -73,7 +83,7 @@ async def serve_gateway(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, settings.server.port))
     app = create_app(settings, backend_factory)
-    config = uvicorn_config(app, shutdown_timeout_s=settings.server.shutdown_timeout_s)
+    config = uvicorn_config(app, settings)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     running = RunningGateway(f"http://{host}:{sock.getsockname()[1]}", app, server, task)

@@ -82,9 +82,9 @@ def _worker(settings: Settings, socks: Sequence[socket.socket], index: int, log_
 
     config = uvicorn_config(
         create_app(settings, server_process=True),
+        settings,
         log_level=log_level,
         in_process=False,
-        shutdown_timeout_s=settings.server.shutdown_timeout_s,
     )
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -85,9 +85,9 @@ def serve(
         raise typer.Exit(serve_workers(settings, workers, log_level, on_redis=print_redis))
     uv = uvicorn_config(
         create_app(settings, server_process=True, on_started=lambda services: print_redis(services.redis_url)),
+        settings,
         log_level=log_level,
         in_process=False,
-        shutdown_timeout_s=settings.server.shutdown_timeout_s,
     )
     uv.host, uv.port = settings.server.host, settings.server.port
     uvicorn.Server(uv).run()
