@@ -17,16 +17,19 @@ import itertools
 import os
 import random
 import signal
+import socket
 import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import openai
+import orjson
 import yaml
 
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
@@ -69,6 +72,10 @@ class SoakOptions:
     min_hangs: int = 1
     disconnect_rate: float = 0.05
     stream_rate: float = 0.5
+    # A client that starts a streamed turn and never reads it, every so often (seconds), and a request with a
+    # 1 MiB header.
+    slow_reader_every_s: tuple[float, float] = (1.0, 3.0)
+    oversized_header_every_s: tuple[float, float] = (1.0, 3.0)
     # When the child gateway is SIGKILLed (once) and restarted, in seconds after the agents start.
     gateway_kill_at_s: tuple[float, float] = (4.0, 8.0)
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
@@ -88,6 +95,8 @@ class SoakReport:
     hangs: int = 0
     redis_restarts: int = 0
     gateway_kills: int = 0
+    slow_readers: int = 0
+    oversized_headers: int = 0
     turns_spanning_updates: int = 0  # replies whose tokens span an update with no kill during the turn
     disconnects: int = 0
     resumes: int = 0
@@ -109,7 +118,8 @@ class SoakReport:
             f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked}), "
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
             f"{self.kills}, replica hangs {self.hangs}, redis restarts {self.redis_restarts}, "
-            f"gateway kills {self.gateway_kills}, client disconnects {self.disconnects}, "
+            f"gateway kills {self.gateway_kills}, client disconnects {self.disconnects}, slow readers "
+            f"{self.slow_readers}, 1 MiB headers {self.oversized_headers}, "
             f"resumes {self.resumes} (segments cut {dict(self.segments_cut)}), replies spanning an update without "
             f"a kill {self.turns_spanning_updates}, delivered {self.delivered}, "
             f"lost {self.lost}, duplicated {self.duplicated}, "
@@ -134,6 +144,7 @@ class Soak:
         # A kill and a hang never act on one replica at once (a SIGCONT must reach the process it stopped).
         self.sim_locks = {id(sim): asyncio.Lock() for sim in self.sims}
         self.acked: set[str] = set()
+        self._stalled: list[socket.socket] = []  # the slow readers' sockets, never read
         self.update_modes: dict[int, set[str]] = {}  # the modes of the updates that asked for each version
         # Replica kills and hangs, the Redis restart, the gateway kill (monotonic): faults that explain a resume.
         self.kill_times: list[float] = []
@@ -155,7 +166,8 @@ class Soak:
             for s, d in zip(self.sims, DIALECTS, strict=True)
         ]
         return {
-            "server": {"port": port, "admin_token": ADMIN_TOKEN},
+            # A client that stops reading is cut after 2 s (60 s by default): the soak's slow readers meet the limit.
+            "server": {"port": port, "admin_token": ADMIN_TOKEN, "slow_client_timeout_s": 2.0},
             "redis": {"url": self.redis.url, "retry_budget_s": 60},
             "replicas": replicas,
             "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
@@ -206,6 +218,8 @@ class Soak:
                 asyncio.create_task(self._hangs()),
                 asyncio.create_task(self._redis_restart()),
                 asyncio.create_task(self._gateway_kill(child)),
+                asyncio.create_task(self._slow_readers([gw.url, child.url])),
+                asyncio.create_task(self._oversized_headers([gw.url, child.url])),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
             await asyncio.gather(*(self._session(Route(fronts, i), i, seeds[i]) for i in range(self.o.sessions)))
@@ -213,6 +227,8 @@ class Soak:
             for task in chaos:
                 await task  # each ends at agents_done; an exception in one is a failure of the soak
             await asyncio.wait_for(trainer, timeout=120)
+            for sock in self._stalled:
+                sock.close()
             generator = gw.services.generator
             self.report.resumes = generator.resumes_total
             self.report.segments_cut.update(replica_out=generator.interrupted_total, stalled=generator.stalled_total)
@@ -417,6 +433,54 @@ class Soak:
             await asyncio.to_thread(child.kill)  # SIGKILL: its agents' connections drop mid-turn
             self.report.gateway_kills += 1
             await asyncio.to_thread(child.start)  # the same port, the same Redis
+
+    async def _slow_readers(self, urls: list[str]) -> None:
+        """Clients that start a streamed turn and stop reading (a tiny receive buffer, nothing read past the
+        head): the gateway must go on at engine speed (a `wait` update never waits for them) and cut them."""
+        index = 0
+        while await self._pause(self.o.slow_reader_every_s):
+            url = urlsplit(urls[index % len(urls)])
+            body = orjson.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"slow {index}"}],
+                    "max_tokens": 2500,  # with 20 top logprobs a token: ~5 MB, past what the kernel buffers
+                    "stream": True,
+                    "logprobs": True,
+                    "top_logprobs": 20,  # big events: the answer outgrows the socket buffers
+                }
+            )
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {url.netloc}\r\ncontent-type: application/json\r\n"
+                f"x-session-id: slow-{self.o.seed}-{index}\r\ncontent-length: {len(body)}\r\n\r\n"
+            ).encode()
+            index += 1
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+                await asyncio.get_running_loop().sock_sendall(sock, head + body)
+            except OSError:
+                sock.close()  # its gateway is down (the kill): no reader this time
+                continue
+            self.report.slow_readers += 1
+            self._stalled.append(sock)  # closed at the end, unread
+
+    async def _oversized_headers(self, urls: list[str]) -> None:
+        """Requests with a 1 MiB header: each one must be refused with 431 while the agents go on."""
+        async with httpx.AsyncClient(timeout=30) as client:
+            index = 0
+            while await self._pause(self.o.oversized_header_every_s):
+                url = urls[index % len(urls)]
+                index += 1
+                try:
+                    answer = await client.get(f"{url}/health", headers={"x-padding": "a" * (1 << 20)})
+                except httpx.TransportError:
+                    continue  # its gateway is down (the kill)
+                self.report.oversized_headers += 1
+                if answer.status_code != 431:
+                    self.report.violations.append(f"a 1 MiB header answered {answer.status_code}, not 431")
 
     # -- the trainer ---------------------------------------------------------------------------
 
