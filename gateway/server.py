@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.http_protocol import GatewayHttpProtocol
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -47,7 +48,7 @@ def uvicorn_config(
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http="httptools",
+        http=GatewayHttpProtocol,  # uvicorn's httptools protocol, lost connections let go at once
         lifespan="on",
         log_level=log_level,
         access_log=False,

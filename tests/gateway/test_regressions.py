@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
+import struct
 import types
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +21,7 @@ from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import PROMPT, generate_body
+from tests.sim_helpers import wait_for
 
 
 async def test_stream_cut_before_its_first_byte_releases_the_session(
@@ -225,3 +228,34 @@ async def test_served_requests_leave_no_reference_cycle_of_the_server(
         assert len(leaked) < ROUNDS, f"{len(leaked)} request cycles left to the collector:\n{report}"
     finally:
         await asyncio.to_thread(sim.stop)
+
+
+async def test_a_reset_connection_leaves_nothing_of_its_last_request(
+    make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    """Bug: uvicorn disarms a connection's keep-alive timer only when the connection closed cleanly; one its client
+    reset kept its protocol and last request cycle (scope, headers) alive for `timeout_keep_alive` (30 s), then left
+    them to the cyclic collector. A full run of the suite saw another test's such cycles freed in the middle of
+    the reference-cycle test. The gateway's protocol lets go of a lost connection at once."""
+    gw = await make_gateway([await make_sim("vllm")])
+    port = urlsplit(gw.url).port
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # an RST: the server's connection_lost gets an error
+        await wait_for(lambda: not gw.server.server_state.connections, what="the server's connections to be lost")
+        gc.collect()
+        ours = [o for o in gc.get_objects() + gc.garbage if type(o) is RequestResponseCycle]
+        kept = [o for o in ours if o.scope.get("server", ("", 0))[1] == port]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert kept == [], _leak_report(kept, [], gw.app)
