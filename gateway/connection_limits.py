@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.http_protocol import GatewayHttpProtocol
 
 __all__ = [
     "IDLE_GRACE_S",
@@ -116,7 +117,7 @@ class _RateLimitedWarning:
 _warn = _RateLimitedWarning()
 
 
-class LimitedHttpToolsProtocol(HttpToolsProtocol):
+class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     """uvicorn's httptools protocol with the limits of `limits`; use `protocol_class` to set them."""
 
     limits: ClassVar[ConnectionLimits]

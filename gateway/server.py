@@ -50,7 +50,8 @@ def uvicorn_config(
     log_level: str = "warning",
     in_process: bool = True,
 ) -> uvicorn.Config:
-    """httptools with the connection limits of `settings.server` (gateway/connection_limits.py). Graceful
+    """httptools with the connection limits of `settings.server` (gateway/connection_limits.py), letting go of a
+    lost connection at once (gateway/http_protocol.py). Graceful
     shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
     `server.shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the
     services."""
