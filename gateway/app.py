@@ -59,7 +59,7 @@ def create_app(
     app.include_router(openai.create_session_router())
     app.include_router(anthropic.create_router())
     app.include_router(anthropic.create_session_router())
-    app.include_router(responses.create_router())
+    app.include_router(responses.create_router(route_class))
     app.include_router(responses.create_session_router())
     app.include_router(session_routes.router)
     app.include_router(admin.router)

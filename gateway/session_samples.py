@@ -367,7 +367,7 @@ class SessionManager:
             return None
 
     def _extend(self, session_id: str, sample: WorkingSample, delta: list[int], messages: list[Message]) -> Turn:
-        env = self._close_turn(sample) + delta
+        env = self.tokenizer.between_turns(sample.response_ids, delta)
         return Turn(session_id, sample, sample.ids + env, env, messages, False, sample.stored, sample.writer)
 
     async def begin_completion_turn(self, session_id: str, prompt_ids: list[int]) -> Turn:
@@ -379,13 +379,6 @@ class SessionManager:
             return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
         fresh = WorkingSample(index=len(known.samples), prompt_ids=list(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
-
-    def _close_turn(self, sample: WorkingSample) -> list[int]:
-        """A reply cut by max_tokens never sampled its end-of-turn token; the template needs it (mask 0)."""
-        stops = self.tokenizer.stop_token_ids
-        if sample.response_ids and sample.response_ids[-1] not in stops:
-            return [self.tokenizer.end_of_turn_id]
-        return []
 
     def branch(self, turn: Turn, count: int) -> list[Turn]:
         """`count` turns from one prompt (n > 1): the first extends the sample, the others are new samples."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from backends.base import SamplingParams
 from gateway.api.bounds import wrapped_seed
-from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.api.openai_models import ChatCompletionRequest, ChatSettings, CompletionRequest, _Sampling
 from gateway.api.token_ids import first_outside
 from gateway.errors import ConfigError, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
@@ -174,12 +174,13 @@ class TurnRunner:
             )
 
     async def prepare_chat(
-        self, body: ChatCompletionRequest, session_id: str | None, owner: str | None = None
+        self, body: ChatSettings, inputs: ChatInputs, session_id: str | None, owner: str | None = None
     ) -> PreparedTurn:
         """A chat turn of `session_id` (None: a one-turn session), for the API key `owner` (its key id: a session
-        another key created is a 404, `SessionLifecycle.begin`)."""
+        another key created is a 404, `SessionLifecycle.begin`). `inputs`: what the template renders, as
+        `chat_inputs` gives them (template-form messages, the tools offered)."""
         self.check_model(body.model)
-        messages, tools = chat_inputs(body)
+        messages, tools = inputs
         self._check_fits(sum(_characters(m.get("content")) for m in messages), "messages")
         top = body.top_logprobs or 0
         if body.group:
@@ -525,13 +526,20 @@ class TurnRunner:
         return tail
 
 
-def chat_inputs(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+ChatInputs = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+"""What a chat turn's template renders: its messages (`ChatMessage.to_template`'s form) and the tools it offers."""
+
+
+def chat_inputs(body: ChatCompletionRequest) -> ChatInputs:
     """What a chat request's template renders: its messages, and its tools unless `tool_choice` is none."""
-    messages = [m.to_template() for m in body.messages]
-    tools = None
+    return [m.to_template() for m in body.messages], offered_tools(body)
+
+
+def offered_tools(body: ChatSettings) -> list[dict[str, Any]] | None:
+    """The tools a request's template renders: its tools, unless `tool_choice` is none."""
     if body.tools and body.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    return messages, tools
+        return [t.model_dump(exclude_none=True) for t in body.tools]
+    return None
 
 
 def _characters(content: Any) -> int:
@@ -577,4 +585,13 @@ def _group_metadata(metadata: dict[str, str], group_id: str, size: int) -> dict[
     return {**metadata, "group_id": group_id, "group_size": size}
 
 
-__all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "TurnRunner", "assistant_message", "chat_inputs"]
+__all__ = [
+    "ChatInputs",
+    "Choice",
+    "ChoiceEvent",
+    "PreparedTurn",
+    "TurnRunner",
+    "assistant_message",
+    "chat_inputs",
+    "offered_tools",
+]

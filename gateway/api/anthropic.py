@@ -1,7 +1,7 @@
 """Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`, and the same under a session
 prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session_identity`).
 
-A thin adapter over the chat turn: the request becomes a `ChatCompletionRequest` (`gateway.api.anthropic_chat`),
+A thin adapter over the chat turn: the request becomes a chat turn (`gateway.api.anthropic_chat`),
 runs as any chat turn (`gateway.api.turn_http`), and its reply is shaped as Anthropic's message or events
 (`gateway.api.anthropic_answer`). Errors come in Anthropic's shape (`AnthropicErrorsRoute`). The vendor field
 `rollout` carries what only a rollout needs, as on the OpenAI routes.
@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from gateway.api.anthropic_answer import MESSAGE_STOP, error_event, message, message_events
-from gateway.api.anthropic_chat import chat_request
+from gateway.api.anthropic_chat import chat_turn
 from gateway.api.anthropic_models import CountTokensRequest, MessagesRequest
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.errors import AnthropicErrorsRoute
@@ -21,7 +21,6 @@ from gateway.api.json_answer import JSONAnswer, json_answer
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.turn_http import prepare_turn, relay, run_to_end, session_of, streaming_answer
 from gateway.request_ids import new_name
-from gateway.turns import chat_inputs
 
 __all__ = ["count_tokens", "create_router", "create_session_router", "messages"]
 
@@ -54,8 +53,10 @@ async def messages(body: MessagesRequest, raw: Request, svc: ServicesDep) -> Res
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     user = body.metadata.user_id if body.metadata else None
     session, metadata = session_of(raw, body.session_id, user, None)
-    chat = chat_request(body, metadata)
-    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(chat, session, owner))
+    settings, inputs = chat_turn(body, metadata)
+    prepared = await prepare_turn(
+        raw, svc, session, lambda owner: runner.prepare_chat(settings, inputs, session, owner)
+    )
     message_id = f"msg_{new_name()}"
     if body.stream:
         events = message_events(message_id, runner, prepared)
@@ -70,5 +71,5 @@ async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer
     runner = svc.turns
     runner.check_model(body.model)
     check_messages(len(body.messages), svc.settings.server)
-    rendered, tools = chat_inputs(chat_request(body))
+    _, (rendered, tools) = chat_turn(body)
     return json_answer({"input_tokens": len(await runner.tokenizer.render_async(rendered, tools))})

@@ -1,4 +1,4 @@
-"""An Anthropic Messages request as the chat turn the gateway runs (`ChatCompletionRequest`).
+"""An Anthropic Messages request as the chat turn the gateway runs (`ChatSettings` and its messages).
 
 - `system` becomes the system message (text blocks joined by newlines, as content parts are: `chat_template`);
 - an assistant's `thinking` blocks become its `reasoning_content`, its text blocks its content, its `tool_use` blocks
@@ -32,17 +32,20 @@ from gateway.api.anthropic_models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from gateway.api.openai_models import ChatCompletionRequest
+from gateway.api.openai_models import ChatSettings
 from gateway.errors import InvalidRequest
+from gateway.turns import ChatInputs, offered_tools
 
-__all__ = ["chat_messages", "chat_request", "chat_tools"]
+__all__ = ["chat_messages", "chat_tools", "chat_turn"]
 
 
-def chat_request(body: CountTokensRequest, metadata: dict[str, str] | None = None) -> ChatCompletionRequest:
-    """The chat turn `body` asks for; `metadata` the session's, as the route found it (`session_of`)."""
+def chat_turn(body: CountTokensRequest, metadata: dict[str, str] | None = None) -> tuple[ChatSettings, ChatInputs]:
+    """The chat turn `body` asks for: its settings, validated as the chat API's, and what the template renders;
+    `metadata` the session's, as the route found it (`session_of`). The messages are built from the validated body
+    in the template's form and not validated again."""
+    messages = chat_messages(body)
     fields: dict[str, Any] = {
         "model": body.model,
-        "messages": chat_messages(body),
         "tools": chat_tools(body),
         "tool_choice": _tool_choice(body),
         "metadata": metadata,
@@ -59,15 +62,16 @@ def chat_request(body: CountTokensRequest, metadata: dict[str, str] | None = Non
             "ignore_eos": body.ignore_eos,
         }
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        settings = ChatSettings.model_validate(fields)
     except ValidationError as exc:  # what Anthropic's request allows and the chat turn does not
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
+    return settings, (messages, offered_tools(settings))
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as OpenAI-style chat messages."""
+    """The conversation as OpenAI-style chat messages, in the template's form (`ChatMessage.to_template`'s)."""
     out: list[dict[str, Any]] = []
     if body.system is not None:
         out.append({"role": "system", "content": _text(body.system)})

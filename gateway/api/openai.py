@@ -31,7 +31,7 @@ from gateway.api.turn_http import (
     streaming_answer,
 )
 from gateway.request_ids import new_request_id
-from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message
+from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message, chat_inputs
 
 
 def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
@@ -99,7 +99,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(body.budget, budget_param, svc.settings.server)
     session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
-    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(body, session, owner))
+    inputs = chat_inputs(body)
+    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(body, inputs, session, owner))
     completion_id = new_request_id("chatcmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -192,8 +192,11 @@ class _Sampling(_Body):
         return [s for s in stops if s]
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatSettings(_Sampling):
+    """A chat request but its conversation: what a chat turn samples with, and its tools. The adapters of the other
+    chat APIs (Messages, Responses) validate theirs as this; the conversation they build from their own validated
+    body is valid already and goes to the turn as it is (`TurnRunner.prepare_chat`)."""
+
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -206,7 +209,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
     @model_validator(mode="after")
-    def _coherent(self) -> ChatCompletionRequest:
+    def _coherent(self) -> Self:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.tool_choice, NamedToolChoice) and not any(
@@ -214,6 +217,10 @@ class ChatCompletionRequest(_Sampling):
         ):
             raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
+
+
+class ChatCompletionRequest(ChatSettings):
+    messages: list[ChatMessage] = Field(min_length=1)
 
 
 class CompletionRequest(_Sampling):

@@ -1,7 +1,7 @@
 """The OpenAI Responses API: `POST /v1/responses` (and under a session prefix, `/sessions/{id}/v1/responses`), a thin
 adapter over the chat turn, and `GET /v1/responses/{id}`.
 
-A request becomes a chat turn (`ChatCompletionRequest` → `TurnRunner.prepare_chat`): its `instructions` a system
+A request becomes a chat turn (`ChatSettings` and its messages → `TurnRunner.prepare_chat`): its `instructions` a system
 message first, then the conversation of the response it continues (`previous_response_id`, `gateway.response_records`),
 then its input items as chat messages (`gateway.api.responses_items`). So a turn sent with `previous_response_id` and
 one that replays the whole conversation extend the same sample of the session.
@@ -21,13 +21,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.openai_models import ChatCompletionRequest
+from gateway.api.openai_models import ChatSettings
 from gateway.api.responses_items import ItemIds, chat_messages, output_items
 from gateway.api.responses_models import NamedFunction, ResponseRequest
 from gateway.api.responses_stream import ResponseEvents
@@ -35,16 +36,17 @@ from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end
 from gateway.errors import InvalidRequest
 from gateway.response_records import ResponseRecord, ResponseRecords
 from gateway.services import Services
-from gateway.turns import Choice, PreparedTurn, TurnRunner, assistant_message
+from gateway.turns import ChatInputs, Choice, PreparedTurn, TurnRunner, assistant_message, offered_tools
 
 __all__ = ["create_router", "create_session_router"]
 
 Message = dict[str, Any]
 
 
-def create_router() -> APIRouter:
-    """`POST /v1/responses` and `GET /v1/responses/{response_id}`."""
-    router = APIRouter(tags=["responses"], dependencies=[Depends(require_agent)])
+def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
+    """`POST /v1/responses` and `GET /v1/responses/{response_id}`; `route_class` as the chat API's (the app passes
+    `OnePassRoute`, whose requests the fast path's hot routes serve past FastAPI's stack)."""
+    router = APIRouter(tags=["responses"], dependencies=[Depends(require_agent)], route_class=route_class)
     router.add_api_route("/v1/responses", create_response, methods=["POST"])
     router.add_api_route("/v1/responses/{response_id}", get_response, methods=["GET"])
     return router
@@ -78,9 +80,11 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
         previous = await records.previous(body.previous_response_id)
         session = _continuing(session, previous, body.previous_response_id)
         history = await records.conversation(body.previous_response_id, previous)
-    chat = _chat_request(body, history, metadata)
-    check_messages(len(chat.messages), svc.settings.server)
-    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(chat, session, owner))
+    settings, inputs = _chat_turn(body, history, metadata)
+    check_messages(len(inputs[0]), svc.settings.server)
+    prepared = await prepare_turn(
+        raw, svc, session, lambda owner: runner.prepare_chat(settings, inputs, session, owner)
+    )
     answer = _Answer(body, runner, prepared, records)
     if body.stream:
         return streaming_answer(_relay(raw, answer), runner, prepared)
@@ -101,17 +105,21 @@ def _continuing(named: str | None, previous: ResponseRecord, previous_id: str) -
     return previous.session_id
 
 
-def _chat_request(
+def _chat_turn(
     body: ResponseRequest, history: list[Message], metadata: dict[str, str] | None
-) -> ChatCompletionRequest:
+) -> tuple[ChatSettings, ChatInputs]:
+    """The chat turn `body` asks for: its settings, validated as the chat API's (whose bounds are tighter), and what
+    the template renders. The messages are not validated again: the input items' were (`ResponseRequest`), and the
+    history is a conversation the gateway recorded."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) + history
     messages += chat_messages(body.input)
+    if not messages:
+        raise InvalidRequest("input: the request has no input", param="input")
     tool_choice: Any = body.tool_choice
     if isinstance(tool_choice, NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
     fields: dict[str, Any] = {
         "model": body.model,
-        "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
         "tools": [{"type": "function", "function": t.definition()} for t in body.tools] if body.tools else None,
         "tool_choice": tool_choice,
@@ -131,13 +139,12 @@ def _chat_request(
     if body.top_p is not None:
         fields["top_p"] = body.top_p
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        settings = ChatSettings.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = [str(part) for part in first["loc"] if part != "function"]
-        param = "input" if loc and loc[0] == "messages" else ".".join(loc) or "input"
-        message = "the request has no input" if loc == ["messages"] else first["msg"]
-        raise InvalidRequest(f"{param}: {message}", param=param) from None
+        param = ".".join(str(part) for part in first["loc"] if part != "function") or "input"
+        raise InvalidRequest(f"{param}: {first['msg']}", param=param) from None
+    return settings, (messages, offered_tools(settings))
 
 
 class _Answer:

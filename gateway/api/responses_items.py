@@ -37,7 +37,8 @@ def reasoning_text(item: ReasoningItem) -> str | None:
 
 
 def chat_messages(items: list[InputItem]) -> list[Message]:
-    """The chat messages of `items` (see the module docstring)."""
+    """The chat messages of `items` (see the module docstring), as the template takes them
+    (`ChatMessage.to_template`'s form)."""
     messages: list[Message] = []
     assistant: Message | None = None  # the assistant message the items so far are building
 
@@ -69,7 +70,8 @@ def chat_messages(items: list[InputItem]) -> list[Message]:
             assistant["content"] = _text(item.content)
         else:
             assistant = None
-            messages.append({"role": item.role, "content": _text(item.content)})
+            role = "system" if item.role == "developer" else item.role  # as `ChatMessage.to_template` writes it
+            messages.append({"role": role, "content": _text(item.content)})
     return messages
 
 

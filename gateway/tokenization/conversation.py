@@ -112,6 +112,8 @@ class ConversationMatch:
             if not tok.text_path.added_text_in((previous_messages, previous_tools)):
                 text = tok.render_text(previous_messages, previous_tools, False, chat_template_kwargs=self._kwargs)
                 cut = max(text.rfind(stop) + len(stop) if stop in text else -1 for stop in tok.text_path.stop_texts)
+                if tok.next_turn_ids:  # the reply ends the rendering; the next message's role token follows it
+                    cut = len(text)
                 if cut >= 0:
                     memo.prefix_text = text[:cut]
         if not memo.prefix_text:
@@ -120,7 +122,10 @@ class ConversationMatch:
             self._text = tok.render_text(self.messages, self.tools, True, chat_template_kwargs=self._kwargs)
         if not self._text.startswith(memo.prefix_text):
             return TextCheck.DIFFERENT
-        return self._text[len(memo.prefix_text) :]
+        tail = self._text[len(memo.prefix_text) :]
+        if tok.next_turn_ids and not tail.startswith(tok.text_path.stop_texts):
+            return TextCheck.UNDECIDED  # the cut is not right before a stop token: only the ids can tell
+        return tail
 
     def by_ids(
         self,

@@ -80,7 +80,8 @@ class ChatTokenizer:
         self._vocab_size = len(tokenizer)  # computed by transformers on every call: keep it
         added = self._backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
-        self._end_of_turn = self._probe_end_of_turn()
+        self._next_turn_ids = self._probe_next_turn()
+        self._end_of_turn = self._eos if self._next_turn_ids else self._probe_end_of_turn()
         self._text_path = TextPath.probe(self._backend, self.stop_token_ids)
         self._thread_min_chars = encode_thread_min_chars
         # After the probe above: transformers has set the tokenizer for the calls made here (no truncation, no
@@ -151,9 +152,30 @@ class ChatTokenizer:
         return self._end_of_turn
 
     @property
+    def next_turn_ids(self) -> tuple[int, ...]:
+        """The role tokens that close an assistant turn by opening the next message, for a template that writes no
+        end-of-turn token of its own (GLM-4.5: `<|user|>`, `<|observation|>` follow the reply directly; its
+        generation config lists them among the EOS ids, so the engine stops on them). Empty for other templates."""
+        return self._next_turn_ids
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that end generation: the EOS and the template's end-of-turn token."""
-        return tuple(sorted({self._eos, self._end_of_turn}))
+        """Ids that end generation: the EOS and the template's end-of-turn token, or its next-turn tokens."""
+        return tuple(sorted({self._eos, self._end_of_turn, *self._next_turn_ids}))
+
+    def between_turns(self, sampled: Sequence[int], delta: list[int]) -> list[int]:
+        """The ids between a sampled turn and the next prompt (loss mask 0): `delta` (`render_delta`) joined to
+        the sampled ids, which stay exactly what the model wrote.
+
+        A reply cut by max_tokens never sampled its end-of-turn token; the template needs it, so it comes first.
+        Where the next message's role token closes the turn (`next_turn_ids`), the delta starts with that token:
+        a reply that sampled it has it already, so it is dropped from the delta; a reply that stopped otherwise
+        (another role token, the EOS, max_tokens) keeps its own last id and the template's role token follows."""
+        if not sampled:
+            return delta
+        if self._next_turn_ids:
+            return delta[1:] if delta and delta[0] == sampled[-1] else delta
+        return delta if sampled[-1] in self.stop_token_ids else [self._end_of_turn, *delta]
 
     @property
     def special_token_ids(self) -> frozenset[int]:
@@ -301,13 +323,16 @@ class ChatTokenizer:
 
         That is `render(previous_messages, add_generation_prompt=False)` cut right after its last stop token: for
         ChatML it ends with the final assistant turn's `<|im_end|>`, without the `\\n` the template writes after
-        it (the model stops at `<|im_end|>` and never samples that `\\n`). Empty history: `[]`.
+        it (the model stops at `<|im_end|>` and never samples that `\\n`). A template whose next message closes
+        the turn (`next_turn_ids`) writes nothing after the reply: the whole rendering. Empty history: `[]`.
         """
         if not previous_messages:
             return []
         ids = self.render(
             previous_messages, tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
         )
+        if self._next_turn_ids:
+            return ids
         return ids[: _end_after_last(ids, self.stop_token_ids)]
 
     def render_delta(
@@ -387,6 +412,40 @@ class ChatTokenizer:
         except InvalidRequest:  # a template with unusual demands: fall back to the EOS alone
             return self._eos
         return next((i for i in reversed(ids) if i in self._special_ids), self._eos)
+
+    def _probe_next_turn(self) -> tuple[int, ...]:
+        """The special tokens that open a user or tool message right after an assistant reply, where the template
+        writes no special token after the reply itself (GLM-4.5); empty otherwise."""
+        user = {"role": "user", "content": "hi"}
+        reply = {"role": "assistant", "content": _PROBE_REPLY}
+        after_reply = self._after_probe_reply([user, reply])
+        if after_reply is None or self._special_text_at(after_reply) is not None:
+            return ()  # the template closes the turn with a token of its own, or says nothing to go by
+        openers = []
+        for following in ({"role": "user", "content": "next"}, {"role": "tool", "content": "result"}):
+            text = self._after_probe_reply([user, reply, following])
+            opener = None if text is None else self._special_text_at(text)
+            if opener is not None:
+                openers.append(opener)
+        return tuple(sorted(set(openers)))
+
+    def _after_probe_reply(self, messages: list[Message]) -> str | None:
+        """The template's text after the probe's reply, or None where the template rejects the messages."""
+        try:
+            text = self.render_text(messages, add_generation_prompt=False)
+        except InvalidRequest:
+            return None
+        at = text.rfind(_PROBE_REPLY)
+        return None if at < 0 else text[at + len(_PROBE_REPLY) :]
+
+    def _special_text_at(self, text: str) -> int | None:
+        """The id of the special token `text` begins with (the longest), if any."""
+        added = self._backend.get_added_tokens_decoder()
+        found = [(len(t.content), i) for i, t in added.items() if i in self._special_ids and text.startswith(t.content)]
+        return max(found)[1] if found else None
+
+
+_PROBE_REPLY = "probe-reply-7f3a"  # text no template writes of its own
 
 
 def _end_after_last(ids: list[int], stops: Sequence[int]) -> int:

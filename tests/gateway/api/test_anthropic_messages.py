@@ -18,6 +18,7 @@ from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from gateway.api.anthropic_chat import chat_messages
 from gateway.api.anthropic_models import MessageParam, MessagesRequest
+from gateway.api.openai_models import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
@@ -306,6 +307,8 @@ def test_how_blocks_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "t1", "content": "3"},
         {"role": "user", "content": "both done"},
     ]
+    # The turn takes them as they are (no second validation): the chat API's own form of the same messages.
+    assert chat_messages(body) == [ChatMessage.model_validate(m).to_template() for m in chat_messages(body)]
     misplaced = body.model_copy(update={"messages": [MessageParam(role="user", content=[body.messages[1].content[3]])]})  # type: ignore[index]
     with pytest.raises(InvalidRequest, match="a user message cannot hold a tool_use block"):
         chat_messages(misplaced)

@@ -18,6 +18,9 @@ from openai.types.responses import Response
 
 from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
+from gateway.api.openai_models import ChatMessage
+from gateway.api.responses_items import chat_messages
+from gateway.api.responses_models import ResponseRequest
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer
@@ -431,3 +434,24 @@ async def test_reasoning_goes_out_as_an_item_and_comes_back_into_the_same_sample
     sample = await one_sample(gw, "think", [call_ids, answer_ids])
     assert sample.conversation[1]["reasoning_content"] == "\nI should add them.\n"
     await api.close()
+
+
+def test_input_items_become_the_chat_apis_template_messages() -> None:
+    """The adapter hands its messages to the turn without validating them again as chat messages: they must be
+    what the chat API makes of the same messages (`ChatMessage.to_template`), a developer message included."""
+    body = ResponseRequest.model_validate(
+        {
+            "model": "tiny",
+            "input": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "input_text", "text": "1 + 2?"}]},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "add"}]},
+                {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "3"},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "3"}]},
+            ],
+        }
+    )
+    messages = chat_messages(body.input)
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert messages == [ChatMessage.model_validate(m).to_template() for m in messages]

@@ -27,13 +27,14 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from common.asgi import ClientDisconnected
-from gateway.api import deps, generate, openai
+from gateway.api import deps, generate, openai, responses
 from gateway.api.errors import install_error_handlers
 from gateway.api.generate import GenerateBody
 from gateway.api.json_answer import JSONAnswer
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import RequestMetrics
 from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.api.responses_models import ResponseRequest
 from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
 from gateway.errors import Forbidden, InvalidRequest
 from gateway.fastpath.hot_routes import HotRoutes
@@ -45,7 +46,12 @@ from tests.gateway_helpers import scrape, until_a_request_is_in
 AGENT_KEY = "sk-lean-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {AGENT_KEY}"}
 JSON = {"content-type": "application/json"}
-HOT = {"/generate": GenerateBody, "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+HOT = {
+    "/generate": GenerateBody,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponseRequest,
+}
 VALID: dict[str, dict[str, Any]] = {
     "/generate": {"input_ids": [11, 22, 33], "sampling_params": {"max_tokens": 5, "temperature": 0}},
     "/v1/completions": {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature": 0},
@@ -55,8 +61,9 @@ VALID: dict[str, dict[str, Any]] = {
         "max_tokens": 5,
         "temperature": 0,
     },
+    "/v1/responses": {"model": "tiny", "input": "hello", "max_output_tokens": 5, "temperature": 0},
 }
-VOLATILE = {"id", "created", "request_id", "session_id"}  # random or clock-made, per request
+VOLATILE = {"id", "created", "created_at", "item_id", "request_id", "session_id"}  # random or clock-made, per request
 
 
 @dataclass
@@ -98,12 +105,18 @@ async def _answer(http: httpx.AsyncClient, method: str, url: str, **kw: Any) -> 
     media_type = (content_type or "").partition(";")[0]
     if media_type == "text/event-stream":
         events = [e for e in response.text.split("\n\n") if e]
-        body: Any = [_normalized(orjson.loads(e[len("data: ") :])) if e != "data: [DONE]" else e for e in events]
+        body: Any = [_event_data(e) for e in events]
     elif media_type == "application/json":
         body = _normalized(response.json())
     else:
         body = response.text
     return Answer(response.status_code, body, content_type)
+
+
+def _event_data(event: str) -> Any:
+    """An event's data (the Responses API's events also name their type on an `event:` line)."""
+    data = next(line[len("data: ") :] for line in event.split("\n") if line.startswith("data: "))
+    return event if data == "[DONE]" else _normalized(orjson.loads(data))
 
 
 def _normalized(value: Any) -> Any:
@@ -130,10 +143,12 @@ def _route_classes(app: FastAPI) -> dict[str, type]:
 async def test_the_gateways_differ_only_in_route_class(pair: Pair) -> None:
     assert _route_classes(pair.lean.app) == dict.fromkeys(HOT, OnePassRoute)
     assert _route_classes(pair.stock.app) == dict.fromkeys(HOT, APIRoute)
-    routes = [*generate.create_router(OnePassRoute).routes, *openai.create_router(OnePassRoute).routes]
+    routers = (generate.create_router, openai.create_router, responses.create_router)
+    routes = [route for router in routers for route in router(OnePassRoute).routes]
     handlers = {r.path: r.get_route_handler().__module__ for r in routes if isinstance(r, APIRoute)}
-    # GET /v1/models has no body: FastAPI's handler, from the same route class.
-    assert handlers == dict.fromkeys(HOT, "gateway.fastpath.one_pass_route") | {"/v1/models": "fastapi.routing"}
+    # GET /v1/models and /v1/responses/{id} have no body: FastAPI's handler, from the same route class.
+    plain = dict.fromkeys(["/v1/models", "/v1/responses/{response_id}"], "fastapi.routing")
+    assert handlers == dict.fromkeys(HOT, "gateway.fastpath.one_pass_route") | plain
 
 
 async def test_the_lean_gateway_serves_its_hot_routes_in_the_fast_lane(pair: Pair) -> None:
@@ -220,6 +235,8 @@ def _bodies(path: str) -> list[bytes]:
 def _over_the_token_limit(path: str) -> dict[str, Any]:
     if path == "/generate":
         return {"sampling_params": {"max_tokens": 10**6}}
+    if path == "/v1/responses":
+        return {"max_output_tokens": 10**6}
     return {"max_tokens": 10**6}
 
 

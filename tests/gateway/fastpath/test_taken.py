@@ -20,7 +20,7 @@ from gateway.store.pipelines import OwnPipelines
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body
 
-HOT = {"/generate", "/v1/completions", "/v1/chat/completions"}
+HOT = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 
 async def _serve_both_routes(gw: RunningGateway, http: httpx.AsyncClient) -> None:

@@ -174,19 +174,10 @@ async def test_a_tool_result_renders_through_the_familys_template_into_one_exact
     tokenizer: ChatTokenizer,
     make_sim: SimFactory,
     make_gateway: GatewayFactory,
-    request: pytest.FixtureRequest,
 ) -> None:
     """A streamed tool call, its result sent back: the session's one sample holds the exact sampled ids of both
     turns (mask 1) around the template's rendering of the tool result (mask 0). The Mistral model writes no id
     here: the one the gateway made and streamed is the one its recorded reply holds, which the template writes."""
-    if family.name == "glm45":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="GLM's template closes an assistant turn with no token of its own: the tokenizer's probe takes "
-                "<|assistant|> for its end of turn, and the next turn's delta repeats the reply",
-            )
-        )
     sim, gw = await served(family, family_dir, tokenizer, make_sim, make_gateway)
     no_id = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]</s>' if family.name == "mistral" else None
     script_reply(sim, tokenizer, family, QUESTION, no_id)

@@ -36,6 +36,7 @@ from gateway.tokenization import (
     make_stop_checker,
 )
 from tests.gateway.parsers.reasoning_families import QWEN3
+from tests.gateway.parsers.tool_families import FAMILIES
 from tests.tokenizer_helpers import metaspace_first_dir, tokenizer_dir
 from tests.tool_schemas import ADD_TOOL, WEATHER_TOOL
 
@@ -148,6 +149,27 @@ def test_a_template_without_control_tokens(tmp_path: Path) -> None:
     assert plain.render_prefix(previous) == plain.render(previous, add_generation_prompt=False)
     delta = plain.render_delta(previous, [*previous, USER_2])
     assert plain.decode(delta) == f"user: {USER_2['content']}\nassistant:"
+
+
+def test_a_template_whose_next_message_closes_the_turn(tmp_path: Path) -> None:
+    """GLM-4.5 writes no token after a reply: the next message's role token closes it. Those tokens stop
+    generation, the previous conversation's ids are its whole rendering, and a reply that sampled the role token
+    the next message opens with is not given it twice; one that stopped otherwise keeps its own last id."""
+    glm = ChatTokenizer.load(FAMILIES["glm45"].tokenizer_dir(tmp_path))
+    user, observation = glm.encode("<|user|>"), glm.encode("<|observation|>")
+    assert sorted([*user, *observation]) == list(glm.next_turn_ids)
+    assert set(glm.next_turn_ids) <= set(glm.stop_token_ids)
+    previous = [USER_1, ASSISTANT_ANSWER]
+    assert glm.render_prefix(previous) == glm.render(previous, add_generation_prompt=False)
+    delta = glm.render_delta(previous, [*previous, USER_2])
+    assert delta[:1] == user
+    assert glm.decode(delta) == glm.render_text([*previous, USER_2])[len(glm.render_text(previous, None, False)) :]
+    reply = glm.encode("\n<think></think>\n" + ASSISTANT_ANSWER["content"])
+    assert glm.between_turns([*reply, *user], delta) == delta[1:]
+    assert glm.between_turns([*reply, *observation], delta) == delta
+    assert glm.between_turns(reply, delta) == delta  # cut by max_tokens: no token of the template's is missing
+    prompt = glm.render([USER_1])
+    assert [*prompt, *reply, *user, *delta[1:]] == glm.render([*previous, USER_2])
 
 
 def test_a_template_that_rejects_the_probe_falls_back_to_eos(tmp_path: Path) -> None:
