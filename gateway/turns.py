@@ -56,6 +56,9 @@ from gateway.tokenization import ChatTokenizer, EncodedPrefix, IncrementalDetoke
 from gateway.working_sample import WorkingSample
 
 MAX_RANDOM_SEED = 2**31 - 1
+# Beyond this many characters a token of the context, a prompt is counted in chunks before it is tokenized whole:
+# natural text and code run at 2-5 characters a token, so a text that long almost never fits.
+LIKELY_MAX_CHARS_PER_TOKEN = 8
 PROMPT_TAIL_TOKENS = 4  # the prompt's last tokens a reasoning parser sees (did the template open the reasoning?)
 
 
@@ -181,7 +184,7 @@ class TurnRunner:
         `chat_inputs` gives them (template-form messages, the tools offered)."""
         self.check_model(body.model)
         messages, tools = inputs
-        self._check_fits(sum(_characters(m.get("content")) for m in messages), "messages")
+        await self._check_fits([text for m in messages for text in _texts(m.get("content"))], "messages")
         top = body.top_logprobs or 0
         if body.group:
             base = session_id or f"chat-{secrets.token_hex(16)}"
@@ -200,14 +203,26 @@ class TurnRunner:
             self.lifecycle.refused(sid, one_turn, lock)
             raise
 
-    def _check_fits(self, characters: int, param: str) -> None:
-        """Refuse a text the context cannot hold before tokenizing it (a 15 MB prompt cost seconds of CPU and a GB of
-        memory to learn it was too long): its length alone says so (`ChatTokenizer.fits_in`)."""
+    async def _check_fits(self, texts: list[str], param: str) -> None:
+        """Refuse a text the context cannot hold before tokenizing it whole (a 15 MB prompt cost seconds of CPU and a
+        GB of memory to learn it was too long): by its length alone where that says so (`ChatTokenizer.fits_in`);
+        else, for a text longer than `LIKELY_MAX_CHARS_PER_TOKEN` characters a token of the context, by counting its
+        tokens a chunk at a time up to the context (`ChatTokenizer.count_at_least`). A shorter text is tokenized
+        whole, a cost bounded by the context's size."""
+        characters = sum(map(len, texts))
         if not self.tokenizer.fits_in(characters, self.max_model_len):
             raise InvalidRequest(
                 f"{characters} characters of prompt text cannot fit the context length of {self.max_model_len} tokens",
                 param=param,
             )
+        if characters > self.max_model_len * LIKELY_MAX_CHARS_PER_TOKEN:
+            counted = await self.tokenizer.count_at_least(texts, self.max_model_len)
+            if counted > self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt text is more than {counted} tokens (counted up to the context length of "
+                    f"{self.max_model_len} tokens)",
+                    param=param,
+                )
 
     async def _encode_prompt(self, text: str, session_id: str | None) -> list[int]:
         """The ids of a raw completion's text prompt; in a session, reusing those of the beginning it shares with the
@@ -231,7 +246,7 @@ class TurnRunner:
         """A raw completion turn; `owner` as `prepare_chat`'s."""
         self.check_model(body.model)
         if isinstance(body.prompt, str):
-            self._check_fits(len(body.prompt), "prompt")
+            await self._check_fits([body.prompt], "prompt")
             prompt = await self._encode_prompt(body.prompt, None if body.group else session_id)
         else:
             prompt = list(body.prompt)
@@ -542,14 +557,14 @@ def offered_tools(body: ChatSettings) -> list[dict[str, Any]] | None:
     return None
 
 
-def _characters(content: Any) -> int:
-    """The characters of a message's text (string content, or its text parts): a lower bound of its rendering's."""
+def _texts(content: Any) -> list[str]:
+    """The texts of a message's content (string content, or its text parts): part of what its rendering holds."""
     if isinstance(content, str):
-        return len(content)
+        return [content]
     if isinstance(content, list):
         texts = (part.get("text") for part in content if isinstance(part, dict))
-        return sum(len(text) for text in texts if isinstance(text, str))
-    return 0
+        return [text for text in texts if isinstance(text, str)]
+    return []
 
 
 def _token_id(tokenizer: ChatTokenizer, token: str) -> int:

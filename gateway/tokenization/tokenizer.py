@@ -8,7 +8,7 @@ with the model's own template (`chat_template`), and matches a new conversation 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import EllipsisType
@@ -42,6 +42,21 @@ class VocabInfo:
         except Exception as exc:  # the tokenizers library raises a bare Exception for unreadable files
             raise ConfigError(f"model.tokenizer: cannot load {file}: {exc}") from exc
         return cls(vocab_size=int(tokenizer.get_vocab_size(with_added_tokens=True)))
+
+
+COUNT_CHUNK_CHARS = 1 << 16  # characters tokenized at a time by `count_at_least`
+
+
+def _chunks(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at most `size` characters, each cut after its last whitespace where it has some."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            space = max(text.rfind(" ", start, end), text.rfind("\n", start, end))
+            end = space + 1 if space > start else end
+        yield text[start:end]
+        start = end
 
 
 class ChatTokenizer:
@@ -141,6 +156,19 @@ class ChatTokenizer:
         tokenizing it: a character is at least a byte, a token at most the vocabulary's longest string. True says
         only that it may fit."""
         return characters <= tokens * self._max_token_bytes
+
+    async def count_at_least(self, texts: Iterable[str], limit: int, chunk_chars: int = COUNT_CHUNK_CHARS) -> int:
+        """A lower bound of the tokens of `texts`, counted a chunk of at most `chunk_chars` characters at a time (cut
+        after whitespace where there is some) and no further than needed to pass `limit`: the time and memory of a
+        text far too long are those of its first `limit` tokens, not of all of it. A cut may split what the whole
+        text encodes as one token, so each chunk but the first counts one token less."""
+        total = 0
+        for text in texts:
+            for chunk in _chunks(text, chunk_chars):
+                total += max(0, len(await self.encode_async(chunk)) - (1 if total else 0))
+                if total > limit:
+                    return total
+        return total
 
     @property
     def eos_token_id(self) -> int:

@@ -116,6 +116,27 @@ async def test_a_text_the_context_cannot_hold_is_refused_before_it_is_tokenized(
     assert (await http.post(f"{gw.url}/v1/chat/completions", json=fits)).status_code == 200
 
 
+@pytest.mark.parametrize(("path", "param"), [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+async def test_a_text_within_the_length_bound_but_over_the_context_is_counted_in_chunks(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, path: str, param: str
+) -> None:
+    """Issue 38 §10, the rest: a text short enough for the length bound (the tiny vocabulary's longest token is 82
+    bytes, so 300,000 characters might be 4,096 tokens) but far longer than the context is refused after counting
+    its first chunk, not after tokenizing all of it."""
+    gw = await gateway_on(make_sim, make_gateway)
+    text = "word " * 60_000  # 300,000 characters, 120,000 tokens
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 2}
+    if path == "/v1/completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    response = await http.post(f"{gw.url}{path}", json=body)
+    assert response.status_code == 400, response.text[:300]
+    assert "counted up to the context length of 4096 tokens" in response.text
+    assert response.json()["error"]["param"] == param
+    assert gw.services.turns.tokenizer.thread_encodes == 1  # one chunk of 65,536 characters told it
+
+
 async def test_concurrent_sessions_per_key(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

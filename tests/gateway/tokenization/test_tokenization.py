@@ -112,6 +112,15 @@ def test_loads_the_tiny_tokenizer(tok: ChatTokenizer) -> None:
     assert tok.decode([IM_START, *tok.encode("hi"), IM_END], skip_special_tokens=True) == "hi"
 
 
+async def test_count_at_least_is_a_lower_bound_that_stops_past_the_limit(tok: ChatTokenizer) -> None:
+    texts = ["hello world, " * 20_000, "tail words\n" * 500]
+    whole = sum(len(tok.encode(text)) for text in texts)
+    assert await tok.count_at_least(texts, whole + 1, chunk_chars=1000) <= whole  # every chunk read: a lower bound
+    huge = ["word " * 2_000_000]  # 10 MB, 2,000,000 tokens
+    counted = await tok.count_at_least(huge, 4096)
+    assert 4096 < counted <= len(tok.encode("word " * 13_108))  # stopped within the first 65,536 characters
+
+
 def test_load_errors_name_the_config_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.tokenizer: .* does not exist"):
         ChatTokenizer.load(tmp_path / "missing")
