@@ -312,7 +312,8 @@ async def open_services(
             resolve_reasoning_parser(settings.model.reasoning_parser, tokenizer.chat_template),
             model_name=settings.model.name,
             max_model_len=settings.model.max_model_len,
-            want_routed_experts=any(r.routed_experts for r in settings.replicas),
+            want_routed_experts=any(r.routed_experts for r in settings.replicas)
+            or (settings.replicas_from is not None and settings.discovery.replica.routed_experts),
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
