@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -79,18 +81,33 @@ GatewayFactory = Callable[..., Awaitable[RunningGateway]]
 async def make_gateway(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[GatewayFactory]:
     """Gateways on the session's Redis (flushed for this test by the `redis` fixture); sections as keywords
     (`fastpath={"enabled": False}` serves everything through the libraries alone)."""
-    async with contextlib.AsyncExitStack() as stack:
+    stack = contextlib.AsyncExitStack()
 
-        async def make(replicas: list[Any], **sections: Any) -> RunningGateway:
-            configs = [
-                r if isinstance(r, ReplicaConfig) else ReplicaConfig(url=r.url, backend="sim", dialect=r.dialect)
-                for r in replicas
-            ]
-            server = {"port": 0, "admin_token": ADMIN_TOKEN} | sections.pop("server", {})
-            routing = {"health_interval_s": 0.2} | sections.pop("routing", {})
-            settings = Settings(
-                server=server, redis={"url": redis_server.url}, replicas=configs, routing=routing, **sections
-            )
-            return await stack.enter_async_context(serve_gateway(settings))
+    async def make(replicas: list[Any], **sections: Any) -> RunningGateway:
+        configs = [
+            r if isinstance(r, ReplicaConfig) else ReplicaConfig(url=r.url, backend="sim", dialect=r.dialect)
+            for r in replicas
+        ]
+        server = {"port": 0, "admin_token": ADMIN_TOKEN} | sections.pop("server", {})
+        routing = {"health_interval_s": 0.2} | sections.pop("routing", {})
+        settings = Settings(
+            server=server, redis={"url": redis_server.url}, replicas=configs, routing=routing, **sections
+        )
+        return await stack.enter_async_context(serve_gateway(settings))
 
+    try:
         yield make
+    finally:
+        await close_reporting_a_hang(stack.aclose(), "make_gateway's gateways")
+
+
+async def close_reporting_a_hang(closing: Awaitable[None], what: str, report_after_s: float = 60.0) -> None:
+    """Await `closing`; if it takes longer than `report_after_s`, print the stack of every task of the loop first
+    (a gateway's shutdown once hung for minutes in one full run, not reproduced alone), then go on waiting."""
+    task = asyncio.ensure_future(closing)
+    done, _ = await asyncio.wait({task}, timeout=report_after_s)
+    if not done:
+        print(f"{what}: not closed within {report_after_s:g} s; the loop's tasks:", file=sys.stderr)
+        for pending in asyncio.all_tasks():
+            pending.print_stack(file=sys.stderr)
+    await task
