@@ -98,16 +98,18 @@ async def make_gateway(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterat
     try:
         yield make
     finally:
-        await close_reporting_a_hang(stack.aclose(), "make_gateway's gateways")
+        # Closed in this task (a context entered here must be left here), watched by another.
+        watchdog = asyncio.create_task(report_a_hang("make_gateway's gateways", 60.0))
+        try:
+            await stack.aclose()
+        finally:
+            watchdog.cancel()
 
 
-async def close_reporting_a_hang(closing: Awaitable[None], what: str, report_after_s: float = 60.0) -> None:
-    """Await `closing`; if it takes longer than `report_after_s`, print the stack of every task of the loop first
-    (a gateway's shutdown once hung for minutes in one full run, not reproduced alone), then go on waiting."""
-    task = asyncio.ensure_future(closing)
-    done, _ = await asyncio.wait({task}, timeout=report_after_s)
-    if not done:
-        print(f"{what}: not closed within {report_after_s:g} s; the loop's tasks:", file=sys.stderr)
-        for pending in asyncio.all_tasks():
-            pending.print_stack(file=sys.stderr)
-    await task
+async def report_a_hang(what: str, after_s: float) -> None:
+    """After `after_s`, print the stack of every task of the loop (a gateway's shutdown once hung for minutes in one
+    full run, not reproduced alone); cancelled when what it watches ends first."""
+    await asyncio.sleep(after_s)
+    print(f"{what}: not closed within {after_s:g} s; the loop's tasks:", file=sys.stderr)
+    for pending in asyncio.all_tasks():
+        pending.print_stack(file=sys.stderr)
