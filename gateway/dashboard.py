@@ -20,7 +20,6 @@ max: the same values).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -35,6 +34,7 @@ import redis.asyncio as aioredis
 
 from backends.base import Load
 from backends.errors import BackendError
+from gateway.background import stop
 from gateway.errors import StoreError
 from gateway.generation import GenerationRequest, Generator
 from gateway.routing import Replica, ReplicaPool
@@ -101,7 +101,6 @@ class DashboardSampler:
         self._summary_key: tuple[int, int] | None = None
         self._task: asyncio.Task[None] | None = None
         self._cache_task: asyncio.Task[None] | None = None
-        self._closing = False
         self._failing = False
         generator.on_finished = self.observe_turn
         weights.on_update.append(self.observe_update)
@@ -146,18 +145,11 @@ class DashboardSampler:
             self._cache_task = asyncio.create_task(self._scrape_caches_forever(), name="dashboard-caches")
 
     async def aclose(self) -> None:
-        # The loops also look at this flag: a cancellation can be lost (Python 3.11's `asyncio.timeout` swallows one
-        # that arrives as its own deadline passes), and a close waited for such a loop for good in a CI run.
-        self._closing = True
-        for task in (self._task, self._cache_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await stop(self._task, self._cache_task)
         self._task = self._cache_task = None
 
     async def _scrape_caches_forever(self) -> None:
-        while not self._closing:
+        while True:
             await asyncio.sleep(self.cache_interval_s)  # a period, not synchronisation
             try:
                 await self.scrape_caches()
@@ -184,7 +176,7 @@ class DashboardSampler:
             delta[1] += now[1] - before[1]
 
     async def _run(self) -> None:
-        while not self._closing:
+        while True:
             # Ticks on the wall clock's second boundaries, so every process's points share their seconds.
             now = time.time()
             await asyncio.sleep(self.interval_s - now % self.interval_s)

@@ -24,6 +24,7 @@ import dns.resolver
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from gateway.background import stop
 from gateway.config import DiscoveryConfig, ReplicaConfig, ReplicaFields
 
 logger = logging.getLogger(__name__)
@@ -175,8 +176,7 @@ class Discovery:
 
     async def aclose(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop(self._task)
             self._task = None
 
 

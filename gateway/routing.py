@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 from backends.base import EngineBackend
 from backends.errors import BackendUnavailable
 from common.hashing import mix64, string_key
+from gateway.background import stop
 
 logger = logging.getLogger(__name__)
 
@@ -337,9 +338,7 @@ class ReplicaPool:
 
     async def aclose(self) -> None:
         if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+            await stop(self._health_task)
             self._health_task = None
         async with asyncio.TaskGroup() as group:
             for replica in self.all():

@@ -14,6 +14,7 @@ from backends.errors import BackendError
 from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
+from gateway.background import stop
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
 from gateway.dashboard import DashboardSampler
 from gateway.discovery import Discovery, make_source
@@ -172,10 +173,7 @@ class Services:
         task.add_done_callback(lambda _: self._catching_up.pop(replica.id, None))
 
     async def aclose(self) -> None:
-        for task in list(self._catching_up.values()):
-            task.cancel()
-        if self._catching_up:
-            await asyncio.wait(list(self._catching_up.values()))
+        await stop(*self._catching_up.values())
 
     async def remove_replica(self, replica_id: str) -> Replica:
         self.replica_configs.pop(replica_id, None)

@@ -26,6 +26,7 @@ from typing import Literal
 
 from backends.base import PauseMode
 from backends.errors import BackendError, WeightsNotLoaded
+from gateway.background import stop
 from gateway.errors import Conflict, InvalidRequest, StoreError, WeightsNotUpdated
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import WeightsBus
@@ -628,15 +629,8 @@ class WeightCoordinator:
 
     async def aclose(self) -> None:
         self._enable_gc()
-        for task in (self._follow_task, self._heartbeat_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await stop(self._follow_task, self._heartbeat_task)
         if self._heartbeat_task is not None and self.bus is not None:
             with contextlib.suppress(StoreError):
                 await self.bus.leave()  # a `wait` update stops waiting for this process at once
-        for task in list(self._background):
-            task.cancel()
-        if self._background:
-            await asyncio.wait(self._background)
+        await stop(*self._background)

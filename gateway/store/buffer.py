@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.background import background, stop
 from gateway.errors import StoreError
-from gateway.store.core import Fields, StoreStats, background, backoff_s, cancel
+from gateway.store.core import Fields, StoreStats, backoff_s
 from gateway.store.locks import SessionLocks
 from gateway.store.samples import SampleWrite, SampleWriter
 from gateway.trajectory import SampleSaved
@@ -51,7 +52,7 @@ class WriteBuffer:
     async def aclose(self, drain_timeout_s: float) -> None:
         """Stop the flusher; the buffered writes get one last flush bounded by `drain_timeout_s`. Writes that still
         could not be written are logged as lost, by count."""
-        await cancel(self._flusher)
+        await stop(self._flusher)
         self._flusher = None
         if self._buffer:
             try:

@@ -3,10 +3,9 @@ the two ways of writing a session's slot (a batched pipeline, an optimistic WATC
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
 from gateway.trajectory import SessionMeta
 
-__all__ = ["Fields", "StoreCore", "StoreStats", "Writes", "background", "backoff_s", "cancel", "meta_of"]
+__all__ = ["Fields", "StoreCore", "StoreStats", "Writes", "backoff_s", "meta_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,22 +134,3 @@ def backoff_s(attempt: int) -> float:
     """Exponential backoff with equal jitter: half the step fixed (progress), half random (no lockstep)."""
     step = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0**attempt)
     return step / 2 + random.uniform(0, step / 2)
-
-
-def background(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-    """A background task whose crash is logged. The caller keeps the reference: the event loop keeps weak ones."""
-    task: asyncio.Task[None] = asyncio.ensure_future(coro)
-    task.set_name(name)
-    task.add_done_callback(_log_crash)
-    return task
-
-
-async def cancel(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
-        task.cancel()
-        await asyncio.wait([task])  # unlike `await task`, a cancellation of the caller itself still propagates
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        logger.error("background task %s crashed", task.get_name(), exc_info=exc)

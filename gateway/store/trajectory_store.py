@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.background import background, stop
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
 from gateway.store.backpressure import Backpressure
 from gateway.store.buffer import WriteBuffer
-from gateway.store.core import StoreCore, background, backoff_s, cancel
+from gateway.store.core import StoreCore, backoff_s
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
 from gateway.store.keys import Keys
@@ -146,7 +147,7 @@ class TrajectoryStore:
     async def aclose(self, drain_timeout_s: float = 5.0) -> None:
         """Staged stop: the sweeper; in-flight finishes get `drain_timeout_s`; buffered writes get one last flush
         bounded by `drain_timeout_s`. Writes that still could not be written are logged as lost, by count."""
-        await cancel(self._sweeper)
+        await stop(self._sweeper)
         self._sweeper = None
         if self._finishing:
             _, late = await asyncio.wait(list(self._finishing.values()), timeout=drain_timeout_s)
