@@ -97,12 +97,15 @@ class SegmentWatch:
         timeout at the same moment) is withdrawn here."""
         self.reading = False
         self.error = None  # raised by now, if at all: its traceback holds the frame that holds this watch
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._disarm()
         if self._cancel_sent:
             self._cancel_sent = False
             self._task.uncancel()
+
+    def _disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
     def _check(self) -> None:
         self._handle = None
@@ -128,9 +131,7 @@ class SegmentWatch:
         if self.error is not None:
             return
         self.error = error
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._disarm()
         if self.reading:
             self._cancel_sent = True
             self._task.cancel()
