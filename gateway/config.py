@@ -64,8 +64,11 @@ def _check_http_url(url: str) -> str:
 
 
 def _check_redis_url(url: str) -> str:
-    if url and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-        raise ValueError('must be "" (embedded redis-server) or a redis://, rediss:// or unix:// URL')
+    if url and urlsplit(url).scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        raise ValueError(
+            'must be "" (embedded redis-server), a redis://, rediss:// or unix:// URL, or a Redis Cluster\'s '
+            "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS)"
+        )
     return url
 
 

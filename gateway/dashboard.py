@@ -259,7 +259,7 @@ class DashboardSampler:
 
         async def read() -> dict[str, int]:
             async with client.pipeline(transaction=False) as pipe:
-                pipe.get(keys.pending)
+                pipe.scard(keys.pending)
                 pipe.get(keys.reclaimed)
                 pipe.get(keys.acked)
                 pipe.zcard(keys.active_sessions)

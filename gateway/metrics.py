@@ -17,7 +17,7 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_resume_dispatch_seconds`| histogram |               | `Generator.on_dispatch`, per preemption   |
 | `rollout_gateway_weight_version`         | gauge     |               | read at scrape from the coordinator       |
 | `rollout_gateway_weight_update_seconds`  | histogram |               | `WeightCoordinator.on_update`, per update |
-| `rollout_gateway_store_pending`          | gauge     |               | `rg:pending`, read from Redis per scrape  |
+| `rollout_gateway_store_pending`          | gauge     |               | `rg:pending:sessions`, read per scrape    |
 | `rollout_gateway_affinity_ratio`         | gauge     |               | read at scrape from the pool              |
 | `rollout_gateway_store_pipelines_total`  | counter   |               | read at scrape from the store's batcher   |
 | `rollout_gateway_store_calls_total`      | counter   |               | read at scrape from the store's batcher   |
@@ -43,7 +43,7 @@ gateway takes that replica's one-token events several to a read; `tokens_total` 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
 
-Store pending is read from Redis (`GET rg:pending`) by `refresh()` before each scrape, bounded by a short
+Store pending is read from Redis (`SCARD rg:pending:sessions`) by `refresh()` before each scrape, bounded by a short
 timeout, rather than cached by a background task: a scrape every ~15 s costs one GET per process, the value is
 exact when read (no refresh lag to explain), and there is no task to start, stop and keep alive. If Redis does
 not answer in time the sample is left out of that scrape (absent means unknown; a stale number would lie). The
@@ -243,7 +243,7 @@ class GatewayMetrics:
         return self._live.pending if self._live is not None else None
 
     async def refresh(self) -> None:
-        """Read what lives outside this process (`rg:pending`), bounded by `pending_timeout_s`."""
+        """Read what lives outside this process (`rg:pending:sessions`), bounded by `pending_timeout_s`."""
         live = self._live
         if live is None:
             return

@@ -17,6 +17,7 @@ from backends.sim.engine import EngineSettings
 from backends.sim.server import SimReplica, serve_in_process
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.redis_cluster import LocalRedisCluster
 from gateway.server import RunningGateway, serve_gateway
 
 # --------------------------------------------------------------------------------------------------------------
@@ -29,6 +30,13 @@ from gateway.server import RunningGateway, serve_gateway
 def redis_server() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A real Redis Cluster (3 masters, a replica each) for the whole session, started when a test first asks."""
+    with LocalRedisCluster(data_dir=tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -11,12 +11,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import AskError, MovedError, RedisError, WatchError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import StoreError
 from gateway.store.keys import Keys, call
 from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
+from gateway.store.slot_clients import SlotClients
 from gateway.trajectory import SessionMeta
 
 __all__ = ["Fields", "StoreCore", "StoreStats", "Writes", "backoff_s", "meta_of"]
@@ -69,6 +71,7 @@ class StoreCore:
         # The per-turn round trips (read a session, write a sample, create one): a pipeline each, or shared by
         # concurrent turns (the fast path's batcher).
         self.batcher: Pipelines = pipelines or OwnPipelines(client)
+        self.slots = SlotClients(client)
         self.stats = StoreStats()
 
     @property
@@ -96,7 +99,7 @@ class StoreCore:
         key = self.keys.meta(session_id)
         for _ in range(_MAX_WATCH_ATTEMPTS):
             try:
-                async with self.client.pipeline(transaction=True) as pipe:
+                async with self.slots.for_key(key).pipeline(transaction=True) as pipe:
                     await pipe.watch(key)
                     raw = await pipe.hgetall(key)
                     before = SessionMeta.from_redis(session_id, raw) if raw else None
@@ -108,6 +111,11 @@ class StoreCore:
                     return before
             except WatchError:
                 continue  # the meta changed (or the connection dropped) while watched: decide again
+            except (AskError, MovedError, RedisConnectionError) as exc:
+                if not self.slots.clustered:
+                    raise StoreError(f"redis: {what} failed: {exc}") from exc
+                # The slot has another master now (a failover, a migration): decide again there.
+                await call(self.slots.redirected(key), what)
             except RedisError as exc:
                 raise StoreError(f"redis: {what} failed: {exc}") from exc
         raise StoreError(f"redis: {what}: the session changed under {_MAX_WATCH_ATTEMPTS} attempts in a row")

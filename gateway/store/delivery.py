@@ -4,7 +4,8 @@ the repair sweeper that completes a delivery a crash or an outage interrupted.
 The stream and a session's keys live in different Redis Cluster slots, so delivery is not atomic; every step is
 idempotent instead: (3) XADD the session's summary (a crash may leave a duplicate); (4) the `stream_id` claim, a
 script on the session's slot, stores the first entry id it is given and answers the one stored: the writer
-whose entry won INCRs `rg:pending`, a loser XDELs its duplicate; (5) SREM `rg:sessions:undelivered`.
+whose entry won SADDs its session to `rg:pending:sessions`, a loser XDELs its duplicate; (5) SREM
+`rg:sessions:undelivered`.
 
 Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
 other; an entry whose meta has no `stream_id` yet is not arbitrated yet: leave it pending and look again.
@@ -92,7 +93,7 @@ class Delivery:
         if winner is None:
             raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
         if winner == entry_id:
-            await self._backpressure.count_delivery()
+            await self._backpressure.count_delivery(session_id)
             self._core.stats.delivered += 1
             for callback in self.on_delivered:
                 callback(session_id)

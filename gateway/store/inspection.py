@@ -17,7 +17,7 @@ async def inspect_store(client: aioredis.Redis, keys: Keys) -> dict[str, Any]:
     async def read() -> dict[str, Any]:
         async with client.pipeline(transaction=False) as pipe:
             pipe.xlen(keys.trajectories)
-            pipe.get(keys.pending)
+            pipe.scard(keys.pending)
             pipe.zcard(keys.active_sessions)
             pipe.scard(keys.undelivered)
             pipe.xlen(keys.abandoned)

@@ -16,7 +16,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
-- `rg:pending` (counter): finished sessions delivered but not yet acknowledged by a trainer (backpressure).
+- `rg:pending:sessions` (set): the finished sessions delivered but not yet acknowledged by a trainer (backpressure;
+  SADD and SREM are idempotent, so a resent command counts nothing twice).
 - `rg:acked` (counter): sessions trainers acknowledged (their entries' XACK removed them from a pending list).
 - `rg:reclaimed` (counter): stream entries trainers took over from a consumer that left them idle (XAUTOCLAIM).
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
@@ -43,7 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -53,6 +55,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StoreError
+from gateway.store.cluster_client import connect_cluster
 
 __all__ = ["Keys", "call", "connect", "optional_text", "text"]
 
@@ -80,7 +83,7 @@ class Keys:
 
     @property
     def pending(self) -> str:
-        return f"{self.prefix}pending"
+        return f"{self.prefix}pending:sessions"
 
     @property
     def acked(self) -> str:
@@ -141,6 +144,9 @@ def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512)
     The asyncio client needs `redis.asyncio.retry.Retry`: given the sync `redis.retry.Retry`, its
     `call_with_retry` only returns the coroutine and every error escapes the retry loop (no retry at all).
     """
+    if is_cluster_url(url):
+        # The store speaks the commands both clients share (each key's slot is its session's hash tag).
+        return cast(aioredis.Redis, connect_cluster(url, socket_timeout_s, max_connections))
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
@@ -152,6 +158,11 @@ def connect(url: str, socket_timeout_s: float = 5.0, max_connections: int = 512)
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return aioredis.Redis.from_pool(pool)
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (`redis+cluster://host:port[,host:port...]`)."""
+    return urlsplit(url).scheme in ("redis+cluster", "rediss+cluster")
 
 
 async def call(awaitable: Awaitable[T], what: str) -> T:

@@ -75,7 +75,7 @@ class Sessions:
 
         An existing active session of that id is returned as is (and counts as activity); a finished or
         abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
-        `rg:pending` ≥ `max_pending`. Concurrent creations of one id yield one session.
+        `rg:pending:sessions` ≥ `max_pending`. Concurrent creations of one id yield one session.
 
         `fresh`: the caller has just made `session_id` up from random bits, so no one else can know it; the session is
         written without looking for an existing one (two round trips instead of six). A generated id is fresh.

@@ -172,8 +172,12 @@ async def read_samples(core: StoreCore, session_id: str, count: int) -> dict[int
     """The stored hashes of the session's first `count` samples, by index (missing ones left out)."""
     if not count:
         return {}
-    async with core.client.pipeline(transaction=False) as pipe:
-        for index in range(count):
-            pipe.hgetall(core.keys.sample(session_id, index))
-        rows = await call(pipe.execute(), "read samples")
+
+    async def read() -> list[Fields]:
+        async with core.client.pipeline(transaction=False) as pipe:  # a cluster's may fail on entry already
+            for index in range(count):
+                pipe.hgetall(core.keys.sample(session_id, index))
+            return list(await pipe.execute())
+
+    rows = await call(read(), "read samples")
     return {index: row for index, row in enumerate(rows) if row}

@@ -18,6 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -135,8 +136,12 @@ class Scripts:
 
 
 def queue(pipe: Pipeline, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> None:
-    """Queue `script` by SHA on a pipeline; its reply goes through `rerun_unknown`."""
-    pipe.evalsha(script.sha, len(keys), *keys, *args)
+    """Queue `script` by SHA on a pipeline; its reply goes through `rerun_unknown`. A Redis Cluster pipeline
+    (redis-py refuses EVALSHA there) queues its source instead (EVAL, routed by the keys' slot)."""
+    if isinstance(pipe, ClusterPipeline):
+        pipe.eval(script.script, len(keys), *keys, *args)
+    else:
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
 
 
 async def rerun_unknown(reply: Any, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> Any:

@@ -1,7 +1,7 @@
 """`TrajectoryStore`: the session lifecycle on the store's keys (docs/architecture.md §3, §5, §8, §10), one object
 for the gateway to hold, composed of the parts that do the work: `Sessions` (records), `WriteBuffer` over
 `SampleWriter` (samples), `Finisher` and `Delivery` (finish, the stream, the repair sweeper), `IdleSweeper`
-(abandoned sessions) and `Backpressure` (`rg:pending`)."""
+(abandoned sessions) and `Backpressure` (`rg:pending:sessions`)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class TrajectoryStore:
       two steps leaves a state the sweepers (`repair_undelivered`, `abandon_idle`) complete.
     - A finished or abandoned session never changes again: sample writes to it are refused.
     - `finish` returns an entry id only once that entry is in `rg:trajectories` and recorded as the session's
-      `stream_id`; however often and however concurrently it runs, exactly one entry is real and `rg:pending`
+      `stream_id`; however often and however concurrently it runs, exactly one entry is real and `rg:pending:sessions`
       counts it at most once (a crash or a lost connection at that INCR undercounts; see
       gateway/store/backpressure.py).
     - No sample write is dropped in silence: while Redis is down it is buffered (latest version per sample),
@@ -155,6 +155,7 @@ class TrajectoryStore:
                 task.cancel()
         await self._buffer.aclose(drain_timeout_s)
         await self.batcher.aclose()
+        await self._core.slots.aclose()
 
     # -- sessions -------------------------------------------------------------------------------------------
 

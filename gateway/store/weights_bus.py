@@ -15,6 +15,9 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.errors import StoreError
+from gateway.store.cluster_client import FailoverAwareCluster
+from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
 
 __all__ = ["WeightsBus", "WeightsRecord"]
@@ -24,6 +27,17 @@ logger = logging.getLogger(__name__)
 # Compare-and-delete: release the lock only if we still own it (it may have expired and been taken). Answers 1
 # where it released the lock, 0 where another process holds it (or nobody).
 # KEYS: the lock. ARGV: our token.
+# Take the lock for `token`, or keep it where `token` holds it already: a client that resends the command after a
+# lost reply (a failover, a dropped connection) must not find its own lock taken. Answers 1 where `token` holds it.
+# KEYS: the lock. ARGV: our token, the TTL in milliseconds.
+_ACQUIRE_LOCK = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 _RELEASE_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -49,14 +63,28 @@ class WeightsBus:
         self.client = client
         self.keys = keys
         self.origin = origin
+        self._acquire_lock = client.register_script(_ACQUIRE_LOCK)
         self._release_lock = client.register_script(_RELEASE_LOCK)
 
     async def acquire(self, token: str, ttl_s: float) -> bool:
-        result = await call(self.client.set(self.keys.weights_lock, token, nx=True, px=int(ttl_s * 1000)), "lock")
-        return bool(result)
+        """Take `rg:weights:lock` for `token` for `ttl_s`; False where another process holds it."""
+        args: list[str | int] = [token, max(1, int(ttl_s * 1000))]
+        return bool(await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"))
 
-    async def release(self, token: str) -> None:
-        await call(self._release_lock(keys=[self.keys.weights_lock], args=[token]), "unlock")
+    async def release(self, token: str, budget_s: float = 10.0) -> None:
+        """Release the lock `token` holds, retrying for `budget_s` while Redis is away (a failover takes seconds;
+        a lock left behind would refuse every update until its TTL ends)."""
+        deadline = time.monotonic() + budget_s
+        attempt = 0
+        while True:
+            try:
+                await call(self._release_lock(keys=[self.keys.weights_lock], args=[token]), "unlock")
+                return
+            except StoreError:
+                attempt += 1
+                if time.monotonic() + backoff_s(attempt) > deadline:
+                    raise
+                await asyncio.sleep(backoff_s(attempt))  # backoff between retries, not synchronisation
 
     async def read(self) -> WeightsRecord | None:
         found = await call(self.client.hgetall(self.keys.weights), "read weights")
@@ -72,10 +100,14 @@ class WeightsBus:
     async def join(self, ttl_s: float) -> None:
         """Say this process is on the bus for `ttl_s` more seconds (a heartbeat); forget members long expired."""
         now = time.time()
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.zadd(self.keys.weights_members, {self.origin: now + ttl_s})
-            pipe.zremrangebyscore(self.keys.weights_members, "-inf", now - 3600)
-            await call(pipe.execute(), "join the weights bus")
+
+        async def heartbeat() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:  # a cluster's may fail on entry already
+                pipe.zadd(self.keys.weights_members, {self.origin: now + ttl_s})
+                pipe.zremrangebyscore(self.keys.weights_members, "-inf", now - 3600)
+                await pipe.execute()
+
+        await call(heartbeat(), "join the weights bus")
 
     async def leave(self) -> None:
         await call(self.client.zrem(self.keys.weights_members, self.origin), "leave the weights bus")
@@ -88,10 +120,14 @@ class WeightsBus:
     async def report_drained(self, token: str, ttl_s: float) -> None:
         """Say this process's own requests are drained for the update `token`, and tell the coordinating one."""
         key = self.keys.weights_drained(token)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.sadd(key, self.origin)
-            pipe.expire(key, max(1, int(ttl_s)))
-            await call(pipe.execute(), "report drained")
+
+        async def report() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.sadd(key, self.origin)
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+
+        await call(report(), "report drained")
         await self.announce({"event": "drained", "token": token})
 
     async def drained(self, token: str) -> set[str]:
@@ -107,7 +143,17 @@ class WeightsBus:
         """Control events from the other processes, forever; reconnects after a Redis outage."""
         delay = 0.1
         while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                if isinstance(self.client, FailoverAwareCluster):
+                    # Its pub/sub picks a node by the channel's slot: the slots must be read first (a fresh client
+                    # has not), and again after a failover.
+                    await self.client.initialize()
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            except (RedisError, OSError) as exc:
+                logger.warning("control channel unreachable (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+                continue
             try:
                 await pubsub.subscribe(self.keys.control)
                 delay = 0.1
@@ -120,6 +166,8 @@ class WeightsBus:
                         yield event
             except (RedisError, OSError) as exc:
                 logger.warning("control channel lost (%s); resubscribing in %.1fs", exc, delay)
+                if isinstance(self.client, FailoverAwareCluster):
+                    await self.client.read_layout()
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
             finally:

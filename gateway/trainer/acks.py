@@ -1,5 +1,5 @@
 """Acknowledging stream entries (see gateway/trainer/consumer.py): XACK and XDEL; for a real entry the XACK
-removed, DECR `rg:pending` and expire (or delete) the session's keys."""
+removed, SREM the session from `rg:pending:sessions` and expire (or delete) the session's keys."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ async def resolve(client: aioredis.Redis, keys: Keys, ids: Sequence[str]) -> tup
 async def settle(
     client: aioredis.Redis, keys: Keys, group: str, ack_ttl_s: float, real: Sequence[Entry], others: Sequence[str]
 ) -> int:
-    """XACK and XDEL every entry; for real ones the XACK removed, DECR `rg:pending` and expire the session's
-    keys. Returns how many entries the XACK removed from the pending list."""
+    """XACK and XDEL every entry; for real ones the XACK removed, SREM the session from `rg:pending:sessions` and
+    expire the session's keys. Returns how many entries the XACK removed from the pending list."""
     if not real and not others:
         return 0
     ids = [*(e.entry_id for e in real), *others]
@@ -56,7 +56,7 @@ async def settle(
         pipe = client.pipeline(transaction=False)
         pipe.incrby(keys.acked, len(removed))  # counted for the operator (the dashboard's consumed/s)
         for entry in removed:
-            pipe.decr(keys.pending)
+            pipe.srem(keys.pending, entry.session_id)
             session_keys = [keys.meta(entry.session_id)]
             session_keys += [keys.sample(entry.session_id, i) for i in range(max(entry.samples, 0))]
             if ack_ttl_s > 0:

@@ -11,10 +11,10 @@ calling keeps its entries). What each entry becomes: gateway/trainer/entries.py.
 Acknowledging XACKs the entry and deletes it from the stream (XDEL: the store leaves trimming
 `rg:trajectories` to the trainer, and an acknowledged entry is finished business — one consumer group per
 stream is the model, since acknowledging also lets the session's data go). For a real entry, and only if the
-XACK removed it (two consumers acking the same entry count once), it also DECRs `rg:pending` and sets a short
-TTL (`ack_ttl_s`, default 60 s) on the session's meta and sample hashes instead of deleting them: a duplicate
-entry read shortly after still finds the meta and is recognised as a duplicate (rather than as expired data,
-which would decrement `rg:pending` a second time), and an operator can still inspect what was trained on.
+XACK removed it (two consumers acking the same entry count once), it also SREMs the session from
+`rg:pending:sessions` and sets a short TTL (`ack_ttl_s`, default 60 s) on the session's meta and sample hashes
+instead of deleting them: a duplicate entry read shortly after still finds the meta and is recognised as a
+duplicate (rather than as expired data), and an operator can still inspect what was trained on.
 `ack_ttl_s=0` deletes them at once.
 
 Redis errors become `gateway.errors.StoreError`.
@@ -368,7 +368,7 @@ class TrajectoryConsumer:
     async def ack(self, items: Batch | Iterable[Trajectory | str]) -> int:
         """Acknowledge a batch, trajectories or entry ids; returns how many entries this call removed from the
         group's pending list (0 for ones already acknowledged). See the module docstring for what happens to
-        `rg:pending` and the session's keys. Ids this consumer did not hand out are looked up in the stream."""
+        `rg:pending:sessions` and the session's keys. Ids this consumer did not hand out are looked up in the stream."""
         real: list[Entry] = []
         unknown: list[str] = []
         for item in items.trajectories if isinstance(items, Batch) else items:

@@ -2,7 +2,7 @@
 
 - the *real* entry of a session (its id equals the meta's `stream_id`) becomes a `Trajectory` in a batch;
 - a *duplicate* (another entry for the same session, left by a crashed finish) is acknowledged and skipped
-  (`Batch.dropped_duplicate`); it never touches `rg:pending` or the session's keys;
+  (`Batch.dropped_duplicate`); it never touches `rg:pending:sessions` or the session's keys;
 - an entry whose session data has expired or does not decode is logged, acknowledged as if real (pending is
   decremented; the meta is gone, so which entry was real cannot be told, and a real one is by far the more
   likely) and counted in `Batch.dropped_unreadable`;

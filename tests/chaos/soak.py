@@ -37,6 +37,7 @@ from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import StoreError
+from gateway.redis_cluster import LocalRedisCluster
 from gateway.server import RunningGateway, serve_gateway
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import ENV_VERSION, Sample, Trajectory
@@ -81,6 +82,9 @@ class SoakOptions:
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
     # tokens no version draws (see docs/reliability.md). RG_CHAOS_PREFIX_CACHE=0 turns it off.
     prefix_cache: bool = True
+    # "cluster": a local Redis Cluster (3 masters, a replica each) instead of one server, and the Redis fault is a
+    # master SIGKILLed (its replica promoted) instead of a restart.
+    redis: str = "single"
 
 
 @dataclass
@@ -136,6 +140,7 @@ class Soak:
         self.rng = random.Random(options.seed)
         self.report = SoakReport(seed=options.seed, sessions=options.sessions)
         self.redis = EmbeddedRedis(data_dir=data_dir)
+        self.cluster = LocalRedisCluster(data_dir=data_dir / "cluster") if options.redis == "cluster" else None
         self.data_dir = data_dir
         args = ["--token-delay", str(options.token_delay_s), "--enable-return-routed-experts"]
         if not options.prefix_cache:
@@ -149,9 +154,14 @@ class Soak:
         # Replica kills and hangs, the Redis restart, the gateway kill (monotonic): faults that explain a resume.
         self.kill_times: list[float] = []
         self.agents_done = asyncio.Event()
+        self.trainer_errors: Counter[str] = Counter()  # what the trainer's reads failed on, for a failure's report
         self.deadline = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
+
+    @property
+    def redis_url(self) -> str:
+        return self.cluster.url if self.cluster is not None else self.redis.url
 
     def settings(self, port: int = 0) -> dict[str, Any]:
         """The gateways' configuration, as the keyword arguments of `Settings` (the child's YAML file too)."""
@@ -168,7 +178,7 @@ class Soak:
         return {
             # A client that stops reading is cut after 2 s (60 s by default): the soak's slow readers meet the limit.
             "server": {"port": port, "admin_token": ADMIN_TOKEN, "slow_client_timeout_s": 2.0},
-            "redis": {"url": self.redis.url, "retry_budget_s": 60},
+            "redis": {"url": self.redis_url, "retry_budget_s": 60},
             "replicas": replicas,
             "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
             "generation": {"max_wait_s": 60, "request_timeout_s": 120},
@@ -176,7 +186,10 @@ class Soak:
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
-        await self.redis.astart()
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.start)
+        else:
+            await self.redis.astart()
         child: GatewayChild | None = None
         try:
             for sim in self.sims:
@@ -190,6 +203,8 @@ class Soak:
                 await asyncio.to_thread(child.stop)
             for sim in self.sims:
                 await asyncio.to_thread(sim.stop)
+            if self.cluster is not None:
+                await asyncio.to_thread(self.cluster.stop)
             await self.redis.astop()
         self.report.elapsed_s = time.monotonic() - started
         return self.report
@@ -207,7 +222,7 @@ class Soak:
                 await stack.enter_async_context(front.http)
             await stack.enter_async_context(trainer_http)
             consumer = await stack.enter_async_context(
-                TrajectoryConsumer(self.redis.url, "chaos", "trainer-0", claim_idle_s=5)
+                TrajectoryConsumer(self.redis_url, "chaos", "trainer-0", claim_idle_s=5)
             )
             delivered: Counter[str] = Counter()
             trajectories: list[Trajectory] = []
@@ -422,9 +437,14 @@ class Soak:
                     os.kill(pid, signal.SIGCONT)
 
     async def _redis_restart(self) -> None:
+        """A restart of the one server; on a cluster, a master SIGKILLed and its replica promoted."""
         if await self._pause((3.0, 6.0)):
             self.kill_times.append(time.monotonic())
-            await self.redis.arestart()
+            if self.cluster is not None:
+                await asyncio.to_thread(self.cluster.kill_master, 0)
+                await asyncio.to_thread(self.cluster.wait_for_failover)
+            else:
+                await self.redis.arestart()
             self.report.redis_restarts += 1
 
     async def _gateway_kill(self, child: GatewayChild) -> None:
@@ -494,8 +514,10 @@ class Soak:
                 batch = await consumer.next_batch(64, timeout=0.5)
                 if batch.trajectories:
                     await consumer.ack(batch)
-            except StoreError:
+            except StoreError as exc:
                 self.report.retries["trainer StoreError"] += 1  # Redis restarting: read again
+                self.trainer_errors[str(exc)[:120]] += 1
+                await asyncio.sleep(0.05)  # not a busy loop while Redis is away
                 continue
             for trajectory in batch.trajectories:
                 delivered[trajectory.session_id] += 1  # counted only once acknowledged

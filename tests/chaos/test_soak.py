@@ -24,19 +24,24 @@ pytestmark = pytest.mark.chaos
     r"ignore:Exception ignored in. <function _SelectorTransport\.__del__:pytest.PytestUnraisableExceptionWarning"
 )
 @pytest.mark.timeout(int(os.environ.get("RG_CHAOS_DURATION_S", "150")) + 240)
-async def test_chaos_soak(tmp_path: Path) -> None:
+@pytest.mark.parametrize("redis", ["single", "cluster"])
+async def test_chaos_soak(tmp_path: Path, redis: str) -> None:
     options = SoakOptions(
+        redis=redis,
         seed=int(os.environ.get("RG_CHAOS_SEED", "7")),
         sessions=int(os.environ.get("RG_CHAOS_SESSIONS", "300")),
         duration_s=float(os.environ.get("RG_CHAOS_DURATION_S", "150")),
         prefix_cache=os.environ.get("RG_CHAOS_PREFIX_CACHE", "1") == "1",
     )
     print(f"chaos soak, seed {options.seed} (replay: RG_CHAOS_SEED={options.seed})")
-    report = await Soak(options, tmp_path / "redis").run()
+    soak = Soak(options, tmp_path / "redis")
+    report = await soak.run()
     # Collect now, inside this test: a socket the soak leaked is otherwise reported by whichever later test the
     # collector happens to run in (seen in CI: an unrelated engine test failed on a socket toward a soak replica).
     gc.collect()
     print(report.figures())
+    for error, count in soak.trainer_errors.most_common(5):
+        print(f"  trainer error x{count}: {error}")
     for violation in report.violations[:20]:
         print("  violation:", violation)
     assert not report.violations, report.figures()

@@ -61,7 +61,7 @@ async def test_metrics_after_generation_and_an_update(
     assert streamed.error is None and streamed.final["num_resumes"] >= 1
     returned += len(streamed.output_ids)
 
-    # A one-session chat turn, finished: one trajectory waits for the trainer (`rg:pending` = 1).
+    # A one-session chat turn, finished: one trajectory waits for the trainer (`rg:pending:sessions` holds it).
     chat = await http.post(
         f"{gw.url}/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0},
@@ -95,7 +95,7 @@ async def test_metrics_after_generation_and_an_update(
     for replica in replicas:
         assert value(m, "rollout_gateway_in_flight", replica=replica) == 0
         assert value(m, "rollout_gateway_replica_healthy", replica=replica) == 1
-    pending = int(await redis.get(Keys().pending) or 0)
+    pending = int(await redis.scard(Keys().pending))
     assert pending == 1 and value(m, "rollout_gateway_store_pending") == pending
     affinity = value(m, "rollout_gateway_affinity_ratio")
     assert affinity == gw.services.pool.affinity.ratio and 0 < affinity <= 1

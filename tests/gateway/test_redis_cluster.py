@@ -3,13 +3,17 @@ a replica each; a killed master's replica takes over its slots with the writes i
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from gateway.errors import StoreError
 from gateway.redis_cluster import SLOTS, LocalRedisCluster
+from gateway.trainer import TrajectoryConsumer
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +63,24 @@ async def test_a_killed_masters_replica_takes_over_with_the_replicated_writes(cl
         assert [int(await client.get(k)) for k in keys] == list(range(64))
     finally:
         await client.aclose()
+
+
+async def test_a_consumer_reads_on_after_the_master_its_client_asks_for_keys_is_killed(tmp_path: Path) -> None:
+    """redis-py asks one node (the first master it saw) for the keys of XREADGROUP; once a failover took that node
+    away, every read failed for good, until the client read the layout again (gateway/store/cluster_client.py)."""
+    with LocalRedisCluster(data_dir=tmp_path) as cluster:
+        async with TrajectoryConsumer(cluster.url, "g", "c") as consumer:
+            assert len(await consumer.next_batch(1, timeout=0)) == 0
+            asked = consumer.client.get_default_node()  # type: ignore[attr-defined]
+            index = [m.port for m in cluster.masters()].index(asked.port)
+            cluster.kill_master(index)
+            await asyncio.to_thread(cluster.wait_for_failover)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert len(await consumer.next_batch(1, timeout=0)) == 0
+                    break
+                except StoreError:
+                    assert time.monotonic() < deadline, "the consumer never read again after the failover"
+                    await asyncio.sleep(0.2)
+            assert consumer.client.get_default_node().port != asked.port  # type: ignore[attr-defined]

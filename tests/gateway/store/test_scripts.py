@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.store import Keys, TrajectoryStore, WeightsBus, connect
 from gateway.trainer import TrajectoryConsumer
@@ -29,8 +28,8 @@ def make_sample(response: int = 4) -> Sample:
 
 
 @pytest.fixture
-async def client(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[Redis]:
-    client = connect(redis_server.url)
+async def client(redis_url: str, redis: Redis) -> AsyncIterator[Redis]:
+    client = connect(redis_url)
     yield client
     await client.aclose()
 
@@ -67,8 +66,21 @@ async def test_a_refused_write_answers_the_session_status(store: TrajectoryStore
         await store.save_sample(meta.id, 0, make_sample())
 
 
+async def test_the_weights_lock_taken_again_by_its_holder_is_kept_and_refused_to_others(client: Redis) -> None:
+    """A client that resends the lock's command after a lost reply (a failover) finds the lock its own, not taken."""
+    bus, other = WeightsBus(client, KEYS, origin="here"), WeightsBus(client, KEYS, origin="there")
+    assert await bus.acquire("token", ttl_s=10)
+    assert await bus.acquire("token", ttl_s=10)  # the resent command
+    assert not await other.acquire("other-token", ttl_s=10)
+    await other.release("other-token")  # not its lock: kept
+    assert not await other.acquire("other-token", ttl_s=10)
+    await bus.release("token")
+    assert await other.acquire("other-token", ttl_s=10)
+    await other.release("other-token")
+
+
 async def test_the_weights_lock_and_the_trainer_touch_after_a_flush(
-    client: Redis, redis: Redis, redis_server: EmbeddedRedis, store: TrajectoryStore
+    client: Redis, redis: Redis, redis_url: str, store: TrajectoryStore
 ) -> None:
     bus = WeightsBus(client, KEYS, origin="here")
     assert await bus.acquire("token", ttl_s=10)
@@ -79,7 +91,7 @@ async def test_the_weights_lock_and_the_trainer_touch_after_a_flush(
     meta = await store.create_session()
     await store.save_sample(meta.id, 0, make_sample())
     await store.finish(meta.id)
-    async with TrajectoryConsumer(redis_server.url, "g", "c", prefix=KEYS.prefix) as consumer:
+    async with TrajectoryConsumer(redis_url, "g", "c", prefix=KEYS.prefix) as consumer:
         first = await consumer.next_batch(1, timeout=1.0)
         await redis.script_flush()
         again = await consumer.next_batch(1, timeout=0.0)  # refreshes the entry handed out: the touch script

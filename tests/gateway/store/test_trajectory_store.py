@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.config import Settings
 from gateway.embedded_redis import EmbeddedRedis
@@ -102,9 +103,9 @@ def make_store(client: Redis, **options: Any) -> TrajectoryStore:
 
 
 @pytest.fixture
-async def client(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[Redis]:
+async def client(redis_url: str, redis: Redis) -> AsyncIterator[Redis]:
     """A client made as the gateway makes it (`connect`), on the flushed session server."""
-    client = connect(redis_server.url)
+    client = connect(redis_url)
     yield client
     await client.aclose()
 
@@ -261,6 +262,10 @@ async def test_finish_twice_gives_one_stream_entry(store: TrajectoryStore, redis
 
 
 async def _watches(client: Redis) -> int:
+    """WATCH commands the server ran; on a cluster, every master's."""
+    if isinstance(client, RedisCluster):
+        per_node = await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        return sum(int(stats.get("cmdstat_watch", {}).get("calls", 0)) for stats in per_node.values())
     stats = await client.info("commandstats")
     return int(stats.get("cmdstat_watch", {}).get("calls", 0))
 
@@ -466,7 +471,7 @@ async def test_backpressure_refuses_new_sessions_only(client: Redis, redis: Redi
     await store.finish(ongoing.id, 1.0)
     assert await store.pending() == 3
 
-    await redis.decr(KEYS.pending, 2)  # the trainer acknowledged two trajectories
+    await redis.srem(KEYS.pending, first.id, second.id)  # the trainer acknowledged two trajectories
     assert (await with_a_sample(store)).status == "active"
     await store.aclose()
 
@@ -631,7 +636,7 @@ async def test_finish_gives_up_after_the_retry_budget(
     with pytest.raises(StoreError, match="retry budget"):
         await store.finish(meta.id)
     await store.save_sample(meta.id, 0, make_sample())  # buffered
-    await store._count_pending()  # the gauge's INCR never raises: the delivery it counts is already done
+    await store._count_pending(meta.id)  # counting never raises: the delivery it counts is already done
     assert "undercounts by one" in caplog.text
     with caplog.at_level(logging.ERROR, logger="gateway.store"):
         await store.aclose(drain_timeout_s=0.2)  # shutting down while Redis is away: the loss is loud

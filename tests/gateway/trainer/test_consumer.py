@@ -2,7 +2,7 @@
 
 Sessions are written straight into Redis with the store's schema (`Keys`, `SessionMeta.to_redis`,
 `Sample.to_redis`, XADD) by `finish()`, which does what the store's finish does: meta and samples, the stream
-entry, the meta's `stream_id`, and `rg:pending` + 1.
+entry, the meta's `stream_id`, and the session in `rg:pending:sessions`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import StoreError
 from gateway.store import Keys
 from gateway.trainer import Batch, TrajectoryConsumer
@@ -107,12 +107,12 @@ async def finish(
     meta = await write_session(redis, session_id, samples, metadata, reward)
     entry_id = await xadd_entry(redis, session_id, meta)
     assert await redis.hsetnx(KEYS.meta(session_id), "stream_id", entry_id)
-    await redis.incr(KEYS.pending)
+    await redis.sadd(KEYS.pending, session_id)
     return entry_id
 
 
 async def pending_counter(redis: Redis) -> int:
-    return int(await redis.get(KEYS.pending) or 0)
+    return int(await redis.scard(KEYS.pending))
 
 
 async def pel(redis: Redis) -> dict[str, str]:
@@ -122,8 +122,14 @@ async def pel(redis: Redis) -> dict[str, str]:
 
 
 async def blocked_readers(redis: Redis) -> bool:
-    """A client of the server is blocked in XREADGROUP (a real condition to wait on, not a sleep)."""
-    return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in await redis.client_list())
+    """A client of the server (of any master of a cluster) is blocked in XREADGROUP (a real condition to wait on, not
+    a sleep)."""
+    if isinstance(redis, RedisCluster):
+        per_node = await redis.client_list(target_nodes=RedisCluster.PRIMARIES)
+        clients = [c for listed in per_node.values() for c in listed]
+    else:
+        clients = await redis.client_list()
+    return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in clients)
 
 
 def sessions(batch: Batch) -> list[str]:
@@ -131,11 +137,11 @@ def sessions(batch: Batch) -> list[str]:
 
 
 @pytest.fixture
-async def make_consumer(redis_server: EmbeddedRedis, redis: Redis) -> AsyncIterator[ConsumerFactory]:
+async def make_consumer(redis_url: str, redis: Redis) -> AsyncIterator[ConsumerFactory]:
     async with contextlib.AsyncExitStack() as stack:
 
         async def make(name: str = "c1", **options: Any) -> TrajectoryConsumer:
-            consumer = TrajectoryConsumer(redis_server.url, GROUP, name, **options)
+            consumer = TrajectoryConsumer(redis_url, GROUP, name, **options)
             return await stack.enter_async_context(consumer)
 
         yield make
@@ -265,7 +271,7 @@ async def test_duplicate_entries_skipped_and_acked(redis: Redis, make_consumer: 
     real = await xadd_entry(redis, "s1", meta)
     after = await xadd_entry(redis, "s1", meta)  # the repair sweeper's, once more
     await redis.hset(KEYS.meta("s1"), "stream_id", real)
-    await redis.incr(KEYS.pending)
+    await redis.sadd(KEYS.pending, "s1")
     consumer = await make_consumer()
 
     batch = await consumer.next_batch(5, timeout=0.05)
@@ -319,7 +325,7 @@ async def test_unconfirmed_entry_that_loses_the_claim_is_a_duplicate(
     assert len(await consumer.next_batch(1, timeout=0)) == 0
     real = await xadd_entry(redis, "s0", meta)  # the repair sweeper delivers again and claims its own entry
     await redis.hset(KEYS.meta("s0"), "stream_id", real)
-    await redis.incr(KEYS.pending)
+    await redis.sadd(KEYS.pending, "s0")
 
     batch = await consumer.next_batch(1, timeout=1.0)
 
@@ -333,7 +339,7 @@ async def test_entry_fields_missing(redis: Redis, make_consumer: ConsumerFactory
     meta = await write_session(redis, "s0", [make_sample([1], [2]), make_sample([3], [4])], None, 1.0)
     no_count = (await redis.xadd(KEYS.trajectories, {"session_id": "s0"})).decode()  # sample count from the meta
     await redis.hset(KEYS.meta("s0"), "stream_id", no_count)
-    await redis.incr(KEYS.pending)
+    await redis.sadd(KEYS.pending, "s0")
     junk = (await redis.xadd(KEYS.trajectories, {"hello": "world"})).decode()
     consumer = await make_consumer()
 
@@ -501,11 +507,11 @@ async def test_complete_group_waiting_for_room_can_be_stolen(redis: Redis, make_
 
 
 async def test_close_hands_held_entries_back_at_once(
-    redis_server: EmbeddedRedis, redis: Redis, make_consumer: ConsumerFactory
+    redis_url: str, redis: Redis, make_consumer: ConsumerFactory
 ) -> None:
     for i in range(3):
         await finish(redis, f"a{i}", metadata=grpo("A", 4))
-    async with TrajectoryConsumer(redis_server.url, GROUP, "leaving", group_by="group_id") as leaving:
+    async with TrajectoryConsumer(redis_url, GROUP, "leaving", group_by="group_id") as leaving:
         assert len(await leaving.next_batch(4, timeout=0)) == 0
     await finish(redis, "a3", metadata=grpo("A", 4))
 
