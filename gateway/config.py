@@ -378,6 +378,9 @@ class StoreConfig(_Section):
     ttl_s: int = Field(86400, gt=0, description="Expiry of finished session data, seconds.")
     session_idle_ttl_s: int = Field(1800, gt=0, description="Idle time before a session is abandoned, seconds.")
     claim_idle_s: Seconds = Field(60.0, description="Pending time before a dead consumer's entry is reclaimed.")
+    stream_partitions: int = Field(
+        1, ge=1, le=1024, description="Partitions of the trajectory stream (spread over a Redis Cluster's masters)."
+    )
     session_cache_size: int = Field(
         10000, ge=1, description="Sessions whose samples this process keeps between turns (LRU); others: from Redis."
     )

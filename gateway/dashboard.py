@@ -264,13 +264,16 @@ class DashboardSampler:
                 pipe.get(keys.acked)
                 pipe.zcard(keys.active_sessions)
                 pipe.xlen(keys.abandoned)
-                pipe.exists(keys.trajectories)
-                pending, reclaimed, acked, active, abandoned, stream = await pipe.execute()
+                for stream in keys.streams:
+                    pipe.exists(stream)
+                pending, reclaimed, acked, active, abandoned, *present = await pipe.execute()
             unacked = consumers = 0
-            if stream:
-                for group in await client.xinfo_groups(keys.trajectories):
-                    unacked += int(group["pending"])
-                    consumers += int(group["consumers"])
+            for stream, exists in zip(keys.streams, present, strict=True):
+                if exists:
+                    groups = await client.xinfo_groups(stream)
+                    unacked += sum(int(group["pending"]) for group in groups)
+                    # A consumer reads every partition: the same names in each.
+                    consumers = max(consumers, sum(int(group["consumers"]) for group in groups))
             return {
                 "pending": int(pending or 0),
                 "unacked": unacked,

@@ -281,7 +281,7 @@ async def open_services(
         s = settings.store
         trajectories = TrajectoryStore(
             redis,
-            Keys(s.prefix),
+            Keys(s.prefix, s.stream_partitions),
             ttl_s=s.ttl_s,
             max_pending=s.max_pending,
             session_idle_ttl_s=s.session_idle_ttl_s,
@@ -316,7 +316,7 @@ async def open_services(
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
         metrics.bind(pool, weights, generator, trajectories)
-        dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix))
+        dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix, s.stream_partitions))
         trajectories.on_delivered.append(dashboard.observe_delivered)
         dashboard.start()
         stack.push_async_callback(dashboard.aclose)  # before Redis closes

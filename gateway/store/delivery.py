@@ -44,6 +44,7 @@ class Delivery:
         self._finishing = finishing
         # Told the id of each session this process delivered (its real entry, once): the dashboard's feed.
         self.on_delivered: list[Callable[[str], None]] = []
+        self._announced = False  # `rg:trajectories:partitions` written by this process
 
     async def deliver(self, meta: SessionMeta) -> str:
         """Steps (3)-(5) for a finished session; its real entry's id. Safe to run any number of times,
@@ -59,7 +60,12 @@ class Delivery:
             await self._core.batched(confirm, "confirm an empty session")
             return ""
         entry_id = await self.append_entry(meta)
-        return await self.claim_entry(meta.id, entry_id)
+        return await self.claim_entry(meta, entry_id)
+
+    def stream_of(self, meta: SessionMeta) -> str:
+        """The partition of the trajectory stream that takes the session's entry."""
+        keys = self._core.keys
+        return keys.stream(keys.partition_of(meta.group_id or meta.id))
 
     async def append_entry(self, meta: SessionMeta) -> str:
         """Step (3): XADD the session's summary. May leave a duplicate; `claim_entry` arbitrates."""
@@ -69,16 +75,22 @@ class Delivery:
             "reward": "" if meta.reward is None else repr(meta.reward),
             "samples": meta.sample_count,
         }
-        stream = self._core.keys.trajectories
+        keys = self._core.keys
+        stream = self.stream_of(meta)
+        announce = not self._announced
 
         def build(pipe: Pipeline) -> None:
+            if announce:  # consumers read this many partitions (idempotent, once per process)
+                pipe.set(keys.stream_partitions, keys.partitions)
             pipe.xadd(stream, entry)  # type: ignore[arg-type]
 
-        (entry_id,) = await self._core.batched(build, "append trajectory")  # with the other callers' commands
+        *_, entry_id = await self._core.batched(build, "append trajectory")  # with the other callers' commands
+        self._announced = True
         return text(entry_id)
 
-    async def claim_entry(self, session_id: str, entry_id: str) -> str:
+    async def claim_entry(self, meta: SessionMeta, entry_id: str) -> str:
         """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
+        session_id = meta.id
         keys, claim = self._core.keys, self._core.scripts.claim_stream_id
         script_keys = [keys.meta(session_id)]
 
@@ -100,7 +112,7 @@ class Delivery:
         else:
             self._core.stats.duplicate_entries += 1
             with contextlib.suppress(StoreError):  # best effort: consumers skip entries other than `stream_id`
-                await call(self._core.client.xdel(keys.trajectories, entry_id), "delete duplicate entry")
+                await call(self._core.client.xdel(self.stream_of(meta), entry_id), "delete duplicate entry")
 
         def confirm(pipe: Pipeline) -> None:
             pipe.srem(keys.undelivered, session_id)

@@ -14,6 +14,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   (`previous_response_id`), and the answer itself (`GET /v1/responses/{id}`): `gateway.response_records`. Its own
   slot, looked up by the response id alone; written once, never changed.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
+  With `store.stream_partitions` n > 1, partitions 1..n-1 are `rg:trajectories:{p}` (`Keys.stream`), a session's
+  partition chosen by its group id (else its id); `rg:trajectories:partitions` (string) holds n for consumers.
   A session may be XADDed twice after a crash; the entry whose id equals the meta's `stream_id` is the real
   one, the trainer acknowledges and skips any other (exactly-once delivery after ack).
 - `rg:pending:sessions` (set): the finished sessions delivered but not yet acknowledged by a trainer (backpressure;
@@ -42,6 +44,8 @@ global keys (the streams, both sets, the counters) have no TTL: the trainer trim
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -67,6 +71,7 @@ class Keys:
     """Every Redis key the gateway uses, from one prefix."""
 
     prefix: str = "rg:"
+    partitions: int = 1  # of the trajectory stream (`store.stream_partitions`)
 
     def meta(self, session_id: str) -> str:
         return f"{self.prefix}{{{session_id}}}:meta"
@@ -79,7 +84,33 @@ class Keys:
 
     @property
     def trajectories(self) -> str:
+        """The trajectory stream's partition 0 (the whole stream when it has one)."""
         return f"{self.prefix}trajectories"
+
+    def stream(self, partition: int) -> str:
+        """Partition `partition` of the trajectory stream: 0 is `rg:trajectories`, p ≥ 1 `rg:trajectories:{p}`, a
+        hash tag of its own, so that the partitions spread over a cluster's slots."""
+        return self.trajectories if partition == 0 else f"{self.prefix}trajectories:{{{partition}}}"
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.stream(p) for p in range(self.partitions)]
+
+    def partition_of(self, name: str) -> int:
+        """The partition of a session's entry, from its group id (a group's members share one partition, so a
+        consumer sees a group in one stream, in order) or, without a group, its session id."""
+        return zlib.crc32(name.encode()) % self.partitions if self.partitions > 1 else 0
+
+    def with_partitions(self, recorded: int | bytes | str | None) -> Keys:
+        """These keys with the partition count `recorded` (a count, or the value of `stream_partitions`; None: 1)."""
+        raw = recorded.decode() if isinstance(recorded, bytes) else str(recorded or "")
+        partitions = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+        return self if partitions == self.partitions else dataclasses.replace(self, partitions=partitions)
+
+    @property
+    def stream_partitions(self) -> str:
+        """String: how many partitions the gateway writes (consumers read it, so they read them all)."""
+        return f"{self.prefix}trajectories:partitions"
 
     @property
     def pending(self) -> str:

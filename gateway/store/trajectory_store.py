@@ -122,7 +122,7 @@ class TrajectoryStore:
     ) -> TrajectoryStore:
         return cls(
             client,
-            Keys(store.prefix),
+            Keys(store.prefix, store.stream_partitions),
             ttl_s=store.ttl_s,
             max_pending=store.max_pending,
             session_idle_ttl_s=store.session_idle_ttl_s,

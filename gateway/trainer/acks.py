@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from gateway.store.keys import Keys
-from gateway.trainer.entries import Entry, is_real, parse_entry, store_errors
+from gateway.trainer.entries import Entry, is_real, parse_entry, split_id, store_errors
 
 __all__ = ["resolve", "settle"]
 
@@ -19,7 +19,8 @@ async def resolve(client: aioredis.Redis, keys: Keys, ids: Sequence[str]) -> tup
         return [], []
     pipe = client.pipeline(transaction=False)
     for entry_id in ids:
-        pipe.xrange(keys.trajectories, entry_id, entry_id)
+        raw, partition = split_id(entry_id)
+        pipe.xrange(keys.stream(partition), raw, raw)
     with store_errors("look up entries"):
         found = await pipe.execute()
     entries = [parse_entry(i, hits[0][1]) if hits else None for i, hits in zip(ids, found, strict=True)]
@@ -44,10 +45,14 @@ async def settle(
     if not real and not others:
         return 0
     ids = [*(e.entry_id for e in real), *others]
+    by_stream: dict[str, list[str]] = {}
     pipe = client.pipeline(transaction=False)
     for entry_id in ids:
-        pipe.xack(keys.trajectories, group, entry_id)
-    pipe.xdel(keys.trajectories, *ids)
+        raw, partition = split_id(entry_id)
+        pipe.xack(keys.stream(partition), group, raw)
+        by_stream.setdefault(keys.stream(partition), []).append(raw)
+    for stream, raws in by_stream.items():
+        pipe.xdel(stream, *raws)
     with store_errors("acknowledge entries"):
         replies = await pipe.execute()
     acked: list[int] = replies[: len(ids)]

@@ -1,5 +1,6 @@
 """`TrajectoryConsumer`: reads finished trajectories from `rg:trajectories` through a Redis consumer group, and
-acknowledges them.
+acknowledges them. A partitioned stream (`store.stream_partitions`) is read whole: every partition, the count
+found in Redis before each batch (docs/architecture.md §17); ids of partitions p ≥ 1 are handed out as `<id>@<p>`.
 
 Delivery. Several trainer processes share one stream and each entry goes to one of them. An entry stays in the
 group's pending list until `ack`; `next_batch` first reclaims (XAUTOCLAIM) entries that another consumer left idle
@@ -42,6 +43,8 @@ from gateway.trainer.entries import (
     classify,
     fetch_sessions,
     parse_entry,
+    qualify,
+    split_id,
     store_errors,
     stream_entries,
     text,
@@ -71,6 +74,7 @@ return owned
 """
 
 _RECHECK_S = 0.05  # how soon an entry without `stream_id` is looked at again
+_PARTITION_WAIT_S = 0.1  # a blocking read's wait on one partition while the others take turns
 
 # On close, entries read but never handed out are marked idle this long, so any consumer reclaims them at once.
 _HAND_BACK_IDLE_MS = 30 * 24 * 3600 * 1000
@@ -100,6 +104,7 @@ class TrajectoryConsumer:
         stale_policy: StalePolicy = "mask",
         ack_ttl_s: float = 60.0,
         socket_timeout_s: float = 10.0,
+        stream_partitions: int | None = None,
     ) -> None:
         if claim_idle_s < 0 or ack_ttl_s < 0 or socket_timeout_s <= 0:
             raise ValueError("claim_idle_s and ack_ttl_s must be >= 0, socket_timeout_s > 0")
@@ -107,6 +112,8 @@ class TrajectoryConsumer:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if stream_partitions is not None and stream_partitions < 1:
+            raise ValueError(f"stream_partitions must be >= 1, got {stream_partitions}")
         if stale_policy not in ("drop", "mask"):
             raise ValueError(f"stale_policy must be 'drop' or 'mask', got {stale_policy!r}")
         self.redis_url = redis_url
@@ -127,6 +134,10 @@ class TrajectoryConsumer:
         self._delivered: dict[str, Entry] = {}  # handed out, not yet acknowledged
         self._unconfirmed: dict[str, Entry] = {}  # read, its meta has no stream_id yet: judged again later
         self._touched_at = 0.0
+        # The stream's partitions: as given, else as the gateway recorded them (read again before every batch).
+        self._fixed_partitions = stream_partitions
+        self._grouped = 0  # partitions 0..n-1 have the consumer group
+        self._next_read = 0  # the partition a blocking read waits on next (they take turns)
 
     # ----------------------------------------------------------------------------------------------------------
     # lifecycle
@@ -144,17 +155,13 @@ class TrajectoryConsumer:
         if self._client is not None:
             return
         client = connect(self.redis_url, socket_timeout_s=self.socket_timeout_s)
+        self._client = client
         try:
-            with store_errors("create consumer group"):
-                try:
-                    await client.xgroup_create(self.keys.trajectories, self.group, id="0", mkstream=True)
-                except ResponseError as exc:
-                    if "BUSYGROUP" not in str(exc):  # BUSYGROUP: it exists already, which is all we need
-                        raise
+            await self._read_layout()
         except StoreError:
+            self._client = None
             await client.aclose()
             raise
-        self._client = client
         self._touch_held = client.register_script(_TOUCH)
 
     async def aclose(self) -> None:
@@ -196,7 +203,7 @@ class TrajectoryConsumer:
             raise ValueError(f"n must be >= 1, got {n}")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
-        batch = Batch(current_version=await self._current_version())
+        batch = Batch(current_version=await self._read_layout())
         if self.max_staleness is not None:
             batch.stale_before = batch.current_version - self.max_staleness
         await self._touch()
@@ -224,9 +231,22 @@ class TrajectoryConsumer:
             self._delivered[entry.entry_id] = entry
         return batch
 
-    async def _current_version(self) -> int:
+    async def _read_layout(self) -> int:
+        """The current weight version; on the way, the stream's partitions (and the group on any new one)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.keys.weights, "version")
+        pipe.get(self.keys.stream_partitions)
         with store_errors("read weight version"):
-            raw = await self.client.hget(self.keys.weights, "version")
+            raw, recorded = await pipe.execute()
+        self.keys = self.keys.with_partitions(self._fixed_partitions or recorded)
+        for partition in range(self._grouped, self.keys.partitions):
+            with store_errors("create consumer group"):
+                try:
+                    await self.client.xgroup_create(self.keys.stream(partition), self.group, id="0", mkstream=True)
+                except ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):  # BUSYGROUP: it exists already, which is all we need
+                        raise
+            self._grouped = partition + 1
         if raw is None:
             return 0
         try:
@@ -237,9 +257,18 @@ class TrajectoryConsumer:
 
     async def _reclaim(self, count: int) -> list[tuple[str, Mapping[bytes | str, bytes | str]]]:
         """Take over entries idle for `claim_idle_s` (their consumer died); acknowledge deleted ones."""
+        entries: list[tuple[str, Mapping[bytes | str, bytes | str]]] = []
+        for partition in range(self.keys.partitions):
+            if len(entries) >= count:
+                break
+            entries += await self._reclaim_from(partition, count - len(entries))
+        return entries
+
+    async def _reclaim_from(self, partition: int, count: int) -> list[tuple[str, Mapping[bytes | str, bytes | str]]]:
+        stream = self.keys.stream(partition)
         with store_errors("reclaim idle entries"):
             claimed = await self.client.xautoclaim(
-                self.keys.trajectories,
+                stream,
                 self.group,
                 self.consumer,
                 min_idle_time=int(self.claim_idle_s * 1000),
@@ -247,17 +276,17 @@ class TrajectoryConsumer:
                 count=count,
                 justid=True,  # the ids of deleted entries too (Redis 6.2 returns those as nil in a full reply)
             )
-        ids = [i for i in map(text, claimed) if not self._known(i)]
-        if not ids:
+        raws = [r for r in map(text, claimed) if not self._known(qualify(r, partition))]
+        if not raws:
             return []
         pipe = self.client.pipeline(transaction=False)
-        pipe.incrby(self.keys.reclaimed, len(ids))  # counted for the operator (the dashboard's backlog)
-        for entry_id in ids:
-            pipe.xrange(self.keys.trajectories, entry_id, entry_id)
+        pipe.incrby(self.keys.reclaimed, len(raws))  # counted for the operator (the dashboard's backlog)
+        for raw in raws:
+            pipe.xrange(stream, raw, raw)
         with store_errors("load reclaimed entries"):
             _, *found = await pipe.execute()
-        entries = [(i, hits[0][1]) for i, hits in zip(ids, found, strict=True) if hits]
-        gone = [i for i, hits in zip(ids, found, strict=True) if not hits]
+        entries = [(qualify(r, partition), hits[0][1]) for r, hits in zip(raws, found, strict=True) if hits]
+        gone = [qualify(r, partition) for r, hits in zip(raws, found, strict=True) if not hits]
         if gone:
             logger.warning("consumer %s: %d reclaimed entries were trimmed from the stream", self.consumer, len(gone))
             await self._settle([], gone)
@@ -265,12 +294,29 @@ class TrajectoryConsumer:
         return entries
 
     async def _read(self, count: int, block_s: float) -> list[tuple[str, Mapping[bytes | str, bytes | str]]]:
+        """New entries, at most `count`, waiting at most `block_s` for one. With several partitions: every
+        partition without waiting, then, if none had any, one partition (they take turns) for a short wait."""
+        if self.keys.partitions == 1:
+            return await self._read_from(0, count, block_s)
+        entries: list[tuple[str, Mapping[bytes | str, bytes | str]]] = []
+        for partition in range(self.keys.partitions):
+            entries += await self._read_from(partition, count - len(entries), 0.0)
+            if len(entries) >= count:
+                return entries
+        if entries or block_s <= 0:
+            return entries
+        self._next_read = (self._next_read + 1) % self.keys.partitions
+        return await self._read_from(self._next_read, count, min(block_s, _PARTITION_WAIT_S))
+
+    async def _read_from(
+        self, partition: int, count: int, block_s: float
+    ) -> list[tuple[str, Mapping[bytes | str, bytes | str]]]:
         block = max(1, int(block_s * 1000)) if block_s > 0 else None  # BLOCK 0 would wait forever
         with store_errors("read trajectories"):
             response = await self.client.xreadgroup(
-                self.group, self.consumer, {self.keys.trajectories: ">"}, count=count, block=block
+                self.group, self.consumer, {self.keys.stream(partition): ">"}, count=count, block=block
             )
-        return stream_entries(response)
+        return [(qualify(raw, partition), fields) for raw, fields in stream_entries(response)]
 
     def _known(self, entry_id: str) -> bool:
         return entry_id in self._holding or entry_id in self._delivered or entry_id in self._unconfirmed
@@ -353,11 +399,18 @@ class TrajectoryConsumer:
 
     async def _touch_script(self, client: aioredis.Redis, ids: Sequence[str], idle_ms: int) -> list[str]:
         script = self._touch_held if self._touch_held is not None else client.register_script(_TOUCH)
-        with store_errors("refresh held entries"):
-            owned = await script(
-                keys=[self.keys.trajectories], args=[self.group, self.consumer, idle_ms, *ids], client=client
-            )
-        return [text(i) for i in owned]
+        by_partition: dict[int, list[str]] = {}
+        for entry_id in ids:
+            raw, partition = split_id(entry_id)
+            by_partition.setdefault(partition, []).append(raw)
+        owned: list[str] = []
+        for partition, raws in by_partition.items():  # one script per stream: each is its own slot
+            with store_errors("refresh held entries"):
+                found = await script(
+                    keys=[self.keys.stream(partition)], args=[self.group, self.consumer, idle_ms, *raws], client=client
+                )
+            owned += [qualify(text(raw), partition) for raw in found]
+        return owned
 
     def _forget(self, lost: set[str]) -> None:
         for entry_id in lost:

@@ -33,7 +33,9 @@ __all__ = [
     "fetch_sessions",
     "is_real",
     "parse_entry",
+    "qualify",
     "sample_count",
+    "split_id",
     "store_errors",
     "stream_entries",
     "text",
@@ -55,13 +57,34 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def qualify(raw_id: str, partition: int) -> str:
+    """The id a consumer hands out for entry `raw_id` of stream partition `partition`: the stream's own id in
+    partition 0, `<id>@<partition>` in the others (ids are per stream: two partitions may hold the same one)."""
+    return raw_id if partition == 0 else f"{raw_id}@{partition}"
+
+
+def split_id(entry_id: str) -> tuple[str, int]:
+    """`qualify` undone: (the stream's id, the partition)."""
+    raw, _, partition = entry_id.partition("@")
+    return raw, int(partition) if partition.isdigit() else 0
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One stream entry: enough to acknowledge it and expire its session's keys."""
+    """One stream entry: enough to acknowledge it and expire its session's keys. `entry_id` is qualified
+    (`qualify`): unique across the stream's partitions."""
 
     entry_id: str
     session_id: str
     samples: int
+
+    @property
+    def raw_id(self) -> str:
+        return split_id(self.entry_id)[0]
+
+    @property
+    def partition(self) -> int:
+        return split_id(self.entry_id)[1]
 
 
 @dataclass(slots=True)
@@ -105,7 +128,7 @@ def sample_count(entry: Entry, raw_meta: Mapping[bytes | str, bytes | str]) -> i
 
 
 def is_real(stream_id: bytes | str | None, entry: Entry) -> bool:
-    return stream_id is not None and text(stream_id) == entry.entry_id
+    return stream_id is not None and text(stream_id) == entry.raw_id
 
 
 def classify(entry: Entry, raw_meta: dict[Any, Any], raw_samples: list[dict[Any, Any]]) -> Item | str:
@@ -117,7 +140,7 @@ def classify(entry: Entry, raw_meta: dict[Any, Any], raw_samples: list[dict[Any,
         meta = SessionMeta.from_redis(entry.session_id, raw_meta)
         if meta.stream_id is None:
             return "unconfirmed"
-        if meta.stream_id != entry.entry_id:
+        if meta.stream_id != entry.raw_id:
             return "duplicate"
         if any(not raw for raw in raw_samples):
             raise TrajectoryFormatError("a sample hash is missing (expired or never written)")

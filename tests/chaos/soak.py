@@ -182,6 +182,8 @@ class Soak:
             "replicas": replicas,
             "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
             "generation": {"max_wait_s": 60, "request_timeout_s": 120},
+            # On a cluster the trajectory stream is partitioned too, spread over the masters (one is killed).
+            "store": {"stream_partitions": 3 if self.cluster is not None else 1},
         }
 
     async def run(self) -> SoakReport:

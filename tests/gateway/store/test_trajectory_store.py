@@ -28,7 +28,14 @@ from gateway.trajectory import F32, I32, U8, Sample, SessionMeta, StoredChunks
 KEYS = Keys()
 TTL_S = 3_600
 IDLE_S = 600
-GLOBAL_KEYS = {KEYS.trajectories, KEYS.pending, KEYS.active_sessions, KEYS.undelivered, KEYS.abandoned}
+GLOBAL_KEYS = {
+    KEYS.trajectories,
+    KEYS.stream_partitions,
+    KEYS.pending,
+    KEYS.active_sessions,
+    KEYS.undelivered,
+    KEYS.abandoned,
+}
 
 
 def make_sample(prompt: int = 5, response: int = 8, *, experts_max: int | None = None, seed: int = 0) -> Sample:
@@ -405,7 +412,7 @@ async def test_a_duplicate_entry_loses_the_claim_and_is_deleted(store: Trajector
     assert finished is not None
 
     duplicate = await store._append_entry(finished)  # e.g. a second process that XADDed concurrently
-    assert await store._claim_entry(meta.id, duplicate) == entry_id
+    assert await store._claim_entry(meta, duplicate) == entry_id
 
     assert [e for e, _ in await entries(redis)] == [entry_id]
     assert await store.pending() == 1
