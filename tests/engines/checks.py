@@ -370,6 +370,27 @@ async def reference_trainer_learns(gw: RunningGateway, server: EngineServer, che
     mismatch = [s.stats.mismatch_mean for s in result.steps if s.stats.mismatch_mean == s.stats.mismatch_mean]
     assert mismatch and max(mismatch) < 1e-3, mismatch  # float32 on both sides
     assert gw.services.weights.version == last.version  # every step's checkpoint was posted and taken
+    await dashboard_shows_the_run(gw, updates=len(result.steps))
+
+
+async def dashboard_shows_the_run(gw: RunningGateway, updates: int) -> None:
+    """What `/dashboard` draws after a real training run (issue 40): throughput, the weight updates on the timeline,
+    the trainer's backlog, and the reward per weight version rising (the run's learning curve)."""
+    state: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=10.0) as http:
+
+        async def rewards_of_several_versions() -> bool:
+            state.update((await http.get(f"{gw.url}/dashboard/state")).json())
+            return len(state["reward"]) >= 2
+
+        await wait_for(rewards_of_several_versions, timeout=15.0, what="the reward of two versions on the dashboard")
+    series = state["series"]
+    assert sum(series["turns"]) > 0 and sum(series["tokens"]) > 0 and sum(series["delivered"]) > 0
+    assert {"pending", "unacked", "reclaimed_total"} <= set(series)
+    done = [u for u in state["timeline"] if u["status"] == "updated"]
+    assert len(done) >= min(updates, 2), state["timeline"]
+    curve = state["reward"]
+    assert curve[0]["mean"] < 0.3 and max(point["mean"] for point in curve) >= 0.5, curve
 
 
 async def logprob_mismatch_is_numerical(gw: RunningGateway, server: EngineServer, scratch: str) -> None:
