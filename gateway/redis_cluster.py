@@ -110,7 +110,12 @@ class LocalRedisCluster:
     def wait_for_failover(self, timeout_s: float = 30.0) -> None:
         """Until every slot is served again by a live master (a replica promoted) and the live nodes agree."""
         deadline = time.monotonic() + timeout_s
-        while not self._all_slots_served():
+        while True:
+            try:
+                if self._all_slots_served():
+                    return
+            except redis.RedisError:
+                pass  # a node still settling: ask again
             if time.monotonic() > deadline:
                 raise StoreError(f"the cluster did not fail over within {timeout_s:g} s")
             time.sleep(0.05)
@@ -154,9 +159,14 @@ class LocalRedisCluster:
         if not alive or not all(_info(node).get("cluster_state") == "ok" for node in alive):
             return False
         ports = {node.port for node in alive}
-        ranges = _command(alive[0], "CLUSTER", "SLOTS")
-        served: int = sum(last - first + 1 for first, last, master, *_ in ranges if int(master[1]) in ports)
-        return served == SLOTS
+        # Every live node's view, not one's: a client that reads the layout from a node still behind on the gossip
+        # would go on sending a killed master's slots to it.
+        for node in alive:
+            ranges = _command(node, "CLUSTER", "SLOTS")
+            served: int = sum(last - first + 1 for first, last, master, *_ in ranges if int(master[1]) in ports)
+            if served != SLOTS:
+                return False
+        return True
 
     def _alive(self) -> list[EmbeddedRedis]:
         return [node for node in self.nodes if node.pid is not None]
