@@ -582,8 +582,50 @@ def report(console: Console, options: Options, results: Results) -> None:
             f"process writing {WRITE_CONCURRENCY} at a time (create, save, finish); 'into the trainer / s' reads and "
             "acknowledges.",
         )
+    sizing(console, results)
     for failure in results.failures:
         console.print(f"[red]not measured: {failure}[/]")
+
+
+def sizing(console: Console, results: Results) -> None:
+    """Per Redis setup, the unit figures a fleet is sized from on paper: a gateway core's turns/s and a session's
+    memory (from the setup's first row, fewest gateways), a master core's turns/s, the worst resume dispatch p99 of
+    its rows, and a trajectory's bytes and trainer rate."""
+    table = []
+    for setup in dict.fromkeys([row.setup for row in results.rows] + [s.setup for s in results.store]):
+        rows = [row for row in results.rows if row.setup == setup]
+        stores = {s.experts: s for s in results.store if s.setup == setup}
+        first = figures(rows[0]) if rows else {}
+        p99s = [figures(row)["dispatch_p99"] for row in rows]
+        plain, experts = stores.get("none"), next((s for k, s in stores.items() if k != "none"), None)
+        table.append(
+            [
+                setup,
+                show(first.get("per_gateway_turns_s", math.nan), ",.0f"),
+                show(first.get("redis_bound", math.nan), ",.0f") if first.get("redis_bound") != math.inf else "—",
+                show(first.get("rss_per_1000", math.nan), ",.1f"),
+                ms(max((p for p in p99s if p == p), default=math.nan)),
+                show(plain.used_memory_bytes * 1000 / 2**20 if plain else math.nan, ",.1f"),
+                show(experts.used_memory_bytes * 1000 / 2**20 if experts else math.nan, ",.1f"),
+                show(plain.read / plain.read_s if plain and plain.read_s > 0 else math.nan, ",.0f"),
+            ]
+        )
+    if table:
+        print_table(
+            console,
+            "Sizing figures",
+            [
+                "Redis",
+                "turns/s a gateway core",
+                "turns/s a master core",
+                "gateway MiB / 1,000 open sessions",
+                "resume dispatch p99, ms (worst row)",
+                "Redis MiB / 1,000 trajectories",
+                "… with experts",
+                "trajectories/s into one trainer",
+            ],
+            table,
+        )
 
 
 def write_json(path: Path, options: Options, results: Results) -> None:

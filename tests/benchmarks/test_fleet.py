@@ -60,7 +60,8 @@ async def test_a_small_fleet_end_to_end(tmp_path: Path) -> None:
     report(Console(file=out, width=260), TINY, results)
     text = out.getvalue()
     assert "1 gw · 1 Redis" in text and "2 gw · 1 Redis" in text
-    assert "resume dispatch p99" in text and "into the trainer" in text and "not measured" not in text
+    assert "resume dispatch p99" in text and "into the trainer" in text and "Sizing figures" in text
+    assert "not measured" not in text
     write_json(tmp_path / "fleet.json", TINY, results)
     written = orjson.loads((tmp_path / "fleet.json").read_bytes())
     assert len(written["rows"]) == 2 and written["rows"][0]["figures"]["turns_s"] > 0
