@@ -232,13 +232,16 @@ class TrajectoryConsumer:
         return batch
 
     async def _read_layout(self) -> int:
-        """The current weight version; on the way, the stream's partitions (and the group on any new one)."""
+        """The current weight version; on the way, the stream's partitions if there are more now (and the group on
+        each new one)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(self.keys.weights, "version")
         pipe.get(self.keys.stream_partitions)
         with store_errors("read weight version"):
             raw, recorded = await pipe.execute()
-        self.keys = self.keys.with_partitions(self._fixed_partitions or recorded)
+        found = self.keys.with_partitions(self._fixed_partitions or recorded)
+        if found.partitions > self.keys.partitions:  # never fewer: older partitions may still hold entries
+            self.keys = found
         for partition in range(self._grouped, self.keys.partitions):
             with store_errors("create consumer group"):
                 try:
