@@ -120,6 +120,30 @@ class LocalRedisCluster:
                 raise StoreError(f"the cluster did not fail over within {timeout_s:g} s")
             time.sleep(0.05)
 
+    def master_of(self, slot: int) -> EmbeddedRedis:
+        """The live master that serves `slot` now."""
+        for first, last, master, *_ in _command(self._alive()[0], "CLUSTER", "SLOTS"):
+            if first <= slot <= last:
+                return next(node for node in self._alive() if node.port == int(master[1]))
+        raise StoreError(f"slot {slot} is not served")
+
+    def start_migration(self, slot: int, to: EmbeddedRedis) -> EmbeddedRedis:
+        """Begin moving `slot` to the master `to` and move every key it holds (MIGRATE), leaving the slot in
+        migration: the old master answers ASK for it. `finish_migration` hands the slot over. The old master."""
+        source = self.master_of(slot)
+        source_id, target_id = _text(_command(source, "CLUSTER", "MYID")), _text(_command(to, "CLUSTER", "MYID"))
+        _command(to, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        while keys := _command(source, "CLUSTER", "GETKEYSINSLOT", slot, 100):
+            _command(source, "MIGRATE", _HOST, to.port, "", 0, 5000, "AUTH", self.password, "KEYS", *keys)
+        return source
+
+    def finish_migration(self, slot: int, to: EmbeddedRedis) -> None:
+        """`to` serves `slot` from now on; every master is told (the old one then answers MOVED)."""
+        target_id = _text(_command(to, "CLUSTER", "MYID"))
+        for node in [to, *(m for m in self.masters() if m is not to)]:
+            _command(node, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
     def __enter__(self) -> Self:
         self.start()
         return self

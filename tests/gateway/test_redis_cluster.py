@@ -13,7 +13,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from gateway.errors import StoreError
 from gateway.redis_cluster import SLOTS, LocalRedisCluster
+from gateway.store import Keys, TrajectoryStore, connect
 from gateway.trainer import TrajectoryConsumer
+from tests.gateway.store.test_trajectory_store import make_sample
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +86,39 @@ async def test_a_consumer_reads_on_after_the_master_its_client_asks_for_keys_is_
                     assert time.monotonic() < deadline, "the consumer never read again after the failover"
                     await asyncio.sleep(0.2)
             assert consumer.client.get_default_node().port != asked.port  # type: ignore[attr-defined]
+
+
+async def test_a_session_goes_on_while_its_slot_moves_to_another_master(tmp_path: Path) -> None:
+    """A slot migration mid-session: while every key has moved but the slot is not handed over, the old master
+    answers ASK; after, MOVED. Writes, the WATCHed finish (metadata to merge) and the delivery ride both."""
+    with LocalRedisCluster(data_dir=tmp_path) as cluster:
+        client = connect(cluster.url)
+        store = TrajectoryStore(
+            client, Keys(), ttl_s=600, session_idle_ttl_s=600, max_pending=100, retry_budget_s=30, sweep_interval_s=None
+        )
+        try:
+            await store.create_session({"judge": "none"}, "moving")
+            first, second = make_sample(seed=1), make_sample(seed=2)
+            await store.save_sample("moving", 0, first)
+            slot = client.keyslot(Keys().meta("moving"))  # type: ignore[attr-defined]
+            target = next(m for m in cluster.masters() if m.port != cluster.master_of(slot).port)
+            await asyncio.to_thread(cluster.start_migration, slot, target)
+            await store.save_sample("moving", 1, second)  # ASK
+            finishing = asyncio.create_task(store.finish("moving", 0.5, {"judge": "ok"}))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(cluster.finish_migration, slot, target)
+            entry_id = await asyncio.wait_for(finishing, 30)
+            assert cluster.master_of(slot).port == target.port
+            meta = await store.get_session("moving")
+            assert meta is not None and meta.status == "finished" and meta.stream_id == entry_id
+            assert meta.metadata["judge"] == "ok" and meta.sample_count == 2
+            async with TrajectoryConsumer(cluster.url, "g", "c") as consumer:
+                batch = await consumer.next_batch(1, timeout=2.0)
+            (trajectory,) = batch.trajectories
+            assert [s.response_ids.tolist() for s in trajectory.samples] == [
+                first.response_ids.tolist(),
+                second.response_ids.tolist(),
+            ]
+        finally:
+            await store.aclose()
+            await client.aclose()
