@@ -107,8 +107,12 @@ def gaps(learner: Learner, answers: Sequence[Answer]) -> np.ndarray:
     return np.concatenate(found) if found else np.zeros(0, np.float32)
 
 
-def as_batch(answers: Sequence[Answer], task: DigitsTask, samples: int) -> Batch:
-    """The answers as GRPO groups (one per prompt), rewarded by the digits task."""
+def as_batch(answers: Sequence[Answer], samples: int) -> Batch:
+    """The answers as GRPO groups (one per prompt), each rewarded by its mean engine log-probability.
+
+    Any reward that differs within a group makes the step move the weights, and this one always does (sampled at
+    temperature 1, no two answers are equally likely); the digits task's reward is flat (all 0.0) in most groups of
+    the untrained model, and a batch of flat groups is a step that changes nothing."""
     trajectories = []
     for i, a in enumerate(answers):
         n = len(a.output)
@@ -119,7 +123,7 @@ def as_batch(answers: Sequence[Answer], task: DigitsTask, samples: int) -> Batch
             logprobs=np.array(a.logprobs, np.float32),
             versions=np.array(a.versions, np.int32),
         )
-        meta = SessionMeta(id=f"m{i}", status="finished", reward=task.reward(a.output))
+        meta = SessionMeta(id=f"m{i}", status="finished", reward=float(np.mean(a.logprobs)) if n else 0.0)
         trajectories.append(Trajectory(meta, [sample_]))
     return Batch(trajectories=trajectories, group_index=[i // samples for i in range(len(answers))])
 
@@ -144,7 +148,7 @@ async def measure_through(
     async with httpx.AsyncClient(base_url=gateway_url, headers=headers, timeout=600) as http:
         before = await sample(http, [list(p) for p in asked], samples, max_tokens)
         same = [gaps(learner, before)]
-        learner.step(as_batch(before, task, samples))
+        learner.step(as_batch(before, samples))
         path = learner.save(checkpoints, 1)
         (await http.post("/admin/weights", json={"version": 1, "path": str(path)})).raise_for_status()
         previous = gaps(learner, before)

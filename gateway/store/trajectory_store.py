@@ -168,21 +168,26 @@ class TrajectoryStore:
         absent: bool = False,
         owner: str | None = None,
     ) -> SessionMeta:
-        """A new active session; see `Sessions.create_session`."""
-        return await self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent, owner=owner)
+        """A new active session; see `Sessions.create_session`. A turn's first step: retried through a Redis outage
+        (`_retried`; every step of a creation is idempotent, and a retry finds the session a lost reply created)."""
+        return await self._retried(
+            lambda: self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent, owner=owner),
+            "create session",
+        )
 
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
         """The session named by a client (header or body), created on first use; see `create_session`."""
-        return await self._sessions.create_session(metadata, session_id)
+        return await self.create_session(metadata, session_id)
 
     async def touch_session(self, session_id: str) -> SessionMeta | None:
         """An active session's meta, with activity recorded; None if there is no such session. A finished or
-        abandoned one is a `Conflict`. A turn reads it: retried through a Redis outage (`_read`)."""
-        return await self._read(lambda: self._sessions.touch_session(session_id), "read session")
+        abandoned one is a `Conflict`. A turn reads it: retried through a Redis outage (`_retried`)."""
+        return await self._retried(lambda: self._sessions.touch_session(session_id), "read session")
 
     async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
-        """Add to an active session's metadata the keys it does not hold; see `Sessions.add_metadata`."""
-        return await self._sessions.add_metadata(session_id, metadata)
+        """Add to an active session's metadata the keys it does not hold; see `Sessions.add_metadata`. Retried
+        through a Redis outage (`_retried`; adding what is already there writes nothing)."""
+        return await self._retried(lambda: self._sessions.add_metadata(session_id, metadata), "add session metadata")
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         return await self._core.get_session(session_id)
@@ -248,13 +253,14 @@ class TrajectoryStore:
             meta = await self._core.get_session(session_id)
             return await read_samples(self._core, session_id, meta.sample_count if meta is not None else 0)
 
-        found = await self._read(read, "read samples")
+        found = await self._retried(read, "read samples")
         found |= self._buffer.waiting(session_id)
         return [Sample.from_redis(found[index]) for index in sorted(found)]
 
-    async def _read(self, read: Callable[[], Awaitable[T]], what: str) -> T:
-        """`read()`, tried again with backoff while Redis is unreachable, for up to `retry_budget_s` (a Redis restart
-        costs a turn a wait, not a 503); then its `StoreError`."""
+    async def _retried(self, read: Callable[[], Awaitable[T]], what: str) -> T:
+        """`read()` (a read, or an idempotent write), tried again with backoff while Redis is unreachable, for up to
+        `retry_budget_s` (a Redis restart or a cluster master's failover costs a turn a wait, not a 503); then its
+        `StoreError`."""
         deadline = time.monotonic() + self.retry_budget_s
         attempt = 0
         while True:

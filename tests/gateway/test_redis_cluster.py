@@ -122,3 +122,44 @@ async def test_a_session_goes_on_while_its_slot_moves_to_another_master(tmp_path
         finally:
             await store.aclose()
             await client.aclose()
+
+
+def ids_in_slot(client: RedisCluster, slot: int, prefix: str, count: int) -> list[str]:
+    """`count` session ids whose keys live in `slot`."""
+    found = (f"{prefix}-{i}" for i in range(1_000_000))
+    return [next(s for s in found if client.keyslot(Keys().meta(s)) == slot) for _ in range(count)]
+
+
+async def test_a_turn_waits_out_the_failover_of_its_sessions_master(tmp_path: Path) -> None:
+    """Every store call a turn makes before its engine request (create a session, by a fresh or a client's id, add
+    metadata, read and touch it) rides `retry_budget_s` through the failover of the master of the session's slot:
+    the turn waits, it is not answered 503 (in CI's load the failover outlasted redis-py's own retries)."""
+    with LocalRedisCluster(data_dir=tmp_path) as cluster:
+        client = connect(cluster.url)
+        store = TrajectoryStore(
+            client, Keys(), ttl_s=600, session_idle_ttl_s=600, max_pending=100, retry_budget_s=30, sweep_interval_s=None
+        )
+        try:
+            await store.create_session({}, "known")
+            slot = client.keyslot(Keys().meta("known"))  # type: ignore[attr-defined]
+            fresh, named = ids_in_slot(client, slot, "s", 2)  # type: ignore[arg-type]
+            victim = cluster.master_of(slot)
+            cluster.kill_master([m.port for m in cluster.masters()].index(victim.port))
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    store.create_session({"a": "1"}, fresh, fresh=True),
+                    store.ensure_session(named, {"b": "2"}),
+                    store.add_metadata("known", {"c": "3"}),
+                    store.touch_session("known"),
+                ),
+                40,
+            )
+            assert [meta.id for meta in results if meta is not None] == [fresh, named, "known", "known"]
+            await asyncio.to_thread(cluster.wait_for_failover)
+            assert cluster.master_of(slot).port != victim.port
+            meta = await store.get_session("known")
+            assert meta is not None and meta.metadata == {"c": "3"}
+            assert [(await store.get_session(s)) is not None for s in (fresh, named)] == [True, True]
+        finally:
+            await store.aclose()
+            await client.aclose()
