@@ -66,7 +66,8 @@ class LoadBalancerOptions:
     kill_at_s: tuple[float, float] = (2.0, 4.0)  # when the gateway is SIGKILLed, after the agents start
     # The least a run must go through: agents go on past their planned turns until the killed gateway is back in
     # HAProxy's rotation and this many updates were coordinated after that (within 80 % of `duration_s`).
-    min_updates: int = 4
+    # 8 updates, each reaching any of the three gateways: all on one gateway has a chance of 3 in 3^8.
+    min_updates: int = 8
     min_updates_after_return: int = 2
 
 
@@ -74,6 +75,7 @@ class LoadBalancerOptions:
 class LoadBalancerReport(SoakReport):
     failed_attempts: Counter[str] = field(default_factory=Counter)  # agent-visible failures, by kind
     failed_attempts_after_kill: int = 0  # ... of attempts sent after the kill (HAProxy should have hidden them)
+    failures: list[str] = field(default_factory=list)  # each failed attempt: kind, sent and failed (from the kill)
     retried_turns: int = 0
     most_failures_in_a_turn: int = 0
     most_retried_turns_in_a_session: int = 0
@@ -82,26 +84,31 @@ class LoadBalancerReport(SoakReport):
     back_in_rotation_s: float | None = None  # SIGKILL → HAProxy marks it UP again
     updates_by_gateway: Counter[str] = field(default_factory=Counter)
     longest_update_s: float = 0.0
+    update_times: list[str] = field(default_factory=list)  # each update: mode, seconds taken, when after the kill
     requests_by_gateway: dict[str, int] = field(default_factory=dict)  # HAProxy's count, per server
     fallback_requests: int = 0  # sent to `gateways-alive` while no gateway was ready
     final_versions: dict[str, int] = field(default_factory=dict)
 
     def lb_figures(self) -> str:
-        return (
-            f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked}), turns "
-            f"{self.turns}, retried turns {self.retried_turns} (failed attempts {dict(self.failed_attempts)}, "
-            f"{self.failed_attempts_after_kill} sent after the kill; at most {self.most_failures_in_a_turn} in a "
-            f"turn, {self.most_retried_turns_in_a_session} retried turns in a session), gateway kills "
-            f"{self.gateway_kills}: restarted in {self.restart_s:.2f}s, out of HAProxy's rotation after "
-            f"{_seconds(self.out_of_rotation_s)}, back after {_seconds(self.back_in_rotation_s)}; weight updates "
-            f"{self.updates} {dict(self.update_modes)} coordinated by {dict(self.updates_by_gateway)} (longest "
-            f"{self.longest_update_s:.2f}s); requests per gateway {self.requests_by_gateway}, while none was "
-            f"ready {self.fallback_requests}; final versions {self.final_versions}; delivered {self.delivered}, "
-            f"lost {self.lost}, duplicated {self.duplicated}, samples checked {self.samples_checked} "
-            f"({self.tokens_checked} sampled tokens, {self.samples_spanning_updates} spanning an update), replies "
-            f"spanning an update without a fault {self.turns_spanning_updates}, other retries {dict(self.retries)}, "
-            f"violations {len(self.violations)}, {self.elapsed_s:.0f}s"
-        )
+        parts = [
+            f"seed {self.seed}: sessions {self.sessions} (finish acknowledged {self.sessions_acked})",
+            f"turns {self.turns}, retried turns {self.retried_turns} (failed attempts {dict(self.failed_attempts)}, "
+            f"{self.failed_attempts_after_kill} sent after the kill: {'; '.join(self.failures)}; at most "
+            f"{self.most_failures_in_a_turn} in a turn, {self.most_retried_turns_in_a_session} retried turns in a "
+            "session)",
+            f"gateway kills {self.gateway_kills}: restarted in {self.restart_s:.2f}s, out of HAProxy's rotation "
+            f"after {_seconds(self.out_of_rotation_s)}, back after {_seconds(self.back_in_rotation_s)}",
+            f"weight updates {self.updates} {dict(self.update_modes)} coordinated by "
+            f"{dict(self.updates_by_gateway)} (longest {self.longest_update_s:.2f}s: {'; '.join(self.update_times)})",
+            f"requests per gateway {self.requests_by_gateway}, while none was ready {self.fallback_requests}",
+            f"final versions {self.final_versions}",
+            f"delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}",
+            f"samples checked {self.samples_checked} ({self.tokens_checked} sampled tokens, "
+            f"{self.samples_spanning_updates} spanning an update)",
+            f"replies spanning an update without a fault {self.turns_spanning_updates}",
+            f"other retries {dict(self.retries)}, violations {len(self.violations)}, {self.elapsed_s:.0f}s",
+        ]
+        return "; ".join(parts)
 
 
 def _seconds(value: float | None) -> str:
@@ -313,6 +320,11 @@ class LoadBalancerSoak:
 
     def _failed(self, kind: str, began: float) -> int:
         self.report.failed_attempts[kind] += 1
+        if self.kill_times:
+            killed = self.kill_times[0]
+            self.report.failures.append(f"{kind} {began - killed:+.2f}s..{time.monotonic() - killed:+.2f}s")
+        else:
+            self.report.failures.append(f"{kind} before the kill")
         self.report.failed_attempts_after_kill += any(began > at for at in self.kill_times)
         return 1
 
@@ -369,6 +381,8 @@ class LoadBalancerSoak:
             r.update_modes[mode] += 1
             r.updates_by_gateway[response.headers.get("x-gateway", "?")] += 1
             r.longest_update_s = max(r.longest_update_s, took)
+            since_kill = f"{began - self.kill_times[0]:+.1f}s from the kill" if self.kill_times else "before the kill"
+            r.update_times.append(f"{mode} {took:.2f}s {since_kill}")
             self.updates_after_return += self.back_in_rotation.is_set()
 
     async def _gateway_kill(self, victim: int) -> None:
@@ -376,9 +390,9 @@ class LoadBalancerSoak:
             return
         child = self.children[victim]
         async with self.kill_lock:
-            killed = time.monotonic()
-            self.kill_times.append(killed)
             await asyncio.to_thread(child.kill)  # SIGKILL: its agents' connections drop mid-turn
+            killed = time.monotonic()  # once it is dead (reaped): an attempt sent later must not fail
+            self.kill_times.append(killed)
         self.report.gateway_kills += 1
         await asyncio.to_thread(child.start)  # the same port, the same Redis
         self.report.restart_s = time.monotonic() - killed
