@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping
 from functools import cache
@@ -29,6 +31,7 @@ DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 DASHBOARD = DOCKER / "grafana" / "rollout-gateway.json"
+HAPROXY_CONFIG = DOCKER / "haproxy" / "haproxy.cfg"
 
 CONFIG_TARGET = "/etc/rollout-gateway/config.yaml"
 CORE_SERVICES = {"redis", "gateway", "vllm-0", "vllm-1"}
@@ -573,3 +576,81 @@ def test_prometheus_scrapes_the_gateways() -> None:
     assert {f"{name}:8000" for name in GATEWAYS} <= targets
     for name in targets | {t for job in jobs.values() for g in job["static_configs"] for t in g["targets"]}:
         assert name.split(":")[0] in services(), f"{name} is not a compose service"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profile haproxy and docker/haproxy/haproxy.cfg (tests/chaos/test_load_balancer.py runs the same file)
+# ---------------------------------------------------------------------------------------------------------------
+
+BALANCED = ("gateway", "gateway-2", "gateway-3")
+
+
+def haproxy_directives(section: str) -> list[str]:
+    """The directives of one section of haproxy.cfg (`backend gateways`, ...), comments and indentation removed."""
+    raw = HAPROXY_CONFIG.read_text().splitlines()
+    lines = [line.split("#", 1)[0].strip() for line in raw]
+    start = lines.index(section) + 1
+    # A section ends where the next one starts: the next line that is not indented and not blank.
+    end = next((i for i in range(start, len(raw)) if lines[i] and not raw[i][0].isspace()), len(raw))
+    return [line for line in lines[start:end] if line]
+
+
+def haproxy_seconds(value: str) -> float:
+    """An HAProxy time (`3s`, `11m`, `1h`; a bare number is milliseconds) in seconds."""
+    match = re.fullmatch(r"(\d+)(ms|s|m|h)?", value)
+    assert match, value
+    return int(match[1]) * {"ms": 0.001, "s": 1, None: 0.001, "m": 60, "h": 3600}[match[2]]
+
+
+def test_the_balanced_gateways_are_copies_of_gateway_on_its_config_and_replicas() -> None:
+    svcs = services()
+    gateway = svcs["gateway"]
+    for name in BALANCED[1:]:
+        svc = svcs[name]
+        assert profile_of(svc) == ("haproxy",)
+        assert mounted_config(svc) == mounted_config(gateway)  # the same Redis and replicas
+        assert depends_on(svc) == depends_on(gateway)
+        assert "ports" not in svc, f"{name} is reached through HAProxy only"
+        assert svc["healthcheck"] == gateway["healthcheck"] and svc["image"] == gateway["image"]
+
+
+def test_haproxy_runs_the_shipped_config_in_front_of_the_three_gateways() -> None:
+    svc = services()["haproxy"]
+    assert profile_of(svc) == ("haproxy",)
+    mounts = {target: (source, ro) for source, target, ro in volume_mounts(svc)}
+    source, ro = mounts["/usr/local/etc/haproxy/haproxy.cfg"]
+    assert ro and (DOCKER / source).resolve() == HAPROXY_CONFIG
+    env = environment(svc)
+    assert [env[f"GATEWAY_{i}"] for i in (1, 2, 3)] == [f"{name}:8000" for name in BALANCED]
+    assert {dep: depends_on(svc)[dep] for dep in BALANCED} == dict.fromkeys(BALANCED, "service_healthy")
+    published = [interpolate(str(port)) for port in svc["ports"]]
+    assert any(port.endswith(":" + env["HAPROXY_BIND"].rsplit(":", 1)[-1]) for port in published), published
+
+
+def test_haproxy_balances_round_robin_checks_ready_and_outlasts_a_generation() -> None:
+    backend = haproxy_directives("backend gateways")
+    assert "balance roundrobin" in backend and "option httpchk GET /ready" in backend
+    servers = [line.split() for line in backend if line.startswith("server ")]
+    assert [words[2] for words in servers] == [f'"${{GATEWAY_{i}-gateway-{i}:8000}}"' for i in (1, 2, 3)]
+    alive = haproxy_directives("backend gateways-alive")
+    assert [line for line in alive if line.startswith("server ")] == [
+        line for line in backend if line.startswith("server ")
+    ]
+    defaults = dict(line.split(None, 2)[1:] for line in haproxy_directives("defaults") if line.startswith("timeout "))
+    generation = load_config(ROOT / "config.yaml").generation
+    # A non-streamed answer may wait for an update, then take a whole generation before its first byte.
+    longest = generation.request_timeout_s + generation.max_wait_s
+    assert haproxy_seconds(defaults["server"]) >= longest and haproxy_seconds(defaults["client"]) >= longest
+    assert haproxy_seconds(defaults["tunnel"]) >= longest
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not on PATH (Debian: apt-get install haproxy)")
+def test_haproxy_accepts_the_config_with_the_compose_environment() -> None:
+    env = {**os.environ, **environment(services()["haproxy"])}  # -c binds nothing
+    checked = subprocess.run(
+        ["haproxy", "-c", "-f", str(HAPROXY_CONFIG)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # The compose names do not resolve here: those warnings only (init-addr none starts without them).
+    warnings = [line for line in checked.stderr.splitlines() if "[WARNING]" in line]
+    assert all("could not resolve address" in line for line in warnings), warnings

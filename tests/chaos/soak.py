@@ -165,26 +165,7 @@ class Soak:
 
     def settings(self, port: int = 0) -> dict[str, Any]:
         """The gateways' configuration, as the keyword arguments of `Settings` (the child's YAML file too)."""
-        replicas = [
-            ReplicaConfig(
-                url=s.url,
-                backend="sim",
-                dialect=d,
-                routed_experts=True,
-                routed_experts_shape=EXPERTS_SHAPE if d == "sglang" else None,
-            ).model_dump(mode="json", exclude_none=True)
-            for s, d in zip(self.sims, DIALECTS, strict=True)
-        ]
-        return {
-            # A client that stops reading is cut after 2 s (60 s by default): the soak's slow readers meet the limit.
-            "server": {"port": port, "admin_token": ADMIN_TOKEN, "slow_client_timeout_s": 2.0},
-            "redis": {"url": self.redis_url, "retry_budget_s": 60},
-            "replicas": replicas,
-            "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
-            "generation": {"max_wait_s": 60, "request_timeout_s": 120},
-            # On a cluster the trajectory stream is partitioned too, spread over the masters (one is killed).
-            "store": {"stream_partitions": 3 if self.cluster is not None else 1},
-        }
+        return gateway_settings(self.sims, self.redis_url, port, stream_partitions=3 if self.cluster is not None else 1)
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
@@ -273,7 +254,7 @@ class Soak:
         stream = rng.random() < self.o.stream_rate
         while time.monotonic() < self.deadline:
             began = time.monotonic()
-            call = asyncio.ensure_future(self._create(route.front.api, session, messages, max_tokens, stream))
+            call = asyncio.ensure_future(create_turn(route.front.api, session, messages, max_tokens, stream))
             if rng.random() < self.o.disconnect_rate:
                 await asyncio.wait({call}, timeout=rng.uniform(0.0, 0.1))
                 if not call.done():  # the client leaves mid-turn: the connection closes, the agent retries
@@ -302,17 +283,9 @@ class Soak:
         return None
 
     def _check_wait(self, session: str, versions: list[int], began: float) -> None:
-        """A reply whose tokens span a `wait` update was cut by it, unless a kill (of a replica or the gateway) or the
-        Redis restart during the turn explains its resume: `wait` lets every in-flight request end first, on every
-        gateway."""
-        changes = [(a, b) for a, b in itertools.pairwise(versions) if a != b]
-        # A fault shortly before the turn counts too: a hung replica is taken out a probe's timeout after its stop.
-        if not changes or any(began - FAULT_REACH_S <= at for at in self.kill_times):
-            return
-        self.report.turns_spanning_updates += 1
-        for old, new in changes:
-            if all(self.update_modes.get(v) == {"wait"} for v in range(old + 1, new + 1)):
-                self.report.violations.append(f"{session}: one reply spans the wait update v{old} -> v{new}")
+        spans, violations = check_wait_span(session, versions, began, self.kill_times, self.update_modes)
+        self.report.turns_spanning_updates += spans
+        self.report.violations += violations
 
     def _chaos_pending(self) -> bool:
         """Whether the soak's least chaos (`min_updates`, `min_kills`, the Redis restart) is still to come while
@@ -335,29 +308,6 @@ class Soak:
             self.report.retries["429"] += 1
             return True
         return False
-
-    async def _create(
-        self, api: openai.AsyncOpenAI, session: str, messages: list[dict[str, Any]], max_tokens: int, stream: bool
-    ) -> tuple[str, str | None, list[int]]:
-        """The reply's text, finish reason and per-token weight versions (the vendor field `rollout`)."""
-        kwargs: dict[str, Any] = {
-            "model": "tiny",
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "extra_headers": {"X-Session-ID": session},
-        }
-        if not stream:
-            chat = await api.chat.completions.create(**kwargs)
-            return chat.choices[0].message.content or "", chat.choices[0].finish_reason, _versions(chat)
-        text, finish, versions = "", None, []
-        async with await api.chat.completions.create(**kwargs, stream=True) as chunks:
-            async for chunk in chunks:
-                for choice in chunk.choices:
-                    text += choice.delta.content or ""
-                    finish = choice.finish_reason or finish
-                versions = _versions(chunk) or versions
-        return text, finish, versions
 
     async def _finish(self, route: Route, session: str, reward: float) -> bool:
         while time.monotonic() < self.deadline:
@@ -509,47 +459,142 @@ class Soak:
     async def _trainer(
         self, consumer: TrajectoryConsumer, delivered: Counter[str], trajectories: list[Trajectory]
     ) -> None:
-        quiet_since: float | None = None
-        hard_stop = self.deadline + 90
-        while time.monotonic() < hard_stop:
-            try:
-                batch = await consumer.next_batch(64, timeout=0.5)
-                if batch.trajectories:
-                    await consumer.ack(batch)
-            except StoreError as exc:
-                self.report.retries["trainer StoreError"] += 1  # Redis restarting: read again
-                self.trainer_errors[str(exc)[:120]] += 1
-                await asyncio.sleep(0.05)  # not a busy loop while Redis is away
-                continue
-            for trajectory in batch.trajectories:
-                delivered[trajectory.session_id] += 1  # counted only once acknowledged
-                trajectories.append(trajectory)
-            if not self.agents_done.is_set() or batch.trajectories:
-                quiet_since = None
-                continue
-            quiet_since = quiet_since or time.monotonic()
-            if self.acked <= set(delivered) or time.monotonic() - quiet_since > 10:
-                return
+        await consume_trajectories(
+            consumer,
+            delivered,
+            trajectories,
+            self.agents_done,
+            self.acked,
+            self.deadline + 90,
+            self.report.retries,
+            self.trainer_errors,
+        )
 
     # -- the verdict ---------------------------------------------------------------------------
 
     def _verdict(self, delivered: Counter[str], trajectories: list[Trajectory]) -> None:
-        r = self.report
-        r.delivered = len(delivered)
-        r.lost = len(self.acked - set(delivered))
-        r.duplicated = sum(count - 1 for count in delivered.values())
-        for session in sorted(set(delivered) - self.acked):
-            r.violations.append(f"{session}: delivered but its finish was never acknowledged")
-        for trajectory in trajectories:
-            for index, sample in enumerate(trajectory.samples):
-                where = f"{trajectory.session_id} sample {index}"
-                r.violations += [f"{where}: {v}" for v in check_sample(sample)]
-                r.samples_checked += 1
-                r.tokens_checked += int(sample.loss_mask.sum())
-                r.samples_spanning_updates += len(set(sample.model_versions.tolist())) > 1
-                # A segment cut by a crash before the engine sent its experts leaves them unknown: the sample then
-                # has none (never misaligned ones). Counted and printed; see docs/reliability.md.
-                r.samples_without_experts += sample.routed_experts is None
+        judge_delivery(self.report, self.acked, delivered, trajectories)
+
+
+async def consume_trajectories(
+    consumer: TrajectoryConsumer,
+    delivered: Counter[str],
+    trajectories: list[Trajectory],
+    agents_done: asyncio.Event,
+    acked: set[str],
+    hard_stop: float,
+    retries: Counter[str],
+    errors: Counter[str] | None = None,
+) -> None:
+    """The trainer: read and acknowledge trajectories into `delivered` (per session) and `trajectories` until the
+    agents are done and every session in `acked` arrived, or nothing came for 10 s, or `hard_stop` (monotonic)."""
+    quiet_since: float | None = None
+    while time.monotonic() < hard_stop:
+        try:
+            batch = await consumer.next_batch(64, timeout=0.5)
+            if batch.trajectories:
+                await consumer.ack(batch)
+        except StoreError as exc:
+            retries["trainer StoreError"] += 1  # Redis restarting: read again
+            if errors is not None:
+                errors[str(exc)[:120]] += 1  # what the reads failed on, for a failure's report
+            await asyncio.sleep(0.05)  # not a busy loop while Redis is away
+            continue
+        for trajectory in batch.trajectories:
+            delivered[trajectory.session_id] += 1  # counted only once acknowledged
+            trajectories.append(trajectory)
+        if not agents_done.is_set() or batch.trajectories:
+            quiet_since = None
+            continue
+        quiet_since = quiet_since or time.monotonic()
+        if acked <= set(delivered) or time.monotonic() - quiet_since > 10:
+            return
+
+
+def judge_delivery(r: SoakReport, acked: set[str], delivered: Counter[str], trajectories: list[Trajectory]) -> None:
+    """Fill `r`'s delivery figures: sessions lost (finish acknowledged, never delivered) or duplicated, and every
+    sample checked token by token against the simulator (`check_sample`)."""
+    r.delivered = len(delivered)
+    r.lost = len(acked - set(delivered))
+    r.duplicated = sum(count - 1 for count in delivered.values())
+    for session in sorted(set(delivered) - acked):
+        r.violations.append(f"{session}: delivered but its finish was never acknowledged")
+    for trajectory in trajectories:
+        for index, sample in enumerate(trajectory.samples):
+            where = f"{trajectory.session_id} sample {index}"
+            r.violations += [f"{where}: {v}" for v in check_sample(sample)]
+            r.samples_checked += 1
+            r.tokens_checked += int(sample.loss_mask.sum())
+            r.samples_spanning_updates += len(set(sample.model_versions.tolist())) > 1
+            # A segment cut by a crash before the engine sent its experts leaves them unknown: the sample then
+            # has none (never misaligned ones). Counted and printed; see docs/reliability.md.
+            r.samples_without_experts += sample.routed_experts is None
+
+
+async def create_turn(
+    api: openai.AsyncOpenAI, session: str | None, messages: list[dict[str, Any]], max_tokens: int, stream: bool
+) -> tuple[str, str | None, list[int]]:
+    """One chat turn through the official client: the reply's text, finish reason and per-token weight versions
+    (the vendor field `rollout`). `session` goes in `X-Session-ID`; None: the client's base URL names it."""
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if session is not None:
+        kwargs["extra_headers"] = {"X-Session-ID": session}
+    if not stream:
+        chat = await api.chat.completions.create(**kwargs)
+        return chat.choices[0].message.content or "", chat.choices[0].finish_reason, reply_versions(chat)
+    text, finish, versions = "", None, []
+    async with await api.chat.completions.create(**kwargs, stream=True) as chunks:
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            versions = reply_versions(chunk) or versions
+    return text, finish, versions
+
+
+def check_wait_span(
+    session: str, versions: list[int], began: float, fault_times: list[float], update_modes: dict[int, set[str]]
+) -> tuple[bool, list[str]]:
+    """Whether a reply's per-token `versions` span an update with no fault to explain it, and the violations: a
+    reply whose tokens span a `wait` update was cut by it, unless a fault (`fault_times`, monotonic: a replica or
+    gateway kill, a Redis restart) shortly before or during the turn explains its resume: `wait` lets every
+    in-flight request end first, on every gateway. `update_modes`: the modes of the updates that asked for each
+    version."""
+    changes = [(a, b) for a, b in itertools.pairwise(versions) if a != b]
+    # A fault shortly before the turn counts too: a hung replica is taken out a probe's timeout after its stop.
+    if not changes or any(began - FAULT_REACH_S <= at for at in fault_times):
+        return False, []
+    return True, [
+        f"{session}: one reply spans the wait update v{old} -> v{new}"
+        for old, new in changes
+        if all(update_modes.get(v) == {"wait"} for v in range(old + 1, new + 1))
+    ]
+
+
+def gateway_settings(
+    sims: list[SimProcess], redis_url: str, port: int = 0, stream_partitions: int = 1
+) -> dict[str, Any]:
+    """A soak gateway's configuration over `sims` (one per dialect of `DIALECTS`), as the keyword arguments of
+    `Settings` (a child's YAML file too)."""
+    replicas = [
+        ReplicaConfig(
+            url=s.url,
+            backend="sim",
+            dialect=d,
+            routed_experts=True,
+            routed_experts_shape=EXPERTS_SHAPE if d == "sglang" else None,
+        ).model_dump(mode="json", exclude_none=True)
+        for s, d in zip(sims, DIALECTS, strict=True)
+    ]
+    return {
+        # A client that stops reading is cut after 2 s (60 s by default): the soak's slow readers meet the limit.
+        "server": {"port": port, "admin_token": ADMIN_TOKEN, "slow_client_timeout_s": 2.0},
+        "redis": {"url": redis_url, "retry_budget_s": 60},
+        "replicas": replicas,
+        "routing": {"health_interval_s": 0.2, "circuit_open_s": 1.0},
+        "generation": {"max_wait_s": 60, "request_timeout_s": 120},
+        "store": {"stream_partitions": stream_partitions},
+    }
 
 
 @dataclass
@@ -621,7 +666,7 @@ class GatewayChild:
             self.kill()
 
 
-def _versions(answer: openai.BaseModel) -> list[int]:
+def reply_versions(answer: openai.BaseModel) -> list[int]:
     """The per-token weight versions of the first choice, from the vendor field `rollout` (empty when absent)."""
     rollout = (answer.model_extra or {}).get("rollout") or {}
     choices = rollout.get("choices") or [{}]
