@@ -170,8 +170,9 @@ def parse_stats(text: str) -> dict[tuple[str, str], dict[str, str]]:
 
 
 class LoadBalancerSoak:
-    def __init__(self, options: LoadBalancerOptions, redis_url: str, folder: Path) -> None:
+    def __init__(self, options: LoadBalancerOptions, redis_url: str, folder: Path, stream_partitions: int = 1) -> None:
         self.o = options
+        self.stream_partitions = stream_partitions
         self.rng = random.Random(options.seed)
         self.redis_url = redis_url
         self.folder = folder
@@ -194,7 +195,9 @@ class LoadBalancerSoak:
         try:
             await asyncio.gather(*(asyncio.to_thread(sim.start) for sim in self.sims))
             for i in range(GATEWAYS):
-                settings = gateway_settings(self.sims, self.redis_url, port=free_port())
+                settings = gateway_settings(
+                    self.sims, self.redis_url, port=free_port(), stream_partitions=self.stream_partitions
+                )
                 self.children.append(GatewayChild(settings, self.folder / f"gateway-{i + 1}"))
             await asyncio.gather(*(asyncio.to_thread(child.start) for child in self.children))
             addresses = [child.url.removeprefix("http://") for child in self.children]

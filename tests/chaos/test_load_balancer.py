@@ -3,6 +3,7 @@ Skips without the `haproxy` binary (Debian's package `haproxy`; .ci/run installs
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -12,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.redis_cluster import LocalRedisCluster
 from tests.chaos.load_balancer import LoadBalancerOptions, LoadBalancerSoak
 
 pytestmark = [
@@ -29,10 +31,20 @@ pytestmark = [
     r"ignore:Exception ignored in. <function _SelectorTransport\.__del__:pytest.PytestUnraisableExceptionWarning"
 )
 @pytest.mark.timeout(240)
-async def test_gateways_behind_haproxy(redis_server: EmbeddedRedis, redis: Redis, tmp_path: Path) -> None:
+# On a Redis Cluster (3 masters with a replica each, 3 stream partitions) by default; RG_LB_REDIS=single runs it on
+# the embedded single server, RG_LB_REDIS=single,cluster on both.
+@pytest.mark.parametrize("redis_kind", os.environ.get("RG_LB_REDIS", "cluster").split(","))
+async def test_gateways_behind_haproxy(
+    redis_server: EmbeddedRedis, redis: Redis, tmp_path: Path, redis_kind: str
+) -> None:
     options = LoadBalancerOptions(seed=int(os.environ.get("RG_LB_SEED", "11")))
-    print(f"load-balancer soak, seed {options.seed} (replay: RG_LB_SEED={options.seed})")
-    report = await LoadBalancerSoak(options, redis_server.url, tmp_path).run()
+    print(f"load-balancer soak on {redis_kind} Redis, seed {options.seed} (replay: RG_LB_SEED={options.seed})")
+    with contextlib.ExitStack() as stack:
+        if redis_kind == "cluster":
+            cluster = stack.enter_context(LocalRedisCluster(data_dir=tmp_path / "cluster"))
+            report = await LoadBalancerSoak(options, cluster.url, tmp_path, stream_partitions=3).run()
+        else:
+            report = await LoadBalancerSoak(options, redis_server.url, tmp_path).run()  # `redis` emptied it
     gc.collect()  # a socket the run leaked is reported here, not in whichever test runs next
     print(report.lb_figures())
     for violation in report.violations[:20]:
