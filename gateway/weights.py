@@ -19,7 +19,6 @@ import functools
 import gc
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,7 +28,7 @@ from backends.errors import BackendError, WeightsNotLoaded
 from gateway.background import stop
 from gateway.errors import Conflict, InvalidRequest, StoreError, WeightsNotUpdated
 from gateway.routing import Replica, ReplicaPool
-from gateway.store import WeightsBus
+from gateway.store import WeightsBus, WeightsRecord
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +39,10 @@ MEMBER_TTL_S = 10.0
 """How long a gateway process counts as on the weights bus after its last heartbeat (every `HEARTBEAT_S`): a `wait`
 update waits for the live ones to drain their requests, so one that died holds it for this long at most."""
 HEARTBEAT_S = 2.0
+DEAD_AFTER_S = MEMBER_TTL_S
+"""How long after its membership expired a process coordinating an update is taken for dead, its lock taken over
+and the pool recovered (`WeightCoordinator._recover`): no heartbeat for twice the TTL, so that a Redis failover,
+which stops every process's heartbeat for seconds, is not taken for a death."""
 
 
 def version_label(version: int) -> str:
@@ -142,6 +145,7 @@ class WeightCoordinator:
         self._paused_at = 0.0
         self._paused_token: str | None = None
         self._paused_leadership: contextlib.AbstractAsyncContextManager[str | None] | None = None
+        self._followed: str | None = None  # the token of the update another process coordinates, while following
         # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
@@ -484,8 +488,10 @@ class WeightCoordinator:
         if self.bus is None:
             yield None
             return
-        token = uuid.uuid4().hex
-        if not await self.bus.acquire(token, self.update_timeout_s + 30):
+        token = self.bus.new_token()
+        # On the bus before the lock: a holder whose heartbeat is not there counts as dead (`WeightsBus.acquire`).
+        await self.bus.join(MEMBER_TTL_S)
+        if not await self.bus.acquire(token, self.update_timeout_s + 30, DEAD_AFTER_S):
             raise Conflict("another gateway process is applying a weight update", param="version")
         try:
             record = await self.bus.read()
@@ -538,11 +544,13 @@ class WeightCoordinator:
             if kind == "pausing" and not self._lock.locked():
                 self._serving.clear()
                 self.state = "following"
-                self._watchdog(event.get("version"))
                 token = event.get("token")
+                self._followed = token if isinstance(token, str) else None
+                self._watch(self._followed, event.get("version"))
                 if event.get("mode") == "wait" and isinstance(token, str):
                     self._drain_and_report(token)
             elif kind == "serving":
+                self._followed = None
                 self._adopt(event)
             elif kind == "drained":
                 self._drained_news.set()
@@ -585,23 +593,116 @@ class WeightCoordinator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _watchdog(self, version: object) -> None:
-        """If the coordinating process dies mid-update, stop waiting for it after the update timeout."""
+    def _watch(self, token: str | None, version: object) -> None:
+        """Follow the update `token` to its result. If the process coordinating it dies first (no heartbeat on the
+        bus for `MEMBER_TTL_S` + `DEAD_AFTER_S`), or it outlasts `weights.update_timeout_s`, recover (`_recover`)."""
+        bus = self.bus
+        assert bus is not None
+        holder = bus.holder_of(token) if token is not None else None
 
-        async def expire() -> None:
-            await asyncio.sleep(self.update_timeout_s)
-            if self.state == "following" and self.bus is not None:
-                logger.error(
-                    "weights: no result for version %s from the coordinating process",
-                    version,
-                    extra={"version": version},
-                )
-                record = await self.bus.read()
-                self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
+        async def watch() -> None:
+            deadline = time.monotonic() + self.update_timeout_s
+            while self._following(token):
+                await asyncio.sleep(HEARTBEAT_S)  # the heartbeat's own period: a death shows no sooner
+                try:
+                    # An out-of-band pause (no version) is not recovered from a death: the trainer may be writing
+                    # weights into the engines, which must not serve until it says they are whole.
+                    died = holder is not None and version is not None and not await bus.alive(holder, DEAD_AFTER_S)
+                except StoreError:
+                    continue  # Redis is away: nothing to decide by, and nobody can announce meanwhile
+                if self._following(token) and (died or time.monotonic() > deadline):
+                    why = "its coordinating process died" if died else "no result within weights.update_timeout_s"
+                    logger.error("weights: update to version %s: %s", version, why, extra={"version": version})
+                    await self._recover(token, version, died)
+                    return
 
-        task = asyncio.create_task(expire(), name="weights-watchdog")
+        task = asyncio.create_task(watch(), name="weights-watch")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _following(self, token: str | None) -> bool:
+        return self.state == "following" and self._followed == token
+
+    async def _recover(self, dead: str | None, version: object, died: bool) -> None:
+        """The update `dead` will not end by itself: its coordinating process `died`, or it outlasted
+        `weights.update_timeout_s`. After a death, take over its lock and bring the pool back to the version
+        recorded in Redis (`rg:weights`, the last one announced): every replica is paused (`abort`: its requests
+        resume on the gateway's side, tokens kept); one that reports that version resumes, one that reports another
+        is loaded with it again from the recorded path, or held out as stale; the result is announced as an
+        update's. Where another process took the lock meanwhile (a new update, another process recovering),
+        follow that one; otherwise adopt the record and dispatch again."""
+        bus = self.bus
+        assert bus is not None
+        async with self._lock:
+            if not self._following(dead):
+                return
+            token, ttl_s = bus.new_token(), self.update_timeout_s + 30
+            try:
+                taken = died and dead is not None and await bus.take_over(dead, token, ttl_s)
+                holder = None if taken else await bus.holder()
+                record = await bus.read()
+            except StoreError as exc:
+                logger.error("weights: cannot recover from the update to version %s yet: %s", version, exc)
+                self._watch(dead, version)  # again, a heartbeat later
+                return
+            if taken:
+                await self._restore(token, record)
+            elif holder is not None and holder != dead:
+                self._followed = holder
+                self._watch(holder, version)
+            else:
+                self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
+
+    async def _restore(self, token: str, record: WeightsRecord | None) -> None:
+        """`_recover`'s work once it holds the lock (`token`)."""
+        assert self.bus is not None
+        version, source = (record.version, record.source) if record else (self.version, self.last_source)
+        report = UpdateReport(version, "abort", started_at=time.time())
+        self.state = "pausing"
+        try:
+            await self.bus.announce({"event": "pausing", "version": version, "mode": "abort", "token": token})
+            async with asyncio.timeout(self.update_timeout_s):
+                await self._pause_all("abort", report)
+                report.paused_at = time.time()
+                self.state = "updating"
+                async with asyncio.TaskGroup() as group:
+                    for replica in self.pool.all():
+                        if replica.id not in report.stale:
+                            group.create_task(self._restore_one(replica, version, source, report))
+                await self._settle_refusals(version, report, rollback=False)
+                report.loaded_at = time.time()
+                self.state = "resuming"
+                await self._resume_all(report)
+        finally:
+            self.version, self.last_source = max(version, self.version), source
+            await self._publish_result(token, report)
+            with contextlib.suppress(StoreError):
+                await self.bus.release(token)
+            self._followed = None
+            self.state = "serving"
+            self._release()
+            report.finished_at = time.time()
+        logger.warning(
+            "weights: recovered on version %d: %s serve it; stale: %s",
+            version,
+            report.updated,
+            report.stale,
+            extra={"version": version},
+        )
+
+    async def _restore_one(self, replica: Replica, version: int, source: str | None, report: UpdateReport) -> None:
+        """Bring one paused replica to `version`: as it is where it reports that version, loaded from `source`
+        where it reports another, stale where there is no path to load it from."""
+        label = await self._label_of(replica)
+        if label in version_labels(version):
+            replica.version, replica.stale = version, False
+            report.updated.append(replica.id)
+        elif source is not None:
+            await self._update_one(replica, version, source, report)
+        else:
+            why = f"reports version {label!r} after an interrupted update, and version {version} has no path"
+            report.note(replica.id, why)
+            self._mark_stale(replica, report, why)
 
     def _adopt(self, event: dict[str, object]) -> None:
         version = event.get("version")

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,17 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# Take over the lock of a process that died holding it: only where `dead` holds it still (of two processes taking
+# over, one wins), or where `token` holds it already (a resent command). Answers 1 where `token` holds it.
+# KEYS: the lock. ARGV: the dead holder's token, our token, the TTL in milliseconds.
+_TAKE_OVER_LOCK = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[2] then redis.call('PEXPIRE', KEYS[1], ARGV[3]) return 1 end
+if holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
 _RELEASE_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -64,12 +76,53 @@ class WeightsBus:
         self.keys = keys
         self.origin = origin
         self._acquire_lock = client.register_script(_ACQUIRE_LOCK)
+        self._take_over_lock = client.register_script(_TAKE_OVER_LOCK)
         self._release_lock = client.register_script(_RELEASE_LOCK)
 
-    async def acquire(self, token: str, ttl_s: float) -> bool:
-        """Take `rg:weights:lock` for `token` for `ttl_s`; False where another process holds it."""
+    def new_token(self) -> str:
+        """A token for one update, naming this process as its holder (`holder_of`)."""
+        return f"{self.origin}.{uuid.uuid4().hex}"
+
+    @staticmethod
+    def holder_of(token: str) -> str | None:
+        """The process (`origin`) that holds, or held, the lock `token`; None for a token that names none (one of a
+        gateway older than `new_token`)."""
+        origin, dot, _ = token.partition(".")
+        return origin if dot else None
+
+    async def acquire(self, token: str, ttl_s: float, grace_s: float = 10.0) -> bool:
+        """Take `rg:weights:lock` for `token` for `ttl_s`; False where another process holds it. The lock of a
+        process whose membership expired `grace_s` ago or more (`join`: it died, or has not reached Redis for that
+        long) is taken over: it would otherwise refuse every update until its TTL."""
         args: list[str | int] = [token, max(1, int(ttl_s * 1000))]
-        return bool(await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"))
+        if await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"):
+            return True
+        holder = await self.holder()
+        if holder is None:  # released meanwhile
+            return bool(await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"))
+        origin = self.holder_of(holder)
+        if origin is None or await self.alive(origin, grace_s):
+            return False
+        if not await self.take_over(holder, token, ttl_s):
+            return False
+        logger.warning("weights: took over the update lock of process %s, whose heartbeat expired", holder)
+        return True
+
+    async def take_over(self, dead: str, token: str, ttl_s: float) -> bool:
+        """Replace the lock `dead` holds by `token` (for `ttl_s`); False where `dead` no longer holds it."""
+        args: list[str | int] = [dead, token, max(1, int(ttl_s * 1000))]
+        return bool(await call(self._take_over_lock(keys=[self.keys.weights_lock], args=args), "take over the lock"))
+
+    async def holder(self) -> str | None:
+        """The token that holds `rg:weights:lock` now; None where nobody does."""
+        found = await call(self.client.get(self.keys.weights_lock), "read the lock")
+        return None if found is None else text(found)
+
+    async def alive(self, origin: str, grace_s: float = 0.0) -> bool:
+        """Whether the process `origin` is on the bus: its last heartbeat (`join`) has not expired, or expired less
+        than `grace_s` ago."""
+        score = await call(self.client.zscore(self.keys.weights_members, origin), "bus member")
+        return score is not None and float(score) > time.time() - grace_s
 
     async def release(self, token: str, budget_s: float = 10.0) -> None:
         """Release the lock `token` holds, retrying for `budget_s` while Redis is away (a failover takes seconds;

@@ -11,15 +11,27 @@ the real engines (vLLM answers 500, SGLang 400 `success: false`), keeping the we
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from backends.launcher import free_port
 from backends.sim.engine import EngineSettings
 from gateway.config import ReplicaConfig
-from gateway.weights import INITIAL_LABELS, parse_version, version_label, version_labels
-from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.weights import (
+    DEAD_AFTER_S,
+    HEARTBEAT_S,
+    INITIAL_LABELS,
+    MEMBER_TTL_S,
+    parse_version,
+    version_label,
+    version_labels,
+)
+from tests.chaos.soak import GatewayChild
+from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.gateway_helpers import (
     PROMPT,
     expected_tokens,
@@ -384,3 +396,59 @@ async def test_a_wait_update_drains_every_gateway_process_before_any_replica_is_
         assert result.output_ids == expected_tokens(PROMPT, [0] * total, total)
     after = (await http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 5, session_id="later"))).json()
     assert after["versions"] == [1] * 5
+
+
+async def test_a_gateway_killed_while_it_coordinates_an_update_leaves_the_others_serving(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    redis_server: EmbeddedRedis,
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+) -> None:
+    """A `serve` process coordinating a `wait` update is SIGKILLed while it waits for the other gateway to drain:
+    its lock and the others' pause would last `weights.update_timeout_s` (10 min). Once its heartbeat expired, the
+    other gateway takes the lock over, brings the replica back to the recorded version and serves again, and the
+    trainer's retried update goes through; the streams in flight end with their tokens exact."""
+    sim = await make_sim(*slow("sglang", delay=0.004), incremental_streaming_output=True)
+    follower = await make_gateway([sim])
+    settings = {
+        "server": {"port": free_port(), "admin_token": ADMIN_TOKEN},
+        "redis": {"url": redis_server.url},
+        "replicas": [ReplicaConfig(url=sim.url, backend="sim", dialect="sglang").model_dump(mode="json")],
+        "routing": {"health_interval_s": 0.2},
+    }
+    coordinator = GatewayChild(settings, tmp_path / "coordinator")
+    await asyncio.to_thread(coordinator.start)
+    try:
+        total, progress = 2_000, [0]
+        body = generate_body(PROMPT, total, session_id="held")
+        streaming = asyncio.create_task(stream_generate(http, follower.url, body, progress))
+        await wait_for(lambda: progress[0] >= 30, what="progress on the follower")
+        update = asyncio.create_task(publish(http, coordinator.url, 1, mode="wait"))
+
+        async def following() -> bool:
+            return (await status_of(http, follower.url))["state"] == "following"
+
+        await wait_for(following, what="the follower following the update")
+        await asyncio.to_thread(coordinator.kill)
+        with pytest.raises(httpx.TransportError):
+            await update
+        killed = time.monotonic()
+
+        async def serving() -> bool:
+            return (await status_of(http, follower.url))["state"] == "serving"
+
+        await wait_for(
+            serving, timeout=MEMBER_TTL_S + DEAD_AFTER_S + 3 * HEARTBEAT_S + 5, what="the follower serving again"
+        )
+        recovered_s = time.monotonic() - killed
+        print(f"\nthe follower serves again {recovered_s:.1f} s after the kill")
+        assert MEMBER_TTL_S + DEAD_AFTER_S - HEARTBEAT_S - 1 < recovered_s, recovered_s  # no sooner than that
+        result = await streaming
+        assert result.error is None and result.output_ids == expected_tokens(PROMPT, result.final["versions"], total)
+        response = await publish(http, follower.url, 1, mode="wait")  # the trainer's retry
+        assert response.status_code == 200, response.text
+        after = (await http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 5, session_id="x"))).json()
+        assert after["versions"] == [1] * 5
+    finally:
+        await asyncio.to_thread(coordinator.kill)

@@ -3,6 +3,7 @@ path that runs a script by SHA, in a batched pipeline or directly, loads it agai
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -77,6 +78,34 @@ async def test_the_weights_lock_taken_again_by_its_holder_is_kept_and_refused_to
     await bus.release("token")
     assert await other.acquire("other-token", ttl_s=10)
     await other.release("other-token")
+
+
+async def test_the_weights_lock_of_a_process_whose_heartbeat_expired_is_taken_over_once(client: Redis) -> None:
+    """A gateway SIGKILLed while it coordinates an update leaves its lock for `update_timeout_s` + 30 s: once its
+    membership expired `grace_s` ago, the next process to ask takes it over (one of two asking at once), not before."""
+    dead, first, second = (WeightsBus(client, KEYS, origin=name) for name in ("dead", "first", "second"))
+    for bus in (dead, first, second):
+        await bus.join(ttl_s=10)
+    held = dead.new_token()
+    assert dead.holder_of(held) == "dead" and dead.holder_of("token") is None
+    assert await dead.acquire(held, ttl_s=600)
+    assert not await first.acquire(first.new_token(), ttl_s=600)  # alive: refused
+    await dead.join(ttl_s=-1)  # its membership expired a second ago: not yet taken for dead
+    assert not await dead.alive("dead") and await dead.alive("dead", grace_s=10)
+    assert not await first.acquire(first.new_token(), ttl_s=600, grace_s=10)
+    await dead.join(ttl_s=-11)  # ... and 11 s ago
+    assert await first.alive("first")
+    tokens = [first.new_token(), second.new_token()]
+    taken = await asyncio.gather(
+        *(bus.acquire(t, ttl_s=600, grace_s=10) for bus, t in zip((first, second), tokens, strict=True))
+    )
+    assert sorted(taken) == [False, True]
+    winner = tokens[taken.index(True)]
+    assert await first.holder() == winner
+    assert not await first.take_over(held, first.new_token(), ttl_s=600)  # `held` no longer holds it
+    await first.release(winner)
+    await second.release(winner)
+    assert await first.holder() is None
 
 
 async def test_the_weights_lock_and_the_trainer_touch_after_a_flush(
