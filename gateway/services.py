@@ -138,6 +138,8 @@ class Services:
             return
         if not self.weights.serving or self.weights.updates != updates or version == self.weights.version:
             return  # an update began or ended meanwhile: this reading proves nothing
+        if version > self.weights.version and await self.weights.adopt_recorded():
+            return  # this process had missed an update's result (its subscription was down): now it has it
         if not replica.stale:
             logger.warning(
                 "replica %s reports weight version %s, the pool runs %d: held out until it catches up",
@@ -148,7 +150,9 @@ class Services:
             )
         replica.version, replica.stale = version, True
         self.pool.notify()
-        if self.weights.last_source is not None:
+        # Never back to an older version: a replica ahead of every record (one lost to a Redis failover) waits for
+        # the next update rather than have two processes load their own versions onto it in turns.
+        if self.weights.last_source is not None and version < self.weights.version:
             self._catch_up_in_background(replica)
 
     async def _catch_up(self, replica: Replica) -> None:

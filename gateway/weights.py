@@ -29,6 +29,7 @@ from gateway.background import stop
 from gateway.errors import Conflict, InvalidRequest, StoreError, WeightsNotUpdated
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import WeightsBus, WeightsRecord
+from gateway.store.core import backoff_s
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,11 @@ DEAD_AFTER_S = MEMBER_TTL_S
 """How long after its membership expired a process coordinating an update is taken for dead, its lock taken over
 and the pool recovered (`WeightCoordinator._recover`): no heartbeat for twice the TTL, so that a Redis failover,
 which stops every process's heartbeat for seconds, is not taken for a death."""
+
+
+def _pausing(version: int | None, mode: PauseMode, token: str) -> dict[str, object]:
+    """The `pausing` event of the update `token` on the weights bus."""
+    return {"event": "pausing", "version": version, "mode": mode, "token": token}
 
 
 def version_label(version: int) -> str:
@@ -68,6 +74,14 @@ def parse_version(label: str) -> int:
         return int(label)
     except ValueError:
         raise InvalidRequest(f"engine weight version {label!r} is not an integer") from None
+
+
+def _newer(label: str, version: int) -> bool:
+    """Whether the engine label `label` names a version after `version` (a label that is no version: False)."""
+    try:
+        return parse_version(label) > version
+    except InvalidRequest:
+        return False
 
 
 def _ids(value: object) -> set[str]:
@@ -146,6 +160,7 @@ class WeightCoordinator:
         self._paused_token: str | None = None
         self._paused_leadership: contextlib.AbstractAsyncContextManager[str | None] | None = None
         self._followed: str | None = None  # the token of the update another process coordinates, while following
+        self._draining: set[str] = set()  # the updates whose drain this process is reporting (`_drain_and_report`)
         # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
@@ -200,7 +215,7 @@ class WeightCoordinator:
             self._serving.clear()
             try:
                 async with asyncio.timeout(self.update_timeout_s):
-                    await self._followers_drained(mode, token)
+                    await self._followers_drained(mode, token, version)
                     await self._pause_all(mode, report)
                     report.paused_at = time.time()
                     self.state = "updating"
@@ -397,20 +412,30 @@ class WeightCoordinator:
         self._background.add(task)  # hard reference until done
         task.add_done_callback(self._background.discard)
 
+    def _admit_caught_up(self, replica: Replica) -> bool:
+        replica.version, replica.stale = self.version, False
+        self.pool.notify()
+        return True
+
     async def load_current(self, replica: Replica) -> bool:
         """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
 
         Serialized with updates (the same lock): run concurrently, a catch-up and an update could interleave
         inside the engine and leave it holding one version's weights under the other's label. Returns whether
-        the replica now serves the current version; False when the weights did not come from a path."""
+        the replica now serves the current version; False when the weights did not come from a path, or when the
+        replica runs a newer version by now (the catch-up was decided before an update this process has not heard
+        of yet: loading would take the replica back to older weights)."""
         async with self._lock:
             if self.last_source is None:
                 return False
             label = version_label(self.version)
+            found = await replica.backend.weight_version()
+            if found == label or (found not in INITIAL_LABELS and _newer(found, self.version)):
+                return found == label and self._admit_caught_up(replica)
             cache_clean = await replica.backend.update_weights(label, self.last_source)
             if await replica.backend.weight_version() != label:
                 return False
-            replica.version, replica.stale = self.version, False
+            self._admit_caught_up(replica)
             if not cache_clean:
                 # Requests that ran on the old weights hold KV blocks; they would enter the prefix cache when they
                 # finish and later prompts would reuse them. Out of rotation until they are gone and it is flushed.
@@ -431,7 +456,7 @@ class WeightCoordinator:
             self._serving.clear()
             report = UpdateReport(self.version, mode, started_at=time.time())
             async with asyncio.timeout(self.update_timeout_s):
-                await self._followers_drained(mode, self._paused_token)
+                await self._followers_drained(mode, self._paused_token, None)
             await self._pause_all(mode, report)
             report.paused_at = time.time()
             self.state = "paused"
@@ -497,7 +522,7 @@ class WeightCoordinator:
             record = await self.bus.read()
             if version is not None and record is not None and record.version >= version:
                 raise Conflict(f"weight version {version} is not newer than {record.version}", param="version")
-            await self.bus.announce({"event": "pausing", "version": version, "mode": mode, "token": token})
+            await self.bus.announce(_pausing(version, mode, token))
             yield token
         finally:
             with contextlib.suppress(StoreError):
@@ -515,7 +540,7 @@ class WeightCoordinator:
             "stale": report.stale,
         }
         try:
-            await self.bus.record(self.version, "serving", self.last_source)
+            await self.bus.record(self.version, "serving", self.last_source, report.updated, report.stale)
             await self.bus.announce(event)
         except StoreError as exc:  # the engines are updated; the followers time out and re-read
             logger.error(
@@ -542,12 +567,14 @@ class WeightCoordinator:
         async for event in self.bus.events():
             kind = event.get("event")
             if kind == "pausing" and not self._lock.locked():
-                self._serving.clear()
-                self.state = "following"
                 token = event.get("token")
-                self._followed = token if isinstance(token, str) else None
-                self._watch(self._followed, event.get("version"))
-                if event.get("mode") == "wait" and isinstance(token, str):
+                token = token if isinstance(token, str) else None
+                if token is None or not self._following(token):  # not an update it follows already (`pausing` again)
+                    self._serving.clear()
+                    self.state = "following"
+                    self._followed = token
+                    self._watch(token, event.get("version"))
+                if event.get("mode") == "wait" and token is not None and token not in self._draining:
                     self._drain_and_report(token)
             elif kind == "serving":
                 self._followed = None
@@ -555,10 +582,12 @@ class WeightCoordinator:
             elif kind == "drained":
                 self._drained_news.set()
 
-    async def _followers_drained(self, mode: PauseMode, token: str | None) -> None:
+    async def _followers_drained(self, mode: PauseMode, token: str | None, version: int | None) -> None:
         """`wait` across processes: before any replica is paused, every other live gateway process on the bus has
         stopped dispatching and seen its own requests end on the replicas without a native `wait` (the pause that
-        follows aborts whatever runs there, whichever process sent it)."""
+        follows aborts whatever runs there, whichever process sent it). While some have not reported it, `pausing`
+        goes out again every heartbeat: a process whose subscription was down missed it, and a report written to a
+        Redis master that died before its replica had it is lost (a failover)."""
         if mode != "wait" or self.bus is None or token is None:
             return
         # The processes on the bus when `pausing` went out; one that joins later never saw it, so is not waited for.
@@ -570,9 +599,11 @@ class WeightCoordinator:
                 return
             logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
             # Woken by each report; re-read at least every heartbeat, so a process that died stops being waited for.
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(HEARTBEAT_S):
                     await self._drained_news.wait()
+            except TimeoutError:
+                await self.bus.announce(_pausing(version, mode, token))
 
     def _drain_and_report(self, token: str) -> None:
         """Follow a `wait` update: once this process's requests on the replicas without a native `wait` ended (it
@@ -584,12 +615,19 @@ class WeightCoordinator:
             for replica in self.pool.all():
                 if "wait" not in replica.backend.capabilities.pause_modes:
                     await self._drain(replica)
-            try:
-                await bus.report_drained(token, self.update_timeout_s + 30)
-            except StoreError as exc:  # the coordinating process times out (`weights.update_timeout_s`)
-                logger.error("weights: could not report this process drained: %s", exc)
+            attempt = 0
+            while self._following(token):  # the coordinating process waits for it while this one is alive
+                try:
+                    await bus.report_drained(token, self.update_timeout_s + 30)
+                    return
+                except StoreError as exc:  # Redis away (a restart, a failover): again, until it is back
+                    attempt += 1
+                    logger.warning("weights: could not report this process drained (%s); retry %d", exc, attempt)
+                    await asyncio.sleep(backoff_s(attempt))  # backoff between retries, not synchronisation
 
+        self._draining.add(token)
         task = asyncio.create_task(drain(), name="weights-drain")
+        task.add_done_callback(lambda _: self._draining.discard(token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -605,12 +643,27 @@ class WeightCoordinator:
             while self._following(token):
                 await asyncio.sleep(HEARTBEAT_S)  # the heartbeat's own period: a death shows no sooner
                 try:
+                    lock = await bus.holder() if token is not None else token
                     # An out-of-band pause (no version) is not recovered from a death: the trainer may be writing
                     # weights into the engines, which must not serve until it says they are whole.
                     died = holder is not None and version is not None and not await bus.alive(holder, DEAD_AFTER_S)
+                    record = await bus.read() if lock is None and token is not None else None
                 except StoreError:
                     continue  # Redis is away: nothing to decide by, and nobody can announce meanwhile
-                if self._following(token) and (died or time.monotonic() > deadline):
+                if not self._following(token):
+                    return
+                if lock != token:
+                    # The update ended, or another took the lock over, and the event saying so did not reach this
+                    # process (its subscription was down: a Redis failover, a restart): as if it had.
+                    logger.warning("weights: the update to version %s ended unannounced here", version)
+                    if lock is None:
+                        self._followed = None
+                        self._adopt(record.as_event() if record else {"version": self.version})
+                    else:
+                        self._followed = lock
+                        self._watch(lock, None)  # what it is, out of band or not, was in the missed `pausing`
+                    return
+                if died or time.monotonic() > deadline:
                     why = "its coordinating process died" if died else "no result within weights.update_timeout_s"
                     logger.error("weights: update to version %s: %s", version, why, extra={"version": version})
                     await self._recover(token, version, died)
@@ -649,7 +702,7 @@ class WeightCoordinator:
                 await self._restore(token, record)
             elif holder is not None and holder != dead:
                 self._followed = holder
-                self._watch(holder, version)
+                self._watch(holder, None)  # its own `pausing` says what it is (if it was missed: no recovery)
             else:
                 self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
 
@@ -660,7 +713,7 @@ class WeightCoordinator:
         report = UpdateReport(version, "abort", started_at=time.time())
         self.state = "pausing"
         try:
-            await self.bus.announce({"event": "pausing", "version": version, "mode": "abort", "token": token})
+            await self.bus.announce(_pausing(version, "abort", token))
             async with asyncio.timeout(self.update_timeout_s):
                 await self._pause_all("abort", report)
                 report.paused_at = time.time()
@@ -704,9 +757,26 @@ class WeightCoordinator:
             report.note(replica.id, why)
             self._mark_stale(replica, report, why)
 
+    async def adopt_recorded(self) -> bool:
+        """Adopt the version `rg:weights` records where it is newer than this process's (a `serving` event it
+        missed); whether it was. False too while an update runs here or Redis does not answer."""
+        if self.bus is None or not self.serving or self._lock.locked():
+            return False
+        try:
+            record = await self.bus.read()
+        except StoreError:
+            return False
+        if record is None or record.version <= self.version or not self.serving:
+            return False
+        logger.warning("weights: version %d, recorded, was not announced here", record.version)
+        self._adopt(record.as_event())
+        return True
+
     def _adopt(self, event: dict[str, object]) -> None:
         version = event.get("version")
         if isinstance(version, int) and version >= self.version:
+            if version > self.version:  # a failed update, or a recovery, announces the version it kept
+                self.updates += 1
             self.version = version
             source = event.get("source")
             self.last_source = source if isinstance(source, str) else self.last_source
@@ -716,8 +786,6 @@ class WeightCoordinator:
                     replica.version, replica.stale = version, False
                 elif replica.id in stale:
                     replica.stale = True
-            if event.get("status") != "failed":
-                self.updates += 1
             self.pool.notify()
         self.state = "serving"
         self._release()

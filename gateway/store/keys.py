@@ -27,8 +27,10 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
 - `rg:open:{key id}` (sorted set, score = when the session expires idle): the open sessions of one API key
   (`server.max_open_sessions_per_key`, `OpenSessions`); it expires once idle `session_idle_ttl_s`.
-- `rg:weights` (hash): `version`, `state`, `source`, `updated_at` — the weight version the pool serves.
-- `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update.
+- `rg:weights` (hash): `version`, `state`, `source`, `updated`, `stale` (JSON lists of replica ids), `updated_at` —
+  the weight version the pool serves, as the update that made it announced it.
+- `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update; its token is
+  `<process>.<uuid>`, so that a process whose heartbeat stopped can be told from a live holder (`WeightsBus.acquire`).
 - `rg:weights:members` (sorted set): the gateway processes on the bus, each scored with the time its heartbeat
   expires; a `wait` update waits for every live one to drain its own requests (`rg:weights:drained:{token}`).
 - `rg:weights:drained:{token}` (set, TTL): the processes that drained their requests for the update `token`.

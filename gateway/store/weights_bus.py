@@ -58,9 +58,23 @@ return 0
 
 @dataclass(frozen=True, slots=True)
 class WeightsRecord:
+    """`rg:weights`: the version the pool serves, where it was loaded from, and the replicas the update that made it
+    left on it (`updated`) and held out (`stale`)."""
+
     version: int
     state: str
     source: str | None
+    updated: tuple[str, ...] = ()
+    stale: tuple[str, ...] = ()
+
+    def as_event(self) -> dict[str, object]:
+        """The record as the `serving` event that announced it (for a process that missed the event)."""
+        return {
+            "version": self.version,
+            "source": self.source,
+            "updated": list(self.updated),
+            "stale": list(self.stale),
+        }
 
 
 class WeightsBus:
@@ -144,10 +158,30 @@ class WeightsBus:
         raw = {text(k): text(v) for k, v in found.items()}
         if "version" not in raw:
             return None
-        return WeightsRecord(int(raw["version"]), raw.get("state", "serving"), raw.get("source") or None)
+        return WeightsRecord(
+            int(raw["version"]),
+            raw.get("state", "serving"),
+            raw.get("source") or None,
+            tuple(orjson.loads(raw.get("updated") or "[]")),
+            tuple(orjson.loads(raw.get("stale") or "[]")),
+        )
 
-    async def record(self, version: int, state: str, source: str | None) -> None:
-        mapping = {"version": version, "state": state, "source": source or "", "updated_at": time.time()}
+    async def record(
+        self,
+        version: int,
+        state: str,
+        source: str | None,
+        updated: list[str] | None = None,
+        stale: list[str] | None = None,
+    ) -> None:
+        mapping = {
+            "version": version,
+            "state": state,
+            "source": source or "",
+            "updated": orjson.dumps(updated or []),
+            "stale": orjson.dumps(stale or []),
+            "updated_at": time.time(),
+        }
         await call(self.client.hset(self.keys.weights, mapping=mapping), "record weights")  # type: ignore[arg-type]
 
     async def join(self, ttl_s: float) -> None:

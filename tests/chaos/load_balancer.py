@@ -34,6 +34,7 @@ import httpx
 import openai
 
 from backends.sim.server import SimProcess
+from gateway.redis_cluster import LocalRedisCluster
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import Trajectory
 from tests.chaos.soak import (
@@ -64,6 +65,7 @@ class LoadBalancerOptions:
     duration_s: float = 40.0  # hard bound on the agents' phase
     update_every_s: tuple[float, float] = (0.8, 1.6)
     kill_at_s: tuple[float, float] = (2.0, 4.0)  # when the gateway is SIGKILLed, after the agents start
+    master_kill_at_s: tuple[float, float] = (5.0, 8.0)  # on a cluster: when a master is SIGKILLed
     # The least a run must go through: agents go on past their planned turns until the killed gateway is back in
     # HAProxy's rotation and this many updates were coordinated after that (within 80 % of `duration_s`).
     # 8 updates, each reaching any of the three gateways: all on one gateway has a chance of 3 in 3^8.
@@ -100,6 +102,7 @@ class LoadBalancerReport(SoakReport):
             f"after {_seconds(self.out_of_rotation_s)}, back after {_seconds(self.back_in_rotation_s)}",
             f"weight updates {self.updates} {dict(self.update_modes)} coordinated by "
             f"{dict(self.updates_by_gateway)} (longest {self.longest_update_s:.2f}s: {'; '.join(self.update_times)})",
+            f"Redis masters killed {self.redis_restarts}",
             f"requests per gateway {self.requests_by_gateway}, while none was ready {self.fallback_requests}",
             f"final versions {self.final_versions}",
             f"delivered {self.delivered}, lost {self.lost}, duplicated {self.duplicated}",
@@ -170,9 +173,18 @@ def parse_stats(text: str) -> dict[tuple[str, str], dict[str, str]]:
 
 
 class LoadBalancerSoak:
-    def __init__(self, options: LoadBalancerOptions, redis_url: str, folder: Path, stream_partitions: int = 1) -> None:
+    def __init__(
+        self,
+        options: LoadBalancerOptions,
+        redis_url: str,
+        folder: Path,
+        cluster: LocalRedisCluster | None = None,
+        kill_a_master: bool = False,
+    ) -> None:
         self.o = options
-        self.stream_partitions = stream_partitions
+        self.cluster = cluster  # a Redis Cluster: 3 stream partitions
+        self.kill_a_master = kill_a_master and cluster is not None  # ... and one of its masters SIGKILLed mid-run
+        self.stream_partitions = 3 if cluster is not None else 1
         self.rng = random.Random(options.seed)
         self.redis_url = redis_url
         self.folder = folder
@@ -234,6 +246,7 @@ class LoadBalancerSoak:
                 asyncio.create_task(self._updates(trainer_http)),
                 asyncio.create_task(self._gateway_kill(victim)),
                 asyncio.create_task(self._watch_rotation(haproxy, victim)),
+                asyncio.create_task(self._master_kill()),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
             await asyncio.gather(
@@ -351,6 +364,7 @@ class LoadBalancerSoak:
     def _chaos_pending(self) -> bool:
         done = (
             self.back_in_rotation.is_set()
+            and (not self.kill_a_master or self.report.redis_restarts >= 1)
             and self.updates_after_return >= self.o.min_updates_after_return
             and self.report.updates >= self.o.min_updates
         )
@@ -375,6 +389,9 @@ class LoadBalancerSoak:
                 began = time.monotonic()
                 response = await http.post("/admin/weights", json=body, headers=ADMIN)
                 took = time.monotonic() - began
+            if response.status_code == 503:  # Redis (the coordination lock) is failing over: the trainer retries
+                self.report.retries["update 503"] += 1
+                continue
             if response.status_code != 200:
                 self.report.violations.append(f"weight update answered {response.status_code}: {response.text}")
                 continue
@@ -399,6 +416,14 @@ class LoadBalancerSoak:
         self.report.gateway_kills += 1
         await asyncio.to_thread(child.start)  # the same port, the same Redis
         self.report.restart_s = time.monotonic() - killed
+
+    async def _master_kill(self) -> None:
+        """On a cluster: SIGKILL one master (inside an update or not), its replica takes over. Turns wait it out."""
+        if self.cluster is None or not self.kill_a_master or not await self._pause(self.o.master_kill_at_s):
+            return
+        await asyncio.to_thread(self.cluster.kill_master, self.rng.randrange(3))
+        await asyncio.to_thread(self.cluster.wait_for_failover)
+        self.report.redis_restarts += 1
 
     async def _watch_rotation(self, haproxy: HAProxy, victim: int) -> None:
         """Follow HAProxy's view of the victim: when it leaves the rotation after the kill, and when it returns."""

@@ -640,7 +640,14 @@ class GatewayChild:
 
     def start(self, timeout_s: float = 60.0) -> None:
         with self.log.open("ab") as log:  # the child keeps its own descriptor
-            command = [*CLI, "serve", "--config", str(self.config), "--log-level", "warning"]
+            command = [
+                *CLI,
+                "serve",
+                "--config",
+                str(self.config),
+                "--log-level",
+                os.environ.get("RG_CHILD_LOG", "warning"),
+            ]
             self.process = process = subprocess.Popen(command, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
         while True:

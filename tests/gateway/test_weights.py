@@ -21,6 +21,7 @@ from backends.launcher import free_port
 from backends.sim.engine import EngineSettings
 from gateway.config import ReplicaConfig
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.store import Keys, WeightsBus, connect
 from gateway.weights import (
     DEAD_AFTER_S,
     HEARTBEAT_S,
@@ -452,3 +453,62 @@ async def test_a_gateway_killed_while_it_coordinates_an_update_leaves_the_others
         assert after["versions"] == [1] * 5
     finally:
         await asyncio.to_thread(coordinator.kill)
+
+
+async def test_a_follower_that_missed_the_result_of_an_update_adopts_the_recorded_one(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """A follower's subscription can be down when the result goes out (a Redis failover, a restart): once the lock no
+    longer names the update, it adopts what `rg:weights` records, replicas held out included, instead of waiting
+    `weights.update_timeout_s`. The coordinator here is the test itself, on the bus, announcing `pausing` only."""
+    sim, other = await make_sim("vllm"), await make_sim("vllm")
+    follower = await make_gateway([sim, other])
+    client = connect(redis_server.url)
+    bus = WeightsBus(client, Keys(), origin="test-coordinator")
+    try:
+        await bus.join(ttl_s=60)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60)
+        await bus.announce({"event": "pausing", "version": 1, "mode": "abort", "token": token})
+
+        async def state_is(state: str) -> bool:
+            return (await status_of(http, follower.url))["state"] == state
+
+        await wait_for(lambda: state_is("following"), what="the follower following the update")
+        await asyncio.sleep(2 * HEARTBEAT_S)
+        assert await state_is("following")  # the lock names the update: it goes on
+        await bus.record(1, "serving", "ckpt-1", updated=[replica_id(sim.url)], stale=[replica_id(other.url)])
+        await bus.release(token)  # ... and no `serving` event
+        await wait_for(lambda: state_is("serving"), timeout=3 * HEARTBEAT_S, what="the follower serving again")
+        status = await status_of(http, follower.url)
+        assert status["version"] == 1, status
+        stale = {r["id"]: r["stale"] for r in status["replicas"]}  # type: ignore[attr-defined]
+        assert stale == {replica_id(sim.url): False, replica_id(other.url): True}, stale
+    finally:
+        await client.aclose()
+
+
+async def test_a_process_behind_its_replicas_adopts_the_recorded_version_and_never_loads_an_older_one(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """A process that missed an update's result sees its replicas report a newer version than its own. It adopts the
+    version `rg:weights` records instead of loading its own, older one back onto them (two processes doing so in
+    turns, each "catching up" the replicas to its own version, was seen after a Redis failover)."""
+    sim = await make_sim("vllm")
+    behind = await make_gateway([sim])
+    elsewhere = await make_gateway([sim], store={"prefix": "elsewhere:"})  # a bus of its own: `behind` hears nothing
+    assert (await publish(http, elsewhere.url, 1)).status_code == 200  # the replica runs ckpt-1, labelled "1"
+    client = connect(redis_server.url)
+    try:
+        await WeightsBus(client, Keys(), origin="test").record(1, "serving", "ckpt-1", updated=[replica_id(sim.url)])
+    finally:
+        await client.aclose()
+
+    async def adopted() -> bool:
+        return (await status_of(http, behind.url))["version"] == 1
+
+    await wait_for(adopted, what="the process adopting the recorded version")
+    status = await status_of(http, behind.url)
+    assert [(r["version"], r["stale"]) for r in status["replicas"]] == [(1, False)], status  # type: ignore[attr-defined]
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["counters"]["weight_loads"]) == ("ckpt-1", 1)  # nothing loaded back
