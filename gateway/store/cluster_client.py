@@ -18,7 +18,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["FailoverAwareCluster", "connect_cluster"]
@@ -37,7 +37,7 @@ class FailoverAwareCluster(RedisCluster):
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().execute_command(*args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError, OSError):
+        except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError):
             await self.read_layout()
             raise
 
@@ -50,7 +50,7 @@ class FailoverAwareCluster(RedisCluster):
             try:
                 await self.nodes_manager.initialize()
                 await self.commands_parser.initialize(self.get_default_node())
-            except (RedisError, OSError):
+            except (RedisError, RedisClusterException, OSError):
                 pass  # no node answers yet: the next failure tries again
 
 

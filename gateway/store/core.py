@@ -11,11 +11,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import AskError, MovedError, RedisError, WatchError
+from redis.exceptions import AskError, MovedError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import StoreError
-from gateway.store.keys import Keys, call
+from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
 from gateway.store.slot_clients import SlotClients
@@ -116,7 +116,7 @@ class StoreCore:
                     raise StoreError(f"redis: {what} failed: {exc}") from exc
                 # The slot has another master now (a failover, a migration): decide again there.
                 await call(self.slots.redirected(key), what)
-            except RedisError as exc:
+            except REDIS_ERRORS as exc:
                 raise StoreError(f"redis: {what} failed: {exc}") from exc
         raise StoreError(f"redis: {what}: the session changed under {_MAX_WATCH_ATTEMPTS} attempts in a row")
 

@@ -57,7 +57,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import StoreError
@@ -198,11 +198,16 @@ def is_cluster_url(url: str) -> bool:
     return urlsplit(url).scheme in ("redis+cluster", "rediss+cluster")
 
 
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+"""What a Redis call may raise: redis-py's cluster client raises `RedisClusterException`, which is no `RedisError`,
+when no node answers for a slot during a failover (`SlotNotCoveredError`, "cannot be connected")."""
+
+
 async def call(awaitable: Awaitable[T], what: str) -> T:
     """`awaitable`'s result; a redis error becomes `StoreError` naming `what` failed."""
     try:
         return await awaitable
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise StoreError(f"redis: {what} failed: {exc}") from exc
 
 

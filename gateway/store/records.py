@@ -14,12 +14,11 @@ from typing import Any
 
 import orjson
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
 
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
 from gateway.store.backpressure import Backpressure
 from gateway.store.core import StoreCore, Writes, meta_of
-from gateway.store.keys import call, text
+from gateway.store.keys import REDIS_ERRORS, call, text
 from gateway.store.scripts import queue, rerun_unknown
 from gateway.trajectory import SessionMeta
 
@@ -168,7 +167,7 @@ class Sessions:
             for result in (raw, touched, indexed):
                 if isinstance(result, Exception):
                     raise result
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis: read session failed: {exc}") from exc
         return SessionMeta.from_redis(session_id, raw) if raw else None
 

@@ -9,11 +9,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
 
 from gateway.errors import StoreError
 from gateway.store.core import Fields, StoreCore
-from gateway.store.keys import call, text
+from gateway.store.keys import REDIS_ERRORS, call, text
 from gateway.store.scripts import queue, rerun_unknown
 from gateway.trajectory import Sample, SampleSaved, StoredChunks
 
@@ -152,7 +151,7 @@ class SampleWriter:
             reply = await rerun_unknown(reply, save, script_keys, args)
             if isinstance(reply, Exception):
                 raise reply
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis: save sample failed: {exc}") from exc
         outcome = text(reply[0])
         if outcome == "saved":

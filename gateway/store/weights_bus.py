@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.errors import StoreError
 from gateway.store.cluster_client import FailoverAwareCluster
@@ -236,7 +236,7 @@ class WeightsBus:
                     # has not), and again after a failover.
                     await self.client.initialize()
                 pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 logger.warning("control channel unreachable (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
@@ -251,12 +251,12 @@ class WeightsBus:
                     event: dict[str, Any] = orjson.loads(message["data"])
                     if event.get("origin") != self.origin:
                         yield event
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 logger.warning("control channel lost (%s); resubscribing in %.1fs", exc, delay)
                 if isinstance(self.client, FailoverAwareCluster):
                     await self.client.read_layout()
                 await asyncio.sleep(delay)
                 delay = min(5.0, delay * 2)
             finally:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(RedisError, RedisClusterException, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.errors import StoreError
-from gateway.store.keys import Keys
+from gateway.store.keys import REDIS_ERRORS, Keys
 from gateway.trajectory import Sample, SessionMeta, Trajectory, TrajectoryFormatError
 
 __all__ = [
@@ -49,7 +48,7 @@ def store_errors(what: str) -> Iterator[None]:
     """A redis error inside becomes `StoreError` naming `what` failed."""
     try:
         yield
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise StoreError(f"redis: {what} failed: {exc}") from exc
 
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import SlotNotCoveredError
 
 from gateway.errors import StoreError
 from gateway.redis_cluster import SLOTS, LocalRedisCluster
 from gateway.store import Keys, TrajectoryStore, connect
+from gateway.store.keys import call
 from gateway.trainer import TrajectoryConsumer
 from tests.gateway.store.test_trajectory_store import make_sample
 
@@ -163,3 +165,14 @@ async def test_a_turn_waits_out_the_failover_of_its_sessions_master(tmp_path: Pa
         finally:
             await store.aclose()
             await client.aclose()
+
+
+async def test_a_cluster_error_that_is_no_redis_error_is_a_store_error() -> None:
+    """redis-py's cluster client raises `RedisClusterException` (no `RedisError`) when no node answers for a slot;
+    left raw, it ended the loops that expect `StoreError` (the weights heartbeat, the control channel)."""
+
+    async def fails() -> None:
+        raise SlotNotCoveredError("no node answers for slot 7")
+
+    with pytest.raises(StoreError, match="read the lock failed: no node answers for slot 7"):
+        await call(fails(), "read the lock")
