@@ -412,11 +412,6 @@ class WeightCoordinator:
         self._background.add(task)  # hard reference until done
         task.add_done_callback(self._background.discard)
 
-    def _admit_caught_up(self, replica: Replica) -> bool:
-        replica.version, replica.stale = self.version, False
-        self.pool.notify()
-        return True
-
     async def load_current(self, replica: Replica) -> bool:
         """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
 
@@ -430,12 +425,14 @@ class WeightCoordinator:
                 return False
             label = version_label(self.version)
             found = await replica.backend.weight_version()
-            if found == label or (found not in INITIAL_LABELS and _newer(found, self.version)):
-                return found == label and self._admit_caught_up(replica)
-            cache_clean = await replica.backend.update_weights(label, self.last_source)
-            if await replica.backend.weight_version() != label:
+            if _newer(found, self.version):
                 return False
-            self._admit_caught_up(replica)
+            cache_clean = True
+            if found != label:
+                cache_clean = await replica.backend.update_weights(label, self.last_source)
+                if await replica.backend.weight_version() != label:
+                    return False
+            replica.version, replica.stale = self.version, False
             if not cache_clean:
                 # Requests that ran on the old weights hold KV blocks; they would enter the prefix cache when they
                 # finish and later prompts would reuse them. Out of rotation until they are gone and it is flushed.
@@ -658,7 +655,7 @@ class WeightCoordinator:
                     logger.warning("weights: the update to version %s ended unannounced here", version)
                     if lock is None:
                         self._followed = None
-                        self._adopt(record.as_event() if record else {"version": self.version})
+                        self._adopt_record(record)
                     else:
                         self._followed = lock
                         self._watch(lock, None)  # what it is, out of band or not, was in the missed `pausing`
@@ -704,7 +701,7 @@ class WeightCoordinator:
                 self._followed = holder
                 self._watch(holder, None)  # its own `pausing` says what it is (if it was missed: no recovery)
             else:
-                self._adopt({"version": record.version if record else self.version, "updated": [], "stale": []})
+                self._adopt_record(record)
 
     async def _restore(self, token: str, record: WeightsRecord | None) -> None:
         """`_recover`'s work once it holds the lock (`token`)."""
@@ -769,8 +766,12 @@ class WeightCoordinator:
         if record is None or record.version <= self.version or not self.serving:
             return False
         logger.warning("weights: version %d, recorded, was not announced here", record.version)
-        self._adopt(record.as_event())
+        self._adopt_record(record)
         return True
+
+    def _adopt_record(self, record: WeightsRecord | None) -> None:
+        """`_adopt` what `rg:weights` records, as if its `serving` event had arrived (none: serve on as is)."""
+        self._adopt(record.as_event() if record else {"version": self.version})
 
     def _adopt(self, event: dict[str, object]) -> None:
         version = event.get("version")
