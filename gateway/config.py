@@ -387,6 +387,9 @@ class StoreConfig(_Section):
     session_cache_bytes: int = Field(
         256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."
     )
+    response_cache_size: int = Field(
+        4096, ge=0, description="Stored Responses API answers this process keeps for chained turns (LRU; 0: none)."
+    )
 
 
 class SessionsConfig(_Section):

@@ -10,10 +10,17 @@ its turn, and the trainer deletes its keys once it took it.
 The record also holds the answer (for `GET /v1/responses/{id}`), and whether the conversation's first message is the
 request's `instructions`: a request that names a previous response gives its own instructions, which replace those
 (OpenAI's `instructions` are not carried over from the previous response).
+
+Each process keeps its latest stored responses with their conversations (`ResponseCache`): an agent's chained turn
+that comes back to the process that answered the one before (sticky balancing, one gateway) starts without a Redis
+read. A record never changes once stored, and the first messages of a sample's conversation neither, so a cached one
+is the stored one; a chained turn on another process reads Redis as before.
 """
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +29,7 @@ import orjson
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.store.responses import ResponseKeys
 
-__all__ = ["ResponseRecord", "ResponseRecords"]
+__all__ = ["ResponseCache", "ResponseRecord", "ResponseRecords"]
 
 Message = dict[str, Any]
 
@@ -40,17 +47,56 @@ class ResponseRecord:
     conversation: list[Message] | None = None
 
 
+class ResponseCache:
+    """The responses this process stored last, each with its conversation (its input then its reply, its
+    instructions included): at most `size` (least recently used out first), none kept longer than `ttl_s`, Redis's
+    lifetime of the record. The records and messages are shared with their readers, who must not change them."""
+
+    def __init__(self, size: int, ttl_s: float) -> None:
+        self.size = size
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[str, tuple[float, ResponseRecord, list[Message]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response_id: str, record: ResponseRecord, conversation: list[Message]) -> None:
+        if self.size <= 0:
+            return
+        self._entries[response_id] = (time.monotonic() + self.ttl_s, record, conversation)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[ResponseRecord, list[Message]] | None:
+        found = self._entries.get(response_id)
+        if found is None:
+            return None
+        expires, record, conversation = found
+        if time.monotonic() >= expires:
+            del self._entries[response_id]
+            return None
+        self._entries.move_to_end(response_id)
+        return record, conversation
+
+
 class ResponseRecords:
-    """Saves and finds stored responses (`ResponseKeys`)."""
+    """Saves and finds stored responses (`ResponseKeys`), through this process's `ResponseCache`."""
 
-    def __init__(self, keys: ResponseKeys) -> None:
+    def __init__(self, keys: ResponseKeys, cache: ResponseCache) -> None:
         self._keys = keys
+        self._cache = cache
 
-    async def save(self, response_id: str, record: ResponseRecord) -> None:
+    async def save(self, response_id: str, record: ResponseRecord, conversation: list[Message]) -> None:
+        """Store `record`; `conversation` is the turn's input and reply as its sample records them."""
         await self._keys.save(response_id, orjson.dumps(record))  # orjson writes a dataclass (no deep copy)
+        self._cache.put(response_id, record, conversation)
 
     async def get(self, response_id: str) -> ResponseRecord:
         """The stored response; `NotFound` if there is none (never stored, `store: false`, or expired)."""
+        cached = self._cache.get(response_id)
+        if cached is not None:
+            return cached[0]
         raw = await self._keys.load(response_id)
         if raw is None:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
@@ -69,7 +115,10 @@ class ResponseRecords:
 
     async def conversation(self, response_id: str, record: ResponseRecord) -> list[Message]:
         """The response's conversation, its input then its reply, without its instructions."""
-        if record.conversation is not None:
+        cached = self._cache.get(response_id)
+        if cached is not None:
+            messages = cached[1]
+        elif record.conversation is not None:
             messages = record.conversation
         else:
             assert record.session_id is not None  # a record has one or the other

@@ -26,6 +26,7 @@ from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
 from gateway.quotas import SessionQuota
+from gateway.response_records import ResponseCache
 from gateway.routing import Replica, ReplicaPool
 from gateway.session_lifecycle import SessionLifecycle
 from gateway.session_samples import SessionManager
@@ -97,6 +98,7 @@ class Services:
     quota: SessionQuota = field(default_factory=lambda: SessionQuota(0))
     open_sessions: OpenSessions | None = None  # `server.max_open_sessions_per_key`, across processes
     dashboard: DashboardSampler | None = None
+    response_cache: ResponseCache = field(default_factory=lambda: ResponseCache(0, 0.0))  # the Responses API's
     _catching_up: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
@@ -339,6 +341,7 @@ async def open_services(
             quota=SessionQuota(settings.server.max_sessions_per_key),
             open_sessions=open_sessions,
             dashboard=dashboard,
+            response_cache=ResponseCache(s.response_cache_size, s.session_idle_ttl_s + s.ttl_s),
         )
         pool.on_probe = services.verify_replica
         stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close

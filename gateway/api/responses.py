@@ -66,7 +66,7 @@ async def get_response(response_id: str, svc: ServicesDep) -> Response:
 
 
 def _records(svc: Services) -> ResponseRecords:
-    return ResponseRecords(svc.store.responses)
+    return ResponseRecords(svc.store.responses, svc.response_cache)
 
 
 async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep) -> Response:
@@ -239,7 +239,7 @@ class _Answer:
             instructions=self.body.instructions is not None,
             conversation=conversation if one_turn else None,
         )
-        await self.records.save(self.response_id, record)
+        await self.records.save(self.response_id, record, conversation)
 
     async def events(self, final_event: list[bytes]) -> AsyncGenerator[bytes, None]:
         """The stream up to the items' `done` events; the turn recorded and the response stored, the last event

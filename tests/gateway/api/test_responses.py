@@ -178,6 +178,38 @@ async def test_previous_response_id_and_a_replayed_input_extend_one_sample(
         await client.close()
 
 
+async def test_a_chained_turn_back_on_the_answering_process_reads_its_own_cache(
+    make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    """Each process keeps the responses it stored last (`store.response_cache_size`): a chained turn that comes back
+    to it starts without reading Redis, and builds the same prompt as one that reads Redis. The stored record is
+    deleted from Redis to tell the two paths apart."""
+    _, gw = await served(make_sim, make_gateway, sessions=KEY_MODE, store={"response_cache_size": 1})
+    other = await make_gateway([gw.services.settings.replicas[0]], sessions=KEY_MODE)
+    api, elsewhere = agent(f"{gw.url}/v1", "ep-c"), agent(f"{other.url}/v1", "ep-c")
+    common: dict[str, Any] = {"model": "tiny", "instructions": "Be brief.", "max_output_tokens": 5, "temperature": 0}
+    first = await api.responses.create(input="one", **common)
+    second = await elsewhere.responses.create(input="two", previous_response_id=first.id, **common)  # from Redis
+    third = await api.responses.create(input="three", previous_response_id=second.id, **common)  # from Redis
+    store = gw.services.store
+    await store.client.delete(store.keys.response(third.id))
+    # Not in Redis any more: the other process cannot continue it, the one that answered it can, from its cache.
+    with pytest.raises(openai.BadRequestError) as refused:
+        await elsewhere.responses.create(input="four", previous_response_id=third.id, **common)
+    assert refused.value.code == "previous_response_not_found"
+    assert (await api.responses.retrieve(third.id)).id == third.id
+    fourth = await api.responses.create(input="four", previous_response_id=third.id, **common)
+    await one_sample(gw, "ep-c", [sampled(r) for r in (first, second, third, fourth)])
+    # The cache holds one response: the fourth's. The third's, evicted, is gone for this process too.
+    with pytest.raises(openai.BadRequestError):
+        await api.responses.create(input="five", previous_response_id=third.id, **common)
+    await store.client.delete(store.keys.response(fourth.id))
+    fifth = await api.responses.create(input="five", previous_response_id=fourth.id, **common)
+    await one_sample(gw, "ep-c", [sampled(r) for r in (first, second, third, fourth, fifth)])
+    for client in (api, elsewhere):
+        await client.close()
+
+
 async def test_without_a_session_each_turn_is_its_own_one_turn_session(
     make_sim: SimFactory, make_gateway: GatewayFactory
 ) -> None:
