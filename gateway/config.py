@@ -368,6 +368,11 @@ class WeightsConfig(_Section):
     control_timeout_s: Seconds = Field(
         30.0, description="Timeout of one pause, resume, abort or version call to a replica, seconds."
     )
+    member_ttl_s: Seconds = Field(
+        10.0,
+        description="A gateway process is on the weights bus this long after its heartbeat (every fifth of it); "
+        "one coordinating an update is taken for dead after twice this without one, seconds.",
+    )
 
 
 class StoreConfig(_Section):

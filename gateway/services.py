@@ -260,6 +260,7 @@ async def open_services(
             default_mode=settings.weights.pause_mode,
             update_timeout_s=settings.weights.update_timeout_s,
             bus=bus,
+            member_ttl_s=settings.weights.member_ttl_s,
         )
         stack.push_async_callback(weights.aclose)
         weights.start_following()

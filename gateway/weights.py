@@ -37,13 +37,11 @@ CoordinatorState = Literal["serving", "pausing", "paused", "updating", "resuming
 UpdateStatus = Literal["updated", "partial", "failed"]
 INITIAL_LABELS = frozenset({"default", ""})
 MEMBER_TTL_S = 10.0
-"""How long a gateway process counts as on the weights bus after its last heartbeat (every `HEARTBEAT_S`): a `wait`
-update waits for the live ones to drain their requests, so one that died holds it for this long at most."""
-HEARTBEAT_S = 2.0
-DEAD_AFTER_S = MEMBER_TTL_S
-"""How long after its membership expired a process coordinating an update is taken for dead, its lock taken over
-and the pool recovered (`WeightCoordinator._recover`): no heartbeat for twice the TTL, so that a Redis failover,
-which stops every process's heartbeat for seconds, is not taken for a death."""
+"""The default of `weights.member_ttl_s`: how long a gateway process counts as on the weights bus after its last
+heartbeat (every fifth of it). A `wait` update waits for the live ones to drain their requests, so one that died
+holds it for this long at most. A process coordinating an update is taken for dead, its lock taken over and the pool
+recovered (`WeightCoordinator._recover`), once its membership expired that long ago too: no heartbeat for twice the
+TTL, so that a Redis failover, which stops every process's heartbeat for seconds, is not taken for a death."""
 
 
 def _pausing(version: int | None, mode: PauseMode, token: str) -> dict[str, object]:
@@ -135,9 +133,12 @@ class WeightCoordinator:
         default_mode: PauseMode = "abort",
         update_timeout_s: float = 600.0,
         bus: WeightsBus | None = None,
+        member_ttl_s: float = MEMBER_TTL_S,
     ) -> None:
         self.pool = pool
         self.bus = bus
+        self.member_ttl_s = member_ttl_s
+        self.heartbeat_s = member_ttl_s / 5
         self._follow_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._drained_news = asyncio.Event()  # a follower reported its requests drained (`_followers_drained`)
@@ -512,8 +513,8 @@ class WeightCoordinator:
             return
         token = self.bus.new_token()
         # On the bus before the lock: a holder whose heartbeat is not there counts as dead (`WeightsBus.acquire`).
-        await self.bus.join(MEMBER_TTL_S)
-        if not await self.bus.acquire(token, self.update_timeout_s + 30, DEAD_AFTER_S):
+        await self.bus.join(self.member_ttl_s)
+        if not await self.bus.acquire(token, self.update_timeout_s + 30, self.member_ttl_s):
             raise Conflict("another gateway process is applying a weight update", param="version")
         try:
             record = await self.bus.read()
@@ -554,10 +555,10 @@ class WeightCoordinator:
     async def _heartbeat(self, bus: WeightsBus) -> None:
         while True:
             try:
-                await bus.join(MEMBER_TTL_S)
+                await bus.join(self.member_ttl_s)
             except StoreError as exc:  # the others stop waiting for this process once its last heartbeat expires
                 logger.warning("weights: heartbeat failed: %s", exc)
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.heartbeat_s)
 
     async def _follow(self) -> None:
         assert self.bus is not None
@@ -597,7 +598,7 @@ class WeightCoordinator:
             logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
             # Woken by each report; re-read at least every heartbeat, so a process that died stops being waited for.
             try:
-                async with asyncio.timeout(HEARTBEAT_S):
+                async with asyncio.timeout(self.heartbeat_s):
                     await self._drained_news.wait()
             except TimeoutError:
                 await self.bus.announce(_pausing(version, mode, token))
@@ -630,7 +631,7 @@ class WeightCoordinator:
 
     def _watch(self, token: str | None, version: object) -> None:
         """Follow the update `token` to its result. If the process coordinating it dies first (no heartbeat on the
-        bus for `MEMBER_TTL_S` + `DEAD_AFTER_S`), or it outlasts `weights.update_timeout_s`, recover (`_recover`)."""
+        bus for twice `member_ttl_s`), or it outlasts `weights.update_timeout_s`, recover (`_recover`)."""
         bus = self.bus
         assert bus is not None
         holder = bus.holder_of(token) if token is not None else None
@@ -638,12 +639,12 @@ class WeightCoordinator:
         async def watch() -> None:
             deadline = time.monotonic() + self.update_timeout_s
             while self._following(token):
-                await asyncio.sleep(HEARTBEAT_S)  # the heartbeat's own period: a death shows no sooner
+                await asyncio.sleep(self.heartbeat_s)  # the heartbeat's own period: a death shows no sooner
                 try:
                     lock = await bus.holder() if token is not None else token
                     # An out-of-band pause (no version) is not recovered from a death: the trainer may be writing
                     # weights into the engines, which must not serve until it says they are whole.
-                    died = holder is not None and version is not None and not await bus.alive(holder, DEAD_AFTER_S)
+                    died = holder is not None and version is not None and not await bus.alive(holder, self.member_ttl_s)
                     record = await bus.read() if lock is None and token is not None else None
                 except StoreError:
                     continue  # Redis is away: nothing to decide by, and nobody can announce meanwhile

@@ -22,15 +22,7 @@ from backends.sim.engine import EngineSettings
 from gateway.config import ReplicaConfig
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.store import Keys, WeightsBus, connect
-from gateway.weights import (
-    DEAD_AFTER_S,
-    HEARTBEAT_S,
-    INITIAL_LABELS,
-    MEMBER_TTL_S,
-    parse_version,
-    version_label,
-    version_labels,
-)
+from gateway.weights import INITIAL_LABELS, parse_version, version_label, version_labels
 from tests.chaos.soak import GatewayChild
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.gateway_helpers import (
@@ -409,14 +401,17 @@ async def test_a_gateway_killed_while_it_coordinates_an_update_leaves_the_others
     """A `serve` process coordinating a `wait` update is SIGKILLed while it waits for the other gateway to drain:
     its lock and the others' pause would last `weights.update_timeout_s` (10 min). Once its heartbeat expired, the
     other gateway takes the lock over, brings the replica back to the recorded version and serves again, and the
-    trainer's retried update goes through; the streams in flight end with their tokens exact."""
+    trainer's retried update goes through; the streams in flight end with their tokens exact. (A heartbeat TTL of
+    2.5 s rather than the default 10 s, for the test's time.)"""
+    ttl_s = 2.5
     sim = await make_sim(*slow("sglang", delay=0.004), incremental_streaming_output=True)
-    follower = await make_gateway([sim])
+    follower = await make_gateway([sim], weights={"member_ttl_s": ttl_s})
     settings = {
         "server": {"port": free_port(), "admin_token": ADMIN_TOKEN},
         "redis": {"url": redis_server.url},
         "replicas": [ReplicaConfig(url=sim.url, backend="sim", dialect="sglang").model_dump(mode="json")],
         "routing": {"health_interval_s": 0.2},
+        "weights": {"member_ttl_s": ttl_s},
     }
     coordinator = GatewayChild(settings, tmp_path / "coordinator")
     await asyncio.to_thread(coordinator.start)
@@ -439,12 +434,11 @@ async def test_a_gateway_killed_while_it_coordinates_an_update_leaves_the_others
         async def serving() -> bool:
             return (await status_of(http, follower.url))["state"] == "serving"
 
-        await wait_for(
-            serving, timeout=MEMBER_TTL_S + DEAD_AFTER_S + 3 * HEARTBEAT_S + 5, what="the follower serving again"
-        )
+        heartbeat_s = follower.services.weights.heartbeat_s
+        await wait_for(serving, timeout=2 * ttl_s + 3 * heartbeat_s + 5, what="the follower serving again")
         recovered_s = time.monotonic() - killed
         print(f"\nthe follower serves again {recovered_s:.1f} s after the kill")
-        assert MEMBER_TTL_S + DEAD_AFTER_S - HEARTBEAT_S - 1 < recovered_s, recovered_s  # no sooner than that
+        assert 2 * ttl_s - heartbeat_s - 0.5 < recovered_s, recovered_s  # no sooner than that
         result = await streaming
         assert result.error is None and result.output_ids == expected_tokens(PROMPT, result.final["versions"], total)
         response = await publish(http, follower.url, 1, mode="wait")  # the trainer's retry
@@ -475,11 +469,12 @@ async def test_a_follower_that_missed_the_result_of_an_update_adopts_the_recorde
             return (await status_of(http, follower.url))["state"] == state
 
         await wait_for(lambda: state_is("following"), what="the follower following the update")
-        await asyncio.sleep(2 * HEARTBEAT_S)
+        heartbeat_s = follower.services.weights.heartbeat_s
+        await asyncio.sleep(2 * heartbeat_s)
         assert await state_is("following")  # the lock names the update: it goes on
         await bus.record(1, "serving", "ckpt-1", updated=[replica_id(sim.url)], stale=[replica_id(other.url)])
         await bus.release(token)  # ... and no `serving` event
-        await wait_for(lambda: state_is("serving"), timeout=3 * HEARTBEAT_S, what="the follower serving again")
+        await wait_for(lambda: state_is("serving"), timeout=3 * heartbeat_s, what="the follower serving again")
         status = await status_of(http, follower.url)
         assert status["version"] == 1, status
         stale = {r["id"]: r["stale"] for r in status["replicas"]}  # type: ignore[attr-defined]
