@@ -564,7 +564,7 @@ class WeightCoordinator:
         assert self.bus is not None
         async for event in self.bus.events():
             kind = event.get("event")
-            if kind == "pausing" and not self._lock.locked():
+            if kind == "pausing" and self.state in ("serving", "following"):  # not while it coordinates one itself
                 token = event.get("token")
                 token = token if isinstance(token, str) else None
                 if token is None or not self._following(token):  # not an update it follows already (`pausing` again)

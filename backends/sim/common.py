@@ -187,6 +187,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             "running": engine.num_running,
             "waiting": engine.num_waiting,
             "held": engine.held,
+            "admission_closed": engine.admission_closed,
             "hang": faults.hang,
             "error_rate": faults.error_rate,
             "pause_delay": faults.pause_delay_s,

@@ -438,6 +438,11 @@ class SimEngine:
         self._unpaused.set()
         self._wake()
 
+    @property
+    def admission_closed(self) -> bool:
+        """A `drain` holds new requests (an update waiting for the writer lock, or holding it)."""
+        return self._admission_gates > 0
+
     async def drain(self) -> None:
         """Close admission and wait until nothing is in flight (an update that takes the writer lock)."""
         self._admission_gates += 1

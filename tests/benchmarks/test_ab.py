@@ -17,13 +17,16 @@ from tests import REPO
 pytestmark = pytest.mark.timeout(120)
 
 
-async def test_two_checkouts_side_by_side() -> None:
-    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
-    tiny = replace(short, sessions=4, requests=400, duration_s=2.0)
-    options = ab.Options((REPO, REPO), "generate", tiny, rounds=2, timeout_s=60)
+async def test_two_checkouts_side_by_side_on_sglang_replicas_one_turn_streams() -> None:
+    """Rounds in turn, each side measured; `--dialect sglang`: the replicas speak SGLang's protocol (cumulative
+    stream events) and every stream counts; `--one-turn` `completions`: measured without a session."""
+    stream = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["stream"]
+    tiny = replace(stream, sessions=2, requests=8, duration_s=1.0, one_turn=True)
+    options = ab.Options((REPO, REPO), "completions", tiny, rounds=2, timeout_s=60, dialect="sglang")
     sides = await ab.measure(options, Console(file=io.StringIO()))
     assert [side.errors for side in sides] == [0, 0]
     assert [len(side.units) for side in sides] == [2, 2]  # every run measured, in both checkouts
+    assert ab.replica_arguments("sglang")[:2] == ("--dialect", "sglang")
     out = io.StringIO()
     ab.report(Console(file=out, width=200), options, sides)
     assert "÷ first" in out.getvalue() and str(REPO) in out.getvalue()
@@ -70,29 +73,9 @@ async def test_a_setting_of_the_second_side_reaches_its_gateway_only() -> None:
     assert "RG_SERVER__MAX_TOKENS_LIMIT" not in os.environ  # set only while the second gateway started
 
 
-async def test_sglang_replicas_stream_through_both_gateways() -> None:
-    """`--dialect sglang`: the replicas speak SGLang's protocol (cumulative stream events) and every stream counts."""
-    stream = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["stream"]
-    tiny = replace(stream, sessions=2, requests=4, duration_s=1.0)
-    options = ab.Options((REPO, REPO), "generate", tiny, rounds=1, timeout_s=60, dialect="sglang")
-    sides = await ab.measure(options, Console(file=io.StringIO()))
-    assert [side.errors for side in sides] == [0, 0]
-    assert [len(side.units) for side in sides] == [1, 1]
-    assert ab.replica_arguments("sglang")[:2] == ("--dialect", "sglang")
-
-
 def test_a_setting_must_name_a_variable() -> None:
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         ab.main([str(REPO), str(REPO), "--set-b", "RG_GENERATION__STREAM_PACING_S"])
-
-
-async def test_one_turn_requests_are_measured_without_a_session() -> None:
-    short = {w.name: w for w in ab.workloads(True, None, None, 0.0)}["short-c64"]
-    tiny = replace(short, sessions=4, requests=40, duration_s=1.0, one_turn=True)
-    options = ab.Options((REPO, REPO), "completions", tiny, rounds=1, timeout_s=60)
-    sides = await ab.measure(options, Console(file=io.StringIO()))
-    assert [side.errors for side in sides] == [0, 0]
-    assert [len(side.units) for side in sides] == [1, 1]
 
 
 def test_a_one_turn_load_names_no_session() -> None:

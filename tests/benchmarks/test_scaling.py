@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 
 async def test_one_and_two_workers_end_to_end() -> None:
     options = Options(
-        workers=(1, 2), apis=("generate", "completions"), agents=8, rounds=1, duration_s=1.0, timeout_s=60
-    )
+        workers=(1, 2), apis=("generate",), agents=8, rounds=1, duration_s=1.0, timeout_s=60
+    )  # the dedicated layout's test below measures `completions`
     rows = await measure(options, Console(file=io.StringIO()))
     for (api, workers), row in rows.items():
         assert row.errors == 0, (api, workers)
@@ -26,7 +26,7 @@ async def test_one_and_two_workers_end_to_end() -> None:
         assert 1 / workers <= row.busiest[0] <= 1.0
     out = io.StringIO()
     report(Console(file=out, width=220), options, rows)
-    assert "projected req/s" in out.getvalue() and "completions" in out.getvalue()
+    assert "projected req/s" in out.getvalue() and "generate" in out.getvalue()
 
 
 def test_plan_gives_every_process_a_cpu_of_its_own() -> None:

@@ -32,6 +32,7 @@ from tests.gateway_helpers import (
     publish,
     slow,
     stream_generate,
+    weights_of,
 )
 from tests.sim_helpers import sim_state, wait_for
 
@@ -481,6 +482,60 @@ async def test_a_follower_that_missed_the_result_of_an_update_adopts_the_recorde
         assert stale == {replica_id(sim.url): False, replica_id(other.url): True}, stale
     finally:
         await client.aclose()
+
+
+async def test_a_follower_busy_catching_up_a_replica_still_follows_and_reports_its_drain(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """A catch-up holds its process's update lock for as long as the engine takes to load: SGLang's load waits for
+    the requests in flight to end. A `pausing` from another process meanwhile must still stop this one dispatching,
+    and in `wait` get its drain report (it was dropped: a `wait` update waited for the report until the catch-up
+    ended, minutes with long generations). Here a request sent to the engine directly is in flight, and the engine
+    is taken back to version 1 under it, out of band, so that the gateway, on version 2, catches it up."""
+    sim = await make_sim(*slow("sglang", delay=0.004), incremental_streaming_output=True)
+    follower = await make_gateway([sim])
+    assert (await publish(http, follower.url, 2)).status_code == 200  # the follower's weights come from a path
+
+    async def direct_stream() -> int:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1_500, "ignore_eos": True}, "stream": True}
+        async with http.stream("POST", f"{sim.url}/generate", json=body) as response:
+            await response.aread()  # to its end
+            return response.status_code
+
+    held = asyncio.create_task(direct_stream())
+    await wait_for(lambda: sim.engine.num_running == 1, what="the direct request running")
+    for path, body in (
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/update_weights_from_disk", {"model_path": weights_of(1)[0], "weight_version": "1", "flush_cache": False}),
+        ("/continue_generation", {}),
+    ):
+        assert (await http.post(f"{sim.url}{path}", json=body)).status_code == 200, path
+
+    async def catching_up() -> bool:  # held out, and the engine's load waiting for the request: the lock is held
+        status, state = await status_of(http, follower.url), await sim_state(http, sim.url)
+        return bool(status["replicas"][0]["stale"]) and bool(state["admission_closed"])  # type: ignore[index]
+
+    await wait_for(catching_up, what="the follower catching the replica up")
+    client = connect(redis_server.url)
+    bus = WeightsBus(client, Keys(), origin="test-coordinator")
+    try:
+        await bus.join(ttl_s=60)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60)
+        await bus.announce({"event": "pausing", "version": 3, "mode": "wait", "token": token})
+        origin = follower.services.weights.bus.origin  # type: ignore[union-attr]
+
+        async def reported() -> bool:
+            return origin in await bus.drained(token)
+
+        await wait_for(reported, timeout=3.0, what="the follower's drain report")
+        assert not held.done()  # the catch-up still waits for the request: it did not end first
+        assert (await status_of(http, follower.url))["state"] == "following"
+        await bus.release(token)
+        await bus.announce({"event": "serving", "version": 2, "source": weights_of(2)[0]})
+    finally:
+        await client.aclose()
+    assert await held == 200
 
 
 async def test_a_process_behind_its_replicas_adopts_the_recorded_version_and_never_loads_an_older_one(
