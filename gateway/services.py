@@ -138,10 +138,16 @@ class Services:
             # the replica out on it would keep it out for good, since a later reading of the pool's version does
             # not re-admit a stale replica (only loading the weights does).
             return
-        if not self.weights.serving or self.weights.updates != updates or version == self.weights.version:
-            return  # an update began or ended meanwhile: this reading proves nothing
+
+        def moved() -> bool:  # an update began or ended meanwhile (a `serving` event too): the reading proves nothing
+            return not self.weights.serving or self.weights.updates != updates or version == self.weights.version
+
+        if moved():
+            return
         if version > self.weights.version and await self.weights.adopt_recorded():
             return  # this process had missed an update's result (its subscription was down): now it has it
+        if moved():
+            return
         if not replica.stale:
             logger.warning(
                 "replica %s reports weight version %s, the pool runs %d: held out until it catches up",
