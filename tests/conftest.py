@@ -21,25 +21,6 @@ from gateway.redis_cluster import LocalRedisCluster
 from gateway.server import RunningGateway, serve_gateway
 
 # --------------------------------------------------------------------------------------------------------------
-# pytest-xdist (`-n N --dist loadgroup`, the README's test command): each module's tests run on one worker, so a
-# module-scoped server starts once; the real-engine tiers share one worker (one engine at a time on a small
-# machine), and so do the soaks (each loads every core).
-# --------------------------------------------------------------------------------------------------------------
-
-SHARED_WORKERS = {"engines": "engines", "chaos": "soaks"}  # tests/<folder> -> one group for the whole folder
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if any(item.iter_markers("xdist_group")):
-            continue
-        parts = item.nodeid.split("::", 1)[0].split("/")
-        group = SHARED_WORKERS.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
-        item.add_marker(pytest.mark.xdist_group(group or "/".join(parts)))
-
-
-# --------------------------------------------------------------------------------------------------------------
 # Redis: one real redis-server for the whole session, flushed before every test that asks for a client.
 # Tests that restart or kill a server start their own EmbeddedRedis instead of touching the shared one.
 # --------------------------------------------------------------------------------------------------------------
