@@ -11,7 +11,9 @@ the real engines (vLLM answers 500, SGLang 400 `success: false`), keeping the we
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,22 @@ from tests.sim_helpers import sim_state, wait_for
 
 def replica_id(url: str) -> str:
     return url.removeprefix("http://")
+
+
+@contextlib.asynccontextmanager
+async def coordinating(redis_server: EmbeddedRedis, version: int, mode: str) -> AsyncIterator[tuple[WeightsBus, str]]:
+    """The test as the process coordinating an update on the weights bus: on the bus, the lock taken, `pausing` sent
+    (nothing more: what follows is the test's)."""
+    client = connect(redis_server.url)
+    bus = WeightsBus(client, Keys(), origin="test-coordinator")
+    try:
+        await bus.join(ttl_s=60)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60)
+        await bus.announce({"event": "pausing", "version": version, "mode": mode, "token": token})
+        yield bus, token
+    finally:
+        await client.aclose()
 
 
 async def status_of(http: httpx.AsyncClient, url: str) -> dict[str, object]:
@@ -458,13 +476,7 @@ async def test_a_follower_that_missed_the_result_of_an_update_adopts_the_recorde
     `weights.update_timeout_s`. The coordinator here is the test itself, on the bus, announcing `pausing` only."""
     sim, other = await make_sim("vllm"), await make_sim("vllm")
     follower = await make_gateway([sim, other])
-    client = connect(redis_server.url)
-    bus = WeightsBus(client, Keys(), origin="test-coordinator")
-    try:
-        await bus.join(ttl_s=60)
-        token = bus.new_token()
-        assert await bus.acquire(token, ttl_s=60)
-        await bus.announce({"event": "pausing", "version": 1, "mode": "abort", "token": token})
+    async with coordinating(redis_server, 1, "abort") as (bus, token):
 
         async def state_is(state: str) -> bool:
             return (await status_of(http, follower.url))["state"] == state
@@ -480,8 +492,6 @@ async def test_a_follower_that_missed_the_result_of_an_update_adopts_the_recorde
         assert status["version"] == 1, status
         stale = {r["id"]: r["stale"] for r in status["replicas"]}  # type: ignore[attr-defined]
         assert stale == {replica_id(sim.url): False, replica_id(other.url): True}, stale
-    finally:
-        await client.aclose()
 
 
 async def test_a_follower_busy_catching_up_a_replica_still_follows_and_reports_its_drain(
@@ -516,13 +526,7 @@ async def test_a_follower_busy_catching_up_a_replica_still_follows_and_reports_i
         return bool(status["replicas"][0]["stale"]) and bool(state["admission_closed"])  # type: ignore[index]
 
     await wait_for(catching_up, what="the follower catching the replica up")
-    client = connect(redis_server.url)
-    bus = WeightsBus(client, Keys(), origin="test-coordinator")
-    try:
-        await bus.join(ttl_s=60)
-        token = bus.new_token()
-        assert await bus.acquire(token, ttl_s=60)
-        await bus.announce({"event": "pausing", "version": 3, "mode": "wait", "token": token})
+    async with coordinating(redis_server, 3, "wait") as (bus, token):
         origin = follower.services.weights.bus.origin  # type: ignore[union-attr]
 
         async def reported() -> bool:
@@ -533,8 +537,6 @@ async def test_a_follower_busy_catching_up_a_replica_still_follows_and_reports_i
         assert (await status_of(http, follower.url))["state"] == "following"
         await bus.release(token)
         await bus.announce({"event": "serving", "version": 2, "source": weights_of(2)[0]})
-    finally:
-        await client.aclose()
     assert await held == 200
 
 
