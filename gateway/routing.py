@@ -25,6 +25,9 @@ from gateway.background import stop
 
 logger = logging.getLogger(__name__)
 
+PROBES_TO_TAKE_OUT = 2
+"""Health probes failed in a row after which a replica's requests in flight are cut (`ReplicaPool.take_out`)."""
+
 RoutingPolicyName = Literal["sticky", "least_loaded", "round_robin"]
 
 
@@ -45,6 +48,7 @@ class Replica:
     in_flight: int = 0
     tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
     consecutive_failures: int = 0
+    failed_probes: int = 0  # health probes failed in a row
     circuit_open_until: float = 0.0
     version: int | None = None
     # Requests in flight that the pool interrupts when it takes the replica out (`ReplicaPool.lease`).
@@ -292,9 +296,13 @@ class ReplicaPool:
                 group.create_task(self._probe(replica))
 
     async def _probe(self, replica: Replica) -> None:
+        """One failed probe stops new requests going to the replica; the second in a row also cuts its requests in
+        flight (`take_out`): an engine that is busy for a moment (a pause, a weight load, a long prefill) misses
+        one probe, and its requests are not redone for that; a hung one misses every probe."""
         ok = await replica.backend.health()
         if ok and self.on_probe is not None:
             await self.on_probe(replica)
+        replica.failed_probes = 0 if ok else replica.failed_probes + 1
         if ok != replica.healthy:
             state = "healthy" if ok else "unhealthy"
             logger.warning("replica %s is now %s", replica.id, state, extra={"replica": replica.id})
@@ -302,9 +310,9 @@ class ReplicaPool:
             if ok:
                 replica.consecutive_failures = 0
                 replica.circuit_open_until = 0.0
-            else:
-                self.take_out(replica, "health probe failed")
             self.notify()
+        if replica.failed_probes == PROBES_TO_TAKE_OUT:
+            self.take_out(replica, f"{PROBES_TO_TAKE_OUT} health probes failed in a row")
 
     def take_out(self, replica: Replica, reason: str) -> None:
         """The replica stopped serving (health probe, circuit): interrupt every request in flight on it, which

@@ -19,6 +19,7 @@ from tests.gateway_helpers import (
     generate_body,
     publish,
     slow,
+    stream_generate,
     streams_under_way,
 )
 from tests.scripted_server import Answer, Seen, scripted_server
@@ -38,6 +39,43 @@ async def test_health_ejects_and_readmits(
         assert body["replicas"] == [b.url.removeprefix("http://")]
     await http.post(f"{a.url}/sim/faults", json={"ready": True})
     await wait_for(lambda: len(pool.candidates()) == 2, what="readmission")
+
+
+async def test_one_failed_probe_keeps_the_requests_in_flight_two_in_a_row_cut_them(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A replica that misses one probe (busy for a moment: an engine pause, a weight load) takes no new requests but
+    keeps those in flight (a real SGLang replica missed a probe in a 0.5 s pause, and a whole answer was redone
+    elsewhere); at the second failed probe in a row they are cut and resume on the other replica, tokens kept. The
+    test probes by hand (`check_health`)."""
+    a, b = await make_sim(*slow("vllm", delay=0.004)), await make_sim(*slow("vllm", delay=0.004))
+    gw = await make_gateway([a, b], routing={"health_interval_s": 3600.0})
+    pool = gw.services.pool
+    victim, other = (pool.get(sim.url.removeprefix("http://")) for sim in (a, b))
+    assert victim is not None and other is not None
+    pool.remember("held", victim.id)
+    total, progress = 1_500, [0]
+    held = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, total, session_id="held"), progress))
+    await wait_for(lambda: progress[0] >= 30, what="the stream under way")
+
+    async def probe_with(ready: bool) -> None:
+        assert (await http.post(f"{a.url}/sim/faults", json={"ready": ready})).status_code == 200
+        await pool.check_health()
+
+    await probe_with(ready=False)
+    assert not victim.healthy and pool.candidates() == [other]
+    now = progress[0]
+    await wait_for(lambda: progress[0] >= now + 30, what="the stream going on after one failed probe")
+    assert victim.in_flight == 1 and gw.services.generator.interrupted_total == 0  # still there, not cut
+    await probe_with(ready=True)
+    assert victim.healthy
+    await probe_with(ready=False)
+    await probe_with(ready=False)
+    result = await held
+    assert gw.services.generator.interrupted_total == 1
+    assert result.error is None and result.final["num_resumes"] == 1
+    assert result.final["replicas"] == [victim.id, other.id]
+    assert result.output_ids == expected_tokens(PROMPT, result.final["versions"], total)
 
 
 async def test_sessions_stick_and_new_sessions_spread(
