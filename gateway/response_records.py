@@ -57,9 +57,6 @@ class ResponseCache:
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, tuple[float, ResponseRecord, list[Message]]] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def put(self, response_id: str, record: ResponseRecord, conversation: list[Message]) -> None:
         if self.size <= 0:
             return

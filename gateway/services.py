@@ -348,7 +348,7 @@ async def open_services(
             quota=SessionQuota(settings.server.max_sessions_per_key),
             open_sessions=open_sessions,
             dashboard=dashboard,
-            response_cache=ResponseCache(s.response_cache_size, s.session_idle_ttl_s + s.ttl_s),
+            response_cache=ResponseCache(s.response_cache_size, trajectories.responses.ttl_s),
         )
         pool.on_probe = services.verify_replica
         stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close

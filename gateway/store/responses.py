@@ -22,9 +22,15 @@ class ResponseKeys:
     def __init__(self, core: StoreCore) -> None:
         self._core = core
 
+    @property
+    def ttl_s(self) -> int:
+        """How long a stored response lives: `session_idle_ttl_s + ttl_s` (the longest a session it belongs to
+        stays active)."""
+        return self._core.active_ttl_s
+
     async def save(self, response_id: str, payload: bytes) -> None:
-        """Store a response for `session_idle_ttl_s + ttl_s` (the longest a session it belongs to stays active)."""
-        key, ttl = self._core.keys.response(response_id), self._core.active_ttl_s
+        """Store a response for `ttl_s`."""
+        key, ttl = self._core.keys.response(response_id), self.ttl_s
 
         def build(pipe: Pipeline) -> None:
             pipe.set(key, payload, ex=ttl)

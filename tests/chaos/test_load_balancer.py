@@ -39,11 +39,11 @@ async def test_gateways_behind_haproxy(
     redis_server: EmbeddedRedis, redis: Redis, tmp_path: Path, redis_kind: str
 ) -> None:
     options = LoadBalancerOptions(seed=int(os.environ.get("RG_LB_SEED", "11")))
+    killing = redis_kind == "cluster" and os.environ.get("RG_LB_MASTER_KILL", "1") == "1"
     print(f"load-balancer soak on {redis_kind} Redis, seed {options.seed} (replay: RG_LB_SEED={options.seed})")
     with contextlib.ExitStack() as stack:
         if redis_kind == "cluster":
             cluster = stack.enter_context(LocalRedisCluster(data_dir=tmp_path / "cluster"))
-            killing = os.environ.get("RG_LB_MASTER_KILL", "1") == "1"
             report = await LoadBalancerSoak(options, cluster.url, tmp_path, cluster, kill_a_master=killing).run()
         else:
             report = await LoadBalancerSoak(options, redis_server.url, tmp_path).run()  # `redis` emptied it
@@ -61,7 +61,7 @@ async def test_gateways_behind_haproxy(
     assert report.failed_attempts_after_kill == 0
     # The kill happened, HAProxy took the gateway out and back, and updates went on after its return.
     assert report.gateway_kills == 1 and report.back_in_rotation_s is not None
-    assert report.redis_restarts == int(redis_kind == "cluster" and os.environ.get("RG_LB_MASTER_KILL", "1") == "1")
+    assert report.redis_restarts == int(killing)
     assert report.updates >= options.min_updates
     # Updates reached several gateways through HAProxy and all three ended on the last version.
     assert len(report.updates_by_gateway) >= 2
