@@ -30,11 +30,11 @@ from redis.asyncio import Redis
 from benchmarks._harness import machine_line, make_console, print_table
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.session_samples import SessionManager
+from gateway.session.samples import SessionManager
+from gateway.session.working_sample import WorkingSample
 from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, NotAPrefix
 from gateway.trajectory import Sample
-from gateway.working_sample import WorkingSample
 
 WORDS = "alpha beta gamma delta river stone cloud forest — 你好 🙂".split()
 

@@ -10,10 +10,17 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from gateway.api import admin, anthropic, generate, health, observability, openai, responses, session_routes
+from gateway.api import observability
+from gateway.api.admin import health
+from gateway.api.admin import routes as admin
+from gateway.api.anthropic import routes as anthropic
 from gateway.api.errors import install_error_handlers
+from gateway.api.generate import routes as generate
 from gateway.api.limits import BodySizeLimit
+from gateway.api.openai import routes as openai
 from gateway.api.openapi import install_openapi
+from gateway.api.responses import routes as responses
+from gateway.api.sessions import routes as session_routes
 from gateway.api.streaming import GatewayApp
 from gateway.config import Settings
 from gateway.fastpath.hot_routes import HotRoutes

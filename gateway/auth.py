@@ -1,6 +1,6 @@
 """Bearer-token checks: the admin token for /admin/*, an optional metrics token for `/metrics` and the status page's
 data, optional API keys for agent routes (with `sessions.identity:
-api_key`, the agent's key may name its session too: `gateway.session_identity`)."""
+api_key`, the agent's key may name its session too: `gateway.session.identity`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import hmac
 from fastapi import Request
 
 from gateway.errors import Forbidden, Unauthorized
-from gateway.quotas import ANONYMOUS, key_id
-from gateway.session_identity import KEY_FORMAT, split_key
+from gateway.session.identity import KEY_FORMAT, split_key
+from gateway.session.quotas import ANONYMOUS, key_id
 
 
 def _bearer(request: Request) -> str | None:

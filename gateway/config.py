@@ -37,7 +37,7 @@ from pydantic_settings import (
 )
 
 from gateway.errors import ConfigError
-from gateway.session_identity import Identity
+from gateway.session.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class StoreConfig(_Section):
 
 
 class SessionsConfig(_Section):
-    """How agents name their sessions (docs/architecture.md §1, `gateway.session_identity`)."""
+    """How agents name their sessions (docs/architecture.md §1, `gateway.session.identity`)."""
 
     identity: Identity = Field(
         "header", description="header (path, X-Session-ID, body) | api_key (the agent's API key names it too)."

@@ -16,7 +16,7 @@ from backends.generation_transport import TransportFactory
 from gateway import store
 from gateway.background import stop
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
-from gateway.dashboard import DashboardSampler
+from gateway.dashboard.sampler import DashboardSampler
 from gateway.discovery import Discovery, make_source
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, InvalidRequest
@@ -25,14 +25,14 @@ from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
-from gateway.quotas import SessionQuota
-from gateway.response_records import ResponseCache
 from gateway.routing import Replica, ReplicaPool
-from gateway.session_lifecycle import SessionLifecycle
-from gateway.session_samples import SessionManager
+from gateway.session.lifecycle import SessionLifecycle
+from gateway.session.quotas import SessionQuota
+from gateway.session.response_records import ResponseCache
+from gateway.session.samples import SessionManager
 from gateway.store import Keys, OpenSessions, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo
-from gateway.turns import TurnRunner
+from gateway.turns.runner import TurnRunner
 from gateway.weights import WeightCoordinator, parse_version
 
 logger = logging.getLogger(__name__)

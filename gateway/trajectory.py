@@ -376,7 +376,7 @@ class SessionMeta:
     # One reward per sample, in index order, where the finish gave them (`POST /v1/sessions/{id}/finish {rewards}`);
     # stored as their reprs joined by commas.
     rewards: list[float] | None = None
-    # The API key that created the session (its `gateway.quotas.key_id`, never the key): only that key may read,
+    # The API key that created the session (its `gateway.session.quotas.key_id`, never the key): only that key may read,
     # extend or finish it. None: made on a gateway without API keys, open to all.
     owner: str | None = None
 

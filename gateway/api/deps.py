@@ -8,9 +8,9 @@ from fastapi import Depends, Path, Request
 
 from gateway.auth import check_admin, check_agent, check_agent_key, check_metrics
 from gateway.errors import NotFound, Unauthorized
-from gateway.quotas import ANONYMOUS
 from gateway.services import Services
-from gateway.session_identity import SESSION_ID_PATTERN, group_member, session_id_from
+from gateway.session.identity import SESSION_ID_PATTERN, group_member, session_id_from
+from gateway.session.quotas import ANONYMOUS
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency in a worker thread, and that
 # hop (two thread handoffs per request) cost more than the whole route on the short-request benchmark.
@@ -78,7 +78,7 @@ async def session_in_path(
 def turn_session(
     request: Request, body_session: str | None, user: str | None
 ) -> tuple[str | None, dict[str, str] | None]:
-    """The session a turn request names (`gateway.session_identity.session_id_from`: the URL path, `X-Session-ID`,
+    """The session a turn request names (`gateway.session.identity.session_id_from`: the URL path, `X-Session-ID`,
     the body's `session_id`, the API key's session, `user`), and the group metadata of a `grp-` name given by the
     path or the key. With `sessions.identity: api_key` a request without a token is a 401."""
     scope = request.scope

@@ -7,7 +7,7 @@ operator's browser rarely carry the admin token). `server.metrics_token` puts `/
 behind a bearer token of their own (401 without, 403 wrong); the page itself holds no data and sends the token it
 finds in its URL's fragment (`/dashboard#token=...`: a fragment never reaches a server or its logs). Everything
 that changes state stays under `/admin` with the admin token. The time series and how several processes share
-them: `gateway.dashboard`.
+them: `gateway.dashboard.sampler`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.api.deps import ServicesDep, require_metrics, services_of
-from gateway.dashboard import WINDOW_S
+from gateway.dashboard.sampler import WINDOW_S
 from gateway.errors import NotFound
 from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE
 from gateway.services import Services
@@ -121,7 +121,7 @@ async def dashboard_state(
     since: int | None = Query(None, ge=0, description="the first second of the series to send (Unix time)"),
 ) -> Response:
     """What the status page shows: a read-only subset of `/admin/status` (no URLs, no tokens), and the time
-    series of the last `window_s` seconds of the whole cluster (`gateway.dashboard`); `since`: only the seconds
+    series of the last `window_s` seconds of the whole cluster (`gateway.dashboard.sampler`); `since`: only the seconds
     from that one on (the page asks for the newest few once it has the rest). Encoded by orjson directly: a whole
     window is hundreds of kilobytes, which FastAPI's generic encoder takes tens of milliseconds to walk."""
     await svc.metrics.refresh()

@@ -19,8 +19,8 @@ from gateway.api.deps import agent_key, session_owner, turn_session
 from gateway.api.errors import stream_error
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.services import Services
-from gateway.session_identity import with_group
-from gateway.turns import Choice, PreparedTurn, TurnRunner
+from gateway.session.identity import with_group
+from gateway.turns.runner import Choice, PreparedTurn, TurnRunner
 
 __all__ = ["openai_sse", "prepare_turn", "relay", "rollout_field", "run_to_end", "session_of", "streaming_answer"]
 

@@ -11,8 +11,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   that a write extending the sample adds what is new instead of rewriting it all; and `writer`, the turn that
   wrote it last, so that turns of one session on two processes at once never replace each other's (`save_sample`).
 - `rg:response:{response id}` (string, JSON): what a Responses API answer leaves for a later request that names it
-  (`previous_response_id`), and the answer itself (`GET /v1/responses/{id}`): `gateway.response_records`. Its own
-  slot, looked up by the response id alone; written once, never changed.
+  (`previous_response_id`), and the answer itself (`GET /v1/responses/{id}`):
+  `gateway.session.response_records`. Its own slot, looked up by the response id alone; written once, never changed.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   With `store.stream_partitions` n > 1, partitions 1..n-1 are `rg:trajectories:{p}` (`Keys.stream`), a session's
   partition chosen by its group id (else its id); `rg:trajectories:partitions` (string) holds n for consumers.
@@ -36,7 +36,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:weights:drained:{token}` (set, TTL): the processes that drained their requests for the update `token`.
 - `rg:control` (pub/sub channel): JSON events that let the other gateway processes follow an update.
 - `rg:dashboard` (stream, trimmed by MINID to the dashboard's window): each gateway process's per-second point
-  (JSON, `gateway.timeseries`), read back by every process to chart the whole cluster (`gateway.dashboard`).
+  (JSON, `gateway.dashboard.timeseries`), read back by every process to chart the whole cluster
+  (`gateway.dashboard.sampler`).
 
 Lifetimes: a session's keys live `session_idle_ttl_s + ttl_s` after its last write while it is active, and
 `ttl_s` once it is finished or abandoned; a response key `session_idle_ttl_s + ttl_s` after it was written. The

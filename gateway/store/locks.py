@@ -1,5 +1,5 @@
 """`SessionLocks`: this process's per-session locks, in one map (one per process, owned by the `TrajectoryStore`
-and shared with the session lifecycle, `gateway.session_lifecycle`).
+and shared with the session lifecycle, `gateway.session.lifecycle`).
 
 A session has two locks of different reach, always taken in this order (a writer never waits for a turn):
 

@@ -1,8 +1,8 @@
 """Open sessions per API key, counted across gateway processes in Redis (`server.max_open_sessions_per_key`).
 
-Distinct from `gateway.quotas.SessionQuota` (`server.max_sessions_per_key`), which counts the sessions of a key with
-a request in flight, in one process: this counts the sessions a key has created and not yet finished, over every
-process on the Redis, whether a request is running or not.
+Distinct from `gateway.session.quotas.SessionQuota` (`server.max_sessions_per_key`), which counts the sessions of a
+key with a request in flight, in one process: this counts the sessions a key has created and not yet finished, over
+every process on the Redis, whether a request is running or not.
 
 One sorted set per key (`Keys.open_sessions`): its open sessions, each scored by when it expires idle (the server's
 time + `store.session_idle_ttl_s`, pushed on at each of its turns). A session leaves it when finished, and an

@@ -1,5 +1,5 @@
 """The Responses API's keys: a stored response (`rg:response:{id}`), and the chat conversation of one sample as the
-next turn of a response chain reads it (`gateway.response_records`)."""
+next turn of a response chain reads it (`gateway.session.response_records`)."""
 
 from __future__ import annotations
 

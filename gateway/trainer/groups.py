@@ -2,7 +2,7 @@
 
 A trajectory joins the group `metadata[group_by]`; the group is complete when it has `group_size` members (the
 consumer's, else the first member's `metadata["group_size"]`); a gateway request with `group: true` and `n=K`
-makes K sessions with `group_id` and `group_size` K (`gateway.turns`). Members wait in memory, un-acked, so a
+makes K sessions with `group_id` and `group_size` K (`gateway.turns.runner`). Members wait in memory, un-acked, so a
 crash of the consumer hands them to another. A batch holds whole complete groups only: `n` counts trajectories, a
 group is never split, and a group that does not fit the room left in a batch waits for the next call (a group
 larger than `n` comes alone). A group still incomplete `max_group_wait_s` after its first member arrived here (a

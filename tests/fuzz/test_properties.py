@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
-from gateway.api.token_ids import first_outside
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
 from gateway.routing import Replica, ReplicaPool
+from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
 from gateway.weights import WeightCoordinator, parse_version, version_label
 

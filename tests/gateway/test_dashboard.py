@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 
 from backends.sim.engine import EngineSettings
-from gateway.dashboard import DashboardSampler
+from gateway.dashboard.sampler import DashboardSampler
+from gateway.dashboard.timeseries import LatencyHistogram, Ring, empty_point
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.generation import Generator
 from gateway.routing import ReplicaPool
 from gateway.server import RunningGateway
 from gateway.store import Keys, connect
-from gateway.timeseries import LatencyHistogram, Ring, empty_point
 from gateway.trainer import TrajectoryConsumer
 from gateway.weights import WeightCoordinator
 from tests.conftest import GatewayFactory, SimFactory

@@ -7,8 +7,8 @@ from typing import Any
 
 import httpx
 
-from gateway.quotas import key_id
 from gateway.server import RunningGateway
+from gateway.session.quotas import key_id
 from tests.conftest import GatewayFactory, SimFactory
 from tests.sim_helpers import wait_for
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from gateway.server import RunningGateway
-from gateway.session_samples import PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES, SESSION_BYTES
+from gateway.session.samples import PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES, SESSION_BYTES
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body
 

@@ -20,10 +20,10 @@ from tokenizers.normalizers import NFC
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
 from gateway.generation import GenerationRequest, GenerationState
-from gateway.session_samples import SessionManager, Turn
+from gateway.session.samples import SessionManager, Turn
+from gateway.session.working_sample import WorkingSample
 from gateway.store import Keys, TrajectoryStore
 from gateway.tokenization import ChatTokenizer, TextCheck
-from gateway.working_sample import WorkingSample
 
 TOKENIZER = ChatTokenizer.load(DEFAULT_TOKENIZER)
 

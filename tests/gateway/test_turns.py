@@ -1,4 +1,4 @@
-"""`gateway.turns`, a session's turn end to end, through the official client, real Redis and the trainer: GRPO
+"""`gateway.turns.runner`, a session's turn end to end, through the official client, real Redis and the trainer: GRPO
 groups from one request (`group: true`: the n choices become n sessions of one group, each finished with its own
 reward) and per-sample rewards on finish; OpenAI's `metadata` on a request reaching its session (stored on the turn
 that creates it, new keys added on later turns, a changed value refused: 400, nothing stored); and a turn cut short,

@@ -1,4 +1,5 @@
-"""The admin API (`gateway.api.admin`) over real HTTP: its credentials, version conflicts, and `/admin/status`."""
+"""The admin API (`gateway.api.admin.routes`) over real HTTP: its credentials, version conflicts, and
+`/admin/status`."""
 
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ import pytest
 
 from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
-from gateway.api.anthropic_chat import chat_messages
-from gateway.api.anthropic_models import MessageParam, MessagesRequest
-from gateway.api.openai_models import ChatMessage
+from gateway.api.anthropic.chat import chat_messages
+from gateway.api.anthropic.models import MessageParam, MessagesRequest
+from gateway.api.openai.models import ChatMessage
 from gateway.errors import InvalidRequest
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer

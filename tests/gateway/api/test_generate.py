@@ -203,7 +203,7 @@ async def test_routed_experts_of_a_continued_turn_cover_its_whole_input(
         ({"input_ids": [], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
         ({"input_ids": [1, 999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
         ({"input_ids": [1, -3], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
-        # Long prompts are checked in one buffer pass (gateway.api.token_ids): one id outside, at the end.
+        # Long prompts are checked in one buffer pass (gateway.tokenization.token_ids): one id outside, at the end.
         ({"input_ids": [1] * 3000 + [-1], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
         ({"input_ids": [1] * 3000 + [999999], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
         ({"input_ids": [1] * 3000 + [2**64], "sampling_params": {"max_tokens": 4}}, "input_ids", 400),
@@ -251,7 +251,7 @@ async def test_a_token_outside_the_vocabulary_is_named_and_nothing_runs(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "prompt" and error["message"] == f"token id {vocab + 9} is outside the vocabulary"
-    long_prompt = [i % vocab for i in range(3000)]  # checked in one buffer pass (gateway.api.token_ids)
+    long_prompt = [i % vocab for i in range(3000)]  # checked in one buffer pass (gateway.tokenization.token_ids)
     for bad in (-1, vocab):
         response = await http.post(f"{gw.url}/generate", json={**body, "input_ids": [*long_prompt, bad, 3]})
         assert response.status_code == 400

@@ -1,4 +1,4 @@
-"""Liveness and readiness over real HTTP (`gateway.api.health`): `/ready` says whether a turn could be served now,
+"""Liveness and readiness over real HTTP (`gateway.api.admin.health`): `/ready` says whether a turn could be served now,
 the trajectory store included (issue 38 §13: with Redis down the gateway answered `/ready` 200 while every session
 request got a 503 naming Redis's host and port)."""
 

@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 from backends.sim.engine import EngineSettings
 from gateway.config import load_config
 from gateway.errors import ConfigError, Overloaded
-from gateway.quotas import SessionQuota
 from gateway.server import RunningGateway
+from gateway.session.quotas import SessionQuota
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body
 from tests.sim_helpers import wait_for

@@ -18,9 +18,9 @@ from openai.types.responses import Response
 
 from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
-from gateway.api.openai_models import ChatMessage
-from gateway.api.responses_items import chat_messages
-from gateway.api.responses_models import ResponseRequest
+from gateway.api.openai.models import ChatMessage
+from gateway.api.responses.items import chat_messages
+from gateway.api.responses.models import ResponseRequest
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.server import RunningGateway
 from gateway.tokenization import ChatTokenizer

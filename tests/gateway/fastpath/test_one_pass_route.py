@@ -27,14 +27,17 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from common.asgi import ClientDisconnected
-from gateway.api import deps, generate, openai, responses
+from gateway.api import deps
 from gateway.api.errors import install_error_handlers
-from gateway.api.generate import GenerateBody
+from gateway.api.generate import routes as generate
+from gateway.api.generate.routes import GenerateBody
 from gateway.api.json_answer import JSONAnswer
 from gateway.api.limits import BodySizeLimit
 from gateway.api.observability import RequestMetrics
-from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
-from gateway.api.responses_models import ResponseRequest
+from gateway.api.openai import routes as openai
+from gateway.api.openai.models import ChatCompletionRequest, CompletionRequest
+from gateway.api.responses import routes as responses
+from gateway.api.responses.models import ResponseRequest
 from gateway.api.streaming import GatewayApp, GuardedStreamingResponse
 from gateway.errors import Forbidden, InvalidRequest
 from gateway.fastpath.hot_routes import HotRoutes

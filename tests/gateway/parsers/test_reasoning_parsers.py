@@ -29,7 +29,7 @@ from gateway.parsers.reasoning import (
     Qwen3ReasoningParser,
 )
 from gateway.tokenization import ChatTokenizer
-from gateway.turns import PROMPT_TAIL_TOKENS
+from gateway.turns.runner import PROMPT_TAIL_TOKENS
 from tests.gateway.parsers.family_tokenizers import template_text
 from tests.gateway.parsers.reasoning_families import FAMILIES, Family
 

@@ -10,7 +10,8 @@ session's samples (its prompt + response ids, then more), the turn continues tha
 environment span (loss mask 0); else a new sample starts in the session. The sampled tokens get loss mask 1, their
 logprobs and versions. The response adds `sample_index` and `new_sample`. The turn is stored before the response (or
 a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it delivers the trajectory with this turn.
-`metadata` (str → str) goes to the session as on the OpenAI routes (`gateway.turns`); without a session it is a 400.
+`metadata` (str → str) goes to the session as on the OpenAI routes (`gateway.turns.runner`); without a session it
+is a 400.
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owne
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
-from gateway.api.openai_models import TextMetadata
+from gateway.api.openai.models import TextMetadata
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
-from gateway.api.token_ids import TokenId, first_outside
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
 from gateway.services import Services
-from gateway.session_identity import SESSION_ID_PATTERN
-from gateway.turns import PreparedTurn
+from gateway.session.identity import SESSION_ID_PATTERN
+from gateway.tokenization.token_ids import TokenId, first_outside
+from gateway.turns.runner import PreparedTurn
 
 
 class GenerateSampling(BaseModel):

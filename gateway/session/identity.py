@@ -15,7 +15,7 @@ None of them: a one-turn session. Whichever names it, a session id is 1 to 256 c
 
 A session named by the path or by the key of the form `grp-<group>-<index>` or
 `grp-<group>-<index>of<size>` is member `<index>` of GRPO group `<group>`: its metadata gets `group_id`,
-`group_index` (and `group_size`), as a `group: true` request records its members (`gateway.turns`).
+`group_index` (and `group_size`), as a `group: true` request records its members (`gateway.turns.runner`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 - `metadata.user_id` names the session where nothing else does, as OpenAI's `user` does.
 
 The reply the gateway answers converts back to exactly the assistant message the turn recorded
-(`gateway.turns.assistant_message`), so an agent that echoes the answer extends the same sample.
+(`gateway.turns.runner.assistant_message`), so an agent that echoes the answer extends the same sample.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.api.anthropic_models import (
+from gateway.api.anthropic.models import (
     ContentBlock,
     CountTokensRequest,
     MessageParam,
@@ -32,9 +32,9 @@ from gateway.api.anthropic_models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from gateway.api.openai_models import ChatSettings
+from gateway.api.openai.models import ChatSettings
 from gateway.errors import InvalidRequest
-from gateway.turns import ChatInputs, offered_tools
+from gateway.turns.runner import ChatInputs, offered_tools
 
 __all__ = ["chat_messages", "chat_tools", "chat_turn"]
 
@@ -132,7 +132,7 @@ def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
 
 
 def _assistant(index: int, message: MessageParam) -> dict[str, Any]:
-    """An assistant message: as `gateway.turns.assistant_message` records the gateway's own replies."""
+    """An assistant message: as `gateway.turns.runner.assistant_message` records the gateway's own replies."""
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts: list[str] = []

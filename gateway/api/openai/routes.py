@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, and the same under a session
-prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session_identity`).
+prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session.identity`).
 
 Standard clients work unchanged; what only a rollout needs (session id, sample index, per-token versions,
 resumes) travels under the vendor key `rollout`, which they ignore.
@@ -20,7 +20,7 @@ from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.openai_models import ChatCompletionRequest, CompletionRequest
+from gateway.api.openai.models import ChatCompletionRequest, CompletionRequest
 from gateway.api.turn_http import (
     openai_sse,
     prepare_turn,
@@ -31,7 +31,7 @@ from gateway.api.turn_http import (
     streaming_answer,
 )
 from gateway.request_ids import new_request_id
-from gateway.turns import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message, chat_inputs
+from gateway.turns.runner import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message, chat_inputs
 
 
 def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:

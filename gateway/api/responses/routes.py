@@ -2,9 +2,10 @@
 adapter over the chat turn, and `GET /v1/responses/{id}`.
 
 A request becomes a chat turn (`ChatSettings` and its messages → `TurnRunner.prepare_chat`): its `instructions` a system
-message first, then the conversation of the response it continues (`previous_response_id`, `gateway.response_records`),
-then its input items as chat messages (`gateway.api.responses_items`). So a turn sent with `previous_response_id` and
-one that replays the whole conversation extend the same sample of the session.
+message first, then the conversation of the response it continues (`previous_response_id`,
+`gateway.session.response_records`), then its input items as chat messages (`gateway.api.responses.items`). So a
+turn sent with `previous_response_id` and one that replays the whole conversation extend the same sample of the
+session.
 
 Session: the one the request names (`turn_session`: path, header, body `session_id`, API key, `user`); else the
 previous response's; else a one-turn session, as on the chat API. A previous response of another session than the one
@@ -28,15 +29,15 @@ from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.openai_models import ChatSettings
-from gateway.api.responses_items import ItemIds, chat_messages, output_items
-from gateway.api.responses_models import NamedFunction, ResponseRequest
-from gateway.api.responses_stream import ResponseEvents
+from gateway.api.openai.models import ChatSettings
+from gateway.api.responses.items import ItemIds, chat_messages, output_items
+from gateway.api.responses.models import NamedFunction, ResponseRequest
+from gateway.api.responses.stream import ResponseEvents
 from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end, session_of, streaming_answer
 from gateway.errors import InvalidRequest
-from gateway.response_records import ResponseRecord, ResponseRecords
 from gateway.services import Services
-from gateway.turns import ChatInputs, Choice, PreparedTurn, TurnRunner, assistant_message, offered_tools
+from gateway.session.response_records import ResponseRecord, ResponseRecords
+from gateway.turns.runner import ChatInputs, Choice, PreparedTurn, TurnRunner, assistant_message, offered_tools
 
 __all__ = ["create_router", "create_session_router"]
 

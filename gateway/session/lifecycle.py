@@ -25,15 +25,15 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from gateway.errors import Conflict, SessionNotFound, StoreError
-from gateway.quotas import ANONYMOUS
 from gateway.routing import ReplicaPool
-from gateway.session_samples import SessionManager
+from gateway.session.quotas import ANONYMOUS
+from gateway.session.samples import SessionManager
 from gateway.store import metadata_additions
 from gateway.store.open_sessions import OpenSessions
 from gateway.trajectory import SessionMeta
 
 if TYPE_CHECKING:
-    from gateway.turns import PreparedTurn
+    from gateway.turns.runner import PreparedTurn
 
 __all__ = ["SessionLifecycle", "check_owner"]
 
@@ -124,8 +124,8 @@ class SessionLifecycle:
         owner: str | None = None,
     ) -> None:
         """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
-        request stores nothing), with the request's `metadata` (`gateway.turns`). A new session is refused with 429
-        while the trainer lags (backpressure)."""
+        request stores nothing), with the request's `metadata` (`gateway.turns.runner`). A new session is refused with
+        429 while the trainer lags (backpressure)."""
         if one_turn:
             # 128 random bits we just made: nobody else can know the id.
             await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True, owner=owner)

@@ -2,7 +2,7 @@
 the output items of its answer.
 
 The two directions agree: the output items of a reply, echoed back as input, are the assistant message the session
-recorded (`gateway.turns.assistant_message`): a reasoning item is its `reasoning_content`, a message item its
+recorded (`gateway.turns.runner.assistant_message`): a reasoning item is its `reasoning_content`, a message item its
 `content`, function_call items its `tool_calls` (ids = `call_id`). Consecutive assistant-side items make one
 assistant message: a reasoning item opens a new one, as does a message item after one that has content or calls.
 """
@@ -13,14 +13,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.api.responses_models import (
+from gateway.api.responses.models import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
     ReasoningItem,
     TextPart,
 )
-from gateway.turns import Choice
+from gateway.turns.runner import Choice
 
 __all__ = ["ItemIds", "chat_messages", "output_items", "reasoning_text"]
 

@@ -1,9 +1,9 @@
 """Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`, and the same under a session
-prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session_identity`).
+prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session.identity`).
 
-A thin adapter over the chat turn: the request becomes a chat turn (`gateway.api.anthropic_chat`),
+A thin adapter over the chat turn: the request becomes a chat turn (`gateway.api.anthropic.chat`),
 runs as any chat turn (`gateway.api.turn_http`), and its reply is shaped as Anthropic's message or events
-(`gateway.api.anthropic_answer`). Errors come in Anthropic's shape (`AnthropicErrorsRoute`). The vendor field
+(`gateway.api.anthropic.answer`). Errors come in Anthropic's shape (`AnthropicErrorsRoute`). The vendor field
 `rollout` carries what only a rollout needs, as on the OpenAI routes.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.anthropic_answer import MESSAGE_STOP, error_event, message, message_events
-from gateway.api.anthropic_chat import chat_turn
-from gateway.api.anthropic_models import CountTokensRequest, MessagesRequest
+from gateway.api.anthropic.answer import MESSAGE_STOP, error_event, message, message_events
+from gateway.api.anthropic.chat import chat_turn
+from gateway.api.anthropic.models import CountTokensRequest, MessagesRequest
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.errors import AnthropicErrorsRoute
 from gateway.api.json_answer import JSONAnswer, json_answer

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from gateway.api.openai_models import Stop, TextMetadata, _storable
+from gateway.api.openai.models import Stop, TextMetadata, _storable
 
 
 class _Body(BaseModel):

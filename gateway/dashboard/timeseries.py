@@ -1,7 +1,7 @@
 """Per-second time series for the dashboard: mergeable points, a bounded ring of them, and latency histograms.
 
 A *point* is what one gateway process saw during one wall-clock second, as a plain dict that travels as JSON
-(between processes, through Redis: `gateway.dashboard`):
+(between processes, through Redis: `gateway.dashboard.sampler`):
 
 | key  | what                                                     | merged over processes by |
 |------|----------------------------------------------------------|--------------------------|

@@ -8,8 +8,8 @@ import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
-from gateway.api.token_ids import TokenId
-from gateway.session_identity import SESSION_ID_PATTERN
+from gateway.session.identity import SESSION_ID_PATTERN
+from gateway.tokenization.token_ids import TokenId
 
 
 def _storable(value: Any) -> Any:
@@ -176,12 +176,12 @@ class _Sampling(_Body):
     # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # OpenAI's metadata reaches the session (`gateway.turns`: set on the turn that creates it, new keys added later,
-    # a changed value refused).
+    # OpenAI's metadata reaches the session (`gateway.turns.runner`: set on the turn that creates it, new keys added
+    # later, a changed value refused).
     metadata: TextMetadata | None = None
     store: bool | None = None
     # Vendor field: the n choices become the first turns of n new sessions `<session>-<i>` of one GRPO group, each
-    # finished with its own reward (`gateway.turns`).
+    # finished with its own reward (`gateway.turns.runner`).
     group: bool = False
 
     @property

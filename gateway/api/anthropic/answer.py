@@ -18,7 +18,7 @@ import orjson
 from common.errors import GatewayError
 from gateway.api.errors import anthropic_error
 from gateway.api.turn_http import rollout_field
-from gateway.turns import Choice, ChoiceEvent, PreparedTurn, TurnRunner
+from gateway.turns.runner import Choice, ChoiceEvent, PreparedTurn, TurnRunner
 
 __all__ = ["MESSAGE_STOP", "error_event", "message", "message_events"]
 

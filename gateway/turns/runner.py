@@ -1,7 +1,7 @@
 """One agent turn end to end: session → prompt ids → n generations (resume loop) → text, tool calls → Redis.
 
 The OpenAI routes and `POST /generate` in a session shape requests and responses; everything between lives here.
-The session side of a turn (lock, load, create, save, finish) is `gateway.session_lifecycle`'s: a turn holds its
+The session side of a turn (lock, load, create, save, finish) is `gateway.session.lifecycle`'s: a turn holds its
 session's lock from `prepare_*` until `SessionLifecycle.close`, so the turns of one session never interleave in
 this process.
 
@@ -30,8 +30,7 @@ from typing import Any
 
 from backends.base import SamplingParams
 from gateway.api.bounds import wrapped_seed
-from gateway.api.openai_models import ChatCompletionRequest, ChatSettings, CompletionRequest, _Sampling
-from gateway.api.token_ids import first_outside
+from gateway.api.openai.models import ChatCompletionRequest, ChatSettings, CompletionRequest, _Sampling
 from gateway.errors import ConfigError, InvalidRequest, NotFound
 from gateway.generation import Delta, GenerationRequest, GenerationState, Generator, StopChecker
 from gateway.parsers import (
@@ -48,12 +47,13 @@ from gateway.parsers import (
     collect_deltas,
     collect_reasoning,
 )
-from gateway.quotas import SessionLease
 from gateway.request_ids import new_name
-from gateway.session_lifecycle import SessionLifecycle
-from gateway.session_samples import Turn
+from gateway.session.lifecycle import SessionLifecycle
+from gateway.session.quotas import SessionLease
+from gateway.session.samples import Turn
+from gateway.session.working_sample import WorkingSample
 from gateway.tokenization import ChatTokenizer, EncodedPrefix, IncrementalDetokenizer, make_stop_checker
-from gateway.working_sample import WorkingSample
+from gateway.tokenization.token_ids import first_outside
 
 MAX_RANDOM_SEED = 2**31 - 1
 # Beyond this many characters a token of the context, a prompt is counted in chunks before it is tokenized whole:

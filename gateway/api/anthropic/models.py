@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from gateway.api.bounds import INT32_MAX, Seed, TopK
-from gateway.api.openai_models import _storable
-from gateway.session_identity import SESSION_ID_PATTERN
+from gateway.api.openai.models import _storable
+from gateway.session.identity import SESSION_ID_PATTERN
 
 __all__ = [
     "Content",
@@ -128,7 +128,7 @@ Content = Annotated[
 
 class MessageParam(_Body):
     """One message. Which blocks a role may hold (a user's text and tool results, an assistant's text, tool uses and
-    thinking) is checked where the message becomes a chat message (`gateway.api.anthropic_chat`)."""
+    thinking) is checked where the message becomes a chat message (`gateway.api.anthropic.chat`)."""
 
     role: Literal["user", "assistant"]
     content: Content

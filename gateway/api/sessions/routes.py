@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Path, Request
 
 from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
-from gateway.api.openai_models import SessionCreate, SessionFinish
+from gateway.api.openai.models import SessionCreate, SessionFinish
 from gateway.errors import Conflict, SessionNotFound, StoreError
 from gateway.services import Services
-from gateway.session_identity import SESSION_ID_PATTERN
-from gateway.session_lifecycle import check_owner
+from gateway.session.identity import SESSION_ID_PATTERN
+from gateway.session.lifecycle import check_owner
 from gateway.trajectory import SessionMeta
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])

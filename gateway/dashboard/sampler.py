@@ -1,5 +1,5 @@
 """The dashboard's data: a once-a-second sampler that turns the gateway's counters into per-second points
-(`gateway.timeseries`), shares them with the other gateway processes through Redis, and shapes the feed of
+(`gateway.dashboard.timeseries`), shares them with the other gateway processes through Redis, and shapes the feed of
 `GET /dashboard/state`.
 
 Several processes (`serve --workers N`, or several hosts on one Redis): every process appends its own point of
@@ -35,12 +35,12 @@ import redis.asyncio as aioredis
 from backends.base import Load
 from backends.errors import BackendError
 from gateway.background import stop
+from gateway.dashboard.timeseries import LatencyHistogram, Point, Ring, empty_point
 from gateway.errors import StoreError
 from gateway.generation import GenerationRequest, Generator
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import Keys
 from gateway.store.keys import call, text
-from gateway.timeseries import LatencyHistogram, Point, Ring, empty_point
 from gateway.weights import UpdateReport, WeightCoordinator
 
 __all__ = ["WINDOW_S", "DashboardSampler"]

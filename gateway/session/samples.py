@@ -1,5 +1,5 @@
 """A session's samples in this process: exact multi-turn tokens (docs/architecture.md §3, §7). The steps of a
-turn (lock, load, turn, save, finish) are put in order by `gateway.session_lifecycle`; this module does the sample
+turn (lock, load, turn, save, finish) are put in order by `gateway.session.lifecycle`; this module does the sample
 side of them: which sample a turn extends, what it appends, what is written.
 
 Turn N+1 of a session reuses turn N's exact ids (prompt + sampled tokens) and tokenizes only what the new
@@ -30,6 +30,7 @@ import numpy as np
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
 from gateway.request_ids import new_name
+from gateway.session.working_sample import WorkingSample
 from gateway.store.locks import SessionLocks
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import (
@@ -40,7 +41,6 @@ from gateway.trajectory import (
     SessionMeta,
     StoredChunks,
 )
-from gateway.working_sample import WorkingSample
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Operator routes: weights, replicas and status under the admin token; health and readiness."""

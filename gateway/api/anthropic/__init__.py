@@ -1,0 +1,1 @@
+"""Anthropic Messages: request models, the request -> chat turn mapping, routes and answer/stream shaping."""

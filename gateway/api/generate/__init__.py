@@ -1,0 +1,1 @@
+"""Token-in/token-out `POST /generate` (docs/architecture.md §12)."""

@@ -1,0 +1,1 @@
+"""OpenAI chat/completions: request models, routes and answer shaping."""

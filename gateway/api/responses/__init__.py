@@ -1,0 +1,1 @@
+"""OpenAI Responses: request models, input items -> chat turn, routes and answer/stream shaping."""

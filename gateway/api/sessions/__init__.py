@@ -1,0 +1,1 @@
+"""Session routes: read a session, finish it with its reward."""

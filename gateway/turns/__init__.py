@@ -1,0 +1,1 @@
+"""The turn pipeline every protocol shares: request -> render -> generate with resume -> parse -> record."""
