@@ -11,13 +11,49 @@ import enum
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gateway.errors import GatewayError
 from gateway.tokenization.chat_template import Message, Tool
+from gateway.tokenization.text_path import TextPath
 
-if TYPE_CHECKING:
-    from gateway.tokenization.tokenizer import ChatTokenizer
+
+class Renderer(Protocol):
+    """What matching a conversation needs of the tokenizer (`ChatTokenizer` is one)."""
+
+    @property
+    def text_path(self) -> TextPath: ...
+
+    @property
+    def next_turn_ids(self) -> tuple[int, ...]: ...
+
+    def encode_tail(self, text: str) -> list[int]: ...
+
+    def render_text(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        add_generation_prompt: bool = True,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        add_generation_prompt: bool = True,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
+
+    def render_prefix(
+        self,
+        previous_messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]: ...
 
 __all__ = ["ConversationMatch", "NotAPrefix", "Rendering", "TextCheck"]
 
@@ -63,7 +99,7 @@ class ConversationMatch:
 
     def __init__(
         self,
-        tokenizer: ChatTokenizer,
+        tokenizer: Renderer,
         messages: Sequence[Message],
         tools: Sequence[Tool] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
