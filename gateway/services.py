@@ -314,7 +314,8 @@ async def open_services(
         open_sessions = OpenSessions(
             redis, Keys(s.prefix), settings.server.max_open_sessions_per_key, s.session_idle_ttl_s
         )
-        lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions)
+        quota = SessionQuota(settings.server.max_sessions_per_key)
+        lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions, quota)
         turns = TurnRunner(
             generator,
             lifecycle,
@@ -345,7 +346,7 @@ async def open_services(
             backend_factory=backend_factory,
             replica_configs={replica.id: replica for replica in settings.replicas},
             metrics=metrics,
-            quota=SessionQuota(settings.server.max_sessions_per_key),
+            quota=quota,
             open_sessions=open_sessions,
             dashboard=dashboard,
             response_cache=ResponseCache(s.response_cache_size, trajectories.responses.ttl_s),

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-__all__ = ["INT32_MAX", "INT64_MAX", "INT64_MIN", "Count", "Seed", "TopK", "wrapped_seed"]
+__all__ = ["INT32_MAX", "INT64_MAX", "INT64_MIN", "Count", "Seed", "TopK"]
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -21,8 +21,3 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 """top-k: -1 (or 0) for none, else a 32-bit count."""
-
-
-def wrapped_seed(seed: int) -> int:
-    """`seed` wrapped into the signed 64-bit range (the seed of choice i of n is the request's seed + i)."""
-    return (seed - INT64_MIN) % 2**64 + INT64_MIN

@@ -1,12 +1,17 @@
-"""What every protocol's turn route shares (OpenAI chat and completions, Anthropic Messages, OpenAI Responses): the
-turn's session, the caller's session slot, generating to the end, and relaying a streamed turn. Each protocol's
-module shapes only its request and its answer around these (docs/architecture.md §1).
+"""What every protocol's turn route shares (OpenAI chat and completions, Anthropic Messages, OpenAI Responses,
+`POST /generate` in a session): the turn's session, preparing the turn, generating to the end or relaying its
+stream, and closing it. Each protocol's module maps its request to a `TurnRequest` and shapes its answer
+(`TurnAnswer`) around these (docs/architecture.md §1, §7).
+
+A turn is closed in one place, `serve_turn`'s `async with`: whether it was refused, answered whole, or streamed
+(then the stack that closes it moves to the streamed response, which closes it however the response ends).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -15,14 +20,15 @@ from fastapi.responses import Response
 
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
-from gateway.api.deps import agent_key, session_owner, turn_session
+from gateway.api.deps import agent_key, turn_session
 from gateway.api.errors import stream_error
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
-from gateway.services import Services
 from gateway.session.identity import with_group
-from gateway.turns.runner import Choice, PreparedTurn, TurnRunner
+from gateway.turns.prepared import Choice, PreparedTurn
+from gateway.turns.request import TurnRequest
+from gateway.turns.runner import TurnRunner
 
-__all__ = ["openai_sse", "prepare_turn", "relay", "rollout_field", "run_to_end", "session_of", "streaming_answer"]
+__all__ = ["TurnAnswer", "openai_sse", "rollout_field", "serve_turn", "session_of"]
 
 
 def openai_sse(payload: Any) -> bytes:
@@ -65,59 +71,65 @@ def session_of(
     return session, metadata
 
 
-async def prepare_turn(
-    raw: Request, svc: Services, session: str | None, prepare: Callable[[str | None], Awaitable[PreparedTurn]]
-) -> PreparedTurn:
-    """Take the caller's per-key session slot, then prepare the turn (`prepare(owner)`: the caller's
-    `session_owner`, which alone may use the session); the slot is freed when the turn closes."""
-    lease = svc.quota.acquire(agent_key(raw), session)
-    try:
-        prepared = await prepare(session_owner(raw))
-    except BaseException:
-        lease.release()
-        raise
-    prepared.leases.append(lease)
-    return prepared
+@dataclass(frozen=True, slots=True)
+class TurnAnswer:
+    """How a protocol answers one prepared turn. Whole: `whole()`, once the turn is recorded. Streamed: `chunks()`,
+    its events but the last; `last()`, once the turn is recorded, the event that ends the stream (OpenAI's
+    `[DONE]`, Anthropic's `message_stop`; b"" for none); `error_event`, an error's event once the answer started
+    (200)."""
+
+    whole: Callable[[], Awaitable[Response]]
+    chunks: Callable[[], AsyncGenerator[bytes, None]]
+    last: Callable[[], Awaitable[bytes]]
+    error_event: Callable[[GatewayError], bytes]
 
 
-async def run_to_end(raw: Request, runner: TurnRunner, prepared: PreparedTurn) -> None:
-    """Generate every choice (aborted if the client leaves), then record the turn."""
-    try:
-        await unless_disconnected(raw, runner.run(prepared), lambda: None, DISCONNECT_WATCH_AFTER_S)
-    finally:
-        await runner.lifecycle.close(prepared)
-
-
-def streaming_answer(chunks: AsyncIterator[bytes], runner: TurnRunner, prepared: PreparedTurn) -> Response:
-    """The SSE response of a streamed turn; the turn is recorded however the response ends."""
-    return GuardedStreamingResponse(chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream")
-
-
-async def relay(
+async def serve_turn(
     raw: Request,
     runner: TurnRunner,
-    prepared: PreparedTurn,
-    chunks: AsyncGenerator[bytes, None],
-    *,
-    last: Callable[[], bytes],
-    error_event: Callable[[GatewayError], bytes],
-) -> AsyncIterator[bytes]:
-    """Relay SSE chunks until done or the client leaves, then record the turn and send `last()` (OpenAI's `[DONE]`,
-    Anthropic's `message_stop`): an agent that finishes its session right after a streamed turn never races that
-    turn's write (the trainer would get the trajectory without it). An error becomes the protocol's error event
-    (`error_event`), an unexpected one a 500 event; the turn is always recorded, one that did not finish as
-    cancelled."""
+    request: TurnRequest,
+    session: str | None,
+    answer_of: Callable[[PreparedTurn], TurnAnswer],
+) -> Response:
+    """Prepare the turn for the caller (its key: `agent_key`), generate it (aborted if the client leaves) and answer
+    it (`answer_of(prepared)`). The turn is recorded before the answer, or a stream's last event: an agent that
+    finishes its session right after a turn never races that turn's write (the trainer would get the trajectory
+    without it). However the request ends, the turn is closed once: recorded (one that did not finish as
+    cancelled), its locks and the caller's slot released."""
+    async with contextlib.AsyncExitStack() as turn:
+        prepared = await runner.prepare(request, session, agent_key(raw))
+        turn.push_async_callback(prepared.close)
+        answer = answer_of(prepared)
+        if request.stream:
+            close = turn.pop_all().aclose  # now the response's: it closes the turn however it ends
+            chunks = _relay(raw, answer, close)
+            return GuardedStreamingResponse(chunks, close, media_type="text/event-stream")
+        await unless_disconnected(raw, runner.run(prepared), _nothing, DISCONNECT_WATCH_AFTER_S)
+    return await answer.whole()
+
+
+async def _relay(raw: Request, answer: TurnAnswer, close: Callable[[], Awaitable[Any]]) -> AsyncIterator[bytes]:
+    """Relay the answer's chunks until done or the client leaves, then record the turn (`close`) and send its last
+    event. An error becomes the protocol's error event, an unexpected one a 500 event (the response then records
+    the turn)."""
     try:
         # Closed before the turn is recorded, however the relay ends (a client cut while this generator is
         # suspended closes it from outside): its generation closes its segment first.
-        async with contextlib.aclosing(relay_until_disconnected(raw, chunks, DISCONNECT_WATCH_AFTER_S)) as relayed:
+        relayed = relay_until_disconnected(raw, answer.chunks(), DISCONNECT_WATCH_AFTER_S)
+        async with contextlib.aclosing(relayed):
             async for chunk in relayed:
                 yield chunk
-        await runner.lifecycle.close(prepared)
-        yield LastChunk(last())
+        await close()
+        last = await answer.last()
     except ClientDisconnected:
         raise
     except Exception as exc:  # the answer started (200): the error can only be an event
-        yield error_event(stream_error(exc))
-    finally:
-        await runner.lifecycle.close(prepared)
+        yield answer.error_event(stream_error(exc))
+        return
+    if last:
+        yield LastChunk(last)
+
+
+def _nothing() -> None:
+    """What a disconnect needs besides the cancellation of the turn: nothing (its generation aborts its engine
+    request when cancelled, and `serve_turn` records it)."""

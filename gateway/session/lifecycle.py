@@ -6,12 +6,15 @@
 3. **turn**: `SessionManager.begin_*_turn` finds the sample the turn extends and `TurnRunner` generates (partial
    samples are saved at segment boundaries); once the request is validated, a new session is created in Redis
    (`create`): a refused request stores nothing and releases the lock (`refused`);
-4. **save**: `close` records every choice in its sample and saves it, shielded (a second cancellation must not
+4. **save**: `record` records every choice in its sample and saves it, shielded (a second cancellation must not
    half-write the turn);
 5. **finish**: a one-turn session (the request named none) is finished with its turn; then the locks are released.
 
-`begin` does 1 and 2 (`begin_group` for the member sessions of a group), `create` and `refused` end 3, `close` does
-4 and 5. Shutdown waits for the turns still open, and their final writes (`drain`).
+`begin` does 1 and 2 (`begin_group` for the member sessions of a group) and returns the turn's `OpenTurn`, which
+holds the locks and the caller's session slot; `create` ends 3. Closing the `OpenTurn` (one `async with`, in
+`gateway.api.turn_http`) does 4 and 5 (`record`), or for a turn refused before it was handed over, stores nothing
+(`refused`), and releases what it holds, exactly once. Shutdown waits for the turns still open, and their final
+writes (`drain`).
 
 Write order: the sample writes of a session go through the store's write buffer, which takes the session's
 `writes` lock (`SessionLocks.writes`, of the same map) for each, direct or flushed: a turn's writes of a sample are
@@ -22,20 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
 
 from gateway.errors import Conflict, SessionNotFound, StoreError
 from gateway.routing import ReplicaPool
-from gateway.session.quotas import ANONYMOUS
+from gateway.session.open_turn import OpenTurn, RecordedTurn
+from gateway.session.quotas import ANONYMOUS, SessionQuota
 from gateway.session.samples import SessionManager
 from gateway.store import metadata_additions
 from gateway.store.open_sessions import OpenSessions
 from gateway.trajectory import SessionMeta
 
-if TYPE_CHECKING:
-    from gateway.turns.runner import PreparedTurn
-
-__all__ = ["SessionLifecycle", "check_owner"]
+__all__ = ["SessionLifecycle", "check_owner", "owner_of"]
 
 
 def check_owner(meta: SessionMeta | None, owner: str | None) -> None:
@@ -45,18 +48,30 @@ def check_owner(meta: SessionMeta | None, owner: str | None) -> None:
         raise SessionNotFound(f"no session {meta.id!r}", param="session_id")
 
 
+def owner_of(key: str) -> str | None:
+    """The owner of the sessions a caller creates, and the only one that may use them (`SessionMeta.owner`): its key
+    id (`gateway.session.quotas.key_id`); None on a gateway without API keys."""
+    return None if key == ANONYMOUS else key
+
+
 class SessionLifecycle:
     """Begins and closes the turns of sessions (see the module docstring). `store`: the `TrajectoryStore`;
-    `pool`: where a session placed by an earlier turn is remembered."""
+    `pool`: where a session placed by an earlier turn is remembered; `quota`: the per-key bound on sessions with a
+    request in flight; `open_sessions`: the per-key bound on open sessions (none if None)."""
 
     def __init__(
-        self, sessions: SessionManager, store: Any, pool: ReplicaPool, open_sessions: OpenSessions | None = None
+        self,
+        sessions: SessionManager,
+        store: Any,
+        pool: ReplicaPool,
+        open_sessions: OpenSessions | None = None,
+        quota: SessionQuota | None = None,
     ) -> None:
-        """`open_sessions`: the per-key bound on open sessions (none if None)."""
         self.sessions = sessions
         self.store = store
         self.pool = pool
         self.open_sessions = open_sessions
+        self.quota = quota if quota is not None else SessionQuota(0)
         self._open = 0  # turns begun and not yet closed
         self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
         self._idle = asyncio.Event()
@@ -64,79 +79,67 @@ class SessionLifecycle:
 
     # -- lock, load ------------------------------------------------------------------------------------------
 
-    async def lock(self, session_id: str) -> asyncio.Lock:
-        """Take the session's turn lock; the turn is open until `release`."""
+    async def _lock(self, turn: OpenTurn, session_id: str) -> None:
+        """Take the session's turn lock for `turn`, which releases it when it closes."""
         lock = self.sessions.lock(session_id)
         await lock.acquire()
         self._open += 1
         self._idle.clear()
-        return lock
+        turn.hold(lambda: self._release(lock))
 
-    def release(self, lock: asyncio.Lock) -> None:
+    def _release(self, lock: asyncio.Lock) -> None:
         lock.release()
         self._open -= 1
         self._check_idle()
 
-    async def begin(
-        self, session_id: str, *, new: bool = False, owner: str | None = None
-    ) -> tuple[asyncio.Lock, SessionMeta | None]:
-        """Lock the session and load it: the lock the turn holds, and the session's stored meta (None: none yet).
-        `new`: the id was just made up for a one-turn session (nothing to read). `owner`: the caller's key id; a
-        session another key created is a 404, as if there were none (`check_owner`). Failing, the lock is
-        released."""
-        lock = await self.lock(session_id)
-        try:
-            meta = await self.sessions.open(session_id, new=new)
-            check_owner(meta, owner)
-            return lock, meta
-        except BaseException:
-            self.refused(session_id, new, lock)
-            raise
+    async def begin(self, session_id: str | None, key: str, *, kind: str = "chat") -> OpenTurn:
+        """Take the caller's session slot (`key`: its key id; 429 past `server.max_sessions_per_key`), lock the
+        session and load it. `session_id` None: a one-turn session, its id made up here as `<kind>-<random>`
+        (nothing to read). A session another key created is a 404, as if there were none (`check_owner`). Failing,
+        the turn is closed: nothing stored, everything released."""
+        one_turn = session_id is None
+        sid = session_id or new_session_id(kind)
+        turn = OpenTurn(self, sid, one_turn=one_turn, owner=owner_of(key))
+        async with turn.closed_on_error():
+            turn.hold(self.quota.acquire(key, session_id).release)
+            await self._lock(turn, sid)
+            turn.meta = await self.sessions.open(sid, new=one_turn)
+            check_owner(turn.meta, turn.owner)
+        return turn
 
-    async def begin_group(self, base: str, members: list[str]) -> list[asyncio.Lock]:
-        """Lock and load the member sessions of a group, all new (an existing one is a `Conflict`): the locks the
-        turn holds. Failing, every lock taken is released."""
-        locks: list[asyncio.Lock] = []
-        try:
+    async def begin_group(self, base: str, key: str, size: int, *, named: bool = True) -> OpenTurn:
+        """Take the caller's session slot (for the session `base` if the request `named` it, else one of its own),
+        then lock and load the `size` member sessions of a group, `<base>-<i>`, all new (an existing one is a
+        `Conflict`). Failing, the turn is closed: everything released."""
+        turn = OpenTurn(self, base, owner=owner_of(key))
+        async with turn.closed_on_error():
+            turn.hold(self.quota.acquire(key, base if named else None).release)
+            members = group_members(base, size)
             for member in members:  # in one order: two requests of one group cannot each hold a lock the other needs
-                locks.append(await self.lock(member))
+                await self._lock(turn, member)
             for member in members:
                 if await self.sessions.open(member) is not None:
                     raise Conflict(
-                        f"session {member} exists: the {len(members)} sessions of a group are new ({base}-0 ... "
-                        f"{base}-{len(members) - 1}); name another session for this group",
+                        f"session {member} exists: the {size} sessions of a group are new ({base}-0 ... "
+                        f"{base}-{size - 1}); name another session for this group",
                         param="session_id",
                     )
-            return locks
-        except BaseException:
-            for lock in locks:
-                self.release(lock)
-            raise
+        return turn
 
     # -- create, or refuse -----------------------------------------------------------------------------------
 
-    async def create(
-        self,
-        session_id: str,
-        one_turn: bool,
-        meta: SessionMeta | None,
-        metadata: dict[str, str] | None = None,
-        owner: str | None = None,
-    ) -> None:
-        """Record the session in Redis unless `meta` says it is there, after the request was validated (a refused
-        request stores nothing), with the request's `metadata` (`gateway.turns.runner`). A new session is refused with
-        429 while the trainer lags (backpressure)."""
-        if one_turn:
+    async def create(self, turn: OpenTurn, metadata: dict[str, str] | None = None) -> None:
+        """Record the turn's session in Redis unless its meta says it is there, after the request was validated (a
+        refused request stores nothing), with the request's `metadata` (see `gateway.turns.runner`). A new session
+        is refused with 429 while the trainer lags (backpressure)."""
+        session_id, owner, meta = turn.session_id, turn.owner, turn.meta
+        if turn.one_turn:
             # 128 random bits we just made: nobody else can know the id.
             await self.store.create_session({**(metadata or {}), "one_turn": True}, session_id, fresh=True, owner=owner)
             return
         if meta is None:
-            await self._claim(owner, session_id)
-            try:
+            async with self._claimed(owner, [session_id]):
                 meta = await self.store.create_session(dict(metadata or {}), session_id, absent=True, owner=owner)
-            except BaseException:
-                await self._release(owner, session_id)
-                raise
             check_owner(meta, owner)  # another key created it meanwhile
         elif self.open_sessions is not None:
             await self.open_sessions.touch(owner or ANONYMOUS, session_id)
@@ -145,69 +148,65 @@ class SessionLifecycle:
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.pool.remember(session_id, meta.replica)
 
-    async def create_group(self, members: list[str], metadata: dict[str, Any], owner: str | None = None) -> None:
+    async def create_group(self, turn: OpenTurn, members: list[str], metadata: dict[str, Any]) -> None:
         """Record the member sessions of a group in Redis, member i with `group_index` i; each one counts as an open
         session of the key (none is made if they do not all fit)."""
-        claimed: list[str] = []
-        try:
-            for member in members:
-                await self._claim(owner, member)
-                claimed.append(member)
+        async with self._claimed(turn.owner, members):
             for index, member in enumerate(members):
-                await self.store.create_session(metadata | {"group_index": index}, member, absent=True, owner=owner)
-        except BaseException:
-            for member in claimed:
-                await self._release(owner, member)
-            raise
+                await self.store.create_session(
+                    metadata | {"group_index": index}, member, absent=True, owner=turn.owner
+                )
 
-    async def _claim(self, owner: str | None, session_id: str) -> None:
-        if self.open_sessions is not None:
-            await self.open_sessions.claim(owner or ANONYMOUS, session_id)
+    @contextlib.asynccontextmanager
+    async def _claimed(self, owner: str | None, session_ids: list[str]) -> AsyncIterator[None]:
+        """Claim an open-session slot of `owner` for each of `session_ids` (429 past the bound) while the block
+        makes them; if it fails, the slots claimed are given back (`_give_back`)."""
+        if self.open_sessions is None:
+            yield
+            return
+        async with contextlib.AsyncExitStack() as claimed:
+            for session_id in session_ids:
+                await self.open_sessions.claim(owner or ANONYMOUS, session_id)
+                claimed.push_async_callback(self._give_back, owner, session_id)
+            yield
+            claimed.pop_all()
 
-    async def _release(self, owner: str | None, session_id: str) -> None:
+    async def _give_back(self, owner: str | None, session_id: str) -> None:
         """Give back the slot of a session that was not made. Shielded, and quiet if Redis fails: the caller is
         raising its own error, and a slot left behind frees itself once it expires idle."""
         if self.open_sessions is not None:
             with contextlib.suppress(StoreError):
                 await asyncio.shield(self.open_sessions.release(owner or ANONYMOUS, session_id))
 
-    def refused(self, session_id: str, one_turn: bool, lock: asyncio.Lock) -> None:
-        """The turn ends before it generated: nothing of it is stored; the lock is released."""
-        if one_turn:
-            self.sessions.forget(session_id)  # nothing of it was stored, and nobody will send its id again
-        self.release(lock)
+    def refused(self, turn: OpenTurn) -> None:
+        """The turn ends before it generated: nothing of it is stored (`OpenTurn.aclose` then releases its locks)."""
+        if turn.one_turn:
+            self.sessions.forget(turn.session_id)  # nothing of it was stored, and nobody will send its id again
 
     # -- save, finish ----------------------------------------------------------------------------------------
 
-    async def close(self, prepared: PreparedTurn) -> None:
-        """Record every choice in its sample, store it, finish a one-turn session; release the session locks."""
-        if prepared.closed:
-            return
-        prepared.closed = True
-        try:
-            # Shielded: a second cancellation (client gone, shutdown past its bound) must not half-write the turn.
-            record = asyncio.ensure_future(self._record(prepared))
-            self._recording.add(record)
-            record.add_done_callback(self._recorded)
-            await asyncio.shield(record)
-        finally:
-            for lock in prepared.locks:
-                self.release(lock)
-            for lease in prepared.leases:
-                lease.release()
+    async def record(self, turn: OpenTurn, recorded: RecordedTurn) -> None:
+        """Record every choice in its sample, store it, finish a one-turn session (`OpenTurn.aclose` then releases
+        its locks). Shielded: a second cancellation (client gone, shutdown past its bound) must not half-write the
+        turn."""
+        record = asyncio.ensure_future(self._record(turn, recorded))
+        self._recording.add(record)
+        record.add_done_callback(self._recorded)
+        await asyncio.shield(record)
 
-    async def _record(self, prepared: PreparedTurn) -> None:
+    async def _record(self, turn: OpenTurn, recorded: RecordedTurn) -> None:
+        cancelled = False
         try:
-            for turn, state, assistant in prepared.replies():
-                sample = self.sessions.record(turn, state, assistant)
+            for sample_turn, state, assistant in recorded.replies():
+                cancelled = cancelled or state.cancelled or state.finish_reason is None
+                sample = self.sessions.record(sample_turn, state, assistant)
                 replicas = state.replica_ids
-                await self.sessions.save(turn, sample, replica=replicas[-1] if replicas else None)
+                await self.sessions.save(sample_turn, sample, replica=replicas[-1] if replicas else None)
         finally:
-            if prepared.one_turn:
-                self.sessions.forget(prepared.session_id)  # it ends with this turn
-        cancelled = any(c.state.cancelled or c.state.finish_reason is None for c in prepared.choices)
-        if prepared.one_turn and not cancelled:
-            await self.store.finish(prepared.session_id, None, None)
+            if turn.one_turn:
+                self.sessions.forget(turn.session_id)  # it ends with this turn
+        if turn.one_turn and not cancelled:
+            await self.store.finish(turn.session_id, None, None)
 
     # -- shutdown --------------------------------------------------------------------------------------------
 
@@ -225,3 +224,13 @@ class SessionLifecycle:
         cancelled turn still records its tokens so far (a checkpoint the next process continues from)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+
+def new_session_id(kind: str) -> str:
+    """A made-up session id, `<kind>-<128 random bits>`: nobody else can know it."""
+    return f"{kind}-{secrets.token_hex(16)}"
+
+
+def group_members(base: str, size: int) -> list[str]:
+    """The sessions of a group of `size` named `base`: `<base>-0` ... `<base>-<size - 1>`."""
+    return [f"{base}-{i}" for i in range(size)]

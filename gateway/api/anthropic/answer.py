@@ -11,16 +11,20 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncGenerator
+from functools import partial
 from typing import Any
 
 import orjson
+from fastapi.responses import Response
 
 from common.errors import GatewayError
 from gateway.api.errors import anthropic_error
-from gateway.api.turn_http import rollout_field
-from gateway.turns.runner import Choice, ChoiceEvent, PreparedTurn, TurnRunner
+from gateway.api.json_answer import json_answer
+from gateway.api.turn_http import TurnAnswer, rollout_field
+from gateway.turns.prepared import Choice, ChoiceEvent, PreparedTurn
+from gateway.turns.runner import TurnRunner
 
-__all__ = ["MESSAGE_STOP", "error_event", "message", "message_events"]
+__all__ = ["MESSAGE_STOP", "error_event", "message", "message_answer", "message_events"]
 
 
 def _sse(event: str, payload: dict[str, Any]) -> bytes:
@@ -29,6 +33,18 @@ def _sse(event: str, payload: dict[str, Any]) -> bytes:
 
 
 MESSAGE_STOP = _sse("message_stop", {"type": "message_stop"})
+
+
+def message_answer(message_id: str, runner: TurnRunner, prepared: PreparedTurn) -> TurnAnswer:
+    """How a turn of `POST /v1/messages` is answered: the whole message, or its events then `message_stop`."""
+
+    async def whole() -> Response:
+        return json_answer(message(message_id, runner, prepared))
+
+    async def last() -> bytes:
+        return MESSAGE_STOP
+
+    return TurnAnswer(whole, partial(message_events, message_id, runner, prepared), last, error_event)
 
 
 def error_event(exc: GatewayError) -> bytes:

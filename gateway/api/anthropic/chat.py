@@ -1,4 +1,4 @@
-"""An Anthropic Messages request as the chat turn the gateway runs (`ChatSettings` and its messages).
+"""An Anthropic Messages request as the chat turn the gateway runs (`gateway.turns.request.TurnRequest`).
 
 - `system` becomes the system message (text blocks joined by newlines, as content parts are: `chat_template`);
 - an assistant's `thinking` blocks become its `reasoning_content`, its text blocks its content, its `tool_use` blocks
@@ -10,7 +10,7 @@
 - `metadata.user_id` names the session where nothing else does, as OpenAI's `user` does.
 
 The reply the gateway answers converts back to exactly the assistant message the turn recorded
-(`gateway.turns.runner.assistant_message`), so an agent that echoes the answer extends the same sample.
+(`gateway.turns.prepared.assistant_message`), so an agent that echoes the answer extends the same sample.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from typing import Any
-
-from pydantic import ValidationError
 
 from gateway.api.anthropic.models import (
     ContentBlock,
@@ -32,42 +30,32 @@ from gateway.api.anthropic.models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from gateway.api.openai.models import ChatSettings
 from gateway.errors import InvalidRequest
-from gateway.turns.runner import ChatInputs, offered_tools
+from gateway.turns.request import Conversation, Sampling, TurnRequest
 
-__all__ = ["chat_messages", "chat_tools", "chat_turn"]
+__all__ = ["chat_messages", "chat_tools", "conversation", "messages_request"]
 
 
-def chat_turn(body: CountTokensRequest, metadata: dict[str, str] | None = None) -> tuple[ChatSettings, ChatInputs]:
-    """The chat turn `body` asks for: its settings, validated as the chat API's, and what the template renders;
-    `metadata` the session's, as the route found it (`session_of`). The messages are built from the validated body
-    in the template's form and not validated again."""
-    messages = chat_messages(body)
-    fields: dict[str, Any] = {
-        "model": body.model,
-        "tools": chat_tools(body),
-        "tool_choice": _tool_choice(body),
-        "metadata": metadata,
-    }
-    if isinstance(body, MessagesRequest):
-        fields |= {
-            "max_tokens": body.max_tokens,
-            "stop": body.stop_sequences,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "stream": body.stream,
-            "seed": body.seed,
-            "ignore_eos": body.ignore_eos,
-        }
-    try:
-        settings = ChatSettings.model_validate(fields)
-    except ValidationError as exc:  # what Anthropic's request allows and the chat turn does not
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(f"{where}: {first['msg']}", param=where) from None
-    return settings, (messages, offered_tools(settings))
+def messages_request(body: MessagesRequest, metadata: dict[str, str] | None = None) -> TurnRequest:
+    """The chat turn `body` asks for; `metadata` the session's, as the route found it (`session_of`). The messages
+    are built from the validated body in the template's form."""
+    sampling = Sampling(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=tuple(stop for stop in body.stop_sequences or () if stop),
+        ignore_eos=body.ignore_eos,
+    )
+    return TurnRequest(conversation(body), sampling, body.model, body.stream, metadata)
+
+
+def conversation(body: CountTokensRequest) -> Conversation:
+    """What the chat template renders of `body`: its messages, and its tools unless `tool_choice` is none."""
+    choice = body.tool_choice
+    offered = chat_tools(body) if choice is None or choice.type != "none" else None
+    return Conversation(chat_messages(body), offered)
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
@@ -89,21 +77,16 @@ def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
+    """The tools as the chat template's function tools (`input_schema` as `parameters`)."""
     if not body.tools:
         return None
-    return [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
-        for t in body.tools
-    ]
-
-
-def _tool_choice(body: CountTokensRequest) -> str | dict[str, Any] | None:
-    choice = body.tool_choice
-    if choice is None:
-        return None
-    if choice.type == "tool":
-        return {"type": "function", "function": {"name": choice.name}}
-    return {"auto": "auto", "none": "none", "any": "required"}[choice.type]
+    tools = []
+    for tool in body.tools:
+        function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+        if tool.description is None:
+            del function["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
 
 
 def _text(content: str | Sequence[object]) -> str:
@@ -132,7 +115,7 @@ def _user(index: int, message: MessageParam) -> list[dict[str, Any]]:
 
 
 def _assistant(index: int, message: MessageParam) -> dict[str, Any]:
-    """An assistant message: as `gateway.turns.runner.assistant_message` records the gateway's own replies."""
+    """An assistant message: as `gateway.turns.prepared.assistant_message` records the gateway's own replies."""
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts: list[str] = []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.api.bounds import INT32_MAX, Seed, TopK
 from gateway.api.openai.models import _storable
@@ -144,6 +144,13 @@ class Tool(_Body):
     cache_control: dict[str, Any] | None = None
     strict: bool | None = None  # accepted; the arguments are not constrained
     eager_input_streaming: bool | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _json_schema_object(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type", "object") != "object":
+            raise ValueError("a tool's input_schema must be a JSON schema of type object")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -1,25 +1,27 @@
 """Anthropic's Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`, and the same under a session
 prefix, `/sessions/{session_id}/v1/...` (the session named by the path: `gateway.session.identity`).
 
-A thin adapter over the chat turn: the request becomes a chat turn (`gateway.api.anthropic.chat`),
-runs as any chat turn (`gateway.api.turn_http`), and its reply is shaped as Anthropic's message or events
+A thin adapter over the chat turn: the request becomes a turn request (`gateway.api.anthropic.chat`),
+runs as any turn (`gateway.api.turn_http`), and its reply is shaped as Anthropic's message or events
 (`gateway.api.anthropic.answer`). Errors come in Anthropic's shape (`AnthropicErrorsRoute`). The vendor field
 `rollout` carries what only a rollout needs, as on the OpenAI routes.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from gateway.api.anthropic.answer import MESSAGE_STOP, error_event, message, message_events
-from gateway.api.anthropic.chat import chat_turn
+from gateway.api.anthropic.answer import message_answer
+from gateway.api.anthropic.chat import conversation, messages_request
 from gateway.api.anthropic.models import CountTokensRequest, MessagesRequest
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.errors import AnthropicErrorsRoute
 from gateway.api.json_answer import JSONAnswer, json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.turn_http import prepare_turn, relay, run_to_end, session_of, streaming_answer
+from gateway.api.turn_http import serve_turn, session_of
 from gateway.request_ids import new_name
 
 __all__ = ["count_tokens", "create_router", "create_session_router", "messages"]
@@ -53,17 +55,8 @@ async def messages(body: MessagesRequest, raw: Request, svc: ServicesDep) -> Res
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     user = body.metadata.user_id if body.metadata else None
     session, metadata = session_of(raw, body.session_id, user, None)
-    settings, inputs = chat_turn(body, metadata)
-    prepared = await prepare_turn(
-        raw, svc, session, lambda owner: runner.prepare_chat(settings, inputs, session, owner)
-    )
-    message_id = f"msg_{new_name()}"
-    if body.stream:
-        events = message_events(message_id, runner, prepared)
-        relayed = relay(raw, runner, prepared, events, last=lambda: MESSAGE_STOP, error_event=error_event)
-        return streaming_answer(relayed, runner, prepared)
-    await run_to_end(raw, runner, prepared)
-    return json_answer(message(message_id, runner, prepared))
+    answer = partial(message_answer, f"msg_{new_name()}", runner)
+    return await serve_turn(raw, runner, messages_request(body, metadata), session, answer)
 
 
 async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer:
@@ -71,5 +64,5 @@ async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer
     runner = svc.turns
     runner.check_model(body.model)
     check_messages(len(body.messages), svc.settings.server)
-    _, (rendered, tools) = chat_turn(body)
-    return json_answer({"input_tokens": len(await runner.tokenizer.render_async(rendered, tools))})
+    rendered = conversation(body)
+    return json_answer({"input_tokens": len(await runner.tokenizer.render_async(rendered.messages, rendered.tools))})

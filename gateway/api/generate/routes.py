@@ -3,13 +3,14 @@
 Without `session_id` a request is a one-shot: nothing is recorded (no session, nothing in Redis, no Redis round
 trip), which keeps the route as lean as the engines' own (benchmarks, evaluation, a caller that records itself).
 
-With `session_id` it is a turn of that session, recorded as the OpenAI routes record theirs
-(`TurnRunner.prepare_tokens`): the session is created on first use (a finished one is a 409), and `input_ids` are
-the prompt as the caller gives them (token-in/token-out: the caller owns the ids). Where they extend one of the
-session's samples (its prompt + response ids, then more), the turn continues that sample with the extension as an
-environment span (loss mask 0); else a new sample starts in the session. The sampled tokens get loss mask 1, their
-logprobs and versions. The response adds `sample_index` and `new_sample`. The turn is stored before the response (or
-a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it delivers the trajectory with this turn.
+With `session_id` it is a turn of that session, prepared, relayed and recorded as every protocol's turn
+(`gateway.api.turn_http.serve_turn`, with a checked `TokenPrompt`): the session is created on first use (a finished
+one is a 409), and `input_ids` are the prompt as the caller gives them (token-in/token-out: the caller owns the ids).
+Where they extend one of the session's samples (its prompt + response ids, then more), the turn continues that sample
+with the extension as an environment span (loss mask 0); else a new sample starts in the session. The sampled tokens
+get loss mask 1, their logprobs and versions. The response adds `sample_index` and `new_sample`. The turn is stored
+before the response (or a stream's last event), so a `POST /v1/sessions/{id}/finish` right after it delivers the
+trajectory with this turn.
 `metadata` (str → str) goes to the session as on the OpenAI routes (`gateway.turns.runner`); without a session it
 is a 400.
 """
@@ -17,7 +18,8 @@ is a 400.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,19 +34,21 @@ from backends.routed_experts import ExpertArray, encode_npy_b64
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
 from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
-from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
+from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens
 from gateway.api.openai.models import TextMetadata
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
+from gateway.api.turn_http import TurnAnswer, serve_turn
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
 from gateway.services import Services
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.tokenization.token_ids import TokenId, first_outside
-from gateway.turns.runner import PreparedTurn
+from gateway.turns.prepared import PreparedTurn
+from gateway.turns.request import Sampling, TokenPrompt, TurnRequest
 
 
 class GenerateSampling(BaseModel):
@@ -211,62 +215,51 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
 
 
 async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: Services) -> Response:
-    runner = svc.turns
-    lease = svc.quota.acquire(agent_key(raw), session_id)
-    try:
-        prepared = await runner.prepare_tokens(
-            session_id,
-            body.input_ids,
-            _sampling(body),
-            stream=body.stream,
-            want_routed_experts=body.return_routed_experts,
-            metadata=body.metadata,
-            owner=session_owner(raw),
-        )
-    except BaseException:
-        lease.release()
-        raise
-    prepared.leases.append(lease)
-    choice = prepared.choices[0]
-    if body.stream:
-        chunks = _session_stream(raw, svc, prepared, body)
-        return GuardedStreamingResponse(
-            chunks, lambda: runner.lifecycle.close(prepared), media_type="text/event-stream"
-        )
-    try:
-        complete = svc.generator.complete(choice.request, choice.state)
-        await unless_disconnected(raw, complete, _nothing, DISCONNECT_WATCH_AFTER_S)
-    finally:
-        await runner.lifecycle.close(prepared)  # recorded (shielded) before the answer
-    result = _final(choice.state, body) | _in_session(prepared)
-    result["output_ids"] = choice.state.output_ids
-    result["logprobs"] = choice.state.logprobs
-    return json_answer(result)
+    s = body.sampling_params
+    sampling = Sampling(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        top_logprobs=s.top_logprobs,
+    )
+    request = TurnRequest(
+        TokenPrompt(body.input_ids, checked=True),  # checked by `_validate`: taken as they are
+        sampling,
+        stream=body.stream,
+        metadata=body.metadata,
+        want_routed_experts=body.return_routed_experts,
+    )
+    return await serve_turn(raw, svc.turns, request, session_id, partial(_session_answer, svc, body))
 
 
-async def _session_stream(
-    raw: Request, svc: Services, prepared: PreparedTurn, body: GenerateBody
-) -> AsyncIterator[bytes]:
-    """`_stream` for a turn of a session: the turn is recorded before the last event (a finish right after the
-    stream never races its write), and however the stream ends."""
+def _session_answer(svc: Services, body: GenerateBody, prepared: PreparedTurn) -> TurnAnswer:
+    """How a turn of a session is answered: as a one-shot is, with `sample_index` and `new_sample`; streamed, the
+    summary and `[DONE]` are the last event, sent once the turn is recorded."""
     choice = prepared.choices[0]
-    try:
-        stream = svc.generator.stream(choice.request, choice.state)
-        # Closed before the turn is recorded however the stream ends (`turn_http.relay`).
-        async with contextlib.aclosing(relay_until_disconnected(raw, stream, DISCONNECT_WATCH_AFTER_S)) as relayed:
-            async for delta in relayed:
+
+    async def whole() -> Response:
+        result = _final(choice.state, body) | _in_session(prepared)
+        result["output_ids"] = choice.state.output_ids
+        result["logprobs"] = choice.state.logprobs
+        return json_answer(result)
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(svc.generator.stream(choice.request, choice.state)) as stream:
+            async for delta in stream:
                 yield b"data: " + orjson.dumps({"output_ids": delta.token_ids, "logprobs": delta.logprobs}) + b"\n\n"
-        await svc.turns.lifecycle.close(prepared)
-    except ClientDisconnected:
-        raise
-    except Exception as exc:  # the answer started (200): the error can only be an event
-        yield _error_event(stream_error(exc))
-        return
-    finally:
-        await svc.turns.lifecycle.close(prepared)
-    if choice.state.finish_reason is not None:
+
+    async def last() -> bytes:
+        if choice.state.finish_reason is None:
+            return b""
         final = _final(choice.state, body) | _in_session(prepared)
-        yield LastChunk(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
+        return b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n"
+
+    return TurnAnswer(whole, chunks, last, _error_event)
 
 
 def _error_event(exc: GatewayError) -> bytes:

@@ -156,7 +156,9 @@ class ChatMessage(BaseModel):
 Stop = str | Annotated[list[str], Field(max_length=8)] | None
 
 
-class _Sampling(_Body):
+class Sampled(_Body):
+    """What chat and completion requests share: the model, how to sample, the session."""
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -181,7 +183,7 @@ class _Sampling(_Body):
     metadata: TextMetadata | None = None
     store: bool | None = None
     # Vendor field: the n choices become the first turns of n new sessions `<session>-<i>` of one GRPO group, each
-    # finished with its own reward (`gateway.turns.runner`).
+    # finished with its own reward (`gateway.turns.group`).
     group: bool = False
 
     @property
@@ -192,10 +194,8 @@ class _Sampling(_Body):
         return [s for s in stops if s]
 
 
-class ChatSettings(_Sampling):
-    """A chat request but its conversation: what a chat turn samples with, and its tools. The adapters of the other
-    chat APIs (Messages, Responses) validate theirs as this; the conversation they build from their own validated
-    body is valid already and goes to the turn as it is (`TurnRunner.prepare_chat`)."""
+class ChatSettings(Sampled):
+    """A chat request but its conversation: what a chat turn samples with, and its tools."""
 
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
@@ -223,7 +223,7 @@ class ChatCompletionRequest(ChatSettings):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(Sampled):
     # Ids checked against the vocabulary by the route. Each branch bounded apart: a length on the union would say
     # `minLength` in the schema, which holds strings only.
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]

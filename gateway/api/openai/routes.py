@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -21,17 +22,11 @@ from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
 from gateway.api.openai.models import ChatCompletionRequest, CompletionRequest
-from gateway.api.turn_http import (
-    openai_sse,
-    prepare_turn,
-    relay,
-    rollout_field,
-    run_to_end,
-    session_of,
-    streaming_answer,
-)
+from gateway.api.openai.turn import chat_request, completion_request
+from gateway.api.turn_http import TurnAnswer, openai_sse, rollout_field, serve_turn, session_of
 from gateway.request_ids import new_request_id
-from gateway.turns.runner import ChoiceEvent, PreparedTurn, TurnRunner, assistant_message, chat_inputs
+from gateway.turns.prepared import ChoiceEvent, PreparedTurn, assistant_message
+from gateway.turns.runner import TurnRunner
 
 
 def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
@@ -60,9 +55,15 @@ async def models(svc: ServicesDep) -> dict[str, Any]:
     return {"object": "list", "data": [{**card, "max_model_len": model.max_model_len}]}
 
 
-def _envelope(
-    kind: str, completion_id: str, runner: TurnRunner, prepared: PreparedTurn, choices: list[Any]
+async def _envelope(
+    kind: str,
+    completion_id: str,
+    runner: TurnRunner,
+    prepared: PreparedTurn,
+    choices_of: Callable[[TurnRunner, PreparedTurn], list[Any]],
 ) -> Response:
+    """The whole answer of a recorded turn, its choices as `choices_of` shapes them."""
+    choices = choices_of(runner, prepared)
     return json_answer(
         {
             "id": completion_id,
@@ -98,15 +99,22 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
     check_messages(len(body.messages), svc.settings.server)
     budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(body.budget, budget_param, svc.settings.server)
-    session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
-    inputs = chat_inputs(body)
-    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_chat(body, inputs, session, owner))
+    session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
     completion_id = new_request_id("chatcmpl")
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chat_chunks(runner, prepared, completion_id, body.logprobs, include_usage)
-        return streaming_answer(_relay(raw, runner, prepared, chunks), runner, prepared)
-    await run_to_end(raw, runner, prepared)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def answer(prepared: PreparedTurn) -> TurnAnswer:
+        return TurnAnswer(
+            partial(_envelope, "chat.completion", completion_id, runner, prepared, partial(_chat_choices, body)),
+            partial(_chat_chunks, runner, prepared, completion_id, body.logprobs, include_usage),
+            _done,
+            _error_event,
+        )
+
+    return await serve_turn(raw, runner, chat_request(body, metadata), session, answer)
+
+
+def _chat_choices(body: ChatCompletionRequest, runner: TurnRunner, prepared: PreparedTurn) -> list[Any]:
     choices = []
     for c in prepared.choices:
         logprobs = None
@@ -115,7 +123,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
             logprobs = {"content": _chat_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None)}
         message = assistant_message(c)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return _envelope("chat.completion", completion_id, runner, prepared, choices)
+    return choices
 
 
 def _chat_chunks(
@@ -152,7 +160,7 @@ async def _turn_chunks(
     """The SSE chunks of a streamed turn: `opening` (chat's role deltas) before the generation starts, each event's
     choice delta (`delta_of`, None for none), each choice's end (with `no_content`: an empty delta or text) and its
     rollout, then the usage if asked. The last choice to finish ends the stream, so its last events go out with the
-    usage in one chunk (and `_relay` sends [DONE] as the end of the body): one socket write where they come back to
+    usage in one chunk (and `serve_turn` sends [DONE] as the end of the body): one socket write where they come back to
     back, instead of one per event."""
     if opening:
         yield opening
@@ -228,24 +236,31 @@ def _completion_logprobs(
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
-    session, body.metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
-    prepared = await prepare_turn(raw, svc, session, lambda owner: runner.prepare_completion(body, session, owner))
+    session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
     completion_id = new_request_id("cmpl")
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _completion_chunks(runner, prepared, completion_id, body.logprobs is not None, include_usage)
-        return streaming_answer(_relay(raw, runner, prepared, chunks), runner, prepared)
-    await run_to_end(raw, runner, prepared)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    logprobs = body.logprobs is not None
+
+    def answer(prepared: PreparedTurn) -> TurnAnswer:
+        return TurnAnswer(
+            partial(
+                _envelope, "text_completion", completion_id, runner, prepared, partial(_completion_choices, logprobs)
+            ),
+            partial(_completion_chunks, runner, prepared, completion_id, logprobs, include_usage),
+            _done,
+            _error_event,
+        )
+
+    return await serve_turn(raw, runner, completion_request(body, metadata), session, answer)
+
+
+def _completion_choices(logprobs: bool, runner: TurnRunner, prepared: PreparedTurn) -> list[Any]:
     choices = []
     for c in prepared.choices:
         s = c.state
-        logprobs = (
-            _completion_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None)
-            if body.logprobs is not None
-            else None
-        )
-        choices.append({"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return _envelope("text_completion", completion_id, runner, prepared, choices)
+        entries = _completion_logprobs(runner, s.output_ids, s.logprobs, s.top_logprobs or None) if logprobs else None
+        choices.append({"index": c.index, "text": c.text, "logprobs": entries, "finish_reason": c.finish_reason})
+    return choices
 
 
 def _completion_chunks(
@@ -269,10 +284,8 @@ def _usage(prepared: PreparedTurn) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _relay(
-    raw: Request, runner: TurnRunner, prepared: PreparedTurn, chunks: AsyncGenerator[bytes, None]
-) -> AsyncIterator[bytes]:
-    return relay(raw, runner, prepared, chunks, last=lambda: b"data: [DONE]\n\n", error_event=_error_event)
+async def _done() -> bytes:
+    return b"data: [DONE]\n\n"
 
 
 def _error_event(exc: GatewayError) -> bytes:

@@ -2,7 +2,7 @@
 the output items of its answer.
 
 The two directions agree: the output items of a reply, echoed back as input, are the assistant message the session
-recorded (`gateway.turns.runner.assistant_message`): a reasoning item is its `reasoning_content`, a message item its
+recorded (`gateway.turns.prepared.assistant_message`): a reasoning item is its `reasoning_content`, a message item its
 `content`, function_call items its `tool_calls` (ids = `call_id`). Consecutive assistant-side items make one
 assistant message: a reasoning item opens a new one, as does a message item after one that has content or calls.
 """
@@ -20,7 +20,7 @@ from gateway.api.responses.models import (
     ReasoningItem,
     TextPart,
 )
-from gateway.turns.runner import Choice
+from gateway.turns.prepared import Choice
 
 __all__ = ["ItemIds", "chat_messages", "output_items", "reasoning_text"]
 

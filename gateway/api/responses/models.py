@@ -15,8 +15,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 
+from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
 from gateway.api.openai.models import Stop, TextMetadata, _storable
 
 
@@ -142,7 +152,7 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
     def definition(self) -> dict[str, Any]:
-        """The chat API's function definition of this tool (`FunctionDefinition`, which checks the schema)."""
+        """The chat template's function definition of this tool."""
         return self.model_dump(exclude={"type"}, exclude_none=True)
 
     def echoed(self) -> dict[str, Any]:
@@ -205,7 +215,7 @@ class ResponseRequest(_Body):
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
@@ -226,13 +236,13 @@ class ResponseRequest(_Body):
     stream_options: dict[str, Any] | None = None
     # The gateway's vendor fields, as on the chat API (`ChatCompletionRequest`).
     session_id: str | None = Field(None, min_length=1, max_length=256)
-    seed: int | None = None
-    top_k: int | None = Field(None, ge=-1)
+    seed: Seed | None = None
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     stop: Stop = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=1024)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
 
     @model_validator(mode="after")
     def _coherent(self) -> ResponseRequest:

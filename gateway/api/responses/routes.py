@@ -1,7 +1,7 @@
 """The OpenAI Responses API: `POST /v1/responses` (and under a session prefix, `/sessions/{id}/v1/responses`), a thin
 adapter over the chat turn, and `GET /v1/responses/{id}`.
 
-A request becomes a chat turn (`ChatSettings` and its messages → `TurnRunner.prepare_chat`): its `instructions` a system
+A request becomes a chat turn (a `TurnRequest`, run by `gateway.api.turn_http.serve_turn`): its `instructions` a system
 message first, then the conversation of the response it continues (`previous_response_id`,
 `gateway.session.response_records`), then its input items as chat messages (`gateway.api.responses.items`). So a
 turn sent with `previous_response_id` and one that replays the whole conversation extend the same sample of the
@@ -17,27 +17,27 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import ValidationError
 
 from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
-from gateway.api.openai.models import ChatSettings
 from gateway.api.responses.items import ItemIds, chat_messages, output_items
 from gateway.api.responses.models import NamedFunction, ResponseRequest
 from gateway.api.responses.stream import ResponseEvents
-from gateway.api.turn_http import prepare_turn, relay, rollout_field, run_to_end, session_of, streaming_answer
+from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session_of
 from gateway.errors import InvalidRequest
 from gateway.services import Services
 from gateway.session.response_records import ResponseRecord, ResponseRecords
-from gateway.turns.runner import ChatInputs, Choice, PreparedTurn, TurnRunner, assistant_message, offered_tools
+from gateway.turns.prepared import Choice, PreparedTurn, assistant_message
+from gateway.turns.request import Conversation, Sampling, TurnRequest
+from gateway.turns.runner import TurnRunner
 
 __all__ = ["create_router", "create_session_router"]
 
@@ -81,18 +81,14 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
         previous = await records.previous(body.previous_response_id)
         session = _continuing(session, previous, body.previous_response_id)
         history = await records.conversation(body.previous_response_id, previous)
-    settings, inputs = _chat_turn(body, history, metadata)
-    check_messages(len(inputs[0]), svc.settings.server)
-    prepared = await prepare_turn(
-        raw, svc, session, lambda owner: runner.prepare_chat(settings, inputs, session, owner)
-    )
-    answer = _Answer(body, runner, prepared, records)
-    if body.stream:
-        return streaming_answer(_relay(raw, answer), runner, prepared)
-    await run_to_end(raw, runner, prepared)
-    final = await answer.final()
-    await answer.store(final)
-    return json_answer(final | {"rollout": rollout_field(prepared, prepared.choices)})
+    messages = _messages(body, history)
+    check_messages(len(messages), svc.settings.server)
+    request = _turn_request(body, messages, metadata)
+
+    def answer(prepared: PreparedTurn) -> TurnAnswer:
+        return _Answer(body, runner, prepared, records).answer()
+
+    return await serve_turn(raw, runner, request, session, answer)
 
 
 def _continuing(named: str | None, previous: ResponseRecord, previous_id: str) -> str | None:
@@ -106,46 +102,37 @@ def _continuing(named: str | None, previous: ResponseRecord, previous_id: str) -
     return previous.session_id
 
 
-def _chat_turn(
-    body: ResponseRequest, history: list[Message], metadata: dict[str, str] | None
-) -> tuple[ChatSettings, ChatInputs]:
-    """The chat turn `body` asks for: its settings, validated as the chat API's (whose bounds are tighter), and what
-    the template renders. The messages are not validated again: the input items' were (`ResponseRequest`), and the
-    history is a conversation the gateway recorded."""
+def _messages(body: ResponseRequest, history: list[Message]) -> list[Message]:
+    """The conversation the turn renders: the instructions, the history, the input items. Not validated again: the
+    input items' were (`ResponseRequest`), and the history is a conversation the gateway recorded."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) + history
     messages += chat_messages(body.input)
     if not messages:
         raise InvalidRequest("input: the request has no input", param="input")
-    tool_choice: Any = body.tool_choice
-    if isinstance(tool_choice, NamedFunction):
-        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
-    fields: dict[str, Any] = {
-        "model": body.model,
-        "max_completion_tokens": body.max_output_tokens,
-        "tools": [{"type": "function", "function": t.definition()} for t in body.tools] if body.tools else None,
-        "tool_choice": tool_choice,
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "stream": body.stream,
-        "metadata": metadata,
-        "seed": body.seed,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "stop": body.stop,
-        "stop_token_ids": body.stop_token_ids,
-        "ignore_eos": body.ignore_eos,
-        "min_tokens": body.min_tokens,
-    }
-    if body.temperature is not None:
-        fields["temperature"] = body.temperature
-    if body.top_p is not None:
-        fields["top_p"] = body.top_p
-    try:
-        settings = ChatSettings.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"] if part != "function") or "input"
-        raise InvalidRequest(f"{param}: {first['msg']}", param=param) from None
-    return settings, (messages, offered_tools(settings))
+    return messages
+
+
+def _turn_request(body: ResponseRequest, messages: list[Message], metadata: dict[str, str] | None) -> TurnRequest:
+    """The chat turn `body` asks for, of `messages` (`_messages`)."""
+    for index, tool in enumerate(body.tools or ()):
+        if tool.parameters is not None and tool.parameters.get("type", "object") != "object":
+            where = f"tools.{index}.parameters"
+            raise InvalidRequest(f"{where}: function parameters must be a JSON schema of type object", param=where)
+    offered = None
+    if body.tools and body.tool_choice != "none":
+        offered = [{"type": "function", "function": t.definition()} for t in body.tools]
+    sampling = Sampling(
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=tuple(stop for stop in ([body.stop] if isinstance(body.stop, str) else body.stop or ()) if stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+    )
+    return TurnRequest(Conversation(messages, offered), sampling, body.model, body.stream, metadata)
 
 
 class _Answer:
@@ -163,6 +150,7 @@ class _Answer:
         self.ids = ItemIds()
         self.stream = ResponseEvents(self.ids)
         self._reasoning_tokens = 0
+        self._final: dict[str, Any] | None = None  # the streamed response's, once its items are done
 
     @property
     def choice(self) -> Choice:
@@ -242,46 +230,41 @@ class _Answer:
         )
         await self.records.save(self.response_id, record, conversation)
 
-    async def events(self, final_event: list[bytes]) -> AsyncGenerator[bytes, None]:
-        """The stream up to the items' `done` events; the turn recorded and the response stored, the last event
-        (`response.completed` or `response.incomplete`) is left in `final_event` for the relay to send last."""
+    def answer(self) -> TurnAnswer:
+        return TurnAnswer(self.whole, self.events, self.last, self.error_event)
+
+    async def whole(self) -> Response:
+        final = await self.final()
+        await self.store(final)
+        return json_answer(final | {"rollout": rollout_field(self.prepared, self.prepared.choices)})
+
+    async def events(self) -> AsyncGenerator[bytes, None]:
+        """The stream up to the items' `done` events; the relay records the turn, then sends `last`."""
         stream = self.stream
         yield stream.opening(self.response("in_progress"))
-        async with contextlib.aclosing(
-            self.runner.events(self.prepared)
-        ) as events:  # closed before the turn is recorded
+        async with contextlib.aclosing(self.runner.events(self.prepared)) as events:  # closed before it is recorded
             async for event in events:
                 out = stream.of(event)
                 if out:
                     yield out
-        final = await self.final()
-        yield stream.closing(final["output"])
-        await self.runner.lifecycle.close(self.prepared)  # recorded before the client hears the end
+        self._final = await self.final()
+        yield stream.closing(self._final["output"])
+
+    async def last(self) -> bytes:
+        """The turn recorded, the response stored: its last event (`response.completed` or `response.incomplete`)."""
+        final = self._final
+        if final is None:
+            return b""
         await self.store(final)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        final_event.append(
-            stream.event(kind, response=final | {"rollout": rollout_field(self.prepared, [self.choice])})
-        )
+        return self.stream.event(kind, response=final | {"rollout": rollout_field(self.prepared, [self.choice])})
+
+    def error_event(self, exc: GatewayError) -> bytes:
+        error = {"code": exc.code or exc.error_type, "message": exc.message, "param": exc.param}
+        return self.stream.event("error", **error)
 
 
 def _tool_choice(body: ResponseRequest) -> Any:
     if isinstance(body.tool_choice, NamedFunction):
         return body.tool_choice.model_dump()
     return body.tool_choice or "auto"
-
-
-def _relay(raw: Request, answer: _Answer) -> AsyncIterator[bytes]:
-    final_event: list[bytes] = []
-    return relay(
-        raw,
-        answer.runner,
-        answer.prepared,
-        answer.events(final_event),
-        last=lambda: final_event[0] if final_event else b"",
-        error_event=lambda exc: _error_event(exc, answer),
-    )
-
-
-def _error_event(exc: GatewayError, answer: _Answer) -> bytes:
-    error = {"code": exc.code or exc.error_type, "message": exc.message, "param": exc.param}
-    return answer.stream.event("error", **error)

@@ -5,7 +5,7 @@ text, reasoning-text or function-call-argument deltas), every item's `done` even
 
 Items open in the order the reply makes them (reasoning, text, calls) and stay open to the end, since text may go on
 after a call began; their ids are the final answer's (`ItemIds`), and a call's id is the one its first delta gave,
-which is the recorded one too (`gateway.turns.runner` names the whole parse's calls as the stream did).
+which is the recorded one too (`gateway.turns.choices` names the whole parse's calls as the stream did).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import orjson
 
 from gateway.api.responses.items import ItemIds, function_call_item, message_item, reasoning_item
 from gateway.parsers import ToolCallDelta
-from gateway.turns.runner import ChoiceEvent
+from gateway.turns.prepared import ChoiceEvent
 
 __all__ = ["ResponseEvents"]
 
