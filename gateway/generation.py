@@ -53,6 +53,8 @@ class ServingWeights(Protocol):
     def released_at(self) -> float: ...
 
     async def until_serving(self, timeout: float | None = None) -> None: ...
+
+
 StopChecker = Callable[[list[int]], int | None]
 """Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
 
