@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from gateway.background import stop
+from gateway.background import background, stop
 from gateway.weights.report import UpdateReport
 
 
@@ -38,7 +38,7 @@ class OutOfBandSync:
             await asyncio.sleep(max(0.0, self.deadline - time.monotonic()))  # a deadline, not synchronisation
             await on_deadline(self)
 
-        self._timer = asyncio.create_task(expire(), name="weights-pause-deadline")  # hard reference
+        self._timer = background(expire(), "weights-pause-deadline")  # hard reference; a crash is logged
 
     def disarm(self) -> None:
         """The sync ended before its deadline: the timer will not fire."""

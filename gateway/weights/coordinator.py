@@ -396,6 +396,7 @@ class WeightCoordinator:
         self.gate.aclose()
         if self._follower is not None:
             await self._follower.aclose()
-        if self._bracket is not None:
-            await self._bracket.aclose()
+        for bracket in (self._bracket, self._expired):  # a deadline may be ending one now
+            if bracket is not None:
+                await bracket.aclose()
         await stop(*self._tasks)

@@ -16,6 +16,8 @@ import httpx
 import orjson
 import pytest
 
+import gateway.routing
+import gateway.weights
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
 from gateway.store import Drained, Keys, Pausing, Serving, WeightsBus, connect
@@ -73,6 +75,11 @@ def test_an_illegal_transition_is_refused_and_changes_nothing() -> None:
     with pytest.raises(IllegalTransition):  # an out-of-band sync ends through the update sequence, never at once
         machine.to(State.SERVING)
     assert machine.state is State.PAUSED and machine.taken == {(S, PG), (PG, PD)}
+
+
+def test_the_packages_export_what_they_name() -> None:
+    for package in (gateway.weights, gateway.routing):
+        assert all(hasattr(package, name) for name in package.__all__), package.__name__
 
 
 def test_every_state_has_a_row_and_the_scenarios_reach_every_transition() -> None:
