@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -30,13 +30,31 @@ from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
 from gateway.routing import Replica, ReplicaPool
-from gateway.segment_watch import SegmentWatch
+from gateway.routing.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
-from gateway.weights import WeightCoordinator, version_label, version_labels
+from gateway.weights.labels import version_label, version_labels
 
 logger = logging.getLogger(__name__)
 
 RoutedExpertsPolicy = Literal["splice", "replace"]
+
+
+class ServingWeights(Protocol):
+    """What generation needs of the weights: whether requests may dispatch, a wait until they may, the version the
+    pool serves, and when held requests were last released (`gateway.weights.WeightCoordinator` is one)."""
+
+    @property
+    def serving(self) -> bool: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def released_at(self) -> float: ...
+
+    async def until_serving(self, timeout: float | None = None) -> None: ...
+
+
 StopChecker = Callable[[list[int]], int | None]
 """Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
 
@@ -189,7 +207,7 @@ class Generator:
     def __init__(
         self,
         pool: ReplicaPool,
-        weights: WeightCoordinator,
+        weights: ServingWeights,
         settings: GenerationSettings | None = None,
         on_resume: Callable[[float], None] | None = None,
         on_dispatch: Callable[[float], None] | None = None,

@@ -10,22 +10,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
-from backends.errors import BackendError
 from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
-from gateway.background import stop
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
-from gateway.discovery import Discovery, make_source
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.errors import Conflict, InvalidRequest
+from gateway.errors import Conflict
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
 from gateway.routing import Replica, ReplicaPool
+from gateway.routing.discovery import Discovery, make_source
 from gateway.session.lifecycle import SessionLifecycle
 from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
@@ -33,7 +31,7 @@ from gateway.session.samples import SessionManager
 from gateway.store import Keys, OpenSessions, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns.runner import TurnRunner
-from gateway.weights import WeightCoordinator, parse_version
+from gateway.weights import ReplicaAdmission, WeightCoordinator, reported_version
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +97,10 @@ class Services:
     open_sessions: OpenSessions | None = None  # `server.max_open_sessions_per_key`, across processes
     dashboard: DashboardSampler | None = None
     response_cache: ResponseCache = field(default_factory=lambda: ResponseCache(0, 0.0))  # the Responses API's
-    _catching_up: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    admission: ReplicaAdmission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = ReplicaAdmission(self.pool, self.weights)
 
     async def add_replica(self, config: ReplicaConfig) -> Replica:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
@@ -118,74 +119,9 @@ class Services:
         return True
 
     async def _admit(self, config: ReplicaConfig, backend: EngineBackend) -> Replica:
-        version = await _reported_version(backend)
-        replica = self.pool.add(backend, version=version, stale=version != self.weights.version)
+        replica = await self.admission.admit(backend)
         self.replica_configs[config.id] = config
-        if replica.stale and self.weights.last_source is not None:
-            await self._catch_up(replica)
         return replica
-
-    async def verify_replica(self, replica: Replica) -> None:
-        """Run on every successful health probe. A restarted engine runs its initial weights, so a replica serves
-        only while it reports the pool's version; otherwise it is held out (stale) and, where the weights came
-        from a path, loaded with them — never left to sample under other weights than it is labelled with."""
-        if not self.weights.serving:
-            return  # mid-update the versions differ by design; the update itself verifies every replica
-        updates = self.weights.updates
-        version = await _reported_version(replica.backend)
-        if version is None:
-            # The read failed (a reset connection, a busy engine): that proves nothing about its weights. Holding
-            # the replica out on it would keep it out for good, since a later reading of the pool's version does
-            # not re-admit a stale replica (only loading the weights does).
-            return
-
-        def moved() -> bool:  # an update began or ended meanwhile (a `serving` event too): the reading proves nothing
-            return not self.weights.serving or self.weights.updates != updates or version == self.weights.version
-
-        if moved():
-            return
-        if version > self.weights.version and await self.weights.adopt_recorded():
-            return  # this process had missed an update's result (its subscription was down): now it has it
-        if moved():
-            return
-        if not replica.stale:
-            logger.warning(
-                "replica %s reports weight version %s, the pool runs %d: held out until it catches up",
-                replica.id,
-                version,
-                self.weights.version,
-                extra={"replica": replica.id, "version": version},
-            )
-        replica.version, replica.stale = version, True
-        self.pool.notify()
-        # Never back to an older version: a replica ahead of every record (one lost to a Redis failover) waits for
-        # the next update rather than have two processes load their own versions onto it in turns.
-        if self.weights.last_source is not None and version < self.weights.version:
-            self._catch_up_in_background(replica)
-
-    async def _catch_up(self, replica: Replica) -> None:
-        """Load the current weights onto a replica (only possible when they came from a path)."""
-        try:
-            await self.weights.load_current(replica)
-        except BackendError as exc:
-            logger.error(
-                "replica %s could not load version %s: %s",
-                replica.id,
-                self.weights.version,
-                exc,
-                extra={"replica": replica.id, "version": self.weights.version},
-            )
-
-    def _catch_up_in_background(self, replica: Replica) -> None:
-        """The health loop must not wait for a weight load (it queues behind any update in progress)."""
-        if replica.id in self._catching_up:
-            return
-        task = asyncio.create_task(self._catch_up(replica), name=f"catch-up-{replica.id}")
-        self._catching_up[replica.id] = task  # hard reference until done
-        task.add_done_callback(lambda _: self._catching_up.pop(replica.id, None))
-
-    async def aclose(self) -> None:
-        await stop(*self._catching_up.values())
 
     async def remove_replica(self, replica_id: str) -> Replica:
         self.replica_configs.pop(replica_id, None)
@@ -210,14 +146,6 @@ class Services:
         )
         discovery.start()
         return discovery
-
-
-async def _reported_version(backend: EngineBackend) -> int | None:
-    try:
-        return parse_version(await backend.weight_version())
-    except (BackendError, InvalidRequest) as exc:
-        logger.warning("replica %s: cannot read its weight version: %s", backend.id, exc, extra={"replica": backend.id})
-        return None
 
 
 @contextlib.asynccontextmanager
@@ -245,7 +173,7 @@ async def open_services(
         )
         stack.push_async_callback(pool.aclose)
         backends = [backend_factory(replica, settings) for replica in settings.replicas]
-        versions = await asyncio.gather(*(_reported_version(b) for b in backends))
+        versions = await asyncio.gather(*(reported_version(b) for b in backends))
         known = [v for v in versions if v is not None]
         current = max(known, default=0)
         for backend, version in zip(backends, versions, strict=True):
@@ -351,8 +279,8 @@ async def open_services(
             dashboard=dashboard,
             response_cache=ResponseCache(s.response_cache_size, trajectories.responses.ttl_s),
         )
-        pool.on_probe = services.verify_replica
-        stack.push_async_callback(services.aclose)  # catch-ups end before the pool and Redis close
+        pool.on_probe = services.admission.verify
+        stack.push_async_callback(services.admission.aclose)  # catch-ups end before the pool and Redis close
         discovery = services.follow_discovery()
         if discovery is not None:
             stack.push_async_callback(discovery.aclose)  # closes first: no replica is added while the rest close

@@ -29,6 +29,7 @@ __all__ = ["unless_disconnected", "watch_disconnect"]  # re-exported for the dia
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"})
 PAUSE_PATHS = frozenset({"/pause", "/pause_generation"})  # vLLM's and SGLang's
+LOAD_PATHS = frozenset({"/collective_rpc", "/update_weights_from_disk"})  # vLLM's (reload_weights) and SGLang's
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class FaultState:
         self.weights_must_exist = settings.weights_must_exist
         self.hang = False
         self.pause_delay_s = 0.0  # a pause answered this late (an engine finishing its step on a busy host)
+        self.load_delay_s = 0.0  # a weight load begun this late (a large checkpoint on a slow disk)
         self._unhung = asyncio.Event()
         self._unhung.set()
 
@@ -99,6 +101,8 @@ class FaultState:
             self.weights_must_exist = update.weights_must_exist
         if update.pause_delay is not None:
             self.pause_delay_s = update.pause_delay
+        if update.load_delay is not None:
+            self.load_delay_s = update.load_delay
 
     def load_fails(self, path: str) -> bool:
         """Whether a weight load from `path` must fail (`weights_must_exist` and nothing there)."""
@@ -125,6 +129,8 @@ class FaultMiddleware:
             await self.faults.wait_unhung()  # accept, never answer (until the fault is cleared)
         if path in PAUSE_PATHS and self.faults.pause_delay_s:
             await asyncio.sleep(self.faults.pause_delay_s)
+        if path in LOAD_PATHS and self.faults.load_delay_s:
+            await asyncio.sleep(self.faults.load_delay_s)
         if path in GENERATION_PATHS and self.faults.should_fail():
             await _send_json(send, 500, self.error_body("injected fault: internal server error", 500))
             return
@@ -146,6 +152,7 @@ class FaultsUpdate(BaseModel):
     abort_all: bool = False
     ready: bool | None = None
     pause_delay: float | None = Field(default=None, ge=0.0)
+    load_delay: float | None = Field(default=None, ge=0.0)
     weights_must_exist: bool | None = None
 
 
@@ -191,6 +198,7 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             "hang": faults.hang,
             "error_rate": faults.error_rate,
             "pause_delay": faults.pause_delay_s,
+            "load_delay": faults.load_delay_s,
             "ready": faults.ready,
             "weights_must_exist": faults.weights_must_exist,
             "counters": dict(engine.counters),

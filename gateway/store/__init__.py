@@ -11,7 +11,7 @@ One module per concept:
 - `open_sessions`: `OpenSessions`, the open sessions of each API key (`server.max_open_sessions_per_key`);
 - `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
 - `responses`: the Responses API's stored responses, and a sample's conversation read without its arrays;
-- `weights_bus`: `WeightsBus` (weight version, update lock, control channel);
+- `weights_bus`: `WeightsBus` (weight version, update lock, control channel); `weights_events`: its typed events;
 - `inspection`: what the command line shows of the store;
 - `trajectory_store`: `TrajectoryStore`, the one object the gateway holds, composed of those parts.
 """
@@ -27,16 +27,21 @@ from gateway.store.records import metadata_additions
 from gateway.store.samples import SampleWrite
 from gateway.store.trajectory_store import TrajectoryStore
 from gateway.store.weights_bus import WeightsBus, WeightsRecord
+from gateway.store.weights_events import Drained, Pausing, Serving, WeightsEvent
 
 _SampleWrite = SampleWrite  # its name before the store was split in modules (tests build one)
 
 __all__ = [
+    "Drained",
     "Keys",
     "OpenSessions",
+    "Pausing",
+    "Serving",
     "SessionLocks",
     "StoreStats",
     "TrajectoryStore",
     "WeightsBus",
+    "WeightsEvent",
     "WeightsRecord",
     "connect",
     "inspect_store",

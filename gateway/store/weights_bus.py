@@ -20,6 +20,7 @@ from gateway.errors import StoreError
 from gateway.store.cluster_client import FailoverAwareCluster
 from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
+from gateway.store.weights_events import Drained, Serving, WeightsEvent, parse_event
 
 __all__ = ["WeightsBus", "WeightsRecord"]
 
@@ -67,14 +68,9 @@ class WeightsRecord:
     updated: tuple[str, ...] = ()
     stale: tuple[str, ...] = ()
 
-    def as_event(self) -> dict[str, object]:
+    def as_event(self) -> Serving:
         """The record as the `serving` event that announced it (for a process that missed the event)."""
-        return {
-            "version": self.version,
-            "source": self.source,
-            "updated": list(self.updated),
-            "stale": list(self.stale),
-        }
+        return Serving(self.version, self.source, updated=self.updated, stale=self.stale)
 
 
 class WeightsBus:
@@ -215,19 +211,21 @@ class WeightsBus:
                 await pipe.execute()
 
         await call(report(), "report drained")
-        await self.announce({"event": "drained", "token": token})
+        await self.announce(Drained(token))
 
     async def drained(self, token: str) -> set[str]:
         """The processes that drained their requests for the update `token`."""
         found = await call(self.client.smembers(self.keys.weights_drained(token)), "read drained")
         return {text(m) for m in found}
 
-    async def announce(self, event: dict[str, Any]) -> None:
-        payload = orjson.dumps(event | {"origin": self.origin})
+    async def announce(self, event: WeightsEvent) -> None:
+        """Publish `event` on the control channel, naming this process as its origin."""
+        payload = orjson.dumps(event.to_wire() | {"origin": self.origin})
         await call(self.client.publish(self.keys.control, payload), "publish control event")
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Control events from the other processes, forever; reconnects after a Redis outage."""
+    async def events(self) -> AsyncIterator[WeightsEvent]:
+        """Control events from the other processes, forever (those of a kind this release does not know skipped);
+        reconnects after a Redis outage."""
         delay = 0.1
         while True:
             try:
@@ -248,8 +246,9 @@ class WeightsBus:
                     message = await pubsub.get_message(timeout=30.0)
                     if message is None or message.get("type") != "message":
                         continue
-                    event: dict[str, Any] = orjson.loads(message["data"])
-                    if event.get("origin") != self.origin:
+                    raw: dict[str, Any] = orjson.loads(message["data"])
+                    event = parse_event(raw) if raw.get("origin") != self.origin else None
+                    if event is not None:
                         yield event
             except (RedisError, RedisClusterException, OSError) as exc:
                 logger.warning("control channel lost (%s); resubscribing in %.1fs", exc, delay)

@@ -20,7 +20,7 @@ from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
 from backends.sim.engine import EngineSettings
 from backends.sim.server import SimServerSettings, bind_socket, serve_in_process
 from gateway.config import ReplicaConfig
-from gateway.discovery import FileSource
+from gateway.routing.discovery import FileSource
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import expected_tokens, generate_body, slow, streams_under_way
 from tests.sim_helpers import wait_for

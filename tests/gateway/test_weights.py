@@ -23,7 +23,7 @@ from backends.launcher import free_port
 from backends.sim.engine import EngineSettings
 from gateway.config import ReplicaConfig
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.store import Keys, WeightsBus, connect
+from gateway.store import Keys, Pausing, Serving, WeightsBus, connect
 from gateway.weights import INITIAL_LABELS, parse_version, version_label, version_labels
 from tests.chaos.soak import GatewayChild
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
@@ -53,7 +53,7 @@ async def coordinating(redis_server: EmbeddedRedis, version: int, mode: str) -> 
         await bus.join(ttl_s=60)
         token = bus.new_token()
         assert await bus.acquire(token, ttl_s=60)
-        await bus.announce({"event": "pausing", "version": version, "mode": mode, "token": token})
+        await bus.announce(Pausing(version, mode, token))
         yield bus, token
     finally:
         await client.aclose()
@@ -536,7 +536,7 @@ async def test_a_follower_busy_catching_up_a_replica_still_follows_and_reports_i
         assert not held.done()  # the catch-up still waits for the request: it did not end first
         assert (await status_of(http, follower.url))["state"] == "following"
         await bus.release(token)
-        await bus.announce({"event": "serving", "version": 2, "source": weights_of(2)[0]})
+        await bus.announce(Serving(2, weights_of(2)[0]))
     assert await held == 200
 
 

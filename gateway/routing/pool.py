@@ -1,107 +1,30 @@
-"""The replica pool: membership, health, circuit breaking, load, and placement policies.
+"""The replica pool: membership, health, circuit breaking, load, placement, and each replica's weight version.
 
-Placement policy `sticky` is rendezvous (highest-random-weight) hashing of the session id over the replicas
-that can serve, with a bounded-load rule for NEW sessions: a replica whose in-flight count is above
-`(1 + balance_factor) × mean` is skipped. Because HRW needs no shared state, every gateway process agrees on
-placement; a session's later turns follow its recorded replica and move only when that replica leaves or fails.
+Placement goes through a policy (`gateway.routing.policies`); `sticky`, the default, keeps a session on its replica
+while that replica serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
 
 from backends.base import EngineBackend
 from backends.errors import BackendUnavailable
 from common.hashing import mix64, string_key
 from gateway.background import stop
+from gateway.routing.policies import RoutingPolicyName, make_policy
+from gateway.routing.replica import InFlight, Replica
 
 logger = logging.getLogger(__name__)
 
 PROBES_TO_TAKE_OUT = 2
 """Health probes failed in a row after which a replica's requests in flight are cut (`ReplicaPool.take_out`)."""
-
-RoutingPolicyName = Literal["sticky", "least_loaded", "round_robin"]
-
-
-class InFlight(Protocol):
-    """A request in flight on a replica (`ReplicaPool.lease`) that can be told its replica was taken out."""
-
-    def interrupt(self, reason: str) -> None: ...
-
-
-@dataclass(eq=False)
-class Replica:
-    """One engine replica as the gateway sees it."""
-
-    backend: EngineBackend
-    healthy: bool = True
-    stale: bool = False  # failed a weight update: serves nothing until a later update succeeds
-    draining: bool = False  # finishing in-flight work before a cache flush; takes no new requests
-    in_flight: int = 0
-    tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
-    consecutive_failures: int = 0
-    failed_probes: int = 0  # health probes failed in a row
-    circuit_open_until: float = 0.0
-    version: int | None = None
-    # Requests in flight that the pool interrupts when it takes the replica out (`ReplicaPool.lease`).
-    requests: set[InFlight] = field(default_factory=set, repr=False)
-    id: str = field(init=False)  # the backend's, kept here: read several times a request
-    key: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.id = self.backend.id
-        self.key = string_key(self.backend.id)
-
-    def serving(self, now: float) -> bool:
-        return self.healthy and not self.stale and not self.draining and now >= self.circuit_open_until
-
-
-class Policy(Protocol):
-    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica: ...
-
-
-class StickyPolicy:
-    """HRW over candidates; new sessions skip replicas above (1 + ε) × mean in-flight."""
-
-    def __init__(self, balance_factor: float) -> None:
-        self.balance_factor = balance_factor
-
-    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
-        ranked = sorted(candidates, key=lambda r: mix64(session_key ^ r.key), reverse=True)
-        if not is_new or len(ranked) == 1:
-            return ranked[0]
-        limit = (1 + self.balance_factor) * (sum(r.in_flight for r in ranked) / len(ranked))
-        return next((r for r in ranked if r.in_flight <= limit), ranked[0])
-
-
-class LeastLoadedPolicy:
-    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
-        return min(candidates, key=lambda r: (r.in_flight, mix64(session_key ^ r.key)))
-
-
-class RoundRobinPolicy:
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def choose(self, session_key: int, candidates: list[Replica], is_new: bool) -> Replica:
-        ordered = sorted(candidates, key=lambda r: r.id)
-        return ordered[next(self._counter) % len(ordered)]
-
-
-def make_policy(name: RoutingPolicyName, balance_factor: float) -> Policy:
-    if name == "sticky":
-        return StickyPolicy(balance_factor)
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    return RoundRobinPolicy()
 
 
 @dataclass
@@ -182,7 +105,8 @@ class ReplicaPool:
     def add(self, backend: EngineBackend, *, version: int | None = None, stale: bool = False) -> Replica:
         if backend.id in self.replicas:
             raise ValueError(f"replica {backend.id!r} is already in the pool")
-        replica = Replica(backend, version=version, stale=stale)
+        replica = Replica(backend)
+        replica._version, replica._stale = version, stale  # the pool owns both (see `Replica`)
         self.replicas[backend.id] = replica
         self.notify()
         return replica
@@ -198,6 +122,25 @@ class ReplicaPool:
 
     def all(self) -> list[Replica]:
         return list(self.replicas.values())
+
+    # -- weight versions -----------------------------------------------------------------------
+
+    def set_version(self, replica: Replica, version: int) -> None:
+        """`replica` runs `version`, verified: it serves again if it was held out."""
+        changed = replica._version != version or replica._stale
+        replica._version, replica._stale = version, False
+        if changed:
+            self.notify()
+
+    def mark_stale(self, replica: Replica, *, runs: int | None = None) -> None:
+        """Hold `replica` out: its weights are not the pool's (a failed load, a restart on other weights) until a
+        later load succeeds on it (`set_version`). `runs`: the version it reports, where it was read."""
+        changed = not replica._stale or (runs is not None and replica._version != runs)
+        replica._stale = True
+        if runs is not None:
+            replica._version = runs
+        if changed:
+            self.notify()
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -258,6 +201,11 @@ class ReplicaPool:
             if remaining <= 0:
                 raise BackendUnavailable("no replica can serve: all are down, stale or draining")
             await self.wait_for_change(remaining)
+
+    async def until_idle(self, replica: Replica) -> None:
+        """Return once no request of this process is in flight on `replica`."""
+        while replica.in_flight:
+            await self.wait_for_change(1.0)
 
     def lease(self, replica: Replica, request: InFlight | None = None) -> Lease:
         """Count a request in flight on `replica` for the duration of a `with` block; `request`, if given, is

@@ -1,0 +1,94 @@
+"""The control events of the weights bus (`rg:control`), typed: parsed once where the bus reads them, written as the
+same JSON objects as always, so that gateways of two releases (a rolling deploy) understand each other.
+
+On the wire each is an object with `event` (its kind), the fields below, and `origin` (the sending process, added by
+`WeightsBus.announce`). A field of the wrong type reads as absent; an event of an unknown kind is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Drained", "Pausing", "Serving", "WeightsEvent", "parse_event"]
+
+
+@dataclass(frozen=True, slots=True)
+class Pausing:
+    """The update `token` begins: stop dispatching. `version` None: an out-of-band pause. In `wait` mode, each other
+    process drains its own requests and reports it (`Drained`). Re-sent every heartbeat while drain reports are
+    missing. `token` None: sent by a gateway older than update tokens."""
+
+    version: int | None
+    mode: str
+    token: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"event": "pausing", "version": self.version, "mode": self.mode, "token": self.token}
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """An update (or a recovery) ended: the pool serves `version` (the previous one after a failed update), loaded
+    from `source`; `updated` run it, `stale` are held out."""
+
+    version: int | None
+    source: str | None = None
+    status: str | None = None
+    updated: tuple[str, ...] = ()
+    stale: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "event": "serving",
+            "version": self.version,
+            "source": self.source,
+            "status": self.status,
+            "updated": list(self.updated),
+            "stale": list(self.stale),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """A process's own requests are drained for the `wait` update `token`."""
+
+    token: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"event": "drained", "token": self.token}
+
+
+WeightsEvent = Pausing | Serving | Drained
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
+def parse_event(raw: Mapping[str, Any]) -> WeightsEvent | None:
+    """The event a wire object carries; None for a kind this release does not know (or a `drained` without token)."""
+    kind = raw.get("event")
+    if kind == "pausing":
+        return Pausing(_int(raw.get("version")), _str(raw.get("mode")) or "abort", _str(raw.get("token")))
+    if kind == "serving":
+        return Serving(
+            _int(raw.get("version")),
+            _str(raw.get("source")),
+            _str(raw.get("status")),
+            _ids(raw.get("updated")),
+            _ids(raw.get("stale")),
+        )
+    if kind == "drained":
+        token = _str(raw.get("token"))
+        return Drained(token) if token is not None else None
+    return None

@@ -1,0 +1,39 @@
+"""Weight versions: the coordinator of each gateway process and what it is made of (docs/architecture.md §5).
+
+- `labels`: the labels engines carry for a version, and back;
+- `state`: the coordinator's states and the one table of their transitions;
+- `report`: `UpdateReport`, what one update did;
+- `sequence`: THE update sequence (pause → load → settle → resume) that every weight change runs;
+- `coordinator`: `WeightCoordinator`, the facade: updates, the out-of-band sync, catch-ups, adopting results;
+- `bracket`: the out-of-band sync held between `POST /admin/pause` and `POST /admin/resume`, with its deadline;
+- `leader`, `follower`, `recovery`: the processes sharing one Redis (leading an update, following another's,
+  recovering from one whose coordinator died);
+- `gate`, `gc_deferral`: what generation waits on, and the GC kept out of the release burst;
+- `admission`: a replica joins or rejoins the pool on the pool's weights.
+"""
+
+from gateway.weights.admission import ReplicaAdmission, reported_version
+from gateway.weights.bracket import OutOfBandSync
+from gateway.weights.coordinator import MEMBER_TTL_S, WeightCoordinator
+from gateway.weights.labels import INITIAL_LABELS, newer, parse_version, version_label, version_labels
+from gateway.weights.report import UpdateReport, UpdateStatus
+from gateway.weights.state import TRANSITIONS, IllegalTransition, State, StateMachine
+
+__all__ = [
+    "INITIAL_LABELS",
+    "MEMBER_TTL_S",
+    "TRANSITIONS",
+    "IllegalTransition",
+    "OutOfBandSync",
+    "ReplicaAdmission",
+    "State",
+    "StateMachine",
+    "UpdateReport",
+    "UpdateStatus",
+    "WeightCoordinator",
+    "newer",
+    "parse_version",
+    "reported_version",
+    "version_label",
+    "version_labels",
+]

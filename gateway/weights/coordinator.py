@@ -1,0 +1,402 @@
+"""Weight versions: one coordinator per gateway process pauses the pool, updates every replica, verifies and resumes.
+
+Generation awaits `until_serving()`, which returns at once unless an update (or an out-of-band pause) is under
+way, so requests interrupted by an update wait on an event rather than polling. Updates are serialized; a
+version older than or equal to the current one is a 409. A replica that fails to update is drained and marked
+stale (it serves nothing until a later update succeeds on it), so no request ever mixes weights silently.
+
+An update that loads on no replica is rolled back instead (`WeightsNotUpdated`, a 502): the version stays, and
+each replica whose engine refused the load (`WeightsNotLoaded`) and still reports the previous version's label
+resumes on the weights it kept, so the interrupted requests finish under the previous version. A replica that
+failed otherwise (a timeout: its weights are unknown) or reports another label is held out as stale.
+
+The coordinator is the facade of the package: the steps over the replicas are `sequence.UpdateSequence`, the bus
+side of leading an update `leader.Leadership`, following the others' `follower.Follower`, recovering from a dead
+coordinator `recovery.Recovery`, the out-of-band sync `bracket.OutOfBandSync`; its state moves along
+`state.TRANSITIONS` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+from backends.base import PauseMode
+from gateway.background import stop
+from gateway.errors import Conflict, StoreError, WeightsNotUpdated
+from gateway.routing import Replica, ReplicaPool
+from gateway.store import Serving, WeightsBus, WeightsRecord
+from gateway.weights.bracket import OutOfBandSync
+from gateway.weights.follower import Follower
+from gateway.weights.gate import ServingGate
+from gateway.weights.labels import newer, version_label
+from gateway.weights.leader import Leadership
+from gateway.weights.report import UpdateReport
+from gateway.weights.sequence import Plan, UpdateSequence
+from gateway.weights.state import State, StateMachine
+
+logger = logging.getLogger(__name__)
+
+MEMBER_TTL_S = 10.0
+"""The default of `weights.member_ttl_s`: how long a gateway process counts as on the weights bus after its last
+heartbeat (every fifth of it). A `wait` update waits for the live ones to drain their requests, so one that died
+holds it for this long at most. A process coordinating an update is taken for dead, its lock taken over and the pool
+recovered (`Recovery`), once its membership expired that long ago too: no heartbeat for twice the TTL, so that a
+Redis failover, which stops every process's heartbeat for seconds, is not taken for a death."""
+
+
+class WeightCoordinator:
+    """Owns the current version and the pause → update → verify → resume sequence."""
+
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        *,
+        initial_version: int = 0,
+        default_mode: PauseMode = "abort",
+        update_timeout_s: float = 600.0,
+        bus: WeightsBus | None = None,
+        member_ttl_s: float = MEMBER_TTL_S,
+    ) -> None:
+        self.pool = pool
+        self.bus = bus
+        self.member_ttl_s = member_ttl_s
+        self.heartbeat_s = member_ttl_s / 5
+        self.version = initial_version
+        self.default_mode = default_mode
+        self.update_timeout_s = update_timeout_s
+        self.last_source: str | None = None
+        self.updates = 0
+        self.machine = StateMachine()
+        self.gate = ServingGate()
+        # Serializes what changes the replicas' weights in this process (updates, catch-ups, the recovery), each
+        # within one task; an out-of-band sync holds it only while it pauses and while it resumes.
+        self.lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.sequence = UpdateSequence(pool, self.machine, self._tasks)
+        self.leader = (
+            Leadership(bus, member_ttl_s=member_ttl_s, update_timeout_s=update_timeout_s) if bus is not None else None
+        )
+        self._follower: Follower | None = None
+        self._bracket: OutOfBandSync | None = None  # the out-of-band sync held now
+        self._expired: OutOfBandSync | None = None  # the last one that ended at its deadline (a later resume's 409)
+        # Called with the report of every update this process ran, a failed one included (`report.status`).
+        self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
+
+    @property
+    def state(self) -> State:
+        return self.machine.state
+
+    @property
+    def serving(self) -> bool:
+        return self.gate.is_open
+
+    @property
+    def released_at(self) -> float:
+        """Monotonic time the held requests were last released: the origin of each continuation's dispatch
+        latency."""
+        return self.gate.released_at
+
+    async def until_serving(self, timeout: float | None = None) -> None:
+        """Return once no update or pause is under way (at once in the common case)."""
+        await self.gate.wait(timeout)
+
+    def begin(self) -> None:
+        """An update sequence starts here: stop dispatching."""
+        self.gate.close()
+        self.machine.to(State.PAUSING)
+
+    def end(self) -> None:
+        """An update sequence ended (however): dispatch again."""
+        self.machine.to(State.SERVING)
+        self.gate.release()
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A background task of the coordinator, stopped by `aclose`."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)  # hard reference until done
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- full update ---------------------------------------------------------------------------
+
+    async def update(self, version: int, source: str | None = None, mode: PauseMode | None = None) -> UpdateReport:
+        """Pause every replica, load `version` (from the path `source`, or with None: synced out of band, only
+        relabel), verify, resume. Some replicas failing is a `partial` report (they are stale); all of them
+        failing raises `WeightsNotUpdated` after the rollback (see the module docstring)."""
+        mode = mode or self.default_mode
+        async with self.lock, self._leading(version, mode) as token:
+            self._expired = None
+            started = time.monotonic()
+            previous = self.version
+            report = UpdateReport(version, mode, started_at=time.time())
+            self.begin()
+            try:
+                async with asyncio.timeout(self.update_timeout_s):
+                    await self._followers_drained(mode, token, version)
+                    await self.sequence.run(mode, Plan.update(version, source, previous), report)
+            finally:
+                self.version = version if report.updated else self.version
+                self.last_source = source if report.updated else self.last_source
+                await self._publish_result(report)
+                self.end()
+                report.finished_at = time.time()
+            report.duration_s = time.monotonic() - started
+            if not report.updated:
+                await self._announce(report)  # a failed update is announced too (status "failed")
+                raise self._failed(previous, report)
+            self.updates += 1
+            logger.info(
+                "weights: version %d (%s) on %s; stale: %s",
+                version,
+                mode,
+                report.updated,
+                report.stale,
+                extra={"version": version},
+            )
+            await self._announce(report)
+            return report
+
+    def _failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated:
+        """The error for an update that loaded nowhere, naming each replica's failure."""
+        why = "; ".join(f"{replica}: {error}" for replica, error in report.errors.items()) or "no replica in the pool"
+        serving = f"replicas {report.kept} serve version {previous} as before" if report.kept else "no replica serves"
+        logger.error(
+            "weights: version %d loaded on no replica (%s); %s; stale: %s",
+            report.version,
+            why,
+            serving,
+            report.stale,
+            extra={"version": report.version},
+        )
+        details: dict[str, object] = {
+            "version": previous,
+            "requested_version": report.version,
+            "status": report.status,
+            "kept": report.kept,
+            "stale": report.stale,
+            "errors": report.errors,
+        }
+        return WeightsNotUpdated(f"weight version {report.version} loaded on no replica ({why}); {serving}", details)
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self.version:
+            raise Conflict(f"weight version {version} is not newer than {self.version}", param="version")
+
+    def _check_idle(self) -> None:
+        """Under `lock`: nothing but an out-of-band sync can hold the replicas now; while one does, a 409."""
+        if self.machine.state is State.PAUSED:
+            raise Conflict(
+                "the gateway is paused for an out-of-band weight sync (POST /admin/resume ends it)", param="version"
+            )
+
+    @contextlib.asynccontextmanager
+    async def _leading(self, version: int, mode: PauseMode) -> AsyncIterator[str | None]:
+        """This process as the one that updates the shared replicas for the length of a block (`Leadership`; the
+        lock's token, None without a bus)."""
+        self._check_idle()
+        self._check_newer(version)
+        if self.leader is None:
+            yield None
+            return
+        async with self.leader.held(version, mode) as token:
+            yield token
+
+    async def _followers_drained(self, mode: PauseMode, token: str | None, version: int | None) -> None:
+        if self.leader is not None and token is not None:
+            await self.leader.followers_drained(mode, token, version)
+
+    async def _publish_result(self, report: UpdateReport) -> None:
+        if self.leader is not None:
+            await self.leader.publish_result(report, self.version, self.last_source)
+
+    async def load_current(self, replica: Replica) -> bool:
+        """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
+
+        Serialized with updates (the same lock): run concurrently, a catch-up and an update could interleave
+        inside the engine and leave it holding one version's weights under the other's label. Returns whether
+        the replica now serves the current version; False when the weights did not come from a path, while an
+        out-of-band sync holds the replicas (the next health probe tries again), or when the replica runs a newer
+        version by now (the catch-up was decided before an update this process has not heard of yet: loading
+        would take the replica back to older weights)."""
+        async with self.lock:
+            if self.last_source is None or self.machine.state is State.PAUSED:
+                return False
+            label = version_label(self.version)
+            found = await replica.backend.weight_version()
+            if newer(found, self.version):
+                return False
+            cache_clean = True
+            if found != label:
+                cache_clean = await replica.backend.update_weights(label, self.last_source)
+                if await replica.backend.weight_version() != label:
+                    return False
+            self.pool.set_version(replica, self.version)
+            if not cache_clean:
+                # Requests that ran on the old weights hold KV blocks; they would enter the prefix cache when they
+                # finish and later prompts would reuse them. Out of rotation until they are gone and it is flushed.
+                self.sequence.flush_when_idle(replica)
+            self.pool.notify()
+            return True
+
+    # -- out-of-band sync (NCCL, checkpoint engine) ----------------------------------------------
+
+    async def pause(self, mode: PauseMode | None = None) -> OutOfBandSync:
+        """Pause for an out-of-band weight sync; `resume(version)` ends it. Past `weights.update_timeout_s` from
+        now it ends as a failed update instead (`_end_at_deadline`)."""
+        mode = mode or self.default_mode
+        async with self.lock:
+            self._check_idle()
+            started = time.monotonic()
+            token = await self.leader.take(None, mode) if self.leader is not None else None
+            report = UpdateReport(self.version, mode, started_at=time.time())
+            self.begin()
+            try:
+                async with asyncio.timeout(self.update_timeout_s):
+                    await self._followers_drained(mode, token, None)
+                await self.sequence.pause(mode, report)
+            except BaseException:
+                self.machine.to(State.SERVING)
+                self.gate.reopen()
+                if self.leader is not None and token is not None:
+                    await self.leader.give_back(token)
+                raise
+            self.machine.to(State.PAUSED)
+            now = time.monotonic()
+            bracket = OutOfBandSync(token, report, started, now, started + self.update_timeout_s)
+            self._bracket, self._expired = bracket, None
+            bracket.arm(self._end_at_deadline)
+            return bracket
+
+    async def resume(self, version: int) -> UpdateReport:
+        """Label the out-of-band weights `version` on every replica, verify, resume."""
+        bracket = self._bracket
+        if bracket is None:
+            raise self._not_paused()
+        self._check_newer(version)  # a 409 here leaves the gateway paused: resume again with a newer version
+        self._bracket = None
+        bracket.disarm()
+        report = bracket.report
+        report.version = version
+        async with self.lock:
+            try:
+                await self.sequence.finish(Plan.relabel_synced(version, self.version), report)
+                self.version = version
+            finally:
+                await self._close(bracket)
+        report.duration_s = time.monotonic() - bracket.paused_at  # pause → resume: the whole out-of-band sync
+        self.updates += 1
+        await self._announce(report)
+        return report
+
+    def _not_paused(self) -> Conflict:
+        expired = self._expired
+        if expired is None:
+            return Conflict("the gateway is not paused (POST /admin/pause first)")
+        return Conflict(
+            f"the out-of-band weight sync was not resumed within {expired.timeout_s:g} s (weights.update_timeout_s): "
+            f"it ended as a failed update and the replicas serve version {self.version} "
+            f"(kept: {expired.report.kept}; stale: {expired.report.stale}); POST /admin/pause to sync again"
+        )
+
+    async def _close(self, bracket: OutOfBandSync) -> None:
+        """The end of an out-of-band sync, however it ended: the result published, the bus lock given back, serving."""
+        await self._publish_result(bracket.report)
+        if self.leader is not None and bracket.token is not None:
+            await self.leader.give_back(bracket.token)
+        self.end()
+        bracket.report.finished_at = time.time()
+
+    async def _end_at_deadline(self, bracket: OutOfBandSync) -> None:
+        """The out-of-band sync was not resumed in time (the trainer died, or forgot): end it as a failed update.
+        Each replica whose label shows the version the pool served resumes on it (`kept`); any other is stale."""
+        async with self.lock:
+            if self._bracket is not bracket:
+                return  # resumed meanwhile
+            self._bracket, self._expired = None, bracket
+            report = bracket.report
+            try:
+                await self.sequence.finish(Plan.abandon(self.version), report)
+            finally:
+                await self._close(bracket)
+        report.duration_s = time.monotonic() - bracket.paused_at
+        logger.error(
+            "weights: the out-of-band sync was not resumed within %g s (weights.update_timeout_s): ended as a failed "
+            "update; version %d serves on %s; stale: %s",
+            bracket.timeout_s,
+            self.version,
+            report.kept,
+            report.stale,
+            extra={"version": self.version},
+        )
+        await self._announce(report)
+
+    # -- several gateway processes on one Redis ----------------------------------------------------
+
+    def start_following(self) -> None:
+        """Follow updates that other gateway processes coordinate, and tell them this process is there."""
+        if self.leader is not None and self._follower is None:
+            self._follower = Follower(self, self.leader)
+            self._follower.start()
+
+    async def adopt_recorded(self) -> bool:
+        """Adopt the version `rg:weights` records where it is newer than this process's (a `serving` event it
+        missed); whether it was. False too while an update runs here or Redis does not answer."""
+        if self.bus is None or not self.serving or self.lock.locked():
+            return False
+        try:
+            record = await self.bus.read()
+        except StoreError:
+            return False
+        if record is None or record.version <= self.version or not self.serving:
+            return False
+        logger.warning("weights: version %d, recorded, was not announced here", record.version)
+        self.adopt_record(record)
+        return True
+
+    def adopt_record(self, record: WeightsRecord | None) -> None:
+        """`adopt` what `rg:weights` records, as if its `serving` event had arrived (none: serve on as is)."""
+        self.adopt(record.as_event() if record else Serving(self.version))
+
+    def adopt(self, event: Serving) -> None:
+        """Take another process's update result: its version (where not older), its updated and stale replicas;
+        dispatch again. Ignored while this process runs an update of its own (a result of a process whose lock it
+        took over, thinking it dead): its own result decides."""
+        if self.machine.state not in (State.SERVING, State.FOLLOWING):
+            logger.warning("weights: ignored another process's result (version %s) while %s", event.version, self.state)
+            return
+        version = event.version
+        if version is not None and version >= self.version:
+            if version > self.version:  # a failed update, or a recovery, announces the version it kept
+                self.updates += 1
+            self.version = version
+            self.last_source = event.source if event.source is not None else self.last_source
+            updated, stale = set(event.updated), set(event.stale)
+            for replica in self.pool.all():
+                if replica.id in updated:
+                    self.pool.set_version(replica, version)
+                elif replica.id in stale:
+                    self.pool.mark_stale(replica)
+            self.pool.notify()
+        if self.machine.state is State.FOLLOWING:
+            self.machine.to(State.SERVING)
+        self.gate.release()
+
+    async def _announce(self, report: UpdateReport) -> None:
+        for callback in self.on_update:
+            result = callback(report)
+            if result is not None:
+                await result
+
+    async def aclose(self) -> None:
+        self.gate.aclose()
+        if self._follower is not None:
+            await self._follower.aclose()
+        for bracket in (self._bracket, self._expired):  # a deadline may be ending one now
+            if bracket is not None:
+                await bracket.aclose()
+        await stop(*self._tasks)
