@@ -53,7 +53,7 @@ def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...
 def test_only_the_wiring_imports_the_fast_path() -> None:
     """The fast path (`gateway/fastpath/`) is chosen where the gateway is assembled, from `settings.fastpath`; no
     domain module depends on it, so turning it off leaves nothing half on."""
-    wiring = ("gateway/fastpath/", "gateway/app.py", "gateway/services.py")
+    wiring = ("gateway/fastpath/", "gateway/app.py", "gateway/services.py", "gateway/server.py")
     assert offenders("gateway", ("gateway.fastpath",), wiring) == []
     assert offenders("backends", ("gateway.fastpath",)) == []
 
