@@ -154,7 +154,7 @@ def _gateway_command() -> list[str]:
     found = shutil.which("rollout-gateway")
     if found:
         return [found]
-    return [sys.executable, "-c", "from gateway.cli import main; main()"]
+    return [sys.executable, "-c", "from rollout_cli import main; main()"]
 
 
 @dataclass

@@ -77,10 +77,10 @@ from benchmarks.episode_writes import episode
 from benchmarks.resume_latency import DISPATCH_METRIC, Histogram
 from benchmarks.sim_fleet import SimFleet
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.redis_cluster import LocalRedisCluster
 from gateway.store import Keys, TrajectoryStore
 from gateway.store.keys import connect
 from gateway.trainer import TrajectoryConsumer
+from rollout_cli.redis_cluster import LocalRedisCluster
 
 API = "chat"  # the agents' protocol (benchmarks.agent_protocols)
 CHECKPOINT = "fleet-ckpt"  # the simulator loads any path: the weights' identity becomes `fleet-ckpt-<version>`

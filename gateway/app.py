@@ -25,6 +25,7 @@ from gateway.api.streaming import GatewayApp
 from gateway.config import Settings
 from gateway.fastpath.hot_routes import HotRoutes
 from gateway.fastpath.one_pass_route import OnePassRoute
+from gateway.fastpath.server_send import abort_connection
 from gateway.gc_tuning import tune_gc
 from gateway.services import BackendFactory, Services, default_backend_factory, open_services
 
@@ -39,9 +40,9 @@ def create_app(
     """The gateway app; its services start with the app's lifespan and close with it. `server_process`: this
     process serves only the gateway (`rollout-gateway serve`), so its garbage collector is tuned after startup
     (`gateway.gc_tuning`); an app embedded in another program leaves the collector alone. The fast path's parts
-    on the app (`settings.fastpath`: one-pass routes, hot routes) answer exactly as FastAPI alone does (tests
-    compare the two). `on_started` is called once the services
-    are up, before the first request (the `serve` command prints the Redis URL from it)."""
+    on the app (`settings.fastpath`: one-pass routes, hot routes, streamed bodies past the middlewares) answer
+    exactly as FastAPI alone does (tests compare the two). `on_started` is called once the services are up, before
+    the first request (the `serve` command prints the Redis URL from it)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +58,8 @@ def create_app(
     app = GatewayApp(title="rollout-gateway", version="0.1.0", lifespan=lifespan, **_no_otel_telemetry())
     if settings.fastpath.on("hot_routes"):
         app.shortcut_factory = HotRoutes.of
+    if settings.fastpath.on("server_send"):
+        app.abort_client = abort_connection
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)

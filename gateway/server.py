@@ -13,7 +13,8 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.connection_limits import ConnectionLimits, derived_max_connections, protocol_class
+from gateway.connection_limits import ConnectionLimits, derived_max_connections
+from gateway.fastpath.server_protocol import protocol_class
 from gateway.services import BackendFactory, Services, default_backend_factory
 
 
@@ -50,15 +51,18 @@ def uvicorn_config(
     log_level: str = "warning",
     in_process: bool = True,
 ) -> uvicorn.Config:
-    """httptools with the connection limits of `settings.server` (gateway/connection_limits.py), letting go of a
-    lost connection at once (gateway/http_protocol.py). Graceful
-    shutdown (uvicorn's stages): stop accepting, let in-flight requests run for at most
-    `server.shutdown_timeout_s`, cancel the rest (their turns record what they generated), then close the
-    services."""
+    """httptools with the connection limits of `settings.server`: with the fast path's `server_protocol` where bytes
+    arrive, letting go of a lost connection at once (gateway/fastpath/server_protocol.py); without it, uvicorn's
+    `limit_concurrency` caps the connections alone. Graceful shutdown (uvicorn's stages): stop accepting, let
+    in-flight requests run for at most `server.shutdown_timeout_s`, cancel the rest (their turns record what they
+    generated), then close the services."""
+    limits = connection_limits(settings)
+    own_protocol = settings.fastpath.on("server_protocol")
     return uvicorn.Config(
         app,
         loop="none" if in_process else "uvloop",
-        http=protocol_class(connection_limits(settings)),
+        http=protocol_class(limits) if own_protocol else "httptools",
+        limit_concurrency=None if own_protocol else limits.max_connections,
         lifespan="on",
         log_level=log_level,
         access_log=False,

@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python}
 WORK=$(mktemp -d)
 trap 'kill "$DEMO" 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
-COLUMNS=200 "$PYTHON" -c "from gateway.cli import main; main()" demo --duration 100 --update-every 8 --concurrency 12 \
+COLUMNS=200 "$PYTHON" -c "from rollout_cli import main; main()" demo --duration 100 --update-every 8 --concurrency 12 \
   >"$WORK/demo.out" 2>&1 &
 DEMO=$!
 for _ in $(seq 60); do grep -q "dashboard:" "$WORK/demo.out" && break; sleep 1; done

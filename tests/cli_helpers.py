@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 
-CLI = [sys.executable, "-c", "from gateway.cli import main; main()"]
+CLI = [sys.executable, "-c", "from rollout_cli import main; main()"]
 
 
 def free_port() -> int:

@@ -17,8 +17,8 @@ from backends.sim.engine import EngineSettings
 from backends.sim.server import SimReplica, serve_in_process
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.redis_cluster import LocalRedisCluster
 from gateway.server import RunningGateway, serve_gateway
+from rollout_cli.redis_cluster import LocalRedisCluster
 
 # --------------------------------------------------------------------------------------------------------------
 # Redis: one real redis-server for the whole session, flushed before every test that asks for a client.

@@ -495,6 +495,9 @@ def test_the_entrypoint_is_a_console_script_of_the_project() -> None:
     source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     assert source.is_file(), f"{module} is not a module of the project"
     assert f"def {func}(" in source.read_text()
+    copies = [args for keyword, args in dockerfile_instructions() if keyword == "COPY" and "--from" not in args]
+    copied = {args.split()[0] for args in copies}
+    assert module.split(".")[0] in copied, "the image's entrypoint is built from a package the Dockerfile copies"
 
 
 def test_the_build_context_filter_keeps_what_the_dockerfile_copies() -> None:

@@ -1,6 +1,6 @@
 """The import rules between the project's layers (docs/architecture.md §2), read from the source: the service
-core (`gateway/` but its command line) imports neither the example agents, the reference trainer nor the engine
-simulator; engine adapters import nothing of the gateway; the shared utilities (`common/`) import none of the
+(`gateway/`) imports neither the command line (`rollout_cli/`), the example agents, the reference trainer nor the
+engine simulator; engine adapters import nothing of the gateway; the shared utilities (`common/`) import none of the
 project's other packages."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def offenders(folder: str, forbidden: tuple[str, ...], exempt: tuple[str, ...] =
 @pytest.mark.parametrize(
     ("folder", "forbidden", "exempt"),
     [
-        ("gateway", ("rollout_agents", "trainers", "backends.sim", "backends.launcher"), ("gateway/cli/",)),
+        ("gateway", ("rollout_cli", "rollout_agents", "trainers", "backends.sim", "backends.launcher"), ()),
         ("backends", ("gateway", "rollout_agents", "trainers"), ()),
         ("common", ("gateway", "backends", "rollout_agents", "trainers"), ()),
     ],
@@ -53,7 +53,7 @@ def test_a_layer_imports_nothing_above_it(folder: str, forbidden: tuple[str, ...
 def test_only_the_wiring_imports_the_fast_path() -> None:
     """The fast path (`gateway/fastpath/`) is chosen where the gateway is assembled, from `settings.fastpath`; no
     domain module depends on it, so turning it off leaves nothing half on."""
-    wiring = ("gateway/fastpath/", "gateway/app.py", "gateway/services.py")
+    wiring = ("gateway/fastpath/", "gateway/app.py", "gateway/services.py", "gateway/server.py")
     assert offenders("gateway", ("gateway.fastpath",), wiring) == []
     assert offenders("backends", ("gateway.fastpath",)) == []
 

@@ -11,9 +11,7 @@ is recorded then (docs/reliability.md, issue 38 §2). A client is cut (`SlowClie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from typing import Any
 
 from starlette.types import Message, Send
 
@@ -121,13 +119,3 @@ class ClientWriter:
             raise
         except Exception as exc:  # the server's send failed: `put` or `finish` raises it in the response's task
             self._error = exc
-
-
-def cut(send: Send) -> None:
-    """Close a slow client's connection at once, queued bytes dropped, where the server exposes its transport
-    (uvicorn: `send` is a method of the request cycle); elsewhere the connection closes when the response returns
-    without its end."""
-    transport: Any = getattr(getattr(send, "__self__", None), "transport", None)
-    if transport is not None:
-        with contextlib.suppress(Exception):
-            transport.abort()

@@ -1,11 +1,11 @@
-"""Streaming responses of the gateway: cleanup that always runs, and a body path that skips the middleware chain.
+"""Streaming responses of the gateway: cleanup that always runs, and the seam of a body path that skips the
+middleware chain.
 
-Every ASGI middleware wraps `send` and so adds a Python call to every message; for an SSE relay that is one
-call per middleware per event (per token on RL-shaped streams). The middlewares here (Starlette's error
-handling, FastAPI's, the request metrics, the body limit) only ever look at `http.response.start`, so once the
-head went through them, body chunks go straight to the server's own `send`, which `GatewayApp` puts in the
-scope. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`), in a writer task of the
-response's own (`gateway.api.client_writer`): the generation never waits for the client.
+With the fast path's `server_send` part (`gateway.fastpath.server_send`, set as `GatewayApp.abort_client`), body
+chunks go straight to the server's own `send`, which `GatewayApp` then puts in the scope, once the head went through
+the middlewares; a client cut for reading too slowly has its connection aborted. Without it, chunks pass through
+every middleware. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`), in a writer
+task of the response's own (`gateway.api.client_writer`): the generation never waits for the client.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.asgi import ClientDisconnected, unless_disconnected
-from gateway.api.client_writer import ClientWriter, SlowClient, cut
+from gateway.api.client_writer import ClientWriter, SlowClient
 from gateway.config import ServerConfig
 from gateway.services import Services
 
@@ -39,7 +39,11 @@ DISCONNECT_WATCH_AFTER_S = 0.25
 
 
 SERVER_SEND = "rollout_gateway.server_send"
-"""The scope key under which the app keeps the server's `send` (for `GuardedStreamingResponse`'s body)."""
+"""The scope key under which the app keeps the server's `send` (for `GuardedStreamingResponse`'s body), when it has
+an `abort_client`."""
+
+AbortClient = Callable[[Send], None]
+"""Closes at once the connection the server's `send` answers on (the fast path's `server_send`)."""
 
 
 class Shortcut(Protocol):
@@ -55,9 +59,10 @@ ShortcutFactory = Callable[["GatewayApp", ASGIApp], "Shortcut | None"]
 
 
 class GatewayApp(FastAPI):
-    """FastAPI that keeps the server's `send` in the scope (`SERVER_SEND`) for `GuardedStreamingResponse`, and
-    serves the requests its `shortcut` takes through it (built by `shortcut_factory` at the first request, when the
-    routes, middlewares and handlers are final; the fast path's hot routes, `gateway.fastpath.hot_routes`).
+    """FastAPI that, given an `abort_client` (the fast path's `server_send`), keeps the server's `send` in the scope
+    (`SERVER_SEND`) for `GuardedStreamingResponse`, and serves the requests its `shortcut` takes through it (built by
+    `shortcut_factory` at the first request, when the routes, middlewares and handlers are final; the fast path's
+    hot routes, `gateway.fastpath.hot_routes`).
 
     The `send` kept is the one this app was called with, so middlewares *around* the app still see every
     message; middlewares added *to* it (`add_middleware`) see only the head of a stream, and so must not
@@ -66,12 +71,14 @@ class GatewayApp(FastAPI):
 
     _shortcut: Shortcut | None | Literal[False] = False  # False: not built yet
     shortcut_factory: ShortcutFactory | None = None
+    abort_client: AbortClient | None = None
     services: Services | None = None
     """The running services, set by the lifespan beside `state.services` (a plain attribute: Starlette's `State`
     finds its entries by raising and catching an AttributeError, at every read)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[SERVER_SEND] = send
+        if self.abort_client is not None:
+            scope[SERVER_SEND] = send
         try:
             if scope["type"] == "http":
                 shortcut = self._shortcut
@@ -130,14 +137,18 @@ class GuardedStreamingResponse(StreamingResponse):
                 await unless_disconnected(Request(scope, receive), send(head), _nothing, DISCONNECT_WATCH_AFTER_S)
             except ClientDisconnected:
                 return  # nobody is left to read the body
-            body_send = scope.get(SERVER_SEND) or send
-            limits = _limits(scope)
-            writer = ClientWriter(body_send, limits.stream_buffer_bytes, limits.slow_client_timeout_s)
+            app = scope.get("app")
+            gateway = app if isinstance(app, GatewayApp) else None
+            server_send = scope.get(SERVER_SEND)  # there only when the app has an `abort_client`
+            limits = _limits(gateway)
+            writer = ClientWriter(server_send or send, limits.stream_buffer_bytes, limits.slow_client_timeout_s)
             try:
                 await self._relay(writer, send)
             except SlowClient as exc:
                 logger.warning("streamed answer cut: %s", exc)
-                cut(body_send)
+                if server_send is not None and gateway is not None and gateway.abort_client is not None:
+                    gateway.abort_client(server_send)
+                # else the response returns without its end, and the server closes the connection
             finally:
                 writer.close()
             if self.background is not None:
@@ -172,10 +183,9 @@ class GuardedStreamingResponse(StreamingResponse):
         await writer.finish(last, send)
 
 
-def _limits(scope: Scope) -> ServerConfig:
-    """The server settings of the app serving `scope` (the defaults for an app without services: tests' own)."""
-    app = scope.get("app")
-    services = app.services if isinstance(app, GatewayApp) else None
+def _limits(app: GatewayApp | None) -> ServerConfig:
+    """The server settings of `app` (the defaults for an app without services: tests' own)."""
+    services = app.services if app is not None else None
     return services.settings.server if services is not None else _DEFAULT_LIMITS
 
 

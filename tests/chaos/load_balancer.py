@@ -34,9 +34,9 @@ import httpx
 import openai
 
 from backends.sim.server import SimProcess
-from gateway.redis_cluster import LocalRedisCluster
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import Trajectory
+from rollout_cli.redis_cluster import LocalRedisCluster
 from tests.chaos.soak import (
     ADMIN,
     DIALECTS,

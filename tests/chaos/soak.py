@@ -37,10 +37,10 @@ from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import StoreError
-from gateway.redis_cluster import LocalRedisCluster
 from gateway.server import RunningGateway, serve_gateway
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import ENV_VERSION, Sample, Trajectory
+from rollout_cli.redis_cluster import LocalRedisCluster
 from tests.cli_helpers import CLI, free_port
 
 ADMIN_TOKEN = "chaos-admin-token"

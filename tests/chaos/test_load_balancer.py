@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.redis_cluster import LocalRedisCluster
+from rollout_cli.redis_cluster import LocalRedisCluster
 from tests.chaos.load_balancer import LoadBalancerOptions, LoadBalancerSoak
 
 pytestmark = [

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.redis_cluster import LocalRedisCluster
+from rollout_cli.redis_cluster import LocalRedisCluster
 
 
 @pytest.fixture(params=["single", "cluster"])

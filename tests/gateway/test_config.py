@@ -8,7 +8,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
 
-import gateway.config as config_module
+import gateway.config as config_package
+import gateway.config.loading as config_loading
 from gateway.config import (
     DEFAULT_TOKENIZER,
     ReplicaConfig,
@@ -385,11 +386,16 @@ def test_admin_token_is_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.server.admin_token.get_secret_value() == "tok-7f3a9"
 
 
+def test_public_names_are_exported() -> None:
+    for name in config_package.__all__:
+        assert hasattr(config_package, name), name
+
+
 def test_load_config_does_not_leak_its_file_into_later_loads(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, {"server": {"port": 1234}})
     assert load_config(path).server.port == 1234
     assert Settings().server.port == 8000
-    assert config_module._yaml_file.get() is None
+    assert config_loading._yaml_file.get() is None
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""Client connection limits (gateway/connection_limits.py) over real sockets to a real gateway: a request head
-longer than server.max_header_bytes gets 431, a head not complete within server.header_timeout_s is closed, and
-connections past server.max_connections get 503 at once while the others keep working."""
+"""Client connection limits (the fast path's `server_protocol`, gateway/fastpath/server_protocol.py) over real sockets
+to a real gateway: a request head longer than server.max_header_bytes gets 431, a head not complete within
+server.header_timeout_s is closed, and connections past server.max_connections get 503 at once while the others keep
+working. With the part off, uvicorn's `limit_concurrency` holds the cap alone."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gateway.connection_limits import IDLE_GRACE_S, MIN_DERIVED_CONNECTIONS, RESERVED_FDS, derived_max_connections
+from gateway.connection_limits import MIN_DERIVED_CONNECTIONS, RESERVED_FDS, derived_max_connections
+from gateway.fastpath.server_protocol import IDLE_GRACE_S
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+# The limits tested here are the part's: on whatever RG_FASTPATH__* says (CI's pass with the fast path off).
+PART_ON = {"enabled": True, "server_protocol": True}
 
 
 def address(gw: RunningGateway) -> tuple[str, int]:
@@ -62,7 +67,7 @@ async def send_ignoring_reset(writer: asyncio.StreamWriter, data: bytes) -> None
 async def test_a_head_over_max_header_bytes_gets_431_while_health_stays_served(
     make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
-    gw = await make_gateway([])
+    gw = await make_gateway([], fastpath=PART_ON)
     big = b"GET /health HTTP/1.1\r\nhost: gateway\r\nx-big: " + b"a" * (4 << 20) + b"\r\n\r\n"
     async with connected(gw) as (reader, writer):
         sending = asyncio.create_task(send_ignoring_reset(writer, big))
@@ -80,7 +85,7 @@ async def test_a_head_over_max_header_bytes_gets_431_while_health_stays_served(
 async def test_heads_and_bodies_within_the_limit_are_served(
     make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
-    gw = await make_gateway([], server={"max_header_bytes": 4096})
+    gw = await make_gateway([], fastpath=PART_ON, server={"max_header_bytes": 4096})
     async with connected(gw) as (reader, writer):
         # A head just under the limit, then a body far over it in the same write (one read on the server).
         padding = "a" * (4096 - len(get("/health", x_pad="")) - 64)
@@ -97,7 +102,7 @@ async def test_heads_and_bodies_within_the_limit_are_served(
 
 
 async def test_a_trickled_head_is_closed_after_header_timeout_s(make_gateway: GatewayFactory) -> None:
-    gw = await make_gateway([], server={"header_timeout_s": 0.5})
+    gw = await make_gateway([], fastpath=PART_ON, server={"header_timeout_s": 0.5})
     async with connected(gw) as (reader, writer):
         start = time.monotonic()
         writer.write(b"GET /health HTTP/1.1\r\nhost: gateway\r\n")
@@ -121,14 +126,14 @@ async def test_a_trickled_head_is_closed_after_header_timeout_s(make_gateway: Ga
 
 
 async def test_a_connection_that_sends_nothing_is_closed_after_header_timeout_s(make_gateway: GatewayFactory) -> None:
-    gw = await make_gateway([], server={"header_timeout_s": 0.5})
+    gw = await make_gateway([], fastpath=PART_ON, server={"header_timeout_s": 0.5})
     async with connected(gw) as (reader, _):
         async with asyncio.timeout(10):
             assert await reader.read() == b""
 
 
 async def test_the_next_request_of_a_kept_alive_connection_has_the_same_timeout(make_gateway: GatewayFactory) -> None:
-    gw = await make_gateway([], server={"header_timeout_s": 0.5})
+    gw = await make_gateway([], fastpath=PART_ON, server={"header_timeout_s": 0.5})
     async with connected(gw) as (reader, writer):
         writer.write(get("/health"))
         async with asyncio.timeout(10):
@@ -139,7 +144,7 @@ async def test_the_next_request_of_a_kept_alive_connection_has_the_same_timeout(
 
 async def test_a_connection_past_max_connections_closes_the_longest_idle_one(make_gateway: GatewayFactory) -> None:
     cap = 8
-    gw = await make_gateway([], server={"max_connections": cap})
+    gw = await make_gateway([], fastpath=PART_ON, server={"max_connections": cap})
     async with contextlib.AsyncExitStack() as stack:
         idle = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
         reader, writer = idle[-1]
@@ -162,7 +167,7 @@ async def test_a_burst_past_max_connections_gets_503_without_closing_the_first_c
     make_gateway: GatewayFactory,
 ) -> None:
     cap = 8
-    gw = await make_gateway([], server={"max_connections": cap})
+    gw = await make_gateway([], fastpath=PART_ON, server={"max_connections": cap})
     async with contextlib.AsyncExitStack() as stack:
         first = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
         late = [await stack.enter_async_context(connected(gw)) for _ in range(4)]
@@ -178,7 +183,7 @@ async def test_connections_past_max_connections_all_busy_get_503_and_the_busy_on
     make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
     cap = 8
-    gw = await make_gateway([], server={"max_connections": cap})
+    gw = await make_gateway([], fastpath=PART_ON, server={"max_connections": cap})
     async with contextlib.AsyncExitStack() as stack:
         busy = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
         for _, writer in busy:
@@ -206,3 +211,25 @@ def test_the_derived_cap_leaves_room_for_redis_and_a_replica_connection_each() -
     assert derived_max_connections(redis_connections=512, open_files=20000) == (20000 - 512 - RESERVED_FDS) // 2
     assert derived_max_connections(redis_connections=512, open_files=1024) == (1024 - 512 - RESERVED_FDS) // 2
     assert derived_max_connections(redis_connections=512, open_files=128) == MIN_DERIVED_CONNECTIONS
+
+
+async def test_with_the_part_off_uvicorns_limit_concurrency_holds_the_cap(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """The weaker limit of the libraries alone: past the cap, a request is answered 503 once its whole head came
+    (idle connections hold their descriptors meanwhile); no head size or time limit."""
+    cap = 2
+    gw = await make_gateway([], fastpath={"server_protocol": False}, server={"max_connections": cap})
+    async with contextlib.AsyncExitStack() as stack:
+        idle = [await stack.enter_async_context(connected(gw)) for _ in range(cap)]
+        async with connected(gw) as (reader, writer):
+            writer.write(get("/health"))
+            async with asyncio.timeout(10):
+                status, _, _ = await answer(reader)
+        assert status == 503
+        for _, writer in idle:
+            writer.close()
+    async with asyncio.timeout(10):  # closed: the server forgets them, then has room again
+        while gw.server.server_state.connections:
+            await asyncio.sleep(0.01)
+    assert (await http.get(f"{gw.url}/health")).status_code == 200

@@ -1,4 +1,4 @@
-"""The local Redis Cluster (gateway/redis_cluster.py): six real redis-server processes formed into 3 masters with
+"""The local Redis Cluster (rollout_cli/redis_cluster.py): six real redis-server processes formed into 3 masters with
 a replica each; a killed master's replica takes over its slots with the writes it had replicated."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import SlotNotCoveredError
 
 from gateway.errors import StoreError
-from gateway.redis_cluster import SLOTS, LocalRedisCluster
 from gateway.store import Keys, TrajectoryStore, connect
 from gateway.store.keys import call
 from gateway.trainer import TrajectoryConsumer
+from rollout_cli.redis_cluster import SLOTS, LocalRedisCluster
 from tests.gateway.store.test_trajectory_store import make_sample
 
 

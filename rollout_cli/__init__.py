@@ -162,7 +162,7 @@ def demo(
 
     if engine != "sim":
         raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode))
-    from gateway.cli.demo import DemoOptions, run_demo
+    from rollout_cli.demo import DemoOptions, run_demo
 
     if (
         dialect not in ("vllm", "sglang", "mixed")

@@ -1,0 +1,133 @@
+"""`Settings`, the whole configuration, and `load_config`, which builds it from its sources once at startup."""
+
+from __future__ import annotations
+
+import os
+from contextvars import ContextVar
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from gateway.config.environment import ENV_NESTED_DELIMITER, ENV_PREFIX, env_parse_error, warn_unknown_env_vars
+from gateway.config.fastpath import FastPathConfig
+from gateway.config.generation import GenerationConfig
+from gateway.config.messages import format_validation_error
+from gateway.config.model import ModelConfig
+from gateway.config.redis import RedisConfig
+from gateway.config.replicas import DEFAULT_REPLICAS, DiscoveryConfig, Replicas, ReplicasFrom
+from gateway.config.routing import RoutingConfig
+from gateway.config.server import ServerConfig
+from gateway.config.store import SessionsConfig, StoreConfig
+from gateway.config.weights import WeightsConfig
+from gateway.errors import ConfigError
+
+# The YAML file of the `load_config` call in progress. pydantic-settings builds its sources in a
+# classmethod that cannot see per-call arguments (pydantic-settings#259); a ContextVar scopes the
+# path to one call, thread- and task-safely, and leaves `Settings` itself the returned class.
+_yaml_file: ContextVar[Path | None] = ContextVar("gateway_config_yaml_file", default=None)
+
+# Relative paths in a YAML file mean "next to that file" (as docker-compose does), so a config file
+# works from any working directory. Paths from the environment stay relative to the cwd.
+_FILE_RELATIVE_PATHS = (("model", "tokenizer"), ("redis", "data_dir"))
+
+
+def _anchor_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    for section, key in _FILE_RELATIVE_PATHS:
+        values = data.get(section)
+        if isinstance(values, dict) and isinstance(values.get(key), str) and values[key]:
+            path = Path(values[key]).expanduser()
+            values[key] = str(path if path.is_absolute() else base / path)
+    return data
+
+
+class _YamlFileSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, with file-relative paths and errors that name the file."""
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
+        try:
+            data = super()._read_file(file_path)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file_path}: not valid YAML: {exc}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{file_path}: cannot read: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file_path}: the top level must map section names to settings")
+        return _anchor_relative_paths(data, file_path.parent) if isinstance(file_path, Path) else data
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it with `load_config`; pass it (or a section) explicitly."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        env_parse_none_str="null",
+        case_sensitive=False,
+        frozen=True,
+        extra="forbid",
+    )
+
+    server: ServerConfig = ServerConfig()
+    redis: RedisConfig = RedisConfig()
+    model: ModelConfig = ModelConfig()
+    replicas: Replicas = Field(
+        DEFAULT_REPLICAS, description="Engine replicas at startup (more via POST /admin/replicas)."
+    )
+    replicas_from: ReplicasFrom = Field(
+        None, description="More replicas, followed at run time: dns://name:port | file://path | null."
+    )
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    routing: RoutingConfig = RoutingConfig()
+    generation: GenerationConfig = GenerationConfig()
+    weights: WeightsConfig = WeightsConfig()
+    store: StoreConfig = StoreConfig()
+    sessions: SessionsConfig = SessionsConfig()
+    fastpath: FastPathConfig = FastPathConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first; defaults come last on their own. No .env file and no secrets dir.
+        return init_settings, env_settings, _YamlFileSource(settings_cls, yaml_file=_yaml_file.get())
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Read `path` (if given), apply `RG_*` variables and `overrides`, validate once.
+
+    Raises `ConfigError` for a missing or unreadable file, malformed YAML or environment JSON, and
+    for every invalid or unknown key (all of them, each as a dotted path with where to set it).
+    """
+    file = _existing_file(path) if path is not None else None
+    warn_unknown_env_vars(os.environ, Settings.model_fields.keys())
+    token = _yaml_file.set(file)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, file)) from exc
+    except SettingsError as exc:  # e.g. RG_REPLICAS is not valid JSON
+        raise ConfigError(env_parse_error(exc, os.environ)) from exc
+    finally:
+        _yaml_file.reset(token)
+
+
+def _existing_file(path: str | Path) -> Path:
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ConfigError(f"config file not found: {path} (resolved to {file})")
+    return file

@@ -1,0 +1,48 @@
+"""`redis:`: where sessions, samples and the trajectory stream live, and how its URL is shown safely."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from pydantic import AfterValidator, Field
+
+from gateway.config.section import Seconds, Section
+
+
+def _check_redis_url(url: str) -> str:
+    if url and urlsplit(url).scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        raise ValueError(
+            'must be "" (embedded redis-server), a redis://, rediss:// or unix:// URL, or a Redis Cluster\'s '
+            "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS)"
+        )
+    return url
+
+
+def without_credentials(url: str) -> str:
+    """`url` fit to print or show: without a user, password or `password=` query parameter (redis-py reads both
+    `redis://:secret@host` and `?password=secret`); otherwise exactly as given (a unix:// URL included)."""
+    parts = urlsplit(url)
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    query = [(key, value) for key, value in pairs if key != "password"]
+    if "@" not in parts.netloc and len(query) == len(pairs):
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    rest = parts.path + (f"?{urlencode(query)}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return f"{parts.scheme}://{netloc}{rest}"
+
+
+RedisUrlStr = Annotated[str, AfterValidator(_check_redis_url)]
+
+
+class RedisConfig(Section):
+    """Where sessions, samples and the trajectory stream live."""
+
+    url: RedisUrlStr = Field("", repr=False, description='"" starts an embedded redis-server on a free port.')
+    data_dir: Path | None = Field(None, description="Data/AOF folder of the embedded server; None = a temp dir.")
+    socket_timeout_s: Seconds = Field(5.0, description="Connect and per-command timeout, seconds.")
+    retry_budget_s: Seconds = Field(30.0, description="How long writes are retried before StoreError, seconds.")
+    max_connections: int = Field(
+        512, ge=1, description="Size of the Redis connection pool; when all are busy, commands wait for one."
+    )

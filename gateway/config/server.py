@@ -1,0 +1,71 @@
+"""`server:`: the gateway's own HTTP listener, its credentials and its limits."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, SecretStr, model_validator
+
+from gateway.config.section import Seconds, Section
+
+DEFAULT_ADMIN_TOKEN = "change-me"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+class ServerConfig(Section):
+    """The gateway's own HTTP listener and its credentials. The default admin token is refused on an interface
+    other hosts reach (anyone could publish weights or remove replicas); on loopback it stays, for a first try."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port (tests).")
+    api_keys: tuple[str, ...] = Field(
+        (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
+    )
+    admin_token: SecretStr = Field(SecretStr(DEFAULT_ADMIN_TOKEN), description="Bearer token for /admin routes.")
+    metrics_token: SecretStr | None = Field(
+        None, description="Bearer token for /metrics and /dashboard/state; None leaves them open."
+    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="Largest accepted request body, bytes.")
+    max_messages: int = Field(1024, ge=1, description="Most messages in one chat completion request.")
+    max_tokens_limit: int = Field(32768, ge=1, description="Largest max_tokens one request may ask for.")
+    max_sessions_per_key: int = Field(
+        0, ge=0, description="Sessions with a request in flight per API key (per process); 0 = no limit."
+    )
+    max_open_sessions_per_key: int = Field(
+        0, ge=0, description="Sessions created and not finished per API key, across processes (Redis); 0 = no limit."
+    )
+    shutdown_timeout_s: Seconds = Field(
+        30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
+    )
+    stream_buffer_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="Most bytes of a streamed answer queued for one client before it is cut."
+    )
+    slow_client_timeout_s: Seconds = Field(
+        60.0, description="How long one send to a streaming client may make no progress before it is cut, seconds."
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request head (request line and headers), bytes; more is a 431."
+    )
+    header_timeout_s: Seconds = Field(
+        10.0, description="A connection that has not sent a complete request head within this is closed, seconds."
+    )
+    max_connections: int | None = Field(
+        None, ge=1, description="Client connections per process; then idle ones close, else 503; None: by fd limit."
+    )
+
+    @model_validator(mode="after")
+    def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:
+        if self.admin_token.get_secret_value() == DEFAULT_ADMIN_TOKEN and not _loopback(self.host):
+            raise ValueError(
+                f"admin_token is the default {DEFAULT_ADMIN_TOKEN!r} while host {self.host!r} lets other hosts in: "
+                "set server.admin_token (RG_SERVER__ADMIN_TOKEN) to a secret, or bind to 127.0.0.1"
+            )
+        return self

@@ -1,0 +1,38 @@
+"""`store:` and `sessions:`: the Redis layout and trajectory lifecycle, and how agents name their sessions."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from gateway.config.section import Seconds, Section
+from gateway.session.identity import Identity
+
+
+class StoreConfig(Section):
+    """Redis layout and trajectory lifecycle (docs/architecture.md §8)."""
+
+    prefix: str = Field("rg:", min_length=1, description="Prefix of every Redis key.")
+    max_pending: int = Field(10000, ge=1, description="Unconsumed trajectories before new sessions get 429.")
+    ttl_s: int = Field(86400, gt=0, description="Expiry of finished session data, seconds.")
+    session_idle_ttl_s: int = Field(1800, gt=0, description="Idle time before a session is abandoned, seconds.")
+    claim_idle_s: Seconds = Field(60.0, description="Pending time before a dead consumer's entry is reclaimed.")
+    stream_partitions: int = Field(
+        1, ge=1, le=1024, description="Partitions of the trajectory stream (spread over a Redis Cluster's masters)."
+    )
+    session_cache_size: int = Field(
+        10000, ge=1, description="Sessions whose samples this process keeps between turns (LRU); others: from Redis."
+    )
+    session_cache_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."
+    )
+    response_cache_size: int = Field(
+        4096, ge=0, description="Stored Responses API answers this process keeps for chained turns (LRU; 0: none)."
+    )
+
+
+class SessionsConfig(Section):
+    """How agents name their sessions (docs/architecture.md §1, `gateway.session.identity`)."""
+
+    identity: Identity = Field(
+        "header", description="header (path, X-Session-ID, body) | api_key (the agent's API key names it too)."
+    )

@@ -1,0 +1,27 @@
+"""`weights:`: weight updates and versions."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gateway.config.section import Seconds, Section
+
+PauseMode = Literal["abort", "keep", "wait"]
+
+
+class WeightsConfig(Section):
+    """Weight updates and versions (docs/architecture.md §5)."""
+
+    pause_mode: PauseMode = Field("abort", description="abort | keep | wait; overridable per update.")
+    max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
+    update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
+    control_timeout_s: Seconds = Field(
+        30.0, description="Timeout of one pause, resume, abort or version call to a replica, seconds."
+    )
+    member_ttl_s: Seconds = Field(
+        10.0,
+        description="A gateway process is on the weights bus this long after its heartbeat (every fifth of it); "
+        "one coordinating an update is taken for dead after twice this without one, seconds.",
+    )
