@@ -55,6 +55,7 @@ class Renderer(Protocol):
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]: ...
 
+
 __all__ = ["ConversationMatch", "NotAPrefix", "Rendering", "TextCheck"]
 
 

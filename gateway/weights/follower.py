@@ -12,18 +12,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from gateway.background import stop
 from gateway.errors import StoreError
 from gateway.store import Drained, Pausing, Serving
 from gateway.store.core import backoff_s
+from gateway.weights.host import Coordinator
 from gateway.weights.leader import Leadership
 from gateway.weights.recovery import Recovery
 from gateway.weights.state import State
-
-if TYPE_CHECKING:
-    from gateway.weights.coordinator import WeightCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +28,7 @@ logger = logging.getLogger(__name__)
 class Follower:
     """This process as a follower of the others' updates (and a member of the bus)."""
 
-    def __init__(self, weights: WeightCoordinator, leader: Leadership) -> None:
+    def __init__(self, weights: Coordinator, leader: Leadership) -> None:
         self.weights = weights
         self.leader = leader
         self.bus = leader.bus

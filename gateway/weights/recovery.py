@@ -6,26 +6,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.errors import StoreError
 from gateway.store import Pausing, WeightsRecord
+from gateway.weights.host import Coordinator
 from gateway.weights.leader import Leadership
 from gateway.weights.report import UpdateReport
 from gateway.weights.sequence import Plan
 from gateway.weights.state import State
 
-if TYPE_CHECKING:
-    from gateway.weights.coordinator import WeightCoordinator
-    from gateway.weights.follower import Follower
-
 logger = logging.getLogger(__name__)
+
+
+class Watcher(Protocol):
+    """The process's `Follower`, as far as a recovery hands the update back to it."""
+
+    followed: str | None
+
+    def following(self, token: str | None) -> bool: ...
+
+    def watch(self, token: str | None, version: int | None) -> None: ...
 
 
 class Recovery:
     """A follower's way out of an update that hangs (docs/architecture.md §5)."""
 
-    def __init__(self, weights: WeightCoordinator, follower: Follower, leader: Leadership) -> None:
+    def __init__(self, weights: Coordinator, follower: Watcher, leader: Leadership) -> None:
         self.weights = weights
         self.follower = follower
         self.leader = leader

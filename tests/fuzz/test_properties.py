@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
-from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator, _SegmentRun
+from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
+from gateway.generation.generator import _SegmentRun
 from gateway.routing import Replica, ReplicaPool
 from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError

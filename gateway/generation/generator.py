@@ -19,24 +19,29 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from backends.base import Chunk, SamplingParams, VersionSpan
+from backends.base import Chunk, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
+from gateway.generation.request import (
+    Delta,
+    GenerationRequest,
+    GenerationSettings,
+    GenerationState,
+    Segment,
+)
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
 from gateway.weights.labels import version_label, version_labels
 
 logger = logging.getLogger(__name__)
-
-RoutedExpertsPolicy = Literal["splice", "replace"]
 
 
 class ServingWeights(Protocol):
@@ -53,102 +58,6 @@ class ServingWeights(Protocol):
     def released_at(self) -> float: ...
 
     async def until_serving(self, timeout: float | None = None) -> None: ...
-
-
-StopChecker = Callable[[list[int]], int | None]
-"""Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
-
-
-PartialHook = Callable[["GenerationState"], Awaitable[None]]
-"""Persists the partial state at a segment boundary (the sessions layer writes the sample to Redis)."""
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion. Nothing changes it
-    once made; not frozen for the reason `SamplingParams` gives (one per request).
-
-    `experts_start`: the first position whose routed experts the caller wants (a later turn of a session
-    already holds the experts of its earlier positions); `routed_experts` are those earlier positions' experts,
-    replayed to engines that accept routing input. `on_partial` runs at every segment boundary.
-
-    `stream`: the caller takes tokens as they come. A caller that takes only the finished completion, without stop
-    strings to watch, gets each segment in one answer from its engine instead of an event per token (far less
-    work per token; an abort still returns the segment's tokens, a replica failure loses them, and the
-    continuation generates them again).
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    session_id: str | None = None
-    want_routed_experts: bool = False
-    stop: StopChecker | None = None
-    experts_start: int = 0
-    routed_experts: ExpertArray | None = None
-    on_partial: PartialHook | None = None
-    stream: bool = True
-
-
-@dataclass(slots=True)
-class Segment:
-    """Tokens [start, end) of the output, produced by one engine request on one replica."""
-
-    replica: str
-    start: int
-    end: int
-    finish: str | None
-
-
-@dataclass(slots=True)
-class Delta:
-    """New tokens for the caller."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass(slots=True)
-class GenerationState:
-    """Everything known about a completion; final once `finish_reason` is set."""
-
-    request: GenerationRequest
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routed_experts: ExpertArray | None = None
-    routed_experts_complete: bool = True
-    # The position of the first row of `routed_experts`: the request's `experts_start` when they are spliced, 0
-    # when the engine's whole view replaces them (policy "replace").
-    routed_experts_start: int = 0
-    segments: list[Segment] = field(default_factory=list)
-    num_resumes: int = 0
-    num_failures: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cancelled: bool = False
-
-    @property
-    def finished(self) -> bool:
-        """The completion ended as the engine ended it (stop, length), not cut short (client gone, an error)."""
-        return self.finish_reason is not None and not self.cancelled
-
-    @property
-    def replica_ids(self) -> list[str]:
-        return [s.replica for s in self.segments]
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationSettings:
-    max_resumes: int = 32
-    request_timeout_s: float = 600.0
-    max_wait_s: float = 60.0
-    routed_experts: RoutedExpertsPolicy = "splice"
-    failure_backoff_s: float = 0.05
-    failure_backoff_max_s: float = 2.0
-    stall_timeout_s: float = 60.0  # a streamed segment silent this long after its first chunk: its replica failed
 
 
 class _SegmentRun:

@@ -1,0 +1,27 @@
+"""Generation with transparent resume (docs/architecture.md §4): the request and its state (`request`), the loop
+that serves it across segments, updates and replica failures (`generator`)."""
+
+from gateway.generation.generator import Generator, ServingWeights
+from gateway.generation.request import (
+    Delta,
+    GenerationRequest,
+    GenerationSettings,
+    GenerationState,
+    PartialHook,
+    RoutedExpertsPolicy,
+    Segment,
+    StopChecker,
+)
+
+__all__ = [
+    "Delta",
+    "GenerationRequest",
+    "GenerationSettings",
+    "GenerationState",
+    "Generator",
+    "PartialHook",
+    "RoutedExpertsPolicy",
+    "Segment",
+    "ServingWeights",
+    "StopChecker",
+]

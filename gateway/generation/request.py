@@ -1,0 +1,108 @@
+"""What a completion is made of: the request, the state it builds as segments come, and the loop's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from backends.base import SamplingParams
+from backends.routed_experts import ExpertArray
+
+RoutedExpertsPolicy = Literal["splice", "replace"]
+
+
+StopChecker = Callable[[list[int]], int | None]
+"""Given all output ids so far, the number of tokens to keep if a stop condition matched, else None."""
+
+
+PartialHook = Callable[["GenerationState"], Awaitable[None]]
+"""Persists the partial state at a segment boundary (the sessions layer writes the sample to Redis)."""
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One completion to produce. `sampling.max_tokens` is the budget of the whole completion. Nothing changes it
+    once made; not frozen for the reason `SamplingParams` gives (one per request).
+
+    `experts_start`: the first position whose routed experts the caller wants (a later turn of a session
+    already holds the experts of its earlier positions); `routed_experts` are those earlier positions' experts,
+    replayed to engines that accept routing input. `on_partial` runs at every segment boundary.
+
+    `stream`: the caller takes tokens as they come. A caller that takes only the finished completion, without stop
+    strings to watch, gets each segment in one answer from its engine instead of an event per token (far less
+    work per token; an abort still returns the segment's tokens, a replica failure loses them, and the
+    continuation generates them again).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None = None
+    want_routed_experts: bool = False
+    stop: StopChecker | None = None
+    experts_start: int = 0
+    routed_experts: ExpertArray | None = None
+    on_partial: PartialHook | None = None
+    stream: bool = True
+
+
+@dataclass(slots=True)
+class Segment:
+    """Tokens [start, end) of the output, produced by one engine request on one replica."""
+
+    replica: str
+    start: int
+    end: int
+    finish: str | None
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens for the caller."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(slots=True)
+class GenerationState:
+    """Everything known about a completion; final once `finish_reason` is set."""
+
+    request: GenerationRequest
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_experts: ExpertArray | None = None
+    routed_experts_complete: bool = True
+    # The position of the first row of `routed_experts`: the request's `experts_start` when they are spliced, 0
+    # when the engine's whole view replaces them (policy "replace").
+    routed_experts_start: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    num_resumes: int = 0
+    num_failures: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """The completion ended as the engine ended it (stop, length), not cut short (client gone, an error)."""
+        return self.finish_reason is not None and not self.cancelled
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return [s.replica for s in self.segments]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    max_resumes: int = 32
+    request_timeout_s: float = 600.0
+    max_wait_s: float = 60.0
+    routed_experts: RoutedExpertsPolicy = "splice"
+    failure_backoff_s: float = 0.05
+    failure_backoff_max_s: float = 2.0
+    stall_timeout_s: float = 60.0  # a streamed segment silent this long after its first chunk: its replica failed
