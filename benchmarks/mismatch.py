@@ -14,7 +14,7 @@ what the off-policy correction corrects. For each engine and dtype this starts t
     python -m benchmarks.mismatch [--engines vllm sglang] [--dtypes float32 bfloat16] [--prompts 16] [--samples 8]
 
 Needs the engines `scripts/engines/setup.sh` prepares and the `trainer` extra. Prints a table; figures in
-docs/benchmarks.md.
+docs/benchmarks/mismatch.md.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ What near-linear scaling needs, measured in both layouts:
   kernel hashes new connections over them; a client keeps its connection (keep-alive), so the spread of
   `--agents` connections decides each worker's share of the run. The busiest worker's share of the CPU is shown:
   on N dedicated cores that worker saturates first;
-* **no shared bottleneck**: the only shared component is Redis (sessions, trajectories; `/generate` does not
-  use it), one single-threaded process: its CPU per request bounds the whole gateway at 1 / that.
+* **no shared bottleneck**: the only shared component is Redis (every recorded turn writes its sample there,
+  `/generate`'s with a session included), one single-threaded process: its CPU per request bounds the whole
+  gateway at 1 / that.
 
 From those: **balance** = 1 / (N × busiest share), **projected req/s on N dedicated cores** = 1 / (busiest share ×
 CPU per request), capped by the Redis bound, and **scaling efficiency** = that ÷ (N × one process's 1 / CPU per

@@ -17,7 +17,7 @@ sampled tokens; settings:
 
 Reported: the gateway's RSS (VmRSS) after start and after each round, and the RSS growth per session and per
 prompt token of the `unbounded` setting (what a cached session really holds: the figure to check the estimate,
-`session_samples.PROMPT_TOKEN_BYTES`, against). Every turn and finish must answer 200 (exit status 1 else).
+`gateway.session.samples.PROMPT_TOKEN_BYTES`, against). Every turn and finish must answer 200 (exit status 1 else).
 
     python -m benchmarks.session_memory
     python -m benchmarks.session_memory --quick

@@ -29,6 +29,15 @@ FinishReason = Literal["stop", "length", "abort"]
 NewRequestsWhilePaused = Literal["block", "reject"]
 
 
+SHUTDOWN_MESSAGE = "engine shutting down"
+"""The abort message of the requests the engine's own stop ends."""
+
+
+class EngineStopped(Exception):
+    """The engine stopped under a request: a dialect cuts its stream (as a real engine's exit does) rather than
+    finish it with an abort, which would read as a pause."""
+
+
 class SimRequestError(ValueError):
     """A request the engine refuses (bad ids, too long, ...); dialects answer 400."""
 
@@ -156,7 +165,7 @@ class SimEngine:
             self._loop_task = asyncio.create_task(self._step_loop(), name="sim-step-loop")
 
     async def stop(self) -> None:
-        self.abort_all("engine shutting down")
+        self.abort_all(SHUTDOWN_MESSAGE)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

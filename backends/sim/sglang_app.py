@@ -38,7 +38,7 @@ from backends.sim.common import (
     unless_disconnected,
     watch_disconnect,
 )
-from backends.sim.engine import SamplingSpec, SimEngine, SimRequest, SimRequestError
+from backends.sim.engine import SHUTDOWN_MESSAGE, EngineStopped, SamplingSpec, SimEngine, SimRequest, SimRequestError
 from backends.sim.sglang_models import (
     AbortReq,
     ContinueGenerationReqInput,
@@ -306,6 +306,8 @@ class SglangDialect:
         try:
             while True:
                 done = request.finished
+                if done and request.abort_message == SHUTDOWN_MESSAGE:
+                    raise EngineStopped(request.engine_id)
                 end = len(request.output_ids)
                 if end > sent or done:
                     yield end, done

@@ -33,7 +33,16 @@ from backends.sim.common import (
     unless_disconnected,
     watch_disconnect,
 )
-from backends.sim.engine import EnginePaused, PauseMode, SamplingSpec, SimEngine, SimRequest, SimRequestError
+from backends.sim.engine import (
+    SHUTDOWN_MESSAGE,
+    EnginePaused,
+    EngineStopped,
+    PauseMode,
+    SamplingSpec,
+    SimEngine,
+    SimRequest,
+    SimRequestError,
+)
 from backends.sim.vllm_models import (
     AbortRequests,
     CollectiveRpc,
@@ -176,6 +185,8 @@ class VllmDialect:
         try:
             while True:
                 done = request.finished
+                if done and request.abort_message == SHUTDOWN_MESSAGE:
+                    raise EngineStopped(request.engine_id)
                 end = len(request.output_ids)
                 if end > sent or done:
                     yield sent, end, done
