@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
+from gateway.api.context import ApiServices
 from gateway.auth import check_admin, check_agent, check_agent_key, check_metrics
 from gateway.errors import NotFound, Unauthorized
-from gateway.services import Services
 from gateway.session.identity import SESSION_ID_PATTERN, group_member, session_id_from
 from gateway.session.quotas import ANONYMOUS
 
@@ -24,20 +24,20 @@ _KEY_SESSION = "rollout_gateway.key_session"
 when the request has no token."""
 
 
-def _services(request: Request) -> Services:
+def _services(request: Request) -> ApiServices:
     found = services_of(request.scope["app"])
     if found is None:
         raise RuntimeError("the gateway's services are not running: its app's lifespan has not started them")
     return found
 
 
-def services_of(app: object) -> Services | None:
+def services_of(app: object) -> ApiServices | None:
     """The services of a gateway app (`GatewayApp.services`) once its lifespan started them, else None."""
-    found: Services | None = getattr(app, "services", None)
+    found: ApiServices | None = getattr(app, "services", None)
     return found
 
 
-async def services(request: Request) -> Services:
+async def services(request: Request) -> ApiServices:
     return _services(request)
 
 
@@ -107,4 +107,4 @@ def session_owner(request: Request) -> str | None:
     return None if key == ANONYMOUS else key
 
 
-ServicesDep = Annotated[Services, Depends(services)]
+ServicesDep = Annotated[ApiServices, Depends(services)]

@@ -23,11 +23,11 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, require_metrics, services_of
 from gateway.dashboard.sampler import WINDOW_S
 from gateway.errors import NotFound
 from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE
-from gateway.services import Services
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ async def metrics(svc: ServicesDep) -> Response:
     return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def replica_view(svc: Services) -> list[dict[str, Any]]:
+def replica_view(svc: ApiServices) -> list[dict[str, Any]]:
     return [
         {
             "id": r.id,
@@ -131,7 +131,7 @@ async def dashboard_state(
     )
 
 
-def _cards(svc: Services) -> dict[str, Any]:
+def _cards(svc: ApiServices) -> dict[str, Any]:
     g, w = svc.generator, svc.weights
     return {
         "version": w.version,

@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.asgi import ClientDisconnected, unless_disconnected
 from gateway.api.client_writer import ClientWriter, SlowClient
+from gateway.api.context import ApiServices
 from gateway.config import ServerConfig
-from gateway.services import Services
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class GatewayApp(FastAPI):
     _shortcut: Shortcut | None | Literal[False] = False  # False: not built yet
     shortcut_factory: ShortcutFactory | None = None
     abort_client: AbortClient | None = None
-    services: Services | None = None
+    services: ApiServices | None = None
     """The running services, set by the lifespan beside `state.services` (a plain attribute: Starlette's `State`
     finds its entries by raising and catching an AttributeError, at every read)."""
 

@@ -34,6 +34,7 @@ from backends.routed_experts import ExpertArray, encode_npy_b64
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
 from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
+from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
@@ -44,7 +45,6 @@ from gateway.api.turn_http import TurnAnswer, serve_turn
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
-from gateway.services import Services
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.tokenization.token_ids import TokenId, first_outside
 from gateway.turns.prepared import PreparedTurn
@@ -214,7 +214,7 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
 # -- a turn of a session -------------------------------------------------------------------------------------
 
 
-async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: Services) -> Response:
+async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: ApiServices) -> Response:
     s = body.sampling_params
     sampling = Sampling(
         max_tokens=s.max_tokens,
@@ -237,7 +237,7 @@ async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: 
     return await serve_turn(raw, svc.turns, request, session_id, partial(_session_answer, svc, body))
 
 
-def _session_answer(svc: Services, body: GenerateBody, prepared: PreparedTurn) -> TurnAnswer:
+def _session_answer(svc: ApiServices, body: GenerateBody, prepared: PreparedTurn) -> TurnAnswer:
     """How a turn of a session is answered: as a one-shot is, with `sample_index` and `new_sample`; streamed, the
     summary and `[DONE]` are the last event, sent once the turn is recorded."""
     choice = prepared.choices[0]

@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.errors import GatewayError
+from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_max_tokens, check_messages
@@ -33,7 +34,6 @@ from gateway.api.responses.models import NamedFunction, ResponseRequest
 from gateway.api.responses.stream import ResponseEvents
 from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session_of
 from gateway.errors import InvalidRequest
-from gateway.services import Services
 from gateway.session.response_records import ResponseRecord, ResponseRecords
 from gateway.turns.prepared import Choice, PreparedTurn, assistant_message
 from gateway.turns.request import Conversation, Sampling, TurnRequest
@@ -66,7 +66,7 @@ async def get_response(response_id: str, svc: ServicesDep) -> Response:
     return json_answer((await _records(svc).get(response_id)).answer)
 
 
-def _records(svc: Services) -> ResponseRecords:
+def _records(svc: ApiServices) -> ResponseRecords:
     return ResponseRecords(svc.store.responses, svc.response_cache)
 
 

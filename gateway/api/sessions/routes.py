@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request
 
+from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
 from gateway.api.openai.models import SessionCreate, SessionFinish
 from gateway.errors import Conflict, SessionNotFound, StoreError
-from gateway.services import Services
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.session.lifecycle import check_owner
 from gateway.trajectory import SessionMeta
@@ -57,7 +57,7 @@ async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) ->
     return _meta(meta)
 
 
-async def _own_session(svc: Services, raw: Request, session_id: str) -> SessionMeta:
+async def _own_session(svc: ApiServices, raw: Request, session_id: str) -> SessionMeta:
     """The session if the caller's key may see it (`check_owner`), else `SessionNotFound`."""
     meta = await svc.store.get_session(session_id)
     if meta is None:

@@ -1,0 +1,67 @@
+"""What the routers see of the running gateway: a protocol, so that the HTTP layer sits below the composition root
+(`gateway.services.Services`, made by the app's lifespan, is the one implementation) and imports none of it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gateway.config import ReplicaConfig, Settings
+from gateway.dashboard.sampler import DashboardSampler
+from gateway.generation import Generator
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Replica, ReplicaPool
+from gateway.session.quotas import SessionQuota
+from gateway.session.response_records import ResponseCache
+from gateway.store import OpenSessions, TrajectoryStore
+from gateway.tokenization import VocabInfo
+from gateway.turns.runner import TurnRunner
+from gateway.weights import WeightCoordinator
+
+
+class ApiServices(Protocol):
+    """The gateway's long-lived parts a route uses, read-only, and the two replica changes the admin routes make."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def pool(self) -> ReplicaPool: ...
+
+    @property
+    def weights(self) -> WeightCoordinator: ...
+
+    @property
+    def generator(self) -> Generator: ...
+
+    @property
+    def turns(self) -> TurnRunner: ...
+
+    @property
+    def store(self) -> TrajectoryStore: ...
+
+    @property
+    def vocab(self) -> VocabInfo: ...
+
+    @property
+    def redis_url(self) -> str: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def quota(self) -> SessionQuota: ...
+
+    @property
+    def open_sessions(self) -> OpenSessions | None: ...
+
+    @property
+    def dashboard(self) -> DashboardSampler | None: ...
+
+    @property
+    def response_cache(self) -> ResponseCache: ...
+
+    async def add_replica(self, config: ReplicaConfig) -> Replica:
+        """Admit a replica at run time; it serves only once it runs the current weight version."""
+        ...
+
+    async def remove_replica(self, replica_id: str) -> Replica: ...
