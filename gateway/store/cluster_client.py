@@ -5,6 +5,11 @@ node it asks for the keys of a command whose keys move (`COMMAND GETKEYS`, for X
 master it saw, and once a failover took it away, every XREADGROUP failed for good (seen in the chaos soak). Here
 any connection or timeout error reads the layout again (at most once per `_REFRESH_S`), then goes to the caller,
 whose own retry policy decides.
+
+redis-py has no documented call that reads the layout again: `read_layout` runs the two steps its own `initialize`
+runs once (`nodes_manager.initialize`, `commands_parser.initialize`; attributes without an underscore, named in the
+class's `__slots__`). pyproject.toml pins redis-py's minor version for it, and the failover test
+(tests/rollout_cli/test_redis_cluster.py, an XREADGROUP after the first master is killed) fails if it stops working.
 """
 
 from __future__ import annotations
