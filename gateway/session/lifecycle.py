@@ -26,10 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.errors import Conflict, SessionNotFound, StoreError
+from gateway.errors import Conflict, SessionNotFound
 from gateway.routing import ReplicaPool
 from gateway.session.open_turn import OpenTurn, RecordedTurn
 from gateway.session.quotas import ANONYMOUS, SessionQuota
@@ -157,26 +156,12 @@ class SessionLifecycle:
                     metadata | {"group_index": index}, member, absent=True, owner=turn.owner
                 )
 
-    @contextlib.asynccontextmanager
-    async def _claimed(self, owner: str | None, session_ids: list[str]) -> AsyncIterator[None]:
-        """Claim an open-session slot of `owner` for each of `session_ids` (429 past the bound) while the block
-        makes them; if it fails, the slots claimed are given back (`_give_back`)."""
+    def _claimed(self, owner: str | None, session_ids: list[str]) -> contextlib.AbstractAsyncContextManager[None]:
+        """An open-session slot of `owner` for each of `session_ids` while the block makes them (`OpenSessions.claimed`:
+        given back if it fails)."""
         if self.open_sessions is None:
-            yield
-            return
-        async with contextlib.AsyncExitStack() as claimed:
-            for session_id in session_ids:
-                await self.open_sessions.claim(owner or ANONYMOUS, session_id)
-                claimed.push_async_callback(self._give_back, owner, session_id)
-            yield
-            claimed.pop_all()
-
-    async def _give_back(self, owner: str | None, session_id: str) -> None:
-        """Give back the slot of a session that was not made. Shielded, and quiet if Redis fails: the caller is
-        raising its own error, and a slot left behind frees itself once it expires idle."""
-        if self.open_sessions is not None:
-            with contextlib.suppress(StoreError):
-                await asyncio.shield(self.open_sessions.release(owner or ANONYMOUS, session_id))
+            return contextlib.nullcontext()
+        return self.open_sessions.claimed(owner or ANONYMOUS, session_ids)
 
     def refused(self, turn: OpenTurn) -> None:
         """The turn ends before it generated: nothing of it is stored (`OpenTurn.aclose` then releases its locks)."""

@@ -13,9 +13,13 @@ end with their request, which `max_sessions_per_key` bounds.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+
 import redis.asyncio as aioredis
 
-from gateway.errors import Overloaded
+from gateway.errors import Overloaded, StoreError
 from gateway.store.keys import Keys, call
 
 __all__ = ["OpenSessions"]
@@ -76,6 +80,23 @@ class OpenSessions:
                 code="too_many_open_sessions",
                 retry_after_s=1.0,
             )
+
+    @contextlib.asynccontextmanager
+    async def claimed(self, key: str, session_ids: Iterable[str]) -> AsyncIterator[None]:
+        """Claim a slot of `key` for each of `session_ids` (429 past the bound) while the block makes the sessions;
+        if it raises, the slots claimed are given back (`_give_back`)."""
+        async with contextlib.AsyncExitStack() as claimed:
+            for session_id in session_ids:
+                await self.claim(key, session_id)
+                claimed.push_async_callback(self._give_back, key, session_id)
+            yield
+            claimed.pop_all()
+
+    async def _give_back(self, key: str, session_id: str) -> None:
+        """Give back the slot of a session that was not made. Shielded, and quiet if Redis fails: the caller is
+        raising its own error, and a slot left behind frees itself once it expires idle."""
+        with contextlib.suppress(StoreError):
+            await asyncio.shield(self.release(key, session_id))
 
     async def touch(self, key: str, session_id: str) -> None:
         """A turn of the session: its expiry moves on, so a session in use never leaves the count."""

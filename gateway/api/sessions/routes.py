@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from typing import Any
@@ -12,7 +11,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
 from gateway.api.openai.models import SessionCreate, SessionFinish
-from gateway.errors import Conflict, SessionNotFound, StoreError
+from gateway.errors import Conflict, SessionNotFound
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.session.lifecycle import check_owner
 from gateway.trajectory import SessionMeta
@@ -43,15 +42,9 @@ async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) ->
     owner = session_owner(raw)
     session_id = body.session_id or uuid.uuid4().hex
     opened = svc.open_sessions
-    if opened is not None:
-        await opened.claim(agent_key(raw), session_id)  # 429 past server.max_open_sessions_per_key
-    try:
+    claimed = opened.claimed(agent_key(raw), [session_id]) if opened is not None else contextlib.nullcontext()
+    async with claimed:  # 429 past server.max_open_sessions_per_key; the slot given back if the session is not made
         meta = await svc.store.create_session(body.metadata, session_id, fresh=body.session_id is None, owner=owner)
-    except BaseException:
-        if opened is not None:  # quiet if Redis fails too: a slot left behind frees itself once it expires idle
-            with contextlib.suppress(StoreError):
-                await asyncio.shield(opened.release(agent_key(raw), session_id))
-        raise
     if meta.owner != owner:
         raise Conflict(f"session id {meta.id!r} is taken", param="session_id")
     return _meta(meta)
