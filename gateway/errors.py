@@ -123,6 +123,18 @@ class WeightsNotUpdated(GatewayError):
         self.details = details
 
 
+class WeightsUpdateTimedOut(WeightsNotUpdated):
+    """`POST /admin/weights` did not end within `weights.update_timeout_s` (an engine that never answers its pause
+    or its load): it ended where it stood, the replicas it had not brought to the new version held out as stale or
+    kept on the previous weights, and every one serving again; `details` as `WeightsNotUpdated`'s."""
+
+    status_code = 504
+
+    def __init__(self, message: str, details: dict[str, object]) -> None:
+        super().__init__(message, details)
+        self.code = "weights_update_timed_out"
+
+
 class StoreError(GatewayError):
     """Redis could not be reached or answered an error. `str(error)` (logs) says what failed and how; the HTTP
     answer only that the store is unavailable, with a Retry-After: the cause may name Redis's host and port."""

@@ -27,7 +27,7 @@ from typing import Any
 
 from backends.base import PauseMode
 from gateway.background import stop
-from gateway.errors import Conflict, StoreError, WeightsNotUpdated
+from gateway.errors import Conflict, StoreError, WeightsNotUpdated, WeightsUpdateTimedOut
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import Serving, WeightsBus, WeightsRecord
 from gateway.weights.bracket import OutOfBandSync
@@ -135,10 +135,13 @@ class WeightCoordinator:
             previous = self.version
             report = UpdateReport(version, mode, started_at=time.time())
             self.begin()
+            timed_out = False
             try:
                 async with asyncio.timeout(self.update_timeout_s):
                     await self._followers_drained(mode, token, version)
                     await self.sequence.run(mode, Plan.update(version, source, previous), report)
+            except TimeoutError:
+                timed_out = True
             finally:
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
@@ -146,6 +149,9 @@ class WeightCoordinator:
                 self.end()
                 report.finished_at = time.time()
             report.duration_s = time.monotonic() - started
+            if timed_out:
+                await self._announce(report)
+                raise self._timed_out(previous, report)
             if not report.updated:
                 await self._announce(report)  # a failed update is announced too (status "failed")
                 raise self._failed(previous, report)
@@ -182,6 +188,27 @@ class WeightCoordinator:
             "errors": report.errors,
         }
         return WeightsNotUpdated(f"weight version {report.version} loaded on no replica ({why}); {serving}", details)
+
+    def _timed_out(self, previous: int, report: UpdateReport) -> WeightsUpdateTimedOut:
+        """The error for an update past `weights.update_timeout_s`, saying where it stopped."""
+        serving = report.updated or report.kept
+        message = (
+            f"weight version {report.version} did not finish within weights.update_timeout_s = "
+            f"{self.update_timeout_s:g} s; the gateway serves version {self.version} (on {serving}), "
+            f"stale: {report.stale}"
+        )
+        logger.error("weights: %s", message, extra={"version": report.version})
+        details: dict[str, object] = {
+            "version": self.version,
+            "previous_version": previous,
+            "requested_version": report.version,
+            "status": report.status,
+            "updated": report.updated,
+            "kept": report.kept,
+            "stale": report.stale,
+            "errors": report.errors,
+        }
+        return WeightsUpdateTimedOut(message, details)
 
     def _check_newer(self, version: int) -> None:
         if version <= self.version:

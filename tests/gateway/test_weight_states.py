@@ -19,7 +19,7 @@ import pytest
 import gateway.routing
 import gateway.weights
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.errors import Conflict
+from gateway.errors import Conflict, WeightsUpdateTimedOut
 from gateway.store import Drained, Keys, Pausing, Serving, WeightsBus, connect
 from gateway.store.weights_events import parse_event
 from gateway.weights import TRANSITIONS, IllegalTransition, State, StateMachine, UpdateReport
@@ -112,7 +112,7 @@ async def test_an_update_whose_pause_outlasts_its_deadline_ends_serving(
     async with httpx.AsyncClient() as client:
         await client.post(f"{sim.url}/sim/faults", json={"pause_delay": 2.0})
     weights = gw.services.weights
-    with pytest.raises(TimeoutError):
+    with pytest.raises(WeightsUpdateTimedOut, match="did not finish within weights.update_timeout_s"):
         await weights.update(1, "ckpt-1")
     assert weights.machine.taken == SCENARIOS["an update whose pause outlasts weights.update_timeout_s"]
     assert (weights.state, weights.version, weights.serving) == (State.SERVING, 0, True)
@@ -125,8 +125,10 @@ async def test_an_update_whose_load_outlasts_its_deadline_ends_serving(
     gw = await make_gateway([sim], weights={"update_timeout_s": 1.0})
     await http.post(f"{sim.url}/sim/faults", json={"load_delay": 4.0})
     weights = gw.services.weights
-    with pytest.raises(TimeoutError):
-        await weights.update(1, "ckpt-1")
+    answer = await http.post(f"{gw.url}/admin/weights", json={"version": 1, "path": "ckpt-1"}, headers=ADMIN)
+    assert answer.status_code == 504, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "weights_update_timed_out" and error["version"] == 0 and error["requested_version"] == 1
     assert weights.machine.taken == SCENARIOS["an update whose load outlasts weights.update_timeout_s"]
     assert (weights.state, weights.version, weights.serving) == (State.SERVING, 0, True)
 
