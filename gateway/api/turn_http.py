@@ -96,14 +96,14 @@ async def serve_turn(
     finishes its session right after a turn never races that turn's write (the trainer would get the trajectory
     without it). However the request ends, the turn is closed once: recorded (one that did not finish as
     cancelled), its locks and the caller's slot released."""
-    async with contextlib.AsyncExitStack() as turn:
-        prepared = await runner.prepare(request, session, agent_key(raw))
-        turn.push_async_callback(prepared.close)
+    prepared = await runner.prepare(request, session, agent_key(raw))
+    if request.stream:
+        async with prepared.handle.closed_on_error():
+            chunks = _relay(raw, answer_of(prepared), prepared.close)
+        # The response's now: it closes the turn however it ends.
+        return GuardedStreamingResponse(chunks, prepared.close, media_type="text/event-stream")
+    async with prepared.handle:
         answer = answer_of(prepared)
-        if request.stream:
-            close = turn.pop_all().aclose  # now the response's: it closes the turn however it ends
-            chunks = _relay(raw, answer, close)
-            return GuardedStreamingResponse(chunks, close, media_type="text/event-stream")
         await unless_disconnected(raw, runner.run(prepared), _nothing, DISCONNECT_WATCH_AFTER_S)
     return await answer.whole()
 

@@ -81,10 +81,13 @@ class OpenSessions:
                 retry_after_s=1.0,
             )
 
-    @contextlib.asynccontextmanager
-    async def claimed(self, key: str, session_ids: Iterable[str]) -> AsyncIterator[None]:
+    def claimed(self, key: str, session_ids: Iterable[str]) -> contextlib.AbstractAsyncContextManager[None]:
         """Claim a slot of `key` for each of `session_ids` (429 past the bound) while the block makes the sessions;
-        if it raises, the slots claimed are given back (`_give_back`)."""
+        if it raises, the slots claimed are given back (`_give_back`). Without a bound, nothing to claim."""
+        return self._claimed(key, session_ids) if self.limit else contextlib.nullcontext()
+
+    @contextlib.asynccontextmanager
+    async def _claimed(self, key: str, session_ids: Iterable[str]) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as claimed:
             for session_id in session_ids:
                 await self.claim(key, session_id)
