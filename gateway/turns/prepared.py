@@ -23,7 +23,7 @@ from gateway.tokenization import IncrementalDetokenizer
 __all__ = ["Choice", "ChoiceEvent", "PreparedTurn", "assistant_message"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     """One of the n generations of a turn, with its text decoded as it streams and split, for a chat turn, into
     reasoning (`reasoning_stream`), then content and tool calls (`tool_stream`)."""
@@ -57,7 +57,7 @@ class Choice:
         return self.state.finish_reason or "stop"
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceEvent:
     """What changed in one choice: new content (`text`), reasoning or tool-call deltas, new token logprobs, or its
     end."""
@@ -70,7 +70,7 @@ class ChoiceEvent:
     reasoning: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class PreparedTurn:
     """A turn ready to generate. `session_id`: the session named (or made up) for the request; the choices' turns
     are in it, or in the sessions of its group (`group_id` set). `handle`: the open turn, which holds the sessions'
