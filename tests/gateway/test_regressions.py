@@ -235,8 +235,10 @@ async def test_a_reset_connection_leaves_nothing_of_its_last_request(
     """Bug: uvicorn disarms a connection's keep-alive timer only when the connection closed cleanly; one its client
     reset kept its protocol and last request cycle (scope, headers) alive for `timeout_keep_alive` (30 s), then left
     them to the cyclic collector. A full run of the suite saw another test's such cycles freed in the middle of
-    the reference-cycle test. The gateway's protocol lets go of a lost connection at once."""
-    gw = await make_gateway([await make_sim("vllm")])
+    the reference-cycle test. The gateway's protocol (the fast path's `server_protocol`, on here whatever
+    RG_FASTPATH__* says: with it off, uvicorn's own protocol keeps them as described) lets go of a lost connection at
+    once."""
+    gw = await make_gateway([await make_sim("vllm")], fastpath={"enabled": True, "server_protocol": True})
     port = urlsplit(gw.url).port
     gc.collect()
     gc.disable()
