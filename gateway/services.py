@@ -254,6 +254,7 @@ async def open_services(
             max_model_len=settings.model.max_model_len,
             want_routed_experts=any(r.routed_experts for r in settings.replicas)
             or (settings.replicas_from is not None and settings.discovery.replica.routed_experts),
+            chat_template_kwargs=settings.model.chat_template_kwargs,
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()

@@ -18,9 +18,9 @@ O(length) instead of O(turns × length) (routed experts alone are layers × top-
 `chunk_ends` says where each chunk ends, as `response tokens:experts rows` pairs. The chat conversation is chunked
 alike: `conversation` holds a JSON list of messages, `conversation.k` the messages that write k appended (an empty
 list, or no field: none), so a turn that extends the conversation sends its new messages only; one that changes an
-earlier message sends it whole, as chunk 0, and empties the others. `prompt_ids`, the scalars and the tools are
-written whole; an extending write leaves out a conversation and tools the hash holds already (a write at a segment
-boundary, `Sample.conversation_stored`), and the hash keeps them.
+earlier message sends it whole, as chunk 0, and empties the others. `prompt_ids`, the scalars, the tools and the
+chat template's arguments are written whole; an extending write leaves out a conversation, tools and arguments the
+hash holds already (a write at a segment boundary, `Sample.conversation_stored`), and the hash keeps them.
 
 Where the model spans came from is written whole at every write (a few bytes per segment): `num_resumes` (the
 resumes the sample's model spans needed, all turns together) and `segments`, int32 quadruples `start, end,
@@ -127,6 +127,9 @@ class Sample:
     # what the next turn of the session must extend to continue this sample.
     conversation: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    # The chat template's extra arguments these ids were rendered with (`chat_template_kwargs`; None: none): a later
+    # turn continues this sample only with the same ones.
+    chat_template_kwargs: dict[str, Any] | None = None
     # The turn that wrote the sample last (None: unknown, or written without one), which lets turns of one session
     # on several processes see each other's writes (`TrajectoryStore.save_sample`). Not training data, and never
     # part of `to_redis`: each write names its own.
@@ -213,6 +216,7 @@ class Sample:
             fields[chunk_field("conversation", chunk)] = b"[]"
         else:
             fields["tools"] = orjson.dumps(self.tools) if self.tools is not None else b"null"
+            fields["chat_template_kwargs"] = orjson.dumps(self.chat_template_kwargs)
             fields.update(_conversation_fields(self.conversation, messages, chunk))
             messages = _messages(self.conversation)
         fields.update(self._chunk(chunk, tokens, new))
@@ -256,6 +260,8 @@ class Sample:
             fields["conversation"] = orjson.dumps(self.conversation)
         if conversation and self.tools is not None:
             fields["tools"] = orjson.dumps(self.tools)
+        if conversation and self.chat_template_kwargs is not None:
+            fields["chat_template_kwargs"] = orjson.dumps(self.chat_template_kwargs)
         return fields
 
     @classmethod
@@ -285,6 +291,9 @@ class Sample:
                 cancelled=_text(fields.get("cancelled", "0")) == "1",
                 conversation=_stored_conversation(fields, chunks),
                 tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
+                chat_template_kwargs=(
+                    orjson.loads(fields["chat_template_kwargs"]) if "chat_template_kwargs" in fields else None
+                ),
                 writer=_text(fields["writer"]) if "writer" in fields else None,
                 num_resumes=int(fields.get("num_resumes", 0)),
                 segments=_decode_segments(fields),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from types import MappingProxyType
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+import orjson
+from pydantic import AfterValidator, Field, PlainSerializer
 
 from gateway.config.section import Section
 
@@ -25,6 +28,16 @@ def _known_reasoning_parser(name: str | None) -> str | None:
     return None if name is None else _known(REASONING_PARSERS.names, name)
 
 
+def _template_arguments(arguments: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Read-only, as the rest of the settings; a name the gateway sets itself refused."""
+    from gateway.tokenization.chat_template import RESERVED_TEMPLATE_ARGUMENTS
+
+    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(arguments))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} cannot be a chat template argument: the gateway sets it")
+    return MappingProxyType(dict(arguments))
+
+
 def _known(names: tuple[str, ...], name: str) -> str:
     if name != "auto" and name not in names:
         raise ValueError(f"unknown parser {name!r} (known: {', '.join((*names, 'auto'))})")
@@ -42,6 +55,15 @@ class ModelConfig(Section):
     reasoning_parser: Annotated[str | None, AfterValidator(_known_reasoning_parser)] = Field(
         None, description="Reasoning format split from completions (vLLM's names; auto: from the chat template)."
     )
+    chat_template_kwargs: Annotated[Mapping[str, Any], AfterValidator(_template_arguments), PlainSerializer(dict)] = (
+        Field(
+            default_factory=dict,
+            description=(
+                "Extra arguments of the chat template for every chat turn (vLLM's chat_template_kwargs, e.g. "
+                "enable_thinking: false); a request's own override them key by key."
+            ),
+        )
+    )
     max_model_len: int = Field(4096, ge=1, description="Context length: prompt + completion tokens.")
     encode_threads: int = Field(
         2, ge=0, le=64, description="Worker threads that tokenize long texts off the event loop (0: none)."
@@ -49,3 +71,8 @@ class ModelConfig(Section):
     encode_thread_min_chars: int = Field(
         4096, ge=0, description="Texts of at least this many characters are tokenized in those threads."
     )
+
+    def __hash__(self) -> int:
+        # The template arguments are a JSON mapping, which does not hash: their canonical JSON does.
+        fields = tuple(value for name, value in self if name != "chat_template_kwargs")
+        return hash((fields, orjson.dumps(dict(self.chat_template_kwargs), option=orjson.OPT_SORT_KEYS)))

@@ -322,8 +322,15 @@ class SessionManager:
             self.cached_bytes -= evicted.size
             self.evictions += 1
 
-    async def begin_chat_turn(self, session_id: str, messages: list[Message], tools: list[Tool] | None) -> Turn:
-        """Find the sample these messages extend (most recent first) or start a new one.
+    async def begin_chat_turn(
+        self,
+        session_id: str,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> Turn:
+        """Find the sample these messages extend (most recent first) or start a new one. A sample extends only with
+        the tools and the chat template's arguments (`template_kwargs`) it was rendered with.
 
         A session can hold many samples (n > 1 branches, rewritten histories, a session id shared by unrelated
         conversations), so the candidates are first compared by the templates' texts, which is cheap; tokenizing
@@ -332,10 +339,12 @@ class SessionManager:
         same ids (one that normalizes, say; not byte-level BPE without a normalizer: `texts_decide`).
         """
         samples = await self.samples(session_id)
-        match = self.tokenizer.extension_of(messages, tools)
+        match = self.tokenizer.extension_of(messages, tools, chat_template_kwargs=template_kwargs)
         different: list[WorkingSample] = []
         for sample in reversed(samples):  # the cached list is in index order
             if not sample.num_turns or sample.cancelled or sample.tools != tools:
+                continue
+            if sample.template_kwargs != template_kwargs:
                 continue
             tail = match.tail(sample.conversation, sample.tools, sample.rendering)
             if tail is TextCheck.DIFFERENT:
@@ -355,8 +364,14 @@ class SessionManager:
         if any(s.num_turns for s in samples):
             self.history_rewrites += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
-        prompt = await self.tokenizer.render_async(messages, tools)
-        fresh = WorkingSample(index=len(samples), prompt_ids=prompt, tools=tools, rewritten_from=rewritten_from)
+        prompt = await self.tokenizer.render_async(messages, tools, chat_template_kwargs=template_kwargs)
+        fresh = WorkingSample(
+            index=len(samples),
+            prompt_ids=prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            rewritten_from=rewritten_from,
+        )
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 
     @staticmethod
@@ -438,7 +453,9 @@ class SessionManager:
         segments = sample.segments + _turn_segments(turn, state, len(sample.response_ids))
         resumes = sample.num_resumes + state.num_resumes
         turns, conversation, rewritten_from = sample.num_turns, sample.conversation, sample.rewritten_from
-        written = arrays.sample(experts, turns, False, conversation, sample.tools, resumes, segments, rewritten_from)
+        written = arrays.sample(
+            experts, turns, False, conversation, sample.tools, resumes, segments, rewritten_from, sample.template_kwargs
+        )
         # The last write of the sample stored this conversation: the turn changes it only once it ends.
         written.conversation_stored = True
         return written

@@ -69,6 +69,7 @@ class SampleArrays:
         num_resumes: int = 0,
         segments: list[SampleSegment] | None = None,
         rewritten_from: int | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Sample:
         """The sample these arrays are the token arrays of."""
         return Sample(
@@ -82,6 +83,7 @@ class SampleArrays:
             cancelled=cancelled,
             conversation=conversation,
             tools=tools,
+            chat_template_kwargs=template_kwargs,
             num_resumes=num_resumes,
             segments=list(segments or ()),
             rewritten_from=rewritten_from,
@@ -118,6 +120,7 @@ class WorkingSample:
     routed_experts: ExpertArray | None = None
     conversation: list[Message] = field(default_factory=list)
     tools: list[Tool] | None = None
+    template_kwargs: dict[str, Any] | None = None  # `Sample.chat_template_kwargs`
     num_turns: int = 0
     cancelled: bool = False
     num_resumes: int = 0
@@ -165,6 +168,7 @@ class WorkingSample:
             self.num_resumes,
             self.segments,
             self.rewritten_from,
+            self.template_kwargs,
         )
 
     @classmethod
@@ -179,6 +183,7 @@ class WorkingSample:
             routed_experts=sample.routed_experts,
             conversation=list(sample.conversation or []),
             tools=sample.tools,
+            template_kwargs=sample.chat_template_kwargs,
             num_turns=sample.num_turns,
             cancelled=sample.cancelled,
             num_resumes=sample.num_resumes,

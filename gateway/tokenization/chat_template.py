@@ -18,12 +18,52 @@ from gateway.parsers.base import json_object
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["Message", "Tool", "apply_chat_template"]
+__all__ = ["RESERVED_TEMPLATE_ARGUMENTS", "Message", "Tool", "apply_chat_template", "template_arguments"]
 
 Message = Mapping[str, Any]
 """An OpenAI-style chat message: `role`, `content`, and for assistants `tool_calls`, for tools `tool_call_id`."""
 Tool = Mapping[str, Any]
 """An OpenAI-style tool definition: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+
+#: What the gateway itself passes to `apply_chat_template`, or what would change what it returns: never a template
+#: argument of a request or of the config.
+RESERVED_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "max_length",
+        "messages",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "sanitize_control_tokens",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+        "truncation",
+    }
+)
+
+
+def template_arguments(*layers: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+    """The chat template's extra arguments: `layers` merged, a later one's keys over an earlier one's (the config's
+    default, then the request's); None when there are none. A reserved name (`RESERVED_TEMPLATE_ARGUMENTS`) is an
+    `InvalidRequest` naming `param`."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        if layer:
+            merged.update(layer)
+    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(merged))
+    if reserved:
+        raise InvalidRequest(
+            f"{', '.join(reserved)} cannot be a chat template argument: the gateway sets it", param=param
+        )
+    return merged or None
 
 
 def apply_chat_template(

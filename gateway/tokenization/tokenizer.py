@@ -249,7 +249,13 @@ class ChatTokenizer:
             return await self.encode_async(text)
         return (await self.encode_async(lead + text))[1:]
 
-    async def render_async(self, messages: Sequence[Message], tools: Sequence[Tool] | None = None) -> list[int]:
+    async def render_async(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] | None = None,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """`render(messages, tools)` (with the generation prompt), tokenized in a worker thread where `encode_async`
         would take the template's text there.
 
@@ -257,9 +263,9 @@ class ChatTokenizer:
         `render`'s ids where no message or tool holds the text of an added token: then sanitizing changes nothing.
         A conversation that holds one, or a tokenizer without threads, is rendered by `render` on the calling
         thread."""
-        if self._threads is None or self._text_path.added_text_in((messages, tools)):
-            return self.render(messages, tools)
-        return await self.encode_async(self.render_text(messages, tools))
+        if self._threads is None or self._text_path.added_text_in((messages, tools, chat_template_kwargs)):
+            return self.render(messages, tools, chat_template_kwargs=chat_template_kwargs)
+        return await self.encode_async(self.render_text(messages, tools, chat_template_kwargs=chat_template_kwargs))
 
     async def encode_continuing(
         self, text: str, prefix: EncodedPrefix | None

@@ -8,6 +8,7 @@ here is valid already.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +55,12 @@ class Sampling:
 class Conversation:
     """A chat turn's prompt: its messages in the chat template's form (OpenAI field names, as
     `ChatMessage.to_template` gives them) and the tools the template offers (None: none offered). The reply is split
-    into reasoning, content and tool calls."""
+    into reasoning, content and tool calls. `template_kwargs`: the chat template's extra arguments the request
+    sets (vLLM's `chat_template_kwargs`, e.g. `{"enable_thinking": false}`), over the configured default."""
 
     messages: list[Message]
     tools: list[Tool] | None = None
+    template_kwargs: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ A group request's choices become the first turns of new sessions (`gateway.turns
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
 
 from backends.base import SamplingParams
 from gateway.errors import ConfigError, InvalidRequest, NotFound
@@ -28,6 +29,7 @@ from gateway.session.open_turn import OpenTurn
 from gateway.session.samples import Turn
 from gateway.session.working_sample import WorkingSample
 from gateway.tokenization import ChatTokenizer, IncrementalDetokenizer, make_stop_checker
+from gateway.tokenization.chat_template import template_arguments
 from gateway.tokenization.token_ids import first_outside
 from gateway.turns import choices as generating
 from gateway.turns.group import group_metadata
@@ -55,6 +57,7 @@ class TurnRunner:
         model_name: str,
         max_model_len: int,
         want_routed_experts: bool,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.generator = generator
         self.lifecycle = lifecycle
@@ -68,6 +71,8 @@ class TurnRunner:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.want_routed_experts = want_routed_experts
+        # The chat template's arguments every chat turn gets (`model.chat_template_kwargs`), a request's over them.
+        self.chat_template_kwargs = dict(chat_template_kwargs) if chat_template_kwargs else None
         self.prompts = PromptEncoder(tokenizer, max_model_len, lambda: self.sessions.cache_size)
 
     def forget(self, session_id: str) -> None:
@@ -93,10 +98,11 @@ class TurnRunner:
         prompt = request.prompt
         if isinstance(prompt, Conversation):
             await self.prompts.check_fits(message_texts(prompt.messages), "messages")
+            kwargs = template_arguments(self.chat_template_kwargs, prompt.template_kwargs)
             if request.group:
-                ids = await self.tokenizer.render_async(prompt.messages, prompt.tools)
-                return await self._prepare_group(request, session_id, key, ids)
-            return await self._prepare_one(request, session_id, key)
+                ids = await self.tokenizer.render_async(prompt.messages, prompt.tools, chat_template_kwargs=kwargs)
+                return await self._prepare_group(request, session_id, key, ids, kwargs)
+            return await self._prepare_one(request, session_id, key, template_kwargs=kwargs)
         ids = await self._prompt_ids(prompt, None if request.group else session_id)
         if request.group:
             return await self._prepare_group(request, session_id, key, ids)
@@ -119,7 +125,13 @@ class TurnRunner:
         return ids
 
     async def _prepare_one(
-        self, request: TurnRequest, session_id: str | None, key: str, ids: list[int] | None = None
+        self,
+        request: TurnRequest,
+        session_id: str | None,
+        key: str,
+        ids: list[int] | None = None,
+        *,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PreparedTurn:
         """A turn of one session: of a chat conversation, else of the prompt `ids`. Where these extend one of the
         session's samples (its prompt and response ids, then more), the turn continues that sample, the extension an
@@ -128,7 +140,7 @@ class TurnRunner:
         async with handle.closed_on_error():
             sid, prompt = handle.session_id, request.prompt
             if isinstance(prompt, Conversation):
-                turn = await self.sessions.begin_chat_turn(sid, prompt.messages, prompt.tools)
+                turn = await self.sessions.begin_chat_turn(sid, prompt.messages, prompt.tools, template_kwargs)
             else:
                 turn = await self.sessions.begin_completion_turn(sid, ids or [])
             turns = self.sessions.branch(turn, request.sampling.n)
@@ -138,7 +150,12 @@ class TurnRunner:
         return prepared
 
     async def _prepare_group(
-        self, request: TurnRequest, session_id: str | None, key: str, ids: list[int]
+        self,
+        request: TurnRequest,
+        session_id: str | None,
+        key: str,
+        ids: list[int],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> PreparedTurn:
         """The n choices of a group request as the first turns of n new sessions (`gateway.turns.group`)."""
         base = session_id or new_session_id(request.kind)
@@ -151,7 +168,14 @@ class TurnRunner:
             prompt = request.prompt
             messages, tools = (prompt.messages, prompt.tools) if isinstance(prompt, Conversation) else ([], None)
             turns = [
-                Turn(member, WorkingSample(0, list(ids), tools=tools), list(ids), [], messages, new_sample=True)
+                Turn(
+                    member,
+                    WorkingSample(0, list(ids), tools=tools, template_kwargs=template_kwargs),
+                    list(ids),
+                    [],
+                    messages,
+                    new_sample=True,
+                )
                 for member in members
             ]
             prepared = self._prepare(handle, turns, request)

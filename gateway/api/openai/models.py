@@ -203,6 +203,20 @@ class ChatSettings(Sampled):
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra arguments of the chat template (`{"enable_thinking": false}`), over `model.chat_template_kwargs`.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, as vLLM renders it: the template gets `reasoning_effort`, and `enable_thinking` (not "none") unless
+    # `chat_template_kwargs` sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's arguments this request sets (None: none)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
 
     @property
     def budget(self) -> int | None:

@@ -15,7 +15,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 
 def chat_request(body: ChatCompletionRequest, metadata: dict[str, str] | None) -> TurnRequest:
     """The chat turn `body` asks for; `metadata` the session's, as the route found it (`session_of`)."""
-    conversation = Conversation([m.to_template() for m in body.messages], offered_tools(body))
+    conversation = Conversation([m.to_template() for m in body.messages], offered_tools(body), body.template_kwargs)
     sampling = sampling_of(body, body.budget, body.top_logprobs or 0)
     return TurnRequest(conversation, sampling, body.model, body.stream, metadata, body.group)
 
