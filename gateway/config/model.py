@@ -30,11 +30,11 @@ def _known_reasoning_parser(name: str | None) -> str | None:
 
 def _template_arguments(arguments: Mapping[str, Any]) -> Mapping[str, Any]:
     """Read-only, as the rest of the settings; a name the gateway sets itself refused."""
-    from gateway.tokenization.chat_template import RESERVED_TEMPLATE_ARGUMENTS
+    from gateway.tokenization.chat_template import reserved_in
 
-    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(arguments))
-    if reserved:
-        raise ValueError(f"{', '.join(reserved)} cannot be a chat template argument: the gateway sets it")
+    refused = reserved_in(arguments)
+    if refused is not None:
+        raise ValueError(refused)
     return MappingProxyType(dict(arguments))
 
 

@@ -18,7 +18,7 @@ from gateway.parsers.base import json_object
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-__all__ = ["RESERVED_TEMPLATE_ARGUMENTS", "Message", "Tool", "apply_chat_template", "template_arguments"]
+__all__ = ["RESERVED_TEMPLATE_ARGUMENTS", "Message", "Tool", "apply_chat_template", "reserved_in", "template_arguments"]
 
 Message = Mapping[str, Any]
 """An OpenAI-style chat message: `role`, `content`, and for assistants `tool_calls`, for tools `tool_call_id`."""
@@ -50,19 +50,23 @@ RESERVED_TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
-def template_arguments(*layers: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any] | None:
+def reserved_in(arguments: Mapping[str, Any]) -> str | None:
+    """Why `arguments` cannot be template arguments (a reserved name among them), or None."""
+    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(arguments))
+    return f"{', '.join(reserved)} cannot be a chat template argument: the gateway sets it" if reserved else None
+
+
+def template_arguments(*layers: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The chat template's extra arguments: `layers` merged, a later one's keys over an earlier one's (the config's
     default, then the request's); None when there are none. A reserved name (`RESERVED_TEMPLATE_ARGUMENTS`) is an
-    `InvalidRequest` naming `param`."""
+    `InvalidRequest` naming `chat_template_kwargs`."""
     merged: dict[str, Any] = {}
     for layer in layers:
         if layer:
             merged.update(layer)
-    reserved = sorted(RESERVED_TEMPLATE_ARGUMENTS.intersection(merged))
-    if reserved:
-        raise InvalidRequest(
-            f"{', '.join(reserved)} cannot be a chat template argument: the gateway sets it", param=param
-        )
+    refused = reserved_in(merged)
+    if refused is not None:
+        raise InvalidRequest(refused, param="chat_template_kwargs")
     return merged or None
 
 
