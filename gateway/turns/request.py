@@ -19,6 +19,7 @@ __all__ = [
     "TextPrompt",
     "TokenPrompt",
     "TurnRequest",
+    "template_kwargs_of",
     "wrapped_seed",
 ]
 
@@ -61,6 +62,16 @@ class Conversation:
     messages: list[Message]
     tools: list[Tool] | None = None
     template_kwargs: Mapping[str, Any] | None = None
+
+
+def template_kwargs_of(kwargs: Mapping[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """The chat template's arguments a request sets, as vLLM renders them: its `chat_template_kwargs`, and a
+    `reasoning_effort` the template gets too, with `enable_thinking` following it ("none": off) unless set."""
+    merged = dict(kwargs or {})
+    if reasoning_effort is not None:
+        merged["reasoning_effort"] = reasoning_effort
+        merged.setdefault("enable_thinking", reasoning_effort != "none")
+    return merged or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,7 +98,7 @@ class TurnRunner:
         prompt = request.prompt
         if isinstance(prompt, Conversation):
             await self.prompts.check_fits(message_texts(prompt.messages), "messages")
-            kwargs = template_arguments(self.chat_template_kwargs, prompt.template_kwargs)
+            kwargs = self.template_kwargs(prompt)
             if request.group:
                 ids = await self.tokenizer.render_async(prompt.messages, prompt.tools, chat_template_kwargs=kwargs)
                 return await self._prepare_group(request, session_id, key, ids, kwargs)
@@ -107,6 +107,16 @@ class TurnRunner:
         if request.group:
             return await self._prepare_group(request, session_id, key, ids)
         return await self._prepare_one(request, session_id, key, ids)
+
+    def template_kwargs(self, conversation: Conversation) -> dict[str, Any] | None:
+        """The chat template's arguments `conversation` renders with: the configured ones, the request's over them
+        (a reserved name: 400)."""
+        return template_arguments(self.chat_template_kwargs, conversation.template_kwargs)
+
+    async def render(self, conversation: Conversation) -> list[int]:
+        """The ids the chat template renders of `conversation` (with the generation prompt)."""
+        kwargs = self.template_kwargs(conversation)
+        return await self.tokenizer.render_async(conversation.messages, conversation.tools, chat_template_kwargs=kwargs)
 
     async def _prompt_ids(self, prompt: TextPrompt | TokenPrompt, session_id: str | None) -> list[int]:
         """A raw completion's prompt as ids, checked (the caller's checked ids as they are)."""

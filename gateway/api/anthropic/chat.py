@@ -31,7 +31,7 @@ from gateway.api.anthropic.models import (
     ToolUseBlock,
 )
 from gateway.errors import InvalidRequest
-from gateway.turns.request import Conversation, Sampling, TurnRequest
+from gateway.turns.request import Conversation, Sampling, TurnRequest, template_kwargs_of
 
 __all__ = ["chat_messages", "chat_tools", "conversation", "messages_request"]
 
@@ -55,7 +55,10 @@ def conversation(body: CountTokensRequest) -> Conversation:
     """What the chat template renders of `body`: its messages, and its tools unless `tool_choice` is none."""
     choice = body.tool_choice
     offered = chat_tools(body) if choice is None or choice.type != "none" else None
-    return Conversation(chat_messages(body), offered)
+    # Thinking turned off reaches the template as vLLM renders it: `reasoning_effort` "none", `enable_thinking` off.
+    disabled = body.thinking is not None and body.thinking.type == "disabled"
+    kwargs = template_kwargs_of(body.chat_template_kwargs, "none" if disabled else None)
+    return Conversation(chat_messages(body), offered, kwargs)
 
 
 def chat_messages(body: CountTokensRequest) -> list[dict[str, Any]]:

@@ -181,7 +181,8 @@ class Metadata(_Body):
 
 
 class Thinking(_Body):
-    """Accepted; the prompt is the chat template's either way (a model that reasons does so as its template says)."""
+    """`disabled` reaches the chat template as vLLM gives it (`reasoning_effort` "none", `enable_thinking` off);
+    `enabled` leaves the template's default (`budget_tokens` is not enforced: the model reasons as it samples)."""
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)
@@ -197,6 +198,8 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     cache_control: dict[str, Any] | None = None
+    # vLLM's: extra arguments of the chat template, over `model.chat_template_kwargs`.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _coherent(self) -> CountTokensRequest:

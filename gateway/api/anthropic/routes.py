@@ -64,5 +64,4 @@ async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer
     runner = svc.turns
     runner.check_model(body.model)
     check_messages(len(body.messages), svc.settings.server)
-    rendered = conversation(body)
-    return json_answer({"input_tokens": len(await runner.tokenizer.render_async(rendered.messages, rendered.tools))})
+    return json_answer({"input_tokens": len(await runner.render(conversation(body)))})

@@ -210,15 +210,6 @@ class ChatSettings(Sampled):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @property
-    def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's arguments this request sets (None: none)."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = self.reasoning_effort
-            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
-        return kwargs or None
-
-    @property
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 

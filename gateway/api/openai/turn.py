@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.api.openai.models import ChatCompletionRequest, ChatSettings, CompletionRequest, Sampled
-from gateway.turns.request import Conversation, Sampling, TextPrompt, TokenPrompt, TurnRequest
+from gateway.turns.request import Conversation, Sampling, TextPrompt, TokenPrompt, TurnRequest, template_kwargs_of
 
 __all__ = ["chat_request", "completion_request", "offered_tools", "sampling_of"]
 
@@ -15,7 +15,8 @@ DEFAULT_COMPLETION_TOKENS = 16
 
 def chat_request(body: ChatCompletionRequest, metadata: dict[str, str] | None) -> TurnRequest:
     """The chat turn `body` asks for; `metadata` the session's, as the route found it (`session_of`)."""
-    conversation = Conversation([m.to_template() for m in body.messages], offered_tools(body), body.template_kwargs)
+    kwargs = template_kwargs_of(body.chat_template_kwargs, body.reasoning_effort)
+    conversation = Conversation([m.to_template() for m in body.messages], offered_tools(body), kwargs)
     sampling = sampling_of(body, body.budget, body.top_logprobs or 0)
     return TurnRequest(conversation, sampling, body.model, body.stream, metadata, body.group)
 

@@ -5,7 +5,8 @@ prompts.
 
 Accepted and ignored, because the official SDKs and the openai-agents SDK send them and ignoring them changes no
 sampled token: `include` (the agents SDK sends `[]`; nothing here is encrypted or has extra outputs to include),
-`reasoning` (effort and summary: the model's template decides how it reasons), `truncation` (never truncated: a
+`reasoning.summary` (the model's template decides how it reasons; `reasoning.effort` reaches the template as vLLM
+gives it, with `chat_template_kwargs`: `gateway.turns.request.template_kwargs_of`), `truncation` (never truncated: a
 prompt past the context length is a 400), `prompt_cache_key`, `prompt_cache_retention`, `safety_identifier`,
 `service_tier`, `stream_options`, `text.verbosity`; and on echoed output items the fields the client got with them
 (`id`, `status`, `annotations`, `logprobs`, `encrypted_content`).
@@ -225,9 +226,12 @@ class ResponseRequest(_Body):
     text: TextConfig | None = None
     user: str | None = Field(None, max_length=256)
     background: Literal[False] | None = None
+    # `effort` reaches the chat template (see the module docstring); the rest is accepted and ignored.
+    reasoning: ReasoningConfig | None = None
+    # vLLM's: extra arguments of the chat template, over `model.chat_template_kwargs`.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Accepted and ignored (see the module docstring).
     include: list[str] | None = None
-    reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None

@@ -36,7 +36,7 @@ from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session
 from gateway.errors import InvalidRequest
 from gateway.session.response_records import ResponseRecord, ResponseRecords
 from gateway.turns.prepared import Choice, PreparedTurn, assistant_message
-from gateway.turns.request import Conversation, Sampling, TurnRequest
+from gateway.turns.request import Conversation, Sampling, TurnRequest, template_kwargs_of
 from gateway.turns.runner import TurnRunner
 
 __all__ = ["create_router", "create_session_router"]
@@ -132,7 +132,9 @@ def _turn_request(body: ResponseRequest, messages: list[Message], metadata: dict
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
     )
-    return TurnRequest(Conversation(messages, offered), sampling, body.model, body.stream, metadata)
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    conversation = Conversation(messages, offered, template_kwargs_of(body.chat_template_kwargs, effort))
+    return TurnRequest(conversation, sampling, body.model, body.stream, metadata)
 
 
 class _Answer:

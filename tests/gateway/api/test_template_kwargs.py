@@ -126,3 +126,38 @@ async def test_the_config_refuses_an_argument_the_gateway_sets(tmp_path: Path) -
 
     with pytest.raises(ValidationError, match="add_generation_prompt cannot be a chat template argument"):
         Settings(model={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
+async def _post(gw: RunningGateway, path: str, body: dict[str, Any], session: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.post(f"{gw.url}{path}", json=body, headers={"x-session-id": session})
+
+
+async def test_the_responses_api_s_reasoning_effort_and_arguments_reach_the_template(
+    tmp_path: Path, make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    gw, tokenizer = await _served(tmp_path, make_sim, make_gateway)
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 4, "reasoning": {"effort": "low"}}
+    answer = await _post(gw, "/v1/responses", body, "tk-responses")
+    assert answer.status_code == 200, answer.text
+    text = await _prompt_text(gw, tokenizer, "tk-responses")
+    assert "effort low" in text and "thinking off" not in text
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 4, "chat_template_kwargs": {"tools": None}}
+    refused = await _post(gw, "/v1/responses", body, "tk-responses-bad")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_anthropic_thinking_disabled_reaches_the_template_and_count_tokens_renders_the_same(
+    tmp_path: Path, make_sim: SimFactory, make_gateway: GatewayFactory
+) -> None:
+    gw, tokenizer = await _served(tmp_path, make_sim, make_gateway)
+    body = {"model": "tiny", "max_tokens": 4, "messages": HELLO, "thinking": {"type": "disabled"}}
+    answer = await _post(gw, "/v1/messages", body, "tk-anthropic")
+    assert answer.status_code == 200, answer.text
+    text = await _prompt_text(gw, tokenizer, "tk-anthropic")
+    assert text.startswith("<|im_start|>system\nthinking off<|im_end|>\n<|im_start|>system\neffort none")
+    counted = await _post(gw, "/v1/messages/count_tokens", {k: v for k, v in body.items() if k != "max_tokens"}, "x")
+    assert counted.status_code == 200, counted.text
+    [sample] = await gw.services.store.load_samples("tk-anthropic")
+    assert counted.json()["input_tokens"] == len(sample.prompt_ids)
