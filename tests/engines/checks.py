@@ -137,6 +137,21 @@ async def held_in_engine(http: httpx.AsyncClient, server: EngineServer, timeout:
     return True
 
 
+async def generated_once_settled(http: httpx.AsyncClient, server: EngineServer, timeout: float = 10.0) -> float:
+    """The engine's generated-token count once it stopped rising for half a second. A pause reaches SGLang's
+    scheduler after its HTTP answer (the API server forwards it without waiting), and the counter lags the
+    scheduler: a step or two may still be counted. An engine that never stops fails here."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last = await metric(http, server, GENERATED[server.kind])
+    while True:
+        await asyncio.sleep(0.5)
+        now = await metric(http, server, GENERATED[server.kind])
+        if now == last:
+            return now
+        assert asyncio.get_running_loop().time() < deadline, f"the engine kept generating ({last} -> {now} tokens)"
+        last = now
+
+
 async def in_engine(http: httpx.AsyncClient, server: EngineServer) -> float:
     """Requests the engine holds: running, or queued (SGLang puts retracted requests back in the queue)."""
     return await metric(http, server, RUNNING[server.kind]) + await metric(http, server, WAITING[server.kind])
@@ -206,8 +221,8 @@ async def keep_pause_continues_in_the_engine(
 
     async def pause_and_resume() -> None:
         await admin(http, gw, "pause", {"mode": "keep"})
-        assert await in_engine(http, server) == 1  # still held by the engine
-        before = await metric(http, server, GENERATED[server.kind])
+        assert await held_in_engine(http, server)  # still held by the engine
+        before = await generated_once_settled(http, server)
         await asyncio.sleep(1.0)
         assert await metric(http, server, GENERATED[server.kind]) == before  # frozen
         await admin(http, gw, "resume", {"version": 1})
