@@ -20,6 +20,7 @@ from gateway.errors import Conflict
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
+from gateway.history import family_of, token_history_for
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
 from gateway.routing import Replica, ReplicaPool
@@ -232,12 +233,20 @@ async def open_services(
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
         # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
+        history = settings.sessions
         sessions = SessionManager(
             tokenizer,
             trajectories,
             cache_size=s.session_cache_size,
             cache_bytes=s.session_cache_bytes,
             locks=trajectories.locks,
+            token_history=token_history_for(
+                tokenizer,
+                family_of(tokenizer.chat_template, settings.model.tool_parser, settings.model.reasoning_parser),
+                history.history,
+                explicit="history" in history.model_fields_set,
+                template_kwargs=settings.model.chat_template_kwargs or None,
+            ),
         )
         open_sessions = OpenSessions(
             redis, Keys(s.prefix), settings.server.max_open_sessions_per_key, s.session_idle_ttl_s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from gateway.config.section import Seconds, Section
@@ -35,4 +37,13 @@ class SessionsConfig(Section):
 
     identity: Identity = Field(
         "header", description="header (path, X-Session-ID, body) | api_key (the agent's API key names it too)."
+    )
+    history: Literal["tokens", "template"] = Field(
+        "tokens",
+        description=(
+            "tokens: a turn that replays the session's conversation goes on from the sample's exact ids (one sample "
+            "per episode whatever the template drops); template: the template renders the whole conversation again "
+            "(a new sample where that rewrites history). Unset, a template without a verified rule runs in template "
+            "mode with a warning; set to tokens, the gateway refuses it."
+        ),
     )

@@ -29,6 +29,7 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
+from gateway.history import TokenHistory, as_said, replayed
 from gateway.request_ids import new_name
 from gateway.session.working_sample import WorkingSample
 from gateway.store.locks import SessionLocks
@@ -201,11 +202,15 @@ class SessionManager:
         cache_size: int = 10_000,
         cache_bytes: int = 256 * 1024 * 1024,
         locks: SessionLocks | None = None,
+        token_history: TokenHistory | None = None,
     ) -> None:
         """`cache_size`, `cache_bytes`: the bounds of the cache of sessions (count, and estimated bytes: `_footprint`).
         `locks`: the process's session locks (the store's, `TrajectoryStore.locks`); new ones if None (a manager
-        standing for a process of its own)."""
+        standing for a process of its own). `token_history`: how a turn that replays its session's conversation goes
+        on from the sample's ids (`sessions.history: tokens`); None: the template renders every turn whole."""
         self.tokenizer = tokenizer
+        self.token_history = token_history
+        self.token_turns = 0  # turns that went on from their sample's ids (`TokenHistory`)
         self.store = store
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
@@ -332,6 +337,11 @@ class SessionManager:
         """Find the sample these messages extend (most recent first) or start a new one. A sample extends only with
         the tools and the chat template's arguments (`template_kwargs`) it was rendered with.
 
+        With a token history, messages that replay a sample's conversation (`replayed`) go on from its exact ids:
+        only what the template writes after a reply is new (`TokenHistory`), whatever it would write of the earlier
+        turns. Otherwise, and for messages that do not replay one, the template's rendering of the whole
+        conversation must extend the sample's:
+
         A session can hold many samples (n > 1 branches, rewritten histories, a session id shared by unrelated
         conversations), so the candidates are first compared by the templates' texts, which is cheap; tokenizing
         whole conversations (`ConversationMatch.by_ids`) is left for those the text cannot decide, and for those
@@ -346,6 +356,11 @@ class SessionManager:
                 continue
             if sample.template_kwargs != template_kwargs:
                 continue
+            if (history := self.token_history) is not None and (new := replayed(sample.conversation, messages)):
+                suffix = await history.suffix_ids(sample.conversation, new, tools, template_kwargs)
+                if suffix is not None:
+                    self.token_turns += 1
+                    return self._extend(session_id, sample, suffix, messages)
             tail = match.tail(sample.conversation, sample.tools, sample.rendering)
             if tail is TextCheck.DIFFERENT:
                 different.append(sample)
@@ -506,12 +521,6 @@ def _rewritten(samples: Sequence[WorkingSample], messages: list[Message], tools:
         if not sample.num_turns or sample.tools != tools or len(conversation) >= len(messages):
             continue
         pairs = zip(conversation, messages[: len(conversation)], strict=True)
-        if all(_as_said(old) == _as_said(new) for old, new in pairs):
+        if all(as_said(old) == as_said(new) for old, new in pairs):
             return sample.index
     return None
-
-
-def _as_said(message: Message) -> Message:
-    """A message without what agents echo back differently: an assistant reply's reasoning, empty fields."""
-    drop = ("reasoning_content", "reasoning") if message.get("role") == "assistant" else ()
-    return {key: value for key, value in message.items() if key not in drop and value not in (None, "")}

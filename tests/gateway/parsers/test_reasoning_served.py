@@ -31,16 +31,21 @@ REPLIES = {
 
 
 async def served(
-    family: Family, folder: Path, make_sim: SimFactory, make_gateway: GatewayFactory, parser: str | None = None
+    family: Family,
+    folder: Path,
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    parser: str | None = None,
+    history: str = "tokens",
 ) -> tuple[RunningGateway, ChatTokenizer, str]:
-    """A gateway serving `family` over one simulator with the same vocabulary and end-of-sequence token; the
-    replica's URL, to script it."""
+    """A gateway serving `family` over one simulator with the same vocabulary and end-of-sequence token, its
+    sessions' history in `history` mode; the replica's URL, to script it."""
     tokenizer_dir = family.tokenizer_dir(folder)
     tokenizer = ChatTokenizer.load(tokenizer_dir)
     shape = ModelShape(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
     sim = await make_sim("vllm", engine=EngineSettings(shape=shape))
     model = {"tokenizer": str(tokenizer_dir), "reasoning_parser": parser or family.parser}
-    return await make_gateway([sim], model=model), tokenizer, sim.url
+    return await make_gateway([sim], model=model, sessions={"history": history}), tokenizer, sim.url
 
 
 async def script(http: httpx.AsyncClient, sim_url: str, tokenizer: ChatTokenizer, output: str) -> list[int]:
@@ -157,18 +162,67 @@ async def test_auto_picks_the_parser_from_the_template(
     await api.close()
 
 
+# What each family's template writes after a reply for the user message "And 3 + 3?" (its published template's
+# renders: tests/gateway/history/goldens/), tokenized after the sampled EOS.
+NEXT_USER = {
+    QWEN3.parser: "\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n",
+    DEEPSEEK_R1.parser: "<｜User｜>And 3 + 3?<｜Assistant｜><think>\n",
+    GLM45.parser: "<|user|>And 3 + 3?<|assistant|>",
+    KIMI_K2.parser: "<|im_user|>user<|im_middle|>And 3 + 3?<|im_end|><|im_assistant|>assistant<|im_middle|>",
+}
+
+
+@pytest.mark.parametrize("family", [QWEN3, DEEPSEEK_R1, GLM45, KIMI_K2], ids=lambda f: f.parser)
 @pytest.mark.parametrize("echo_reasoning", [True, False], ids=["reasoning-echoed", "reasoning-dropped"])
-async def test_a_template_that_drops_earlier_reasoning_makes_one_sample_per_turn_chained_for_the_trainer(
+async def test_a_template_that_drops_earlier_reasoning_keeps_one_sample_in_tokens_mode(
+    family: Family,
     echo_reasoning: bool,
     tmp_path: Path,
     make_sim: SimFactory,
     make_gateway: GatewayFactory,
     http: httpx.AsyncClient,
 ) -> None:
-    """Qwen3's template drops an assistant turn's reasoning once a new user message follows it, so the next prompt
-    does not extend the sampled ids (which hold the reasoning): the turn starts a new sample with the rendered
-    history, each sample keeps its exact sampled ids, and `rewritten_from` chains the new one to the old."""
-    gw, tokenizer, sim_url = await served(QWEN3, tmp_path, make_sim, make_gateway)
+    """`sessions.history: tokens` (the default): the next user turn goes on from the first turn's exact ids, its
+    reasoning and EOS as sampled, whether or not the agent sends the reasoning back; only what the template writes
+    after a reply is new (loss mask 0), and the engine is prompted with exactly the sample's ids."""
+    gw, tokenizer, sim_url = await served(family, tmp_path, make_sim, make_gateway)
+    output, reasoning, content = REPLIES[family.parser]
+    first_ids = await script(http, sim_url, tokenizer, output)
+    (await http.post(f"{sim_url}/sim/prompt_log", json={"head": 64})).raise_for_status()
+    api = client(gw, **{"X-Session-ID": "one-sample"})
+    first = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+    reply: dict[str, Any] = {"role": "assistant", "content": first.choices[0].message.content}
+    if echo_reasoning:
+        reply["reasoning_content"] = reasoning_of(first.choices[0].message)
+    messages = [*MESSAGES, reply, {"role": "user", "content": "And 3 + 3?"}]
+    second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    rollout = (second.model_extra or {})["rollout"]["choices"][0]
+    assert not rollout["new_sample"] and rollout["sample_index"] == 0
+    [sample] = await gw.services.store.load_samples("one-sample")
+    env = tokenizer.encode(NEXT_USER[family.parser])
+    first_turn = [*first_ids, tokenizer.eos_token_id]
+    assert sample.response_ids.tolist() == first_turn + env + rollout["output_ids"]
+    assert sample.loss_mask.tolist() == [1] * len(first_turn) + [0] * len(env) + [1] * 8
+    assert sample.prompt_ids.tolist() == tokenizer.render(MESSAGES) and sample.num_turns == 2
+    head, length, _ = (await http.get(f"{sim_url}/sim/prompt_log")).json()["requests"][-1]
+    prompted = sample.prompt_ids.tolist() + first_turn + env  # what the engine was prompted with
+    assert (head, length) == (prompted[:64], len(prompted))
+    await api.close()
+
+
+@pytest.mark.parametrize("echo_reasoning", [True, False], ids=["reasoning-echoed", "reasoning-dropped"])
+async def test_a_template_that_drops_earlier_reasoning_makes_one_sample_per_turn_in_template_mode(
+    echo_reasoning: bool,
+    tmp_path: Path,
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+) -> None:
+    """`sessions.history: template`: Qwen3's template drops an assistant turn's reasoning once a new user message
+    follows it, so the next prompt does not extend the sampled ids (which hold the reasoning): the turn starts a new
+    sample with the rendered history, each sample keeps its exact sampled ids, and `rewritten_from` chains the new
+    one to the old."""
+    gw, tokenizer, sim_url = await served(QWEN3, tmp_path, make_sim, make_gateway, history="template")
     output, reasoning, content = REPLIES[QWEN3.parser]
     first_ids = await script(http, sim_url, tokenizer, output)
     api = client(gw, **{"X-Session-ID": "chained"})
