@@ -232,8 +232,8 @@ async def open_services(
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
-        # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
         history = settings.sessions
+        # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
         sessions = SessionManager(
             tokenizer,
             trajectories,
