@@ -232,7 +232,6 @@ async def open_services(
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)
-        history = settings.sessions
         # One map of session locks in the process: the store's (its writes), shared with the turns of sessions.
         sessions = SessionManager(
             tokenizer,
@@ -243,8 +242,8 @@ async def open_services(
             token_history=token_history_for(
                 tokenizer,
                 family_of(tokenizer.chat_template, settings.model.tool_parser, settings.model.reasoning_parser),
-                history.history,
-                explicit="history" in history.model_fields_set,
+                settings.sessions.history,
+                explicit="history" in settings.sessions.model_fields_set,
                 template_kwargs=settings.model.chat_template_kwargs or None,
             ),
         )

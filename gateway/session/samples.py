@@ -210,7 +210,6 @@ class SessionManager:
         on from the sample's ids (`sessions.history: tokens`); None: the template renders every turn whole."""
         self.tokenizer = tokenizer
         self.token_history = token_history
-        self.token_turns = 0  # turns that went on from their sample's ids (`TokenHistory`)
         self.store = store
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
@@ -359,7 +358,6 @@ class SessionManager:
             if (history := self.token_history) is not None and (new := replayed(sample.conversation, messages)):
                 suffix = await history.suffix_ids(sample.conversation, new, tools, template_kwargs)
                 if suffix is not None:
-                    self.token_turns += 1
                     return self._extend(session_id, sample, suffix, messages)
             tail = match.tail(sample.conversation, sample.tools, sample.rendering)
             if tail is TextCheck.DIFFERENT:

@@ -45,27 +45,30 @@ class Published:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+_DEEPSEEK_SPECIAL = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>")
+_CHATML_END = ("<|im_end|>",)
+
 PUBLISHED = {
-    "qwen3": Published("chatml", "Qwen/Qwen3-0.6B tokenizer_config.json", ("<|im_end|>",)),
+    "qwen3": Published("chatml", "Qwen/Qwen3-0.6B tokenizer_config.json", _CHATML_END),
     "qwen3_no_thinking": Published(
-        "chatml", "Qwen/Qwen3-0.6B tokenizer_config.json", ("<|im_end|>",), kwargs={"enable_thinking": False}
+        "chatml", "Qwen/Qwen3-0.6B tokenizer_config.json", _CHATML_END, kwargs={"enable_thinking": False}
     ),
-    "qwen3_coder": Published("chatml", "Qwen/Qwen3-Coder-30B-A3B-Instruct", ("<|im_end|>",)),
+    "qwen3_coder": Published("chatml", "Qwen/Qwen3-Coder-30B-A3B-Instruct", _CHATML_END),
     "deepseek_r1": Published(
         "deepseek",
         "deepseek-ai/DeepSeek-R1 tokenizer_config.json",
         ("<｜end▁of▁sentence｜>",),
-        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
-        bos="<｜begin▁of▁sentence｜>",
-        eos="<｜end▁of▁sentence｜>",
+        special=_DEEPSEEK_SPECIAL,
+        bos=_DEEPSEEK_SPECIAL[0],
+        eos=_DEEPSEEK_SPECIAL[1],
     ),
     "deepseek_v3": Published(
         "deepseek",
         "deepseek-ai/DeepSeek-V3-0324 tokenizer_config.json",
         ("<｜end▁of▁sentence｜>",),
-        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"),
-        bos="<｜begin▁of▁sentence｜>",
-        eos="<｜end▁of▁sentence｜>",
+        special=_DEEPSEEK_SPECIAL,
+        bos=_DEEPSEEK_SPECIAL[0],
+        eos=_DEEPSEEK_SPECIAL[1],
     ),
     "glm45": Published(
         "glm45",

@@ -162,6 +162,18 @@ async def test_auto_picks_the_parser_from_the_template(
     await api.close()
 
 
+async def two_turns(api: Any, echo_reasoning: bool) -> tuple[list[Any], dict[str, Any]]:
+    """MESSAGES, then the reply (its reasoning sent back or not) and the user message "And 3 + 3?": the second
+    turn's messages and its rollout choice."""
+    first = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
+    reply: dict[str, Any] = {"role": "assistant", "content": first.choices[0].message.content}
+    if echo_reasoning:
+        reply["reasoning_content"] = reasoning_of(first.choices[0].message)
+    messages = [*MESSAGES, reply, {"role": "user", "content": "And 3 + 3?"}]
+    second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    return messages, (second.model_extra or {})["rollout"]["choices"][0]
+
+
 # What each family's template writes after a reply for the user message "And 3 + 3?" (its published template's
 # renders: tests/gateway/history/goldens/), tokenized after the sampled EOS.
 NEXT_USER = {
@@ -190,13 +202,7 @@ async def test_a_template_that_drops_earlier_reasoning_keeps_one_sample_in_token
     first_ids = await script(http, sim_url, tokenizer, output)
     (await http.post(f"{sim_url}/sim/prompt_log", json={"head": 64})).raise_for_status()
     api = client(gw, **{"X-Session-ID": "one-sample"})
-    first = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
-    reply: dict[str, Any] = {"role": "assistant", "content": first.choices[0].message.content}
-    if echo_reasoning:
-        reply["reasoning_content"] = reasoning_of(first.choices[0].message)
-    messages = [*MESSAGES, reply, {"role": "user", "content": "And 3 + 3?"}]
-    second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    rollout = (second.model_extra or {})["rollout"]["choices"][0]
+    messages, rollout = await two_turns(api, echo_reasoning)
     assert not rollout["new_sample"] and rollout["sample_index"] == 0
     [sample] = await gw.services.store.load_samples("one-sample")
     env = tokenizer.encode(NEXT_USER[family.parser])
@@ -226,13 +232,7 @@ async def test_a_template_that_drops_earlier_reasoning_makes_one_sample_per_turn
     output, reasoning, content = REPLIES[QWEN3.parser]
     first_ids = await script(http, sim_url, tokenizer, output)
     api = client(gw, **{"X-Session-ID": "chained"})
-    first = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, temperature=0)
-    reply: dict[str, Any] = {"role": "assistant", "content": first.choices[0].message.content}
-    if echo_reasoning:
-        reply["reasoning_content"] = reasoning_of(first.choices[0].message)
-    messages = [*MESSAGES, reply, {"role": "user", "content": "And 3 + 3?"}]
-    second = await api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
-    rollout = (second.model_extra or {})["rollout"]["choices"][0]
+    messages, rollout = await two_turns(api, echo_reasoning)
     assert rollout["new_sample"] and rollout["sample_index"] == 1
     old, new = await gw.services.store.load_samples("chained")
     assert old.response_ids.tolist()[: len(first_ids)] == first_ids and old.rewritten_from is None
