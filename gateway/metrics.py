@@ -22,6 +22,8 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_store_pipelines_total`  | counter   |               | read at scrape from the store's batcher   |
 | `rollout_gateway_store_calls_total`      | counter   |               | read at scrape from the store's batcher   |
 | `rollout_gateway_samples_moved_total`    | counter   |               | read at scrape from the store's stats     |
+| `rollout_gateway_chat_turns_total`       | counter   | history       | read at scrape from `SessionManager`      |
+| `rollout_gateway_replays_forgiven_total` | counter   | kind          | read at scrape from `SessionManager`      |
 
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
@@ -43,6 +45,12 @@ gateway takes that replica's one-token events several to a read; `tokens_total` 
 `tokens_total{kind="completion"}` counts tokens handed to callers; `kind="prompt"` counts each generation's
 prompt once (n choices of one request count n times; a resume re-sends the prompt but does not recount it).
 
+`chat_turns_total{history}` counts the chat turns that continued a sample, by how their prompt was made (`tokens`:
+from the sample's exact ids, `sessions.history: tokens`; `template`: the template's rendering extended the sample),
+and those that started a new sample in a session that had one (`rewritten`: an edit, or a template that writes the
+new messages elsewhere). `replays_forgiven_total{kind}` counts the tokens-path turns whose replay differed from the
+stored conversation in that kind of serialization (`gateway.history.Forgiven`, `sessions.replay_match`).
+
 Store pending is read from Redis (`SCARD rg:pending:sessions`) by `refresh()` before each scrape, bounded by a short
 timeout, rather than cached by a background task: a scrape every ~15 s costs one GET per process, the value is
 exact when read (no refresh lag to explain), and there is no task to start, stop and keep alive. If Redis does
@@ -63,10 +71,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.errors import StoreError
+from gateway.history import Forgiven
 
 if TYPE_CHECKING:
     from gateway.generation import Generator
     from gateway.routing import ReplicaPool
+    from gateway.session.samples import SessionManager
     from gateway.store import TrajectoryStore
     from gateway.weights import UpdateReport, WeightCoordinator
 
@@ -91,12 +101,18 @@ class _Sources:
     """The live objects the scrape-time collector reads."""
 
     def __init__(
-        self, pool: ReplicaPool, weights: WeightCoordinator, generator: Generator, store: TrajectoryStore
+        self,
+        pool: ReplicaPool,
+        weights: WeightCoordinator,
+        generator: Generator,
+        store: TrajectoryStore,
+        sessions: SessionManager,
     ) -> None:
         self.pool = pool
         self.weights = weights
         self.generator = generator
         self.store = store
+        self.sessions = sessions
 
 
 class _LiveCollector:
@@ -159,6 +175,22 @@ class _LiveCollector:
             "Sample writes that found their index taken by another process's turn, and moved to a free one.",
             src.store.stats.samples_moved,
         )
+        chat_turns = CounterMetricFamily(
+            f"{PREFIX}_chat_turns",
+            "Chat turns by how their prompt was made: tokens, template, or rewritten (a new sample).",
+            labels=["history"],
+        )
+        for path in ("tokens", "template", "rewritten"):
+            chat_turns.add_metric([path], src.sessions.turns_by_history[path])
+        yield chat_turns
+        forgiven = CounterMetricFamily(
+            f"{PREFIX}_replays_forgiven",
+            "Replays that continued their sample despite a difference in serialization, by kind.",
+            labels=["kind"],
+        )
+        for kind in Forgiven:
+            forgiven.add_metric([kind.value], src.sessions.replays_forgiven[kind])
+        yield forgiven
         if self.pending is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_store_pending", "Finished trajectories not yet consumed by a trainer.", self.pending
@@ -210,11 +242,18 @@ class GatewayMetrics:
         self._live: _LiveCollector | None = None
         self._pending_failing = False
 
-    def bind(self, pool: ReplicaPool, weights: WeightCoordinator, generator: Generator, store: TrajectoryStore) -> None:
+    def bind(
+        self,
+        pool: ReplicaPool,
+        weights: WeightCoordinator,
+        generator: Generator,
+        store: TrajectoryStore,
+        sessions: SessionManager,
+    ) -> None:
         """Read these objects at scrape time and subscribe to their events (once, at startup)."""
         if self._live is not None:
             raise RuntimeError("GatewayMetrics is already bound")
-        self._live = _LiveCollector(_Sources(pool, weights, generator, store))
+        self._live = _LiveCollector(_Sources(pool, weights, generator, store, sessions))
         self.registry.register(self._live)
         generator.on_resume = self.observe_resume
         generator.on_dispatch = self.observe_dispatch

@@ -246,6 +246,7 @@ async def open_services(
                 explicit="history" in settings.sessions.model_fields_set,
                 template_kwargs=settings.model.chat_template_kwargs or None,
             ),
+            replay_match=settings.sessions.replay_match,
         )
         open_sessions = OpenSessions(
             redis, Keys(s.prefix), settings.server.max_open_sessions_per_key, s.session_idle_ttl_s
@@ -266,7 +267,7 @@ async def open_services(
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
-        metrics.bind(pool, weights, generator, trajectories)
+        metrics.bind(pool, weights, generator, trajectories, sessions)
         dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix, s.stream_partitions))
         trajectories.on_delivered.append(dashboard.observe_delivered)
         dashboard.start()

@@ -47,3 +47,11 @@ class SessionsConfig(Section):
             "mode with a warning; set to tokens, the gateway refuses it."
         ),
     )
+    replay_match: Literal["loose", "strict"] = Field(
+        "loose",
+        description=(
+            "What an agent's replay of the conversation may change and still continue the sample. strict: only a "
+            "reply's reasoning (left out or changed) and empty fields; loose: also tool-call arguments re-serialized, "
+            "re-minted tool-call ids, whitespace, a text as a list of text parts."
+        ),
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -29,7 +29,7 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
-from gateway.history import TokenHistory, as_said, replayed
+from gateway.history import ReplayMatch, TokenHistory, replayed, same_messages
 from gateway.request_ids import new_name
 from gateway.session.working_sample import WorkingSample
 from gateway.store.locks import SessionLocks
@@ -203,19 +203,25 @@ class SessionManager:
         cache_bytes: int = 256 * 1024 * 1024,
         locks: SessionLocks | None = None,
         token_history: TokenHistory | None = None,
+        replay_match: ReplayMatch = "loose",
     ) -> None:
         """`cache_size`, `cache_bytes`: the bounds of the cache of sessions (count, and estimated bytes: `_footprint`).
         `locks`: the process's session locks (the store's, `TrajectoryStore.locks`); new ones if None (a manager
         standing for a process of its own). `token_history`: how a turn that replays its session's conversation goes
-        on from the sample's ids (`sessions.history: tokens`); None: the template renders every turn whole."""
+        on from the sample's ids (`sessions.history: tokens`); None: the template renders every turn whole.
+        `replay_match`: what a replay may change of the conversation (`gateway.history.replayed`)."""
         self.tokenizer = tokenizer
         self.token_history = token_history
+        self.replay_match: ReplayMatch = replay_match
+        # Chat turns by how their prompt was made (tokens: from a sample's ids; template: the template's rendering
+        # extends a sample; rewritten: a new sample in a session that had one), and the replay differences forgiven.
+        self.turns_by_history: Counter[str] = Counter()
+        self.replays_forgiven: Counter[str] = Counter()
         self.store = store
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
         self.cached_bytes = 0  # the estimated bytes of the cached sessions (`_footprint`), at most `cache_bytes`
         self.evictions = 0
-        self.history_rewrites = 0
         self.reloads = 0  # sessions read back because the stored revision had moved past this process's copy
         self._cache: OrderedDict[str, _Known] = OrderedDict()
         # A session's lock lives while a turn holds it or waits for it (they keep the reference), whether or not
@@ -355,9 +361,12 @@ class SessionManager:
                 continue
             if sample.template_kwargs != template_kwargs:
                 continue
-            if (history := self.token_history) is not None and (new := replayed(sample.conversation, messages)):
-                suffix = await history.suffix_ids(sample.conversation, new, tools, template_kwargs)
+            history = self.token_history
+            if history is not None and (replay := replayed(sample.conversation, messages, self.replay_match)):
+                suffix = await history.suffix_ids(sample.conversation, replay.added, tools, template_kwargs)
                 if suffix is not None:
+                    self.turns_by_history["tokens"] += 1
+                    self.replays_forgiven.update(replay.forgiven)
                     return self._extend(session_id, sample, suffix, messages)
             tail = match.tail(sample.conversation, sample.tools, sample.rendering)
             if tail is TextCheck.DIFFERENT:
@@ -368,14 +377,16 @@ class SessionManager:
             else:
                 delta = self._delta_by_ids(match, sample)
             if delta is not None:
+                self.turns_by_history["template"] += 1
                 return self._extend(session_id, sample, delta, messages)
         if not match.texts_decide:  # a tokenizer that normalizes can give two different texts the same ids
             for sample in different:
                 if (delta := self._delta_by_ids(match, sample)) is not None:
+                    self.turns_by_history["template"] += 1
                     return self._extend(session_id, sample, delta, messages)
-        rewritten_from = _rewritten(samples, messages, tools)
+        rewritten_from = _rewritten(samples, messages, tools, self.replay_match)
         if any(s.num_turns for s in samples):
-            self.history_rewrites += 1
+            self.turns_by_history["rewritten"] += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
         prompt = await self.tokenizer.render_async(messages, tools, chat_template_kwargs=template_kwargs)
         fresh = WorkingSample(
@@ -510,7 +521,9 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
     return next((i for i in range(start + 1, end) if versions[i] != first), end)
 
 
-def _rewritten(samples: Sequence[WorkingSample], messages: list[Message], tools: list[Tool] | None) -> int | None:
+def _rewritten(
+    samples: Sequence[WorkingSample], messages: list[Message], tools: list[Tool] | None, match: ReplayMatch
+) -> int | None:
     """The most recent sample whose conversation `messages` go on from, read as messages, not ids: the same messages
     in the same order, then more (an assistant reply's reasoning aside: templates like Qwen3's drop it from earlier
     turns, and agents may not echo it). The new sample's `rewritten_from`; None when there is none."""
@@ -519,6 +532,6 @@ def _rewritten(samples: Sequence[WorkingSample], messages: list[Message], tools:
         if not sample.num_turns or sample.tools != tools or len(conversation) >= len(messages):
             continue
         pairs = zip(conversation, messages[: len(conversation)], strict=True)
-        if all(as_said(old) == as_said(new) for old, new in pairs):
+        if all(same_messages(old, new, match) for old, new in pairs):
             return sample.index
     return None

@@ -17,12 +17,15 @@ import pytest
 from redis.asyncio import Redis
 
 from backends.sim.engine import EngineSettings
+from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.errors import StoreError
 from gateway.generation import Generator
 from gateway.metrics import ContextFormatter, GatewayMetrics
 from gateway.routing import ReplicaPool
 from gateway.server import RunningGateway
+from gateway.session.samples import SessionManager
 from gateway.store import Keys, StoreStats
+from gateway.tokenization import ChatTokenizer
 from gateway.weights import UpdateReport, WeightCoordinator
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body, publish, scrape, stream_generate, value
@@ -169,7 +172,7 @@ async def test_store_pending_is_left_out_when_redis_does_not_answer(
     generator = Generator(pool, weights)
     metrics = GatewayMetrics(pending_timeout_s=0.05)
     store: Any = _Store("ok")
-    metrics.bind(pool, weights, generator, store)
+    metrics.bind(pool, weights, generator, store, SessionManager(ChatTokenizer.load(TINY_TOKENIZER_DIR), store))
     await metrics.refresh()
     assert metrics.store_pending == 7 and b"rollout_gateway_store_pending 7.0" in metrics.render()
     store.behaviour = behaviour
@@ -186,7 +189,9 @@ def test_hooks_record_updates_and_resumes() -> None:
     weights = WeightCoordinator(pool)
     generator = Generator(pool, weights)
     metrics = GatewayMetrics()
-    metrics.bind(pool, weights, generator, _Store("ok"))  # type: ignore[arg-type]
+    store: Any = _Store("ok")
+    sessions = SessionManager(ChatTokenizer.load(TINY_TOKENIZER_DIR), store)
+    metrics.bind(pool, weights, generator, store, sessions)
     assert generator.on_resume == metrics.observe_resume and weights.on_update == [metrics.observe_update]
     assert generator.on_dispatch == metrics.observe_dispatch
     metrics.observe_update(UpdateReport(1, "abort", updated=["r1"], duration_s=0.5))
@@ -199,7 +204,7 @@ def test_hooks_record_updates_and_resumes() -> None:
     assert "rollout_gateway_resume_latency_seconds_count 1.0" in text
     assert "rollout_gateway_resume_dispatch_seconds_count 1.0" in text
     with pytest.raises(RuntimeError):
-        metrics.bind(pool, weights, generator, _Store("ok"))  # type: ignore[arg-type]
+        metrics.bind(pool, weights, generator, store, sessions)
 
 
 def test_log_records_carry_session_replica_and_version() -> None:
