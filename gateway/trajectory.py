@@ -5,7 +5,9 @@ tokens: `loss_mask` 1, with logprobs, the weight version that sampled each token
 environment spans (tool results, user turns, template tokens: `loss_mask` 0, logprob 0, version -1). A
 multi-turn episode whose messages extend the previous turn is ONE sample; a rewritten history starts another, and
 `rewritten_from` names the sample whose conversation it renders again (a chat template that is not prefix-stable,
-such as Qwen3's, which drops earlier turns' reasoning, makes one sample per turn, each with its exact ids).
+such as Qwen3's, which drops earlier turns' reasoning, makes one sample per turn, each with its exact ids). A new
+sample branches from the earlier one it shares leading ids with (`parent`, `branch_point`): its hash holds its
+prompt from the branch point on, the shared ids stay in the parent's (`gateway.sample_tree.joined` joins them).
 
 Arrays travel as little-endian numpy bytes, never JSON lists: ids and versions int32, mask uint8, logprobs
 float32, routed experts in the smallest unsigned dtype with their shape beside them. Routed experts cover
@@ -145,6 +147,17 @@ class Sample:
     # the prompt does not extend that sample's ids (the chat template drops or changes earlier turns, as Qwen3's
     # does with their reasoning, or the agent edited its history). None: the sample starts a conversation.
     rewritten_from: int | None = None
+    # The session's earlier sample this one branches from (a fork: an edited history, a retried turn, a sub-agent
+    # that starts from an earlier point), and how many leading ids the two share (`input_ids[:branch_point]`, all
+    # within this sample's prompt). Redis stores the shared ids once, in the parent: this sample's hash holds its
+    # prompt from `branch_point` on, and reading the session joins them back (`gateway.sample_tree.joined`).
+    # None and 0: a root.
+    parent: int | None = None
+    branch_point: int = 0
+    # This sample retries its parent's last turn (the same request again, prompted with the same ids): the parent's
+    # last turn is abandoned, and the parent is delivered `superseded` (set when the session is read, not stored).
+    retry: bool = False
+    superseded: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -181,7 +194,7 @@ class Sample:
     def to_redis_whole(self) -> tuple[dict[str, bytes | int | str], StoredChunks]:
         """The fields of the sample's Redis hash, as one chunk, and what the hash holds then."""
         fields = self._scalar_fields()
-        fields["prompt_ids"] = self.prompt_ids.astype(I32).tobytes()
+        fields["prompt_ids"] = self.prompt_ids[self.branch_point :].astype(I32).tobytes()
         experts = None if self.routed_experts is None else smallest_unsigned(self.routed_experts)
         if experts is not None:
             fields["experts_dtype"] = experts.dtype.str
@@ -253,6 +266,9 @@ class Sample:
             "max_version": int(sampled.max()) if sampled.size else "",
             "num_resumes": self.num_resumes,
             "rewritten_from": "" if self.rewritten_from is None else self.rewritten_from,
+            "parent": "" if self.parent is None else self.parent,
+            "branch_point": self.branch_point,
+            "retry": int(self.retry),
             "segments": table,
             "segment_replicas": replicas,
         }
@@ -298,6 +314,9 @@ class Sample:
                 num_resumes=int(fields.get("num_resumes", 0)),
                 segments=_decode_segments(fields),
                 rewritten_from=int(_text(fields["rewritten_from"])) if fields.get("rewritten_from") else None,
+                parent=int(_text(fields["parent"])) if fields.get("parent") else None,
+                branch_point=int(fields.get("branch_point", 0)),
+                retry=_text(fields.get("retry", "0")) == "1",
             )
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc

@@ -31,11 +31,13 @@ from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState
 from gateway.history import ReplayMatch, TokenHistory, replayed, same_messages
 from gateway.request_ids import new_name
-from gateway.session.working_sample import WorkingSample
+from gateway.sample_tree import shared_prefix
+from gateway.session.working_sample import Branch, WorkingSample
 from gateway.store.locks import SessionLocks
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import (
     ENV_VERSION,
+    I32,
     Sample,
     SampleSaved,
     SampleSegment,
@@ -384,17 +386,36 @@ class SessionManager:
                 if (delta := self._delta_by_ids(match, sample)) is not None:
                     self.turns_by_history["template"] += 1
                     return self._extend(session_id, sample, delta, messages)
-        rewritten_from = _rewritten(samples, messages, tools, self.replay_match)
+        return await self._fork(session_id, samples, messages, tools, template_kwargs)
+
+    async def _fork(
+        self,
+        session_id: str,
+        samples: list[WorkingSample],
+        messages: list[Message],
+        tools: list[Tool] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> Turn:
+        """A new sample for messages that extend none: a retry of a sample's last turn goes on from the ids that
+        turn was prompted with (`_retried`); else the template renders the messages, and the sample branches from
+        the one it shares the most leading ids with (`_branch`)."""
         if any(s.num_turns for s in samples):
             self.turns_by_history["rewritten"] += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
+        retried = _retried(samples, messages, tools, template_kwargs, self.replay_match)
+        if retried is not None:
+            prompt = retried.ids[: _last_turn_start(retried)]
+            branch = Branch(retried.index, len(prompt), retry=True)
+            fresh = WorkingSample(len(samples), prompt, tools=tools, template_kwargs=template_kwargs, branch=branch)
+            return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
         prompt = await self.tokenizer.render_async(messages, tools, chat_template_kwargs=template_kwargs)
         fresh = WorkingSample(
-            index=len(samples),
-            prompt_ids=prompt,
+            len(samples),
+            prompt,
             tools=tools,
             template_kwargs=template_kwargs,
-            rewritten_from=rewritten_from,
+            rewritten_from=_rewritten(samples, messages, tools, self.replay_match),
+            branch=_branch(samples, prompt),
         )
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 
@@ -478,7 +499,16 @@ class SessionManager:
         resumes = sample.num_resumes + state.num_resumes
         turns, conversation, rewritten_from = sample.num_turns, sample.conversation, sample.rewritten_from
         written = arrays.sample(
-            experts, turns, False, conversation, sample.tools, resumes, segments, rewritten_from, sample.template_kwargs
+            experts,
+            turns,
+            False,
+            conversation,
+            sample.tools,
+            resumes,
+            segments,
+            rewritten_from,
+            sample.template_kwargs,
+            sample.branch,
         )
         # The last write of the sample stored this conversation: the turn changes it only once it ends.
         written.conversation_stored = True
@@ -519,6 +549,57 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
     """The first position in (start, end) whose version differs from `versions[start]` (`end` if none)."""
     first = versions[start]
     return next((i for i in range(start + 1, end) if versions[i] != first), end)
+
+
+# How many of a session's most recent samples a new sample looks for the one it branches from (a session id shared by
+# unrelated conversations gathers thousands; a fork is almost always from a recent one).
+BRANCH_CANDIDATES = 64
+
+
+def _branch(samples: Sequence[WorkingSample], prompt: list[int]) -> Branch | None:
+    """Where a new sample prompted with `prompt` branches from: the recent sample (`BRANCH_CANDIDATES`) it shares the
+    most leading ids with (the most recent of equals), and how many; None when it shares none."""
+    if not samples:
+        return None
+    ids = np.asarray(prompt, I32)
+    best: Branch | None = None
+    for sample in reversed(samples[-BRANCH_CANDIDATES:]):
+        arrays = sample.arrays()
+        shared = min(shared_prefix(ids, arrays.prompt_ids), len(arrays.prompt_ids))
+        if shared == len(arrays.prompt_ids):
+            shared += shared_prefix(ids[shared:], arrays.response_ids)
+        if shared and (best is None or shared > best.point):
+            best = Branch(sample.index, shared)
+    return best
+
+
+def _retried(
+    samples: Sequence[WorkingSample],
+    messages: list[Message],
+    tools: list[Tool] | None,
+    template_kwargs: dict[str, Any] | None,
+    match: ReplayMatch,
+) -> WorkingSample | None:
+    """The most recent sample whose last turn `messages` ask for again: its conversation is these messages and the
+    reply (under `match`), with the same tools and template arguments."""
+    for sample in reversed(samples):
+        conversation = sample.conversation
+        if not sample.num_turns or len(conversation) != len(messages) + 1 or sample.tools != tools:
+            continue
+        if sample.template_kwargs != template_kwargs or conversation[-1].get("role") != "assistant":
+            continue
+        if all(same_messages(old, new, match) for old, new in zip(conversation, messages, strict=False)):
+            return sample
+    return None
+
+
+def _last_turn_start(sample: WorkingSample) -> int:
+    """Where the sample's last turn's reply begins, in its ids: after the last environment id of its response (a
+    later turn's ids begin with what the template wrote after the reply before, never nothing), else after the
+    prompt."""
+    mask = sample.loss_mask
+    last_env = next((i for i in range(len(mask) - 1, -1, -1) if not mask[i]), -1)
+    return len(sample.prompt_ids) + last_env + 1
 
 
 def _rewritten(

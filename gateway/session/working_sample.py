@@ -70,8 +70,10 @@ class SampleArrays:
         segments: list[SampleSegment] | None = None,
         rewritten_from: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        branch: Branch | None = None,
     ) -> Sample:
-        """The sample these arrays are the token arrays of."""
+        """The sample these arrays are the token arrays of (`branch`: where it branches from another; None: a
+        root)."""
         return Sample(
             prompt_ids=self.prompt_ids,
             response_ids=self.response_ids,
@@ -87,7 +89,19 @@ class SampleArrays:
             num_resumes=num_resumes,
             segments=list(segments or ()),
             rewritten_from=rewritten_from,
+            parent=branch.parent if branch is not None else None,
+            branch_point=branch.point if branch is not None else 0,
+            retry=branch.retry if branch is not None else False,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """Where a sample branches from an earlier one of its session (`Sample.parent`, `branch_point`, `retry`)."""
+
+    parent: int
+    point: int
+    retry: bool = False
 
 
 def _frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -126,6 +140,7 @@ class WorkingSample:
     num_resumes: int = 0
     segments: list[SampleSegment] = field(default_factory=list)
     rewritten_from: int | None = None  # `Sample.rewritten_from`
+    branch: Branch | None = None  # `Sample.parent`, `branch_point`, `retry`
     # The template's rendering of `conversation`, kept for matching later turns against it (a new one whenever
     # `conversation` changes).
     rendering: Rendering = field(default_factory=Rendering, repr=False, compare=False)
@@ -169,6 +184,7 @@ class WorkingSample:
             self.segments,
             self.rewritten_from,
             self.template_kwargs,
+            self.branch,
         )
 
     @classmethod
@@ -189,6 +205,7 @@ class WorkingSample:
             num_resumes=sample.num_resumes,
             segments=list(sample.segments),
             rewritten_from=sample.rewritten_from,
+            branch=Branch(sample.parent, sample.branch_point, sample.retry) if sample.parent is not None else None,
             writer=sample.writer,
             converted=SampleArrays(
                 _read_only(sample.prompt_ids, I32),

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from gateway.background import background, stop
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
+from gateway.sample_tree import joined
 from gateway.store.backpressure import Backpressure
 from gateway.store.buffer import WriteBuffer
 from gateway.store.core import StoreCore, backoff_s
@@ -246,8 +247,8 @@ class TrajectoryStore:
         raise Conflict(f"session {session_id} is {verdict}; its samples can no longer change", param="session_id")
 
     async def load_samples(self, session_id: str) -> list[Sample]:
-        """The session's samples in index order (gaps skipped), including writes still buffered here; retried
-        through a Redis outage (`_read`)."""
+        """The session's samples in index order (gaps skipped), including writes still buffered here, each branch's
+        prompt whole (`gateway.sample_tree.joined`); retried through a Redis outage (`_read`)."""
 
         async def read() -> dict[int, Any]:
             meta = await self._core.get_session(session_id)
@@ -255,7 +256,7 @@ class TrajectoryStore:
 
         found = await self._retried(read, "read samples")
         found |= self._buffer.waiting(session_id)
-        return [Sample.from_redis(found[index]) for index in sorted(found)]
+        return joined({index: Sample.from_redis(raw) for index, raw in found.items()})
 
     async def _retried(self, read: Callable[[], Awaitable[T]], what: str) -> T:
         """`read()` (a read, or an idempotent write), tried again with backoff while Redis is unreachable, for up to

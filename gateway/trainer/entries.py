@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.errors import StoreError
+from gateway.sample_tree import joined
 from gateway.store.keys import REDIS_ERRORS, Keys
 from gateway.trajectory import Sample, SessionMeta, Trajectory, TrajectoryFormatError
 
@@ -143,7 +144,7 @@ def classify(entry: Entry, raw_meta: dict[Any, Any], raw_samples: list[dict[Any,
             return "duplicate"
         if any(not raw for raw in raw_samples):
             raise TrajectoryFormatError("a sample hash is missing (expired or never written)")
-        samples = [Sample.from_redis(raw) for raw in raw_samples]
+        samples = joined({index: Sample.from_redis(raw) for index, raw in enumerate(raw_samples)})
     except TrajectoryFormatError as exc:
         logger.warning("session %s: unreadable (%s); acknowledging entry %s", entry.session_id, exc, entry.entry_id)
         return "unreadable"
