@@ -136,7 +136,12 @@ def token_history_for(
     reason = _why_not(tokenizer, family, template_kwargs)
     if reason is None:
         assert family is not None
-        return TokenHistory(tokenizer, family)
+        return TokenHistory(
+            tokenizer,
+            family,
+            checked=template_kwargs,
+            check=lambda kwargs: not _checked(tokenizer, kwargs).problems,
+        )
     message = f"sessions.history: tokens is not available for this chat template: {reason}"
     if explicit:
         raise ConfigError(f"{message}; set sessions.history: template")
@@ -150,12 +155,18 @@ def _why_not(tokenizer: ChatTokenizer, family: str | None, template_kwargs: Mapp
     if not tokenizer.text_path.stop_texts:
         return "the tokenizer does not tokenize the text after a stop token on its own (no text path)"
 
+    check = _checked(tokenizer, template_kwargs)
+    if check.problems:
+        return f"the {family} family's rule does not hold for it: " + "; ".join(check.problems)
+    return None
+
+
+def _checked(tokenizer: ChatTokenizer, template_kwargs: Mapping[str, Any] | None) -> HistoryCheck:
+    """`check_template` on the tokenizer's template, under `template_kwargs`."""
+
     def render(
         messages: Sequence[Message], tools: Sequence[Tool] | None, generation: bool, kwargs: Mapping[str, Any] | None
     ) -> str:
         return tokenizer.render_text(messages, tools, generation, chat_template_kwargs=kwargs)
 
-    check = check_template(render, *turn_end_texts(tokenizer), template_kwargs)
-    if check.problems:
-        return f"the {family} family's rule does not hold for it: " + "; ".join(check.problems)
-    return None
+    return check_template(render, *turn_end_texts(tokenizer), template_kwargs)

@@ -46,3 +46,28 @@ def test_a_template_whose_suffix_depends_on_the_reply_is_refused(tmp_path: Path)
     tokenizer = ChatTokenizer.load(family_tokenizer_dir(tmp_path, REASONING_AFTER))
     with pytest.raises(ConfigError, match="depends on the reply's reasoning"):
         token_history_for(tokenizer, "chatml", "tokens", explicit=True)
+
+
+# A template that writes a reply's reasoning after it only when the `notes` argument is set: the rule holds without
+# it and not with it.
+NOTES_WHEN_ASKED = REASONING_AFTER.replace("m.reasoning_content %}", "m.reasoning_content and notes %}")
+
+
+def test_template_arguments_the_start_up_check_did_not_see_are_checked_once_before_tokens_follow_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tokenizer = ChatTokenizer.load(family_tokenizer_dir(tmp_path, NOTES_WHEN_ASKED))
+    history = token_history_for(tokenizer, "chatml", "tokens", explicit=True)
+    assert history is not None
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "r"},
+    ]
+    new = [{"role": "user", "content": "And?"}]
+    assert history.suffix_text(conversation, new, None, None) == "<|im_start|>user\nAnd?<|im_end|><|im_start|>assistant"
+    assert history.suffix_text(conversation, new, None, {"notes": False}) is not None  # checked: it holds
+    with caplog.at_level(logging.WARNING, logger="gateway.history.suffix"):
+        assert history.suffix_text(conversation, new, None, {"notes": True}) is None  # those turns: the template's
+        assert history.suffix_text(conversation, new, None, {"notes": True}) is None
+    assert caplog.text.count("does not hold") == 1  # checked once
+    assert history.holds_for(None) and history.holds_for({"notes": False}) and not history.holds_for({"notes": True})
