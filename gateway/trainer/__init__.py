@@ -12,12 +12,13 @@ async with TrajectoryConsumer(url, group="grpo", consumer=f"rank{rank}", group_b
 ```
 
 One module per concept: `consumer` (delivery through a consumer group, reclaiming, acknowledging), `entries`
-(what a stream entry becomes), `groups` (GRPO group assembly), `batch` (`Batch`, staleness, `to_tensors`).
+(what a stream entry becomes), `groups` (GRPO group assembly), `batch` (`Batch`, staleness, `to_tensors`),
+`packing` (the packed layout: one row per trajectory, each token its samples share once, a tree attention mask).
 """
 
 from __future__ import annotations
 
-from gateway.trainer.batch import Batch, StalePolicy
+from gateway.trainer.batch import Batch, Layout, StalePolicy
 from gateway.trainer.consumer import TrajectoryConsumer
 
-__all__ = ["Batch", "StalePolicy", "TrajectoryConsumer"]
+__all__ = ["Batch", "Layout", "StalePolicy", "TrajectoryConsumer"]

@@ -1,4 +1,5 @@
-"""`Batch`: the trajectories handed to the trainer, their off-policy masks and groups, and `to_tensors`.
+"""`Batch`: the trajectories handed to the trainer, their off-policy masks and groups, and `to_tensors` (one row per
+sample, or packed: one row per trajectory, `gateway.trainer.packing`).
 
 Staleness (docs/architecture.md §5). With `max_staleness`, the version current when `next_batch` is called is read
 from `rg:weights` (0 when absent); a model token is off-policy when its version is below `current - max_staleness`,
@@ -20,14 +21,16 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.trainer.entries import Item
+from gateway.trainer.packing import packed_arrays
 from gateway.trajectory import ENV_VERSION, Sample, Trajectory, TrajectoryFormatError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "StalePolicy", "is_stale"]
+__all__ = ["Batch", "Layout", "StalePolicy", "is_stale"]
 
 StalePolicy = Literal["drop", "mask"]
+Layout = Literal["rows", "packed"]
 
 
 @dataclass
@@ -89,10 +92,13 @@ class Batch:
             self.off_policy_mask.append([_on_policy(s, self.stale_before) for s in samples])
             self.group_index.append(index)
 
-    def to_tensors(self, pad_token_id: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """One row per sample of every trajectory (in order), right-padded to the longest sequence.
+    def to_tensors(
+        self, pad_token_id: int = 0, device: str | torch.device = "cpu", layout: Layout = "rows"
+    ) -> dict[str, torch.Tensor]:
+        """The batch as torch tensors, right-padded: `layout="rows"` gives one row per sample of every trajectory (in
+        order); `"packed"` one row per trajectory, each token its samples share once (below).
 
-        Alignment: position `t` of `loss_mask`, `old_logprobs` and `versions` describes the token
+        Rows. Alignment: position `t` of `loss_mask`, `old_logprobs` and `versions` describes the token
         `input_ids[t]` — its log-probability when it was sampled given `input_ids[:t]`, and the weight version
         that sampled it. A trainer that scores `logits[:, :-1]` against `input_ids[:, 1:]` therefore uses
         `loss_mask[:, 1:]`, `old_logprobs[:, 1:]`, `versions[:, 1:]`. `routed_experts[t]` (present only when
@@ -108,10 +114,47 @@ class Batch:
           (`finish {rewards}`), else the trajectory's reward; NaN when the session finished without one;
         - `trajectory_index`, `sample_index`, `group_index` (B,) long: which trajectory of the batch, which
           sample of it, and which group of the batch each row comes from.
+
+        Packed (gateway/trainer/packing.py). A trajectory's samples form a tree (`Sample.parent`, `branch_point`):
+        row `b` holds trajectory `b`'s sample 0, then each later sample from its branch point on (a root whole), so
+        a prefix shared by several samples is there once, in the sample that holds it. The same tokens are trained,
+        with the same masks, logprobs and versions, as in the row layout. S is the number of samples in the batch.
+
+        - `input_ids`, `attention_mask`, `loss_mask`, `old_logprobs`, `versions` (B, T): as in rows, per token;
+        - `position_ids` (B, T) long: the token's position in its own sample's sequence (0 on padding);
+        - `tree_attention_mask` (B, T, T) bool: `[b, i, j]` is True iff token `j` is `i` or an earlier token of
+          `i`'s sequence (its ancestors' shared prefix included, other branches excluded); a padding position
+          attends only itself. For a Hugging Face model pass `torch.where(mask, 0.0, finfo.min)[:, None]` as a
+          4D `attention_mask`, with `position_ids`;
+        - `prev_index` (B, T) long: the packed position of the token before this one in its sequence, -1 at a
+          sequence's first token and on padding. Token `i`'s log-probability is read from the logits at
+          `prev_index[i]` (not `i - 1`: a branch's first own token follows its branch point);
+        - `token_sample` (B, T) long: which sample's own part the token is, as an index into the (S,) tensors
+          below; -1 on padding;
+        - `routed_experts` (B, T, layers, top_k) long: at token `i`, the routing of the forward pass there (the one
+          that produced the distribution of the tokens whose `prev_index` is `i`), as the sample that holds the
+          token recorded it (a later sample's where the holder has none); zero where none has;
+        - `rewards`, `trajectory_index`, `sample_index`, `group_index` (S,): one per sample, as in rows.
+
+        A tree that is inconsistent (a parent that is not earlier, a branch point past the parent's length or
+        the branch's prompt, shared ids that differ) is a `TrajectoryFormatError` in the packed layout.
         """
         import torch
 
-        rows = [(t, s) for t, trajectory in enumerate(self.trajectories) for s in range(len(trajectory.samples))]
+        if layout == "packed":
+            arrays = packed_arrays(self.trajectories, self.off_policy_mask, pad_token_id)
+        elif layout == "rows":
+            arrays = self._row_arrays(pad_token_id)
+        else:
+            raise ValueError(f"layout must be 'rows' or 'packed', not {layout!r}")
+        arrays.update(self._per_sample())
+        return {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+
+    def _rows(self) -> list[tuple[int, int]]:
+        return [(t, s) for t, trajectory in enumerate(self.trajectories) for s in range(len(trajectory.samples))]
+
+    def _row_arrays(self, pad_token_id: int) -> dict[str, npt.NDArray[Any]]:
+        rows = self._rows()
         width = max((_length(self._sample(t, s)) for t, s in rows), default=0)
         arrays: dict[str, npt.NDArray[Any]] = {
             "input_ids": np.full((len(rows), width), pad_token_id, np.int64),
@@ -125,13 +168,19 @@ class Batch:
         experts = self._experts(rows, width)
         if experts is not None:
             arrays["routed_experts"] = experts
+        return arrays
+
+    def _per_sample(self) -> dict[str, npt.NDArray[Any]]:
+        """One entry per sample of the batch, in order: the same in both layouts."""
+        rows = self._rows()
         per_trajectory = [trajectory.rewards for trajectory in self.trajectories]
         rewards = [per_trajectory[t][s] for t, s in rows]
-        arrays["rewards"] = np.array([np.nan if r is None else r for r in rewards], np.float32)
-        arrays["trajectory_index"] = np.array([t for t, _ in rows], np.int64)
-        arrays["sample_index"] = np.array([s for _, s in rows], np.int64)
-        arrays["group_index"] = np.array([self.group_index[t] for t, _ in rows], np.int64)
-        return {name: torch.from_numpy(array).to(device) for name, array in arrays.items()}
+        return {
+            "rewards": np.array([np.nan if r is None else r for r in rewards], np.float32),
+            "trajectory_index": np.array([t for t, _ in rows], np.int64),
+            "sample_index": np.array([s for _, s in rows], np.int64),
+            "group_index": np.array([self.group_index[t] for t, _ in rows], np.int64),
+        }
 
     def _sample(self, t: int, s: int) -> Sample:
         return self.trajectories[t].samples[s]
