@@ -109,6 +109,22 @@ class VllmMetrics:
         return out
 
 
+_COMPLETION_SAMPLING = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+}
+"""The sampling fields of a completion request (`SimEngine.sampling_log`)."""
+
+
 def _spec(
     max_tokens: int | None,
     temperature: float | None,
@@ -235,6 +251,7 @@ class VllmDialect:
         if body.n != 1:
             raise SimRequestError("the simulator supports n=1 only")
         prompt = self._completion_prompt(body)
+        self.engine.sampling_log.append(body.model_dump(include=_COMPLETION_SAMPLING))
         spec = _spec(
             body.max_tokens,
             body.temperature,
@@ -352,6 +369,7 @@ class VllmDialect:
                 "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", 403
             )
         sp = body.sampling_params
+        self.engine.sampling_log.append(sp.model_dump(exclude={"routed_experts_prompt_start"}))
         spec = _spec(
             sp.max_tokens, sp.temperature, sp.seed, sp.ignore_eos, sp.stop_token_ids, sp.min_tokens, sp.logprobs, 16
         )
