@@ -109,20 +109,8 @@ class VllmMetrics:
         return out
 
 
-_COMPLETION_SAMPLING = {
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "n",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "logprobs",
-}
-"""The sampling fields of a completion request (`SimEngine.sampling_log`)."""
+_SAMPLING = set("max_tokens temperature top_p top_k seed stop_token_ids ignore_eos min_tokens logprobs".split())
+"""The sampling fields of a request (`SimEngine.sampling_log`); a completion's `n` and `stop` too."""
 
 
 def _spec(
@@ -251,7 +239,7 @@ class VllmDialect:
         if body.n != 1:
             raise SimRequestError("the simulator supports n=1 only")
         prompt = self._completion_prompt(body)
-        self.engine.sampling_log.append(body.model_dump(include=_COMPLETION_SAMPLING))
+        self.engine.sampling_log.append(body.model_dump(include=_SAMPLING | {"n", "stop"}))
         spec = _spec(
             body.max_tokens,
             body.temperature,
@@ -369,7 +357,7 @@ class VllmDialect:
                 "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", 403
             )
         sp = body.sampling_params
-        self.engine.sampling_log.append(sp.model_dump(exclude={"routed_experts_prompt_start"}))
+        self.engine.sampling_log.append(sp.model_dump(include=_SAMPLING))
         spec = _spec(
             sp.max_tokens, sp.temperature, sp.seed, sp.ignore_eos, sp.stop_token_ids, sp.min_tokens, sp.logprobs, 16
         )

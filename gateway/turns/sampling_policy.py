@@ -29,7 +29,7 @@ def governed(policy: SamplingPolicy, sampling: Sampling, named: Mapping[str, str
     for field, param in named.items():
         if policy.forbidden(field):
             raise InvalidRequest(
-                f"{param}: this API key may not choose {field} ({where}.{field} is forbid); leave it out",
+                f"{param}: not accepted from this caller ({where}.{field} is forbid); leave it out",
                 param=param,
                 code=FORBIDDEN_CODE,
             )

@@ -78,6 +78,8 @@ async def test_a_pin_replaces_what_the_agent_sent_and_sets_what_it_left_out(
     path, body = route_body(route, "pinned", temperature=0.9, top_p=0.8)  # top_k and seed left out
     response = await http.post(f"{gw.url}{path}", json=body)
     assert response.status_code == 200, response.text
+    if route == "responses":  # the response says what it was sampled with
+        assert (response.json()["temperature"], response.json()["top_p"]) == (0.25, 0.5)
     (engine,) = await received(http, sim)
     assert (engine["temperature"], engine["top_p"], engine["top_k"], engine["seed"]) == (0.25, 0.5, 7, 11)
     (sample,) = await gw.services.store.load_samples("pinned")
