@@ -348,8 +348,10 @@ def _decode_segment_sampling(fields: Mapping[str, bytes | str], count: int) -> l
     if not raw:
         return [None] * count
     of, settings = orjson.loads(raw)
-    if len(of) != count or any(not -1 <= i < len(settings) for i in of):
+    if len(of) != count or any(not isinstance(i, int) or not -1 <= i < len(settings) for i in of):
         raise ValueError("segment_sampling does not match the segments")
+    if any(not isinstance(entry, dict) for entry in settings):
+        raise ValueError("segment_sampling holds settings that are not objects")
     return [None if i == -1 else settings[i] for i in of]
 
 
