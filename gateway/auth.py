@@ -1,6 +1,7 @@
 """Bearer-token checks: the admin token for /admin/*, an optional metrics token for `/metrics` and the status page's
 data, optional API keys for agent routes (with `sessions.identity:
-api_key`, the agent's key may name its session too: `gateway.session.identity`)."""
+api_key`, the agent's key may name its session too: `gateway.session.identity`). An agent route's check answers the
+key's id (`gateway.config.api_keys`), which names the caller from there on; the key itself goes no further."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import hmac
 
 from fastapi import Request
 
+from gateway.config.api_keys import ANONYMOUS, ApiKey
 from gateway.errors import Forbidden, Unauthorized
 from gateway.session.identity import KEY_FORMAT, split_key
-from gateway.session.quotas import ANONYMOUS, key_id
 
 
 def _bearer(request: Request) -> str | None:
@@ -26,6 +27,15 @@ def _matches(token: str, allowed: tuple[str, ...]) -> bool:
     found = False
     for key in allowed:
         found |= hmac.compare_digest(token.encode(), key.encode())
+    return found
+
+
+def _key_id(token: str, keys: tuple[ApiKey, ...]) -> str | None:
+    """The id of the key `token` is, else None; every key compared in constant time, as `_matches` does."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token.encode(), key.secret().encode()):
+            found = key.id
     return found
 
 
@@ -50,18 +60,19 @@ def check_metrics(request: Request, metrics_token: str | None) -> None:
         raise Forbidden("wrong metrics token")
 
 
-def check_agent(request: Request, api_keys: tuple[str, ...]) -> str:
+def check_agent(request: Request, api_keys: tuple[ApiKey, ...]) -> str:
     """Agent routes are open when no API keys are configured; otherwise a configured key is required, as a bearer
-    token or Anthropic's `x-api-key` (`agent_token`). Returns the caller's key id (a digest, never the key) for
-    per-key limits."""
+    token or Anthropic's `x-api-key` (`agent_token`). Returns the caller's key id (never the key) for per-key limits
+    and settings (`anonymous` on an open gateway)."""
     if not api_keys:
         return ANONYMOUS
     token = agent_token(request)
     if token is None:
         raise Unauthorized("this gateway needs 'Authorization: Bearer <api key>' (or 'x-api-key: <api key>')")
-    if not _matches(token, api_keys):
+    found = _key_id(token, api_keys)
+    if found is None:
         raise Forbidden("unknown API key")
-    return key_id(token)
+    return found
 
 
 def agent_token(request: Request) -> str | None:
@@ -69,7 +80,7 @@ def agent_token(request: Request) -> str | None:
     return _bearer(request) or request.headers.get("x-api-key", "").strip() or None
 
 
-def check_agent_key(request: Request, api_keys: tuple[str, ...]) -> tuple[str, str | None] | None:
+def check_agent_key(request: Request, api_keys: tuple[ApiKey, ...]) -> tuple[str, str | None] | None:
     """`check_agent` for `sessions.identity: api_key`: the token is `<session>` when no API keys are configured,
     else `<api key>:<session>` (or a key alone). Returns the caller's key id and the session its token names, or
     None for a request without a token on a gateway without keys (the turn routes refuse it: `turn_session`)."""
@@ -81,6 +92,7 @@ def check_agent_key(request: Request, api_keys: tuple[str, ...]) -> tuple[str, s
     key, session = split_key(token, bool(api_keys))
     if key is None:
         return ANONYMOUS, session
-    if not _matches(key, api_keys):
+    found = _key_id(key, api_keys)
+    if found is None:
         raise Forbidden("unknown API key")
-    return key_id(key), session
+    return found, session

@@ -27,8 +27,10 @@ hash holds already (a write at a segment boundary, `Sample.conversation_stored`)
 Where the model spans came from is written whole at every write (a few bytes per segment): `num_resumes` (the
 resumes the sample's model spans needed, all turns together) and `segments`, int32 quadruples `start, end,
 version, replica` (response token positions [start, end), the weight version that sampled them, an index into
-`segment_replicas`, the replica ids joined by newlines). A hash written before these fields existed reads as 0
-resumes and no segments.
+`segment_replicas`, the replica ids joined by newlines), and `segment_sampling`, what each segment was sampled
+with as the engine got it (after the caller's `sampling:` policy): the JSON `[[index per segment], [settings...]]`,
+each distinct settings object once (-1: not recorded). A hash written before these fields existed reads as 0
+resumes and no segments, and one written before `segment_sampling` as segments without their sampling.
 """
 
 from __future__ import annotations
@@ -71,12 +73,15 @@ class SampleSegment:
     """Response tokens [start, end) of a sample (positions in `response_ids`): a run of model tokens sampled by one
     engine request on `replica` under weight `version` (docs/architecture.md §3). A generation interrupted by a weight
     update or a replica failure is several segments; an engine request that went on across an update (pause mode
-    `keep`) is one segment per version."""
+    `keep`) is one segment per version. `sampling`: what its turn's engine request was sampled with
+    (`gateway.generation.request.sampling_used`: temperature, top_p, max_tokens..., after the caller's policy);
+    None where it was not recorded."""
 
     start: int
     end: int
     replica: str
     version: int
+    sampling: Mapping[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +276,7 @@ class Sample:
             "retry": int(self.retry),
             "segments": table,
             "segment_replicas": replicas,
+            "segment_sampling": _encode_segment_sampling(self.segments),
         }
         if conversation and self.conversation is not None:
             fields["conversation"] = orjson.dumps(self.conversation)
@@ -337,7 +343,35 @@ def _decode_segments(fields: Mapping[str, bytes | str]) -> list[SampleSegment]:
     replicas = _text(fields.get("segment_replicas", "")).split("\n")
     if any(not 0 <= row[3] < len(replicas) for row in table):
         raise ValueError("a segment names a replica that segment_replicas does not list")
-    return [SampleSegment(start, end, replicas[replica], version) for start, end, version, replica in table]
+    sampling = _decode_segment_sampling(fields, len(table))
+    return [
+        SampleSegment(start, end, replicas[replica], version, used)
+        for (start, end, version, replica), used in zip(table, sampling, strict=True)
+    ]
+
+
+def _encode_segment_sampling(segments: list[SampleSegment]) -> bytes:
+    """The segments' sampling as the `segment_sampling` field (see the module docstring)."""
+    distinct: dict[bytes, int] = {}
+    of = []
+    for segment in segments:
+        if segment.sampling is None:
+            of.append(-1)
+            continue
+        of.append(distinct.setdefault(orjson.dumps(segment.sampling, option=orjson.OPT_SORT_KEYS), len(distinct)))
+    return b"[" + orjson.dumps(of) + b",[" + b",".join(distinct) + b"]]"
+
+
+def _decode_segment_sampling(fields: Mapping[str, bytes | str], count: int) -> list[dict[str, Any] | None]:
+    raw = fields.get("segment_sampling")
+    if not raw:
+        return [None] * count
+    of, settings = orjson.loads(raw)
+    if len(of) != count or any(not isinstance(i, int) or not -1 <= i < len(settings) for i in of):
+        raise ValueError("segment_sampling does not match the segments")
+    if any(not isinstance(entry, dict) for entry in settings):
+        raise ValueError("segment_sampling holds settings that are not objects")
+    return [None if i == -1 else settings[i] for i in of]
 
 
 def _messages(conversation: list[dict[str, Any]] | None) -> tuple[dict[str, Any], ...] | None:

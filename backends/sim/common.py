@@ -234,6 +234,11 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
         """Each recorded request as [first `head` prompt tokens, prompt length, monotonic time], in arrival order."""
         return {"head": engine.prompt_log_head, "requests": [[list(h), n, t] for h, n, t in engine.prompt_log]}
 
+    @router.get("/sampling_log")
+    async def sampling_log() -> dict[str, Any]:
+        """The sampling fields of the latest requests, as received, oldest first (`SimEngine.sampling_log`)."""
+        return {"requests": list(engine.sampling_log)}
+
     @router.post("/script")
     async def script(body: ScriptRequest) -> dict[str, str]:
         engine.add_script(body.prompt_suffix, body.output)

@@ -11,10 +11,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["abort", "wait", "keep", "retract", "in_place"]
 FinishReason = Literal["stop", "length", "abort"]
 NewRequestsWhilePaused = Literal["block", "reject"]
+
+SAMPLING_LOG_SIZE = 256
+"""The requests whose sampling fields `SimEngine.sampling_log` keeps (the latest)."""
 
 
 SHUTDOWN_MESSAGE = "engine shutting down"
@@ -155,6 +158,9 @@ class SimEngine:
         # the monotonic clock is system-wide, so the logs of several replicas on one host merge in order).
         self.prompt_log_head = 0
         self.prompt_log: list[tuple[tuple[int, ...], int, float]] = []
+        # The sampling fields of the latest requests as each dialect received them (`GET /sim/sampling_log`): what
+        # a client asked for, including the fields the simulated model ignores (top_p, top_k).
+        self.sampling_log: deque[dict[str, Any]] = deque(maxlen=SAMPLING_LOG_SIZE)
         self._loop_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -170,6 +170,7 @@ class SglangDialect:
 
     def _spec(self, body: GenerateReqInput, prompt: list[int]) -> SamplingSpec:
         sp = body.sampling_params
+        self.engine.sampling_log.append(sp.model_dump())
         if sp.n != 1:
             raise ContractError("the simulator supports n=1 only")
         if not 0 <= body.routed_experts_start_len <= len(prompt):

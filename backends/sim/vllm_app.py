@@ -109,6 +109,10 @@ class VllmMetrics:
         return out
 
 
+_SAMPLING = set("max_tokens temperature top_p top_k seed stop_token_ids ignore_eos min_tokens logprobs".split())
+"""The sampling fields of a request (`SimEngine.sampling_log`); a completion's `n` and `stop` too."""
+
+
 def _spec(
     max_tokens: int | None,
     temperature: float | None,
@@ -235,6 +239,7 @@ class VllmDialect:
         if body.n != 1:
             raise SimRequestError("the simulator supports n=1 only")
         prompt = self._completion_prompt(body)
+        self.engine.sampling_log.append(body.model_dump(include=_SAMPLING | {"n", "stop"}))
         spec = _spec(
             body.max_tokens,
             body.temperature,
@@ -352,6 +357,7 @@ class VllmDialect:
                 "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.", 403
             )
         sp = body.sampling_params
+        self.engine.sampling_log.append(sp.model_dump(include=_SAMPLING))
         spec = _spec(
             sp.max_tokens, sp.temperature, sp.seed, sp.ignore_eos, sp.stop_token_ids, sp.min_tokens, sp.logprobs, 16
         )

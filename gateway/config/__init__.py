@@ -12,13 +12,14 @@ Every model is frozen (sequences are tuples) and rejects unknown keys, so a typo
 names the key rather than a silently ignored setting. `load_config` turns any failure into one
 `ConfigError` that lists every bad key as a dotted path and says where it can be set.
 
-One module per section (`server`, `redis`, `model`, `replicas` with `discovery`, `routing`, `generation`,
-`weights`, `store` with `sessions`, `fastpath`); `loading` assembles them into `Settings` and reads the sources;
-`environment` and `messages` name the keys in what goes wrong.
+One module per section (`server` with `api_keys`, `redis`, `model`, `replicas` with `discovery`, `routing`,
+`generation`, `weights`, `store` with `sessions`, `fastpath`, `sampling`); `loading` assembles them into `Settings`
+and reads the sources; `environment` and `messages` name the keys in what goes wrong.
 """
 
 from __future__ import annotations
 
+from gateway.config.api_keys import ApiKey, derived_key_id
 from gateway.config.environment import ENV_NESTED_DELIMITER, ENV_PREFIX, env_var_name
 from gateway.config.fastpath import FastPathConfig
 from gateway.config.generation import GenerationConfig, RoutedExpertsPolicy
@@ -28,6 +29,7 @@ from gateway.config.model import DEFAULT_TOKENIZER, ModelConfig
 from gateway.config.redis import RedisConfig, without_credentials
 from gateway.config.replicas import DEFAULT_REPLICAS, Backend, Dialect, DiscoveryConfig, ReplicaConfig, ReplicaFields
 from gateway.config.routing import RoutingConfig, RoutingPolicy
+from gateway.config.sampling import Pin, SamplingConfig, SamplingPolicy
 from gateway.config.server import ServerConfig
 from gateway.config.store import SessionsConfig, StoreConfig
 from gateway.config.weights import PauseMode, WeightsConfig
@@ -35,6 +37,7 @@ from gateway.config.weights import PauseMode, WeightsConfig
 __all__ = [
     "DEFAULT_REPLICAS",
     "DEFAULT_TOKENIZER",
+    "ApiKey",
     "ENV_NESTED_DELIMITER",
     "ENV_PREFIX",
     "Backend",
@@ -44,17 +47,21 @@ __all__ = [
     "GenerationConfig",
     "ModelConfig",
     "PauseMode",
+    "Pin",
     "RedisConfig",
     "ReplicaConfig",
     "ReplicaFields",
     "RoutedExpertsPolicy",
     "RoutingConfig",
     "RoutingPolicy",
+    "SamplingConfig",
+    "SamplingPolicy",
     "ServerConfig",
     "SessionsConfig",
     "Settings",
     "StoreConfig",
     "WeightsConfig",
+    "derived_key_id",
     "dotted_key",
     "env_var_name",
     "format_validation_error",

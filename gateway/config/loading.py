@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +26,7 @@ from gateway.config.model import ModelConfig
 from gateway.config.redis import RedisConfig
 from gateway.config.replicas import DEFAULT_REPLICAS, DiscoveryConfig, Replicas, ReplicasFrom
 from gateway.config.routing import RoutingConfig
+from gateway.config.sampling import SamplingConfig
 from gateway.config.server import ServerConfig
 from gateway.config.store import SessionsConfig, StoreConfig
 from gateway.config.weights import WeightsConfig
@@ -93,6 +94,27 @@ class Settings(BaseSettings):
     store: StoreConfig = StoreConfig()
     sessions: SessionsConfig = SessionsConfig()
     fastpath: FastPathConfig = FastPathConfig()
+    sampling: SamplingConfig = SamplingConfig()
+
+    @model_validator(mode="after")
+    def _sampling_fits_the_server(self) -> Settings:
+        known = {key.id for key in self.server.api_keys}
+        unknown = sorted(set(self.sampling.keys) - known)
+        if unknown:
+            configured = ", ".join(sorted(known)) or "none"
+            raise ValueError(
+                f"sampling.keys names {', '.join(map(repr, unknown))}, which server.api_keys does not (its key ids: "
+                f"{configured}; a key given alone has the id key-<16 hex of its sha256>)"
+            )
+        limit = self.server.max_tokens_limit
+        policies = {"sampling.default": self.sampling.default} | {
+            f"sampling.keys.{key}": policy for key, policy in self.sampling.keys.items()
+        }
+        for where, policy in policies.items():
+            bound = policy.budget_bound
+            if bound is not None and bound > limit:
+                raise ValueError(f"{where} lets max_tokens reach {bound}, above server.max_tokens_limit {limit}")
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -47,5 +47,7 @@ def _shown_value(loc: Sequence[str | int], kind: str, value: Any) -> str:
 
 
 def _where(loc: Sequence[str | int], file: Path | None) -> str:
+    if not loc:  # a rule across sections: the keys it names are in the message
+        return f"set in {file} or RG_* env" if file else "set in a config file or RG_* env"
     env = f"env {env_var_name(loc)}"
     return f"set in {file} or {env}" if file else f"set in a config file or {env}"

@@ -6,6 +6,7 @@ import ipaddress
 
 from pydantic import Field, SecretStr, model_validator
 
+from gateway.config.api_keys import ApiKeys
 from gateway.config.section import Seconds, Section
 
 DEFAULT_ADMIN_TOKEN = "change-me"
@@ -26,8 +27,10 @@ class ServerConfig(Section):
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port (tests).")
-    api_keys: tuple[str, ...] = Field(
-        (), repr=False, description="Bearer keys accepted on agent routes; empty leaves them open."
+    api_keys: ApiKeys = Field(
+        (),
+        repr=False,
+        description="Keys accepted on agent routes, each a key or {id, key} (`gateway.config.api_keys`); empty: open.",
     )
     admin_token: SecretStr = Field(SecretStr(DEFAULT_ADMIN_TOKEN), description="Bearer token for /admin routes.")
     metrics_token: SecretStr | None = Field(

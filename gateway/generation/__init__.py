@@ -11,6 +11,7 @@ from gateway.generation.request import (
     RoutedExpertsPolicy,
     Segment,
     StopChecker,
+    sampling_used,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "Segment",
     "ServingWeights",
     "StopChecker",
+    "sampling_used",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from backends.base import SamplingParams
 from backends.routed_experts import ExpertArray
@@ -33,6 +33,9 @@ class GenerationRequest:
     strings to watch, gets each segment in one answer from its engine instead of an event per token (far less
     work per token; an abort still returns the segment's tokens, a replica failure loses them, and the
     continuation generates them again).
+
+    `stop_strings`: the stop strings `stop` watches for, as the record of what the completion was sampled with
+    (`sampling_used`).
     """
 
     request_id: str
@@ -45,6 +48,26 @@ class GenerationRequest:
     routed_experts: ExpertArray | None = None
     on_partial: PartialHook | None = None
     stream: bool = True
+    stop_strings: tuple[str, ...] = ()
+
+
+def sampling_used(request: GenerationRequest) -> dict[str, Any]:
+    """What `request` is sampled with, as stored with the tokens it produced (`SampleSegment.sampling`): the engine
+    request's sampling (the whole completion's budget; a resumed segment asks the engine for what is left of it)
+    and the stop strings the gateway watches for."""
+    s = request.sampling
+    return {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "max_tokens": s.max_tokens,
+        "stop": list(request.stop_strings),
+        "stop_token_ids": list(s.stop_token_ids),
+        "min_tokens": s.min_tokens,
+        "ignore_eos": s.ignore_eos,
+        "top_logprobs": s.top_logprobs,
+    }
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from backends.routed_experts import ExpertArray
-from gateway.generation import GenerationState
+from gateway.generation import GenerationState, sampling_used
 from gateway.history import ReplayMatch, TokenHistory, replayed, same_messages
 from gateway.request_ids import new_name
 from gateway.sample_tree import shared_prefix
@@ -533,6 +533,7 @@ def _turn_segments(turn: Turn, state: GenerationState, response_tokens: int) -> 
     mode `keep`) is split where the version changes; one that produced no token is left out."""
     offset = response_tokens + len(turn.env_ids)
     versions = state.versions
+    used = sampling_used(state.request)
     out: list[SampleSegment] = []
     for segment in state.segments:
         start, end = segment.start, min(segment.end, len(versions))
@@ -540,7 +541,7 @@ def _turn_segments(turn: Turn, state: GenerationState, response_tokens: int) -> 
             version = versions[start]
             # Versions never decrease along a sample: one version throughout when the first and last agree.
             stop = end if versions[end - 1] == version else _version_ends(versions, start, end)
-            out.append(SampleSegment(offset + start, offset + stop, segment.replica, version))
+            out.append(SampleSegment(offset + start, offset + stop, segment.replica, version, used))
             start = stop
     return out
 

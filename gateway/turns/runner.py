@@ -273,6 +273,7 @@ class TurnRunner:
             session_id=session_id,
             want_routed_experts=want,
             stop=make_stop_checker(self.tokenizer, s.stop),
+            stop_strings=s.stop,
             experts_start=turn.experts_start if want else 0,
             routed_experts=turn.sample.routed_experts if want else None,
             on_partial=on_partial,

@@ -172,7 +172,14 @@ def samples(draw: st.DrawFn) -> Sample:
 def segments() -> st.SearchStrategy[SampleSegment]:
     replica = st.text(st.characters(blacklist_characters="\n", blacklist_categories=["Cs"]), max_size=12)
     position = st.integers(0, 2**31 - 1)
-    return st.builds(SampleSegment, position, position, replica, position)
+    sampling = st.none() | st.fixed_dictionaries(
+        {
+            "temperature": st.floats(0, 100),
+            "seed": st.none() | st.integers(-(2**63), 2**63 - 1),
+            "stop": st.lists(st.text(max_size=4), max_size=2),
+        }
+    )
+    return st.builds(SampleSegment, position, position, replica, position, sampling)
 
 
 def as_stored(fields: dict[str, Any]) -> dict[bytes, bytes]:
@@ -205,7 +212,9 @@ FIELD_NAMES = ["prompt_ids", "response_ids", "loss_mask", "logprobs", "versions"
 @settings(max_examples=100, deadline=None)
 @given(
     samples(),
-    st.sampled_from([*FIELD_NAMES, "experts_shape", "num_turns", "num_resumes", "segments", "segment_replicas"]),
+    st.sampled_from(
+        [*FIELD_NAMES, "experts_shape", "num_turns", "num_resumes", "segments", "segment_replicas", "segment_sampling"]
+    ),
     st.binary(max_size=24),
 )
 def test_a_corrupt_sample_hash_decodes_or_says_so(sample: Sample, name: str, garbage: bytes) -> None:

@@ -20,7 +20,8 @@ from gateway.api.anthropic.models import CountTokensRequest, MessagesRequest
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.errors import AnthropicErrorsRoute
 from gateway.api.json_answer import JSONAnswer, json_answer
-from gateway.api.limits import check_max_tokens, check_messages
+from gateway.api.limits import check_messages
+from gateway.api.sampling import ANTHROPIC_FIELDS, governed_sampling
 from gateway.api.turn_http import serve_turn, session_of
 from gateway.request_ids import new_name
 
@@ -52,11 +53,12 @@ def _add_routes(router: APIRouter) -> None:
 async def messages(body: MessagesRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_messages(len(body.messages), svc.settings.server)
-    check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     user = body.metadata.user_id if body.metadata else None
     session, metadata = session_of(raw, body.session_id, user, None)
+    request = messages_request(body, metadata)
+    request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, ANTHROPIC_FIELDS, "max_tokens")
     answer = partial(message_answer, f"msg_{new_name()}", runner)
-    return await serve_turn(raw, runner, messages_request(body, metadata), session, answer)
+    return await serve_turn(raw, runner, request, session, answer)
 
 
 async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer:

@@ -38,14 +38,15 @@ from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
-from gateway.api.limits import check_max_tokens
 from gateway.api.openai.models import TextMetadata
+from gateway.api.sampling import GENERATE_FIELDS, governed_sampling
 from gateway.api.streaming import DISCONNECT_WATCH_AFTER_S, GuardedStreamingResponse, LastChunk
 from gateway.api.turn_http import TurnAnswer, serve_turn
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationState
 from gateway.request_ids import new_request_id
 from gateway.session.identity import SESSION_ID_PATTERN
+from gateway.tokenization import make_stop_checker
 from gateway.tokenization.token_ids import TokenId, first_outside
 from gateway.turns.prepared import PreparedTurn
 from gateway.turns.request import Sampling, TokenPrompt, TurnRequest
@@ -76,7 +77,8 @@ class GenerateBody(BaseModel):
     metadata: TextMetadata | None = Field(None, description="The session's metadata (needs `session_id`).")
 
 
-def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
+def _validate(body: GenerateBody, sampling: Sampling, vocab_size: int, max_model_len: int) -> None:
+    """The ids within the vocabulary, the budget (`sampling`'s: as the policy has it) within the context."""
     if body.metadata is not None and body.session_id is None:
         raise InvalidRequest("metadata goes to a session: name one with session_id", param="metadata")
     bad = first_outside(body.input_ids, vocab_size)
@@ -85,24 +87,26 @@ def _validate(body: GenerateBody, vocab_size: int, max_model_len: int) -> None:
             f"input_ids[{bad}] = {body.input_ids[bad]} is outside the vocabulary (size {vocab_size})",
             param="input_ids",
         )
-    stop_ids = body.sampling_params.stop_token_ids
+    stop_ids = list(sampling.stop_token_ids)
     bad = first_outside(stop_ids, vocab_size)
     if bad is not None:
         raise InvalidRequest(
             f"stop token id {stop_ids[bad]} is outside the vocabulary", param="sampling_params.stop_token_ids"
         )
-    total = len(body.input_ids) + body.sampling_params.max_tokens
+    budget = sampling.max_tokens or 0  # always set: the body requires it
+    total = len(body.input_ids) + budget
     if total > max_model_len:
         raise InvalidRequest(
-            f"{len(body.input_ids)} input tokens + max_tokens {body.sampling_params.max_tokens} = {total} "
+            f"{len(body.input_ids)} input tokens + max_tokens {budget} = {total} "
             f"exceeds the context length {max_model_len}",
             param="sampling_params.max_tokens",
         )
 
 
-def _sampling(body: GenerateBody) -> SamplingParams:
+def _sampling(body: GenerateBody) -> Sampling:
+    """What the body asks to sample with (before the caller's policy, `governed_sampling`)."""
     s = body.sampling_params
-    return SamplingParams(
+    return Sampling(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
@@ -115,13 +119,27 @@ def _sampling(body: GenerateBody) -> SamplingParams:
     )
 
 
-def _request(body: GenerateBody) -> GenerationRequest:
+def _request(body: GenerateBody, s: Sampling, svc: ApiServices) -> GenerationRequest:
+    """A one-shot's generation (stop strings only where a policy pins them: the body has none)."""
+    sampling = SamplingParams(
+        max_tokens=s.max_tokens or 0,  # always set: the body requires it
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        top_logprobs=s.top_logprobs,
+    )
     return GenerationRequest(
         request_id=new_request_id("gen"),
         prompt_ids=body.input_ids,  # pydantic made the list for this request; nothing changes it
-        sampling=_sampling(body),
+        sampling=sampling,
         session_id=body.session_id,
         want_routed_experts=body.return_routed_experts,
+        stop=make_stop_checker(svc.turns.tokenizer, s.stop),
+        stop_strings=s.stop,
         stream=body.stream,
     )
 
@@ -171,11 +189,14 @@ def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
 async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
     """Token-in/token-out. Without `session_id`, a one-shot that records nothing; with it, a recorded turn of that
     session (see the module docstring)."""
-    check_max_tokens(body.sampling_params.max_tokens, "sampling_params.max_tokens", svc.settings.server)
-    _validate(body, svc.vocab.vocab_size, svc.settings.model.max_model_len)
+    fields = GENERATE_FIELDS
+    sampling = governed_sampling(
+        raw, svc.settings, _sampling(body), body.sampling_params, fields, "max_tokens", "sampling_params."
+    )
+    _validate(body, sampling, svc.vocab.vocab_size, svc.settings.model.max_model_len)
     if body.session_id is not None:
-        return await _session_turn(body, body.session_id, raw, svc)
-    request = _request(body)
+        return await _session_turn(body, sampling, body.session_id, raw, svc)
+    request = _request(body, sampling, svc)
     lease = svc.quota.acquire(agent_key(raw), body.session_id)
     if body.stream:
         chunks = _stream(raw, svc.generator.stream, request, body)
@@ -214,19 +235,9 @@ async def _stream(raw: Request, stream: Any, request: GenerationRequest, body: G
 # -- a turn of a session -------------------------------------------------------------------------------------
 
 
-async def _session_turn(body: GenerateBody, session_id: str, raw: Request, svc: ApiServices) -> Response:
-    s = body.sampling_params
-    sampling = Sampling(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
-        top_logprobs=s.top_logprobs,
-    )
+async def _session_turn(
+    body: GenerateBody, sampling: Sampling, session_id: str, raw: Request, svc: ApiServices
+) -> Response:
     request = TurnRequest(
         TokenPrompt(body.input_ids, checked=True),  # checked by `_validate`: taken as they are
         sampling,

@@ -20,9 +20,10 @@ from fastapi.routing import APIRoute
 from common.errors import GatewayError
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
-from gateway.api.limits import check_max_tokens, check_messages
+from gateway.api.limits import check_messages
 from gateway.api.openai.models import ChatCompletionRequest, CompletionRequest
 from gateway.api.openai.turn import chat_request, completion_request
+from gateway.api.sampling import CHAT_FIELDS, COMPLETION_FIELDS, governed_sampling
 from gateway.api.turn_http import TurnAnswer, openai_sse, rollout_field, serve_turn, session_of
 from gateway.request_ids import new_request_id
 from gateway.turns.prepared import ChoiceEvent, PreparedTurn, assistant_message
@@ -97,9 +98,9 @@ def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], to
 async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     check_messages(len(body.messages), svc.settings.server)
-    budget_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    check_max_tokens(body.budget, budget_param, svc.settings.server)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    request = chat_request(body, metadata)
+    request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, CHAT_FIELDS, "max_tokens")
     completion_id = new_request_id("chatcmpl")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -111,7 +112,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: Servi
             _error_event,
         )
 
-    return await serve_turn(raw, runner, chat_request(body, metadata), session, answer)
+    return await serve_turn(raw, runner, request, session, answer)
 
 
 def _chat_choices(body: ChatCompletionRequest, runner: TurnRunner, prepared: PreparedTurn) -> list[Any]:
@@ -235,8 +236,9 @@ def _completion_logprobs(
 
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
-    check_max_tokens(body.max_tokens, "max_tokens", svc.settings.server)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    request = completion_request(body, metadata)
+    request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, COMPLETION_FIELDS, "max_tokens")
     completion_id = new_request_id("cmpl")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     logprobs = body.logprobs is not None
@@ -251,7 +253,7 @@ async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -
             _error_event,
         )
 
-    return await serve_turn(raw, runner, completion_request(body, metadata), session, answer)
+    return await serve_turn(raw, runner, request, session, answer)
 
 
 def _completion_choices(logprobs: bool, runner: TurnRunner, prepared: PreparedTurn) -> list[Any]:

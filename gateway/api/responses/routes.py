@@ -28,10 +28,11 @@ from common.errors import GatewayError
 from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
-from gateway.api.limits import check_max_tokens, check_messages
+from gateway.api.limits import check_messages
 from gateway.api.responses.items import ItemIds, chat_messages, output_items
 from gateway.api.responses.models import NamedFunction, ResponseRequest
 from gateway.api.responses.stream import ResponseEvents
+from gateway.api.sampling import RESPONSES_FIELDS, governed_sampling
 from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session_of
 from gateway.errors import InvalidRequest
 from gateway.session.response_records import ResponseRecord, ResponseRecords
@@ -73,7 +74,6 @@ def _records(svc: ApiServices) -> ResponseRecords:
 async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep) -> Response:
     runner = svc.turns
     runner.check_model(body.model)
-    check_max_tokens(body.max_output_tokens, "max_output_tokens", svc.settings.server)
     records = _records(svc)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata)
     history: list[Message] = []
@@ -84,6 +84,8 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
     messages = _messages(body, history)
     check_messages(len(messages), svc.settings.server)
     request = _turn_request(body, messages, metadata)
+    budget = "max_output_tokens"
+    request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, RESPONSES_FIELDS, budget)
 
     def answer(prepared: PreparedTurn) -> TurnAnswer:
         return _Answer(body, runner, prepared, records).answer()
@@ -185,11 +187,11 @@ class _Answer:
             "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
             "store": body.store is not False,
-            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "temperature": self.choice.request.sampling.temperature,  # as the engine got it (`sampling:` pins)
             "text": {"format": {"type": "text"}},
             "tool_choice": _tool_choice(body),
             "tools": [t.echoed() for t in body.tools or ()],
-            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "top_p": self.choice.request.sampling.top_p,
             "truncation": body.truncation or "disabled",
             "usage": self._usage() if status != "in_progress" else None,
             "user": body.user,

@@ -76,7 +76,8 @@ async def get_session(raw: Request, svc: ServicesDep, session_id: str = SessionI
             "cancelled": s.cancelled,
             "num_resumes": s.num_resumes,
             "segments": [
-                {"start": g.start, "end": g.end, "replica": g.replica, "version": g.version} for g in s.segments
+                {"start": g.start, "end": g.end, "replica": g.replica, "version": g.version, "sampling": g.sampling}
+                for g in s.segments
             ],
         }
         for i, s in enumerate(samples)

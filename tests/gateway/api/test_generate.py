@@ -6,6 +6,7 @@ that does not validate (a bad field, a token outside the vocabulary, malformed J
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -108,6 +109,11 @@ async def test_generate_in_a_finished_session_is_a_conflict(
     assert [s["num_turns"] for s in (await http.get(f"{gw.url}/v1/sessions/done")).json()["samples"]] == [1]
 
 
+def without_sampling(segments: list[SampleSegment]) -> list[SampleSegment]:
+    """Where each segment was sampled (what it was sampled with is checked apart)."""
+    return [replace(segment, sampling=None) for segment in segments]
+
+
 async def test_a_stored_sample_says_how_many_resumes_and_which_replica_served_each_segment(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
@@ -126,15 +132,23 @@ async def test_a_stored_sample_says_how_many_resumes_and_which_replica_served_ea
 
     (sample,) = await gw.services.store.load_samples("seg")
     assert sample.num_resumes == 1
-    assert sample.segments == [
+    assert without_sampling(sample.segments) == [
         SampleSegment(0, cut, replica, 0),
         SampleSegment(cut, 200, replica, 1),
         SampleSegment(201, 205, replica, 1),
     ]
+    # Each segment keeps its turn's sampling (the whole turn's budget, resumed or not).
+    assert [s.sampling["max_tokens"] for s in sample.segments if s.sampling] == [200, 200, 4]
     assert second["replicas"] == [replica]
     view = (await http.get(f"{gw.url}/v1/sessions/seg")).json()["samples"][0]
     assert view["num_resumes"] == 1
-    assert view["segments"][0] == {"start": 0, "end": cut, "replica": replica, "version": 0}
+    assert view["segments"][0] == {
+        "start": 0,
+        "end": cut,
+        "replica": replica,
+        "version": 0,
+        "sampling": sample.segments[0].sampling,
+    }
 
 
 async def test_a_sample_stored_without_resumes_and_segments_reads_with_defaults(redis: Redis) -> None:
@@ -171,7 +185,7 @@ async def test_an_engine_request_that_goes_on_across_an_update_is_one_segment_pe
     cut = versions.index(1)
     (sample,) = await gw.services.store.load_samples("kept")
     assert sample.num_resumes == 0
-    assert sample.segments == [SampleSegment(0, cut, replica, 0), SampleSegment(cut, 200, replica, 1)]
+    assert without_sampling(sample.segments) == [SampleSegment(0, cut, replica, 0), SampleSegment(cut, 200, replica, 1)]
 
 
 async def test_routed_experts_of_a_continued_turn_cover_its_whole_input(
