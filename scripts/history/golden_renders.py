@@ -13,6 +13,7 @@ its source, and a template llama.cpp edited later is the version it first copied
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -235,6 +236,12 @@ def record(name: str, template: str) -> dict[str, Any]:
         "end_texts": list(published.ends),
         "next_turn_texts": list(published.next_turns),
         "kwargs": published.kwargs or None,
+        # What the template read besides the call: for rendering the renders again (tests/gateway/parsers/).
+        "context": {
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "today": datetime.date.today().isoformat(),
+        },
         "problems": check.problems,
         "unwritten": check.unwritten,
         "suffixes": check.suffixes,

@@ -1,6 +1,8 @@
 """The tiny tokenizer dressed as a model family: its chat template and its special tokens, saved to a folder the
-gateway loads like any model's (`model.tokenizer`). The templates are the families' public jinja text, kept in
-`templates/` with their source named at the top of each file."""
+gateway loads like any model's (`model.tokenizer`). The templates (`templates/`) are the project's own, written for
+the tests in each family's format: test_own_templates.py checks that they render what the families' published
+templates rendered (goldens/, recorded by scripts/parsers/golden_renders.py) and that `auto` detects the same formats
+in them."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 
 def template_text(name: str) -> str:
-    """`templates/<name>.jinja`: the family's template, after a jinja comment (`{# ... #}`, renders nothing) that
-    names where it was taken from."""
+    """`templates/<name>.jinja`: the tests' template in the family's format, after a jinja comment (`{#- ... -#}`,
+    renders nothing) that says so."""
     return (TEMPLATES / f"{name}.jinja").read_text()
 
 

@@ -1,6 +1,7 @@
-"""The four think-tag families as the tests dress the tiny tokenizer: each family's real chat template
-(`templates/<name>.jinja`), its turn markup as special tokens and its think tags (and Kimi's tool-call markup) as
-added tokens that are not special, as in the family's real tokenizer, and its end-of-sequence token."""
+"""The four think-tag families as the tests dress the tiny tokenizer: a chat template in the family's format
+(`templates/<name>.jinja`, rendering what the published one renders), its turn markup as special tokens and its
+think tags (and Kimi's tool-call markup) as added tokens that are not special, as in the family's real tokenizer, and
+its end-of-sequence token."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """gpt-oss's harmony format: the `gpt_oss` reasoning parser and the `openai` tool parser (openai-harmony underneath).
 
-Replies come from gpt-oss's real chat template on the tiny tokenizer dressed with gpt-oss's special tokens, or are
-the markup gpt-oss writes, encoded by that tokenizer; they go through the parsers whole and streamed id by id (as
+Replies come from a chat template in gpt-oss's format (templates/gpt_oss.jinja, rendering what gpt-oss's published
+template renders) on the tiny tokenizer dressed with gpt-oss's special tokens, or are the markup gpt-oss writes,
+encoded by that tokenizer; they go through the parsers whole and streamed id by id (as
 the turn pipeline feeds them), and end to end through a gateway over scripted simulator replicas.
 """
 

@@ -1,6 +1,7 @@
 """The think-tag reasoning parsers (`qwen3`, `deepseek_r1`, `glm45`, `kimi_k2`): whole and streamed splits of each
-family's markup, where the completion starts (the prompt's tail, rendered by the family's real chat template), `auto`
-from those templates, and streaming that agrees with `parse` for every chunking."""
+family's markup, where the completion starts (the prompt's tail, rendered by a chat template in the family's format
+that renders what the published one does), `auto` from those templates, and streaming that agrees with `parse` for
+every chunking."""
 
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ChatTokeni
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.parser)
-def test_where_the_completion_starts_follows_the_real_templates_generation_prompt(
+def test_where_the_completion_starts_follows_the_templates_generation_prompt(
     family: Family, tokenizers: dict[str, ChatTokenizer]
 ) -> None:
     parser = get_reasoning_parser(family.parser)
@@ -190,7 +191,7 @@ def test_thinking_switched_off_in_the_template_makes_the_reply_content(
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.parser)
-def test_auto_picks_the_parser_from_the_real_template(family: Family) -> None:
+def test_auto_picks_the_parser_from_the_familys_template(family: Family) -> None:
     template = template_text(family.template)
     assert detect_reasoning_format(template) == family.parser
     assert type(resolve_reasoning_parser("auto", template)) is type(get_reasoning_parser(family.parser))

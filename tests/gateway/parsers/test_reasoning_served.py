@@ -1,4 +1,4 @@
-"""Reasoning through a served gateway: each family's tokenizer and real chat template (`model.tokenizer`), its parser
+"""Reasoning through a served gateway: each family's tokenizer and chat template (`model.tokenizer`), its parser
 (`model.reasoning_parser`, or `auto`), simulator replicas scripted to sample the family's exact reasoning markup, the
 official `openai` client. The reasoning arrives as `reasoning_content` (whole) or `delta.reasoning_content`
 (streamed), the content without the markup, and the session's sample in Redis keeps every sampled id."""

@@ -1,5 +1,5 @@
-"""Each family's tool calls through a served gateway: the tiny tokenizer dressed as the family (its real chat
-template, its added tokens) is the gateway's `model.tokenizer` and the simulator's vocabulary; the simulator is
+"""Each family's tool calls through a served gateway: the tiny tokenizer dressed as the family (a chat template in
+its format, its added tokens) is the gateway's `model.tokenizer` and the simulator's vocabulary; the simulator is
 scripted to write the family's exact tool-call markup; the official `openai` client reads the calls."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def script_reply(
         reply_text = full_text[len(prompt_text) :]
         end = tokenizer.decode([tokenizer.end_of_turn_id])
         reply_text = reply_text[: reply_text.index(end) + len(end)] if end in reply_text else reply_text
-    else:  # vLLM's DeepSeek-V3 template indents a reply it writes: what the model writes after the prompt
+    else:  # DeepSeek-V3's template (vLLM's) indents a reply it writes: what the model writes after the prompt
         reply_text = family.markup([("add", ARGUMENTS)]) + (family.eos or "")
     reply = tokenizer.encode(text if text is not None else reply_text)
     sim.engine.add_script(tokenizer.render(messages, TOOLS)[-12:], reply)
@@ -163,7 +163,7 @@ async def test_a_reply_cut_inside_its_call_ends_length_without_markup(
 
 # Families whose template writes a reply as the model is prompted to write it (the generation prompt, then the
 # reply): there, what the model saw before its second turn is the template's rendering of the whole conversation.
-# vLLM's Mistral template moves the system prompt to the last user message, and its DeepSeek-V3 one indents a
+# The Mistral template (vLLM's) moves the system prompt to the last user message, and the DeepSeek-V3 one indents a
 # reply's calls, so their next prompt is the exact earlier tokens plus what the tool result adds.
 RENDERS_ITS_OWN_REPLY = {"qwen3_coder", "kimi_k2", "llama3_json", "glm45"}
 
