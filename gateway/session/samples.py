@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -29,15 +28,14 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from gateway.generation import GenerationState, sampling_used
-from gateway.history import ReplayMatch, TokenHistory, replayed, same_messages
+from gateway.history import ReplayMatch, TokenHistory, replayed
 from gateway.request_ids import new_name
-from gateway.sample_tree import shared_prefix
+from gateway.session.forks import branch_of, last_turn_start, retried, rewritten_from
 from gateway.session.working_sample import Branch, WorkingSample
 from gateway.store.locks import SessionLocks
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import (
     ENV_VERSION,
-    I32,
     Sample,
     SampleSaved,
     SampleSegment,
@@ -397,15 +395,15 @@ class SessionManager:
         template_kwargs: dict[str, Any] | None,
     ) -> Turn:
         """A new sample for messages that extend none: a retry of a sample's last turn goes on from the ids that
-        turn was prompted with (`_retried`); else the template renders the messages, and the sample branches from
-        the one it shares the most leading ids with (`_branch`)."""
+        turn was prompted with (`forks.retried`); else the template renders the messages, and the sample branches from
+        the one it shares the most leading ids with (`forks.branch_of`)."""
         if any(s.num_turns for s in samples):
             self.turns_by_history["rewritten"] += 1
             logger.info("session %s: history rewritten; sample %d starts", session_id, len(samples))
-        retried = _retried(samples, messages, tools, template_kwargs, self.replay_match)
-        if retried is not None:
-            prompt = retried.ids[: _last_turn_start(retried)]
-            branch = Branch(retried.index, len(prompt), retry=True)
+        asked_again = retried(samples, messages, tools, template_kwargs, self.replay_match)
+        if asked_again is not None:
+            prompt = asked_again.ids[: last_turn_start(asked_again)]
+            branch = Branch(asked_again.index, len(prompt), retry=True)
             fresh = WorkingSample(len(samples), prompt, tools=tools, template_kwargs=template_kwargs, branch=branch)
             return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
         prompt = await self.tokenizer.render_async(messages, tools, chat_template_kwargs=template_kwargs)
@@ -414,8 +412,8 @@ class SessionManager:
             prompt,
             tools=tools,
             template_kwargs=template_kwargs,
-            rewritten_from=_rewritten(samples, messages, tools, self.replay_match),
-            branch=_branch(samples, prompt),
+            rewritten_from=rewritten_from(samples, messages, tools, self.replay_match),
+            branch=branch_of(samples, prompt),
         )
         return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
 
@@ -550,70 +548,3 @@ def _version_ends(versions: list[int], start: int, end: int) -> int:
     """The first position in (start, end) whose version differs from `versions[start]` (`end` if none)."""
     first = versions[start]
     return next((i for i in range(start + 1, end) if versions[i] != first), end)
-
-
-# How many of a session's most recent samples a new sample looks for the one it branches from (a session id shared by
-# unrelated conversations gathers thousands; a fork is almost always from a recent one).
-BRANCH_CANDIDATES = 64
-
-
-def _branch(samples: Sequence[WorkingSample], prompt: list[int]) -> Branch | None:
-    """Where a new sample prompted with `prompt` branches from: the recent sample (`BRANCH_CANDIDATES`) it shares the
-    most leading ids with (the most recent of equals), and how many; None when it shares none."""
-    if not samples:
-        return None
-    ids = np.asarray(prompt, I32)
-    best: Branch | None = None
-    for sample in reversed(samples[-BRANCH_CANDIDATES:]):
-        arrays = sample.arrays()
-        shared = min(shared_prefix(ids, arrays.prompt_ids), len(arrays.prompt_ids))
-        if shared == len(arrays.prompt_ids):
-            shared += shared_prefix(ids[shared:], arrays.response_ids)
-        if shared and (best is None or shared > best.point):
-            best = Branch(sample.index, shared)
-    return best
-
-
-def _retried(
-    samples: Sequence[WorkingSample],
-    messages: list[Message],
-    tools: list[Tool] | None,
-    template_kwargs: dict[str, Any] | None,
-    match: ReplayMatch,
-) -> WorkingSample | None:
-    """The most recent sample whose last turn `messages` ask for again: its conversation is these messages and the
-    reply (under `match`), with the same tools and template arguments."""
-    for sample in reversed(samples):
-        conversation = sample.conversation
-        if not sample.num_turns or len(conversation) != len(messages) + 1 or sample.tools != tools:
-            continue
-        if sample.template_kwargs != template_kwargs or conversation[-1].get("role") != "assistant":
-            continue
-        if all(same_messages(old, new, match) for old, new in zip(conversation, messages, strict=False)):
-            return sample
-    return None
-
-
-def _last_turn_start(sample: WorkingSample) -> int:
-    """Where the sample's last turn's reply begins, in its ids: after the last environment id of its response (a
-    later turn's ids begin with what the template wrote after the reply before, never nothing), else after the
-    prompt."""
-    mask = sample.loss_mask
-    last_env = next((i for i in range(len(mask) - 1, -1, -1) if not mask[i]), -1)
-    return len(sample.prompt_ids) + last_env + 1
-
-
-def _rewritten(
-    samples: Sequence[WorkingSample], messages: list[Message], tools: list[Tool] | None, match: ReplayMatch
-) -> int | None:
-    """The most recent sample whose conversation `messages` go on from, read as messages, not ids: the same messages
-    in the same order, then more (an assistant reply's reasoning aside: templates like Qwen3's drop it from earlier
-    turns, and agents may not echo it). The new sample's `rewritten_from`; None when there is none."""
-    for sample in reversed(samples):
-        conversation = sample.conversation
-        if not sample.num_turns or sample.tools != tools or len(conversation) >= len(messages):
-            continue
-        pairs = zip(conversation, messages[: len(conversation)], strict=True)
-        if all(same_messages(old, new, match) for old, new in pairs):
-            return sample.index
-    return None
