@@ -10,7 +10,10 @@ agree before timing them.
 A second table times the choice of the sample a chat turn extends, in a session that holds many (the n samples
 of one request, or unrelated conversations under one session id): the session manager's matching (texts first,
 the new conversation rendered once, each sample's rendering kept between turns) against the reference way (both
-whole conversations rendered and tokenized for every sample, newest first, until one is a prefix).
+whole conversations rendered and tokenized for every sample, newest first, until one is a prefix). The session
+manager runs in both history modes (`sessions.history`): `template`, and `tokens` (with the token history a gateway
+with the default config builds for the tokenizer, as gateway/services.py does), where a turn that replays a
+sample's conversation goes on from its ids plus what the template writes after a reply.
 
     python -m benchmarks.turn_tokenization               # 2, 10, 40 and 80 turns of ~200 words per message
     python -m benchmarks.turn_tokenization --quick
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +33,9 @@ from redis.asyncio import Redis
 
 from benchmarks._harness import machine_line, make_console, print_table
 from gateway.assets import TINY_TOKENIZER_DIR
+from gateway.config import ModelConfig
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.history import TokenHistory, family_of, token_history_for
 from gateway.session.samples import SessionManager
 from gateway.session.working_sample import WorkingSample
 from gateway.store import Keys, TrajectoryStore
@@ -72,9 +78,45 @@ def reference_choice(tokenizer: ChatTokenizer, samples: list[Sample], messages: 
     return None
 
 
-async def matched_choice(manager: SessionManager, session_id: str, messages: list[dict[str, Any]]) -> int | None:
+async def matched_choice(
+    manager: SessionManager, session_id: str, messages: list[dict[str, Any]]
+) -> tuple[int | None, list[int]]:
+    """The sample the manager's turn extends (None: a new one) and the turn's prompt ids."""
     turn = await manager.begin_chat_turn(session_id, messages, None)
-    return None if turn.new_sample else turn.sample.index
+    return None if turn.new_sample else turn.sample.index, turn.prompt_ids
+
+
+def default_token_history(tokenizer: ChatTokenizer) -> TokenHistory:
+    """The token history of `sessions.history: tokens` for this tokenizer, as gateway/services.py builds it with the
+    default model config (its parsers name the family); an error if the template has no verified rule."""
+    model = ModelConfig()
+    family = family_of(tokenizer.chat_template, model.tool_parser, model.reasoning_parser)
+    history = token_history_for(tokenizer, family, "tokens", explicit=True)
+    assert history is not None  # explicit: refused with the reason, never None
+    return history
+
+
+async def timed_choice(
+    new_manager: Callable[[], SessionManager],
+    session_id: str,
+    messages: list[dict[str, Any]],
+    warm: bool,
+    repeat: int,
+) -> tuple[tuple[int | None, list[int]], float]:
+    """A manager's choice for `messages` (`matched_choice`) and its median seconds over `repeat` fresh managers;
+    each reads the session back from Redis before the clock starts and, with `warm`, makes one choice before (each
+    sample's rendering kept)."""
+    times, chosen = [], None
+    for _ in range(repeat):
+        manager = new_manager()
+        await manager.samples(session_id)
+        if warm:
+            await matched_choice(manager, session_id, [*messages[:-1], {"role": "user", "content": "warm-up"}])
+        started = time.perf_counter()
+        chosen = await matched_choice(manager, session_id, messages)
+        times.append(time.perf_counter() - started)
+    assert chosen is not None
+    return chosen, statistics.median(times)
 
 
 async def stored_session(store: TrajectoryStore, session_id: str, samples: list[Sample]) -> None:
@@ -83,27 +125,31 @@ async def stored_session(store: TrajectoryStore, session_id: str, samples: list[
         await store.save_sample(session_id, index, sample)
 
 
-def sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int) -> list[list[str]] | None:
-    """Per session size: (case, reference ms, session manager ms); None if the two choose differently. The
-    sessions live in the real store (an embedded Redis); reading them back is not timed."""
+def sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int, repeat: int) -> list[list[str]] | None:
+    """Per session size: (case, reference ms, session manager ms in template and tokens mode, speed-ups); None if
+    any two choose differently. The sessions live in the real store (an embedded Redis); reading them back is not
+    timed."""
     with EmbeddedRedis() as server:
-        return asyncio.run(_sample_rows(tokenizer, counts, words, server.url))
+        return asyncio.run(_sample_rows(tokenizer, counts, words, repeat, server.url))
 
 
-async def _sample_rows(tokenizer: ChatTokenizer, counts: Sequence[int], words: int, url: str) -> list[list[str]] | None:
+async def _sample_rows(
+    tokenizer: ChatTokenizer, counts: Sequence[int], words: int, repeat: int, url: str
+) -> list[list[str]] | None:
     client = Redis.from_url(url)
     store = TrajectoryStore(client, Keys(), sweep_interval_s=None)
     try:
-        return await _timed_rows(tokenizer, store, counts, words)
+        return await _timed_rows(tokenizer, store, counts, words, repeat)
     finally:
         await store.aclose()
         await client.aclose()
 
 
 async def _timed_rows(
-    tokenizer: ChatTokenizer, store: TrajectoryStore, counts: Sequence[int], words: int
+    tokenizer: ChatTokenizer, store: TrajectoryStore, counts: Sequence[int], words: int, repeat: int
 ) -> list[list[str]] | None:
     rows = []
+    history = default_token_history(tokenizer)
     for count in counts:
         branches = [
             [*conversation(4, words)[:-1], {"role": "assistant", "content": f"reply {i}"}] for i in range(count)
@@ -143,17 +189,23 @@ async def _timed_rows(
             reference_s = time.perf_counter() - started
             session_id = f"bench-{count}-{case}"
             await stored_session(store, session_id, samples)
-            manager = SessionManager(tokenizer, store)
-            await manager.samples(session_id)  # read back from Redis before the clock starts
-            if warm:  # the samples were matched against once before (their renderings kept)
-                await matched_choice(manager, session_id, [*messages[:-1], {"role": "user", "content": "warm-up"}])
-            started = time.perf_counter()
-            chosen = await matched_choice(manager, session_id, messages)
-            matched_s = time.perf_counter() - started
-            if chosen != expected:
+            template = await timed_choice(lambda: SessionManager(tokenizer, store), session_id, messages, warm, repeat)
+            tokens = await timed_choice(
+                lambda: SessionManager(tokenizer, store, token_history=history), session_id, messages, warm, repeat
+            )
+            # Both modes choose the reference's sample and prompt the engine with the same ids (the tiny
+            # tokenizer's ChatML template writes after a reply exactly what it writes of a whole conversation).
+            if template[0][0] != expected or template[0] != tokens[0]:
                 return None
             rows.append(
-                [label, f"{reference_s * 1e3:.1f}", f"{matched_s * 1e3:.1f}", f"{reference_s / matched_s:.1f}×"]
+                [
+                    label,
+                    f"{reference_s * 1e3:.1f}",
+                    f"{template[1] * 1e3:.1f}",
+                    f"{tokens[1] * 1e3:.1f}",
+                    f"{reference_s / template[1]:.1f}×",
+                    f"{reference_s / tokens[1]:.1f}×",
+                ]
             )
     return rows
 
@@ -252,17 +304,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ms per turn on one core; 'continued' reuses the ids of the previous prompt up to its last stop token "
         "(`ChatTokenizer.encode_continuing`, what a session's raw completion turns get) and tokenizes the rest.",
     )
-    matches = sample_rows(tokenizer, options.samples, options.words)
+    matches = sample_rows(tokenizer, options.samples, options.words, options.repeat)
     if matches is None:
-        console.print("[red]the session manager and the reference chose different samples[/]")
+        console.print("[red]the session manager (in a history mode) and the reference chose different samples[/]")
         return 1
     print_table(
         console,
         "Choosing the sample a chat turn extends, in a session of many (4-turn conversations)",
-        ["case", "reference ms", "session manager ms", "speed-up"],
+        ["case", "reference ms", "template mode ms", "tokens mode ms", "speed-up, template", "speed-up, tokens"],
         matches,
-        "ms for one turn's choice, one run each; the reference tokenizes both whole conversations for every sample "
-        "tried; the session manager's figure also holds the rendering of a new sample's prompt.",
+        "ms for one turn's choice: the reference one run, the session manager the median of --repeat runs, each with a "
+        "fresh manager; the reference tokenizes both whole conversations for every sample "
+        "tried; the session manager's figures also hold the rendering of a new sample's prompt, and in tokens mode "
+        "the ids the template writes after the replayed reply (sessions.history).",
     )
     return 0
 

@@ -1,5 +1,5 @@
 """`benchmarks.turn_tokenization` runs and finds both ways of tokenizing a chat turn, and of choosing its sample, in
-agreement."""
+agreement (the session manager in both history modes)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,4 @@ def test_quick_run_agrees_and_prints_a_table(capsys: pytest.CaptureFixture[str])
     assert "Tokenizing one chat turn" in out
     assert "new tail only ms" in out
     assert "n=3: continue the first reply" in out
+    assert "template mode ms" in out and "tokens mode ms" in out  # the session manager in both history modes
