@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Build the tiny random-weight models the real-engine test tiers serve (no downloads, a few seconds on a CPU).
 
-Writes three checkpoints, each with the project's tiny tokenizer (gateway/assets/tiny_tokenizer) beside it:
+Writes these checkpoints, each with the project's tiny tokenizer (gateway/assets/tiny_tokenizer) beside it:
 
     dense      Qwen2ForCausalLM, hidden 128, 2 layers, 4 heads / 2 kv heads, vocab 2048
     dense_v2   the same architecture with other weights (the weight-update tests load it over `dense`)
     moe        Qwen3MoeForCausalLM, same dims, 8 experts, top-2, every layer MoE
     moe_v2     the MoE architecture with other weights (loaded over `moe` when a server serves the MoE)
+    think      a Qwen2 of the same dims on the tiny tokenizer dressed as Qwen3, trained to reason and call a tool
+               (scripts/think_model.py); think_v2 the same weights, for weight updates
 
 Weights are drawn with a large init scale so each next-token distribution is peaked: a near-uniform random
 model makes greedy decoding flip between tokens whose logits differ in the last bit, and the tests compare
@@ -102,6 +104,14 @@ def build(name: str, out: Path, dtype: str) -> Path:
     return target
 
 
+def build_think(out: Path, dtype: str) -> Path:
+    """The trained `think` model (and `think_v2`): scripts/think_model.py, beside this file."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from think_model import build_think_model
+
+    return build_think_model(out, COMMON, dtype)
+
+
 def _write_generation_config(target: Path) -> None:
     """Plain defaults: engines otherwise read sampling defaults from here."""
     config = {"bos_token_id": PAD_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID, "do_sample": False}
@@ -112,15 +122,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out", type=Path, required=True, help="folder that receives dense/, dense_v2/, moe/, moe_v2/")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--only", choices=sorted(MODELS), action="append", help="build only these")
+    parser.add_argument("--only", choices=sorted([*MODELS, "think"]), action="append", help="build only these")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only or MODELS:
-        path = build(name, args.out, args.dtype)
+    for name in args.only or [*MODELS, "think"]:
+        path = build_think(args.out, args.dtype) if name == "think" else build(name, args.out, args.dtype)
         size = sum(f.stat().st_size for f in path.iterdir())
         print(f"{name}: {path} ({size / 1e6:.1f} MB)")
     return 0

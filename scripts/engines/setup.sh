@@ -69,7 +69,7 @@ ensure_venv() {
 
 build_models() {
   local dir started
-  dir="$CACHE/models/$(key scripts/build_tiny_models.py gateway/assets/tiny_tokenizer/*)"
+  dir="$CACHE/models/$(key scripts/build_tiny_models.py scripts/think_model.py tests/gateway/parsers/templates/qwen3.jinja gateway/assets/tiny_tokenizer/*)"
   if ready "$dir"; then
     log "models: cached $dir"
   else
