@@ -46,6 +46,7 @@ class LoopConfig:
     keep_checkpoints: int = 3
     batch_timeout_s: float = 300.0
     seed: int = 0
+    turns: int = 1  # answers per episode: more than one makes each episode a chat with tool results between
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
@@ -108,6 +109,7 @@ async def train(
             max_ahead=config.groups_per_step * config.max_ahead_steps,
             seed=config.seed,
             run_id=f"grpo-{int(time.time() * 1000):x}",
+            turns=config.turns,
         )
         consumer = TrajectoryConsumer(
             redis_url,

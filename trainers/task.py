@@ -33,6 +33,7 @@ class DigitsTask:
 
     prompts: tuple[tuple[int, ...], ...]
     digit_ids: frozenset[int]
+    texts: tuple[str, ...] = PROMPTS
 
     @classmethod
     def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> DigitsTask:
@@ -44,6 +45,10 @@ class DigitsTask:
 
     def prompt(self, rng: random.Random) -> list[int]:
         return list(rng.choice(self.prompts))
+
+    def text(self, rng: random.Random) -> str:
+        """A prompt as text, for a chat's first message."""
+        return rng.choice(self.texts)
 
     def reward(self, output_ids: Sequence[int]) -> float:
         """The share of digit tokens among the answer's tokens (0.0 for an empty answer)."""

@@ -20,7 +20,7 @@ from gateway.server import RunningGateway
 from tests.conftest import ADMIN, ADMIN_TOKEN
 from tests.engines.direct import flush, greedy, metric, prompt_of
 from tests.engines.servers import EngineServer
-from tests.gateway_helpers import Streamed, generate_body, stream_generate
+from tests.gateway_helpers import Streamed, generate_body, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
 
 PROMPT = prompt_of(8)
@@ -386,6 +386,25 @@ async def reference_trainer_learns(gw: RunningGateway, server: EngineServer, che
     assert mismatch and max(mismatch) < 1e-3, mismatch  # float32 on both sides
     assert gw.services.weights.version == last.version  # every step's checkpoint was posted and taken
     await dashboard_shows_the_run(gw, updates=len(result.steps))
+
+
+async def reference_trainer_learns_a_chat_task(gw: RunningGateway, server: EngineServer, checkpoints: str) -> None:
+    """The digits task over three answers of one chat with a tool result between (`LoopConfig.turns`), the gateway
+    in `sessions.history: tokens`: each episode is one sample (no turn started another), and the reward rises from
+    below 0.05 to 0.8 as in the one-turn run, with every step's checkpoint loaded in abort mode."""
+    from trainers.grpo import GRPOConfig
+    from trainers.loop import LoopConfig, train
+
+    config = LoopConfig(steps=40, stop_at_reward=0.8, seed=0, turns=3, grpo=GRPOConfig(seed=0, threads=1))
+    result = await train(gw.url, gw.services.redis_url, server.model_path, checkpoints, config, admin_token=ADMIN_TOKEN)
+    curve = ", ".join(f"{r:.2f}" for r in result.rewards)
+    print(f"\n{server.kind} three-turn reward curve: {curve}")
+    assert result.rewards[0] < 0.05, curve
+    assert result.rewards[-1] >= 0.8, f"no step reached 0.8 in {len(result.rewards)} steps: {curve}"
+    async with httpx.AsyncClient() as http:
+        samples = await scrape(http, gw.url)
+    continued = value(samples, "rollout_gateway_chat_turns_total", history="tokens")
+    assert continued > 0 and value(samples, "rollout_gateway_chat_turns_total", history="rewritten") == 0
 
 
 async def dashboard_shows_the_run(gw: RunningGateway, updates: int) -> None:

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
+from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
 from tests.engines import checks
@@ -125,6 +126,23 @@ async def test_the_reference_trainer_learns_through_the_gateway(
     gw: RunningGateway, vllm_server: EngineServer, tmp_path: Path
 ) -> None:
     await checks.reference_trainer_learns(gw, vllm_server, str(tmp_path / "checkpoints"))
+
+
+@pytest.mark.timeout(900)
+async def test_the_reference_trainer_learns_a_three_turn_chat_in_tokens_mode(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    await restore(http, vllm_server)
+    replica = ReplicaConfig(url=vllm_server.url, backend="vllm", new_requests_while_paused="block", scale_out=True)
+    gateway = await make_gateway(
+        [replica],
+        model={"tokenizer": str(vllm_server.model_path), "max_model_len": 4096, "tool_parser": "hermes"},
+        sessions={"history": "tokens"},
+        generation={"request_timeout_s": 300},
+    )
+    await checks.reference_trainer_learns_a_chat_task(gateway, vllm_server, str(tmp_path / "checkpoints"))
+    await gateway.stop()
+    await restore(http, vllm_server)
 
 
 async def test_engine_and_trainer_logprobs_agree_under_the_same_weights(
