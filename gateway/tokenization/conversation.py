@@ -86,8 +86,8 @@ class ConversationMatch:
     conversations, and `by_ids` is the reference that does tokenize both (`ChatTokenizer.render_delta` tries the
     first, then the second). The new conversation's text and ids are each rendered once, on first use.
 
-    Tokenizing costs far more than rendering the template's text (figures: docs/benchmarks.md, "Chat turns of long
-    sessions"), and tokenizing the whole conversation at every turn makes an episode quadratic.
+    Tokenizing costs far more than rendering the template's text (figures: docs/benchmarks/sessions.md, "chat turns
+    of long sessions"), and tokenizing the whole conversation at every turn makes an episode quadratic.
     The tokenizer splits its input at added tokens before normalizing and pre-tokenizing, so text that follows
     an added token without whitespace stripping is tokenized on its own: the ids of the tail that follows the
     previous turn's last stop token are the tail of the whole conversation's ids. That holds when (checked
