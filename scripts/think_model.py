@@ -1,9 +1,9 @@
-"""The tiny reasoning tool agent the engine tiers serve for the token-native history (issue: one sample per
-episode): the tiny tokenizer dressed as Qwen3 (its think and tool-call tags as added tokens, the Qwen3-style chat
-template of the tests, tests/gateway/parsers/templates/qwen3.jinja) and a tiny Qwen2 model trained here, in a few
-seconds on a CPU, to answer as a reasoning agent does: after a user message a think block and a tool call, after a
-tool result a think block and an answer. A model that never writes a think block or a call cannot pass the tests
-built on it.
+"""The tiny reasoning tool agent the engine tiers load for the token-native history (issue: one sample per episode):
+the tiny tokenizer dressed as Qwen3 (its think tags as added tokens in the tiny tokenizer's own ids, the Qwen3-style
+chat template of the tests, tests/gateway/parsers/templates/qwen3.jinja) and a tiny Qwen2 model of the dense models'
+shape (an engine serving `dense` loads it as a weight update) trained here, in under a minute on a CPU, to answer as
+a reasoning agent does: after a user message a think block and a tool call, after a tool result a think block and an
+answer. A model that never writes a think block or a call cannot pass the tests built on it.
 
 It is trained on both prompts an agent's turns get: the template's rendering of the conversation (the earlier
 reasoning dropped, as Qwen3's template does) and the gateway's token-native history (the sampled ids, reasoning
@@ -22,7 +22,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_TOKENIZER = REPO_ROOT / "gateway" / "assets" / "tiny_tokenizer"
 TEMPLATE = REPO_ROOT / "tests" / "gateway" / "parsers" / "templates" / "qwen3.jinja"
-ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # Qwen's: added tokens that are not special
+THINK_TAGS = ("<think>", "</think>")  # Qwen's: added tokens that are not special
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -53,15 +53,39 @@ END = "<|im_end|>"
 
 
 def think_tokenizer(folder: Path) -> Path:
-    """The tiny tokenizer with Qwen3's added tags and the Qwen3-style template, saved to `folder`."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
+    """The tiny tokenizer with Qwen3's think tags and the Qwen3-style template, saved to `folder`, in the tiny
+    tokenizer's 2,048 ids: the tags take the ids of two byte tokens no text has (bytes 0xFE and 0xFF never occur
+    in UTF-8), so the model has the dense models' shape and an engine serving `dense` loads it as a weight update.
+    `<tool_call>` and `</tool_call>` are the tiny tokenizer's own."""
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TOKENIZER), local_files_only=True)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    config = json.loads((TINY_TOKENIZER / "tokenizer.json").read_text())
+    vocab = config["model"]["vocab"]
+    for tag, byte in zip(THINK_TAGS, (0xFE, 0xFF), strict=True):
+        token_id = vocab.pop(_byte_char(byte))
+        entry = {"id": token_id, "content": tag, "single_word": False, "lstrip": False, "rstrip": False}
+        config["added_tokens"].append({**entry, "normalized": False, "special": False})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False))
+    base = json.loads((TINY_TOKENIZER / "tokenizer_config.json").read_text())
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        eos_token=base["eos_token"],
+        pad_token=base["pad_token"],
+        additional_special_tokens=base["additional_special_tokens"],
+    )
     tokenizer.chat_template = TEMPLATE.read_text()
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def _byte_char(byte: int) -> str:
+    """The character byte-level BPE writes for `byte` (GPT-2's table: printable bytes as themselves, the others
+    from U+0100 on, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(byte))
 
 
 def episodes(folder: Path, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -126,8 +150,7 @@ def build_think_model(out: Path, common: dict[str, Any], dtype: str, *, steps: i
     think_tokenizer(target)
     data = episodes(target, 96, seed)
     torch.manual_seed(seed)
-    vocab = 1 + max(json.loads((target / "tokenizer.json").read_text())["added_tokens"], key=lambda t: t["id"])["id"]
-    config = Qwen2Config(**{**common, "vocab_size": vocab, "initializer_range": 0.02})
+    config = Qwen2Config(**{**common, "initializer_range": 0.02})  # the dense models' shape, vocabulary included
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))

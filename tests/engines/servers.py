@@ -79,13 +79,12 @@ def served_model() -> str:
 
 
 @contextlib.contextmanager
-def engine_server(kind: EngineKind, tmp: Path, model: str | None = None) -> Iterator[EngineServer]:
-    """The session's engine server: an external one (RG_<KIND>_URL), or one started here and stopped at the end.
-    `model`: one of the tiny models other than the tier's (`think`); always started here."""
-    models, model = models_dir(), model or served_model()
+def engine_server(kind: EngineKind, tmp: Path) -> Iterator[EngineServer]:
+    """The session's engine server: an external one (RG_<KIND>_URL), or one started here and stopped at the end."""
+    models, model = models_dir(), served_model()
     routed = os.environ.get("RG_ENGINE_ROUTED_EXPERTS", "") == "1"
     external = os.environ.get(f"RG_{kind.upper()}_URL")
-    if external and model == served_model():
+    if external:
         yield EngineServer(kind, external.rstrip("/"), models, model, routed, None)
         return
     python = default_python(kind)

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
-from tests.engines import checks
+from tests.engines import agent_checks, checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import greedy, restore
 from tests.engines.servers import EngineServer
@@ -151,3 +151,12 @@ async def test_engine_and_trainer_logprobs_agree_under_the_same_weights(
     make: MakeGateway, sglang_server: EngineServer, tmp_path: Path
 ) -> None:
     await checks.logprob_mismatch_is_numerical(await make(), sglang_server, str(tmp_path))
+
+
+@pytest.mark.parametrize("history", ["tokens", "template"])
+async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
+    sglang_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient, history: str
+) -> None:
+    await restore(http, sglang_server)
+    await agent_checks.reasoning_agent_episode(http, make_gateway, sglang_server, {}, history)
+    await restore(http, sglang_server)

@@ -16,7 +16,7 @@ from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
-from tests.engines import checks
+from tests.engines import agent_checks, checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import prompt_of, restore
 from tests.engines.servers import EngineServer
@@ -149,3 +149,13 @@ async def test_engine_and_trainer_logprobs_agree_under_the_same_weights(
     gw: RunningGateway, vllm_server: EngineServer, tmp_path: Path
 ) -> None:
     await checks.logprob_mismatch_is_numerical(gw, vllm_server, str(tmp_path))
+
+
+@pytest.mark.parametrize("history", ["tokens", "template"])
+async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient, history: str
+) -> None:
+    await restore(http, vllm_server)
+    replica = {"new_requests_while_paused": "block", "scale_out": True}  # as the tier's `gw` fixture
+    await agent_checks.reasoning_agent_episode(http, make_gateway, vllm_server, replica, history)
+    await restore(http, vllm_server)

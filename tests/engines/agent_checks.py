@@ -1,31 +1,28 @@
-"""A reasoning tool agent on the real engines (issue 49 §4): the `think` tiny model (scripts/think_model.py: the tiny
-tokenizer dressed as Qwen3, trained to write a think block and a tool call after a user message, a think block and
-an answer after a tool result) behind a gateway with `model.reasoning_parser: qwen3` and `model.tool_parser: hermes`.
-Three turns whose agent never sends the reasoning back, an abort weight update between the first two:
+"""A reasoning tool agent on the tier's engine (issue 49 §4), both tiers: the `think` tiny model
+(scripts/think_model.py: the tiny tokenizer dressed as Qwen3 in its own 2,048 ids, a model of the dense models'
+shape trained to write a think block and a tool call after a user message, a think block and an answer after a tool
+result), loaded into the tier's server as a weight update, behind a gateway with `model.reasoning_parser: qwen3`
+and `model.tool_parser: hermes`. Three turns whose agent never sends the reasoning back, an abort update (to
+`think_v2`, the same weights) between the first two:
 
-- `sessions.history: tokens`: one sample; each turn's prompt is the sample's ids so far plus what the template writes
-  after a reply, and the engine got exactly that prompt (its prompt-token counter rose by its length, and the engine
-  run alone on it gives the turn's tokens and log-probabilities);
+- `sessions.history: tokens`: one sample; each turn's prompt is the sample's ids so far plus what the template
+  writes after a reply, and the engine got exactly that prompt (its prompt-token counter rose by its length, and
+  the engine run alone on it gives the turn's tokens and log-probabilities);
 - `template`: Qwen3's template drops the reasoning, so each turn starts a new sample (one per turn).
-
-One engine server per kind for the module (started after the tier's own, never two at once)."""
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 
 from gateway.config import ReplicaConfig
 from tests.conftest import ADMIN, GatewayFactory
-from tests.engines.direct import greedy, metric, restore
-from tests.engines.servers import EngineServer, engine_server
+from tests.engines.direct import greedy, metric
+from tests.engines.servers import EngineServer
 from tests.gateway_helpers import client
-
-pytestmark = [pytest.mark.timeout(300)]
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -38,22 +35,6 @@ TOOLS: list[dict[str, Any]] = [
     }
 ]
 PROMPT_TOKENS = {"vllm": "vllm:prompt_tokens_total", "sglang": "sglang:prompt_tokens_total"}
-
-
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param("vllm", marks=pytest.mark.vllm), pytest.param("sglang", marks=pytest.mark.sglang)],
-)
-def think_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    with engine_server(request.param, tmp_path_factory.mktemp(f"think-{request.param}"), model="think") as server:
-        yield server
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    limits = httpx.Limits(max_keepalive_connections=0)  # as tests/engines/conftest.py: a busy engine drops idle ones
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as answer:
-        yield answer
 
 
 async def turn(
@@ -77,28 +58,32 @@ def called(choice: Any) -> dict[str, Any]:
     return {"role": "assistant", "content": choice.message.content, "tool_calls": [c.model_dump() for c in calls]}
 
 
-@pytest.mark.parametrize("history", ["tokens", "template"])
-async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
-    think_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient, history: str
+async def update(http: httpx.AsyncClient, url: str, version: int, path: str) -> None:
+    body = {"version": version, "path": path, "mode": "abort"}
+    answer = await http.post(f"{url}/admin/weights", json=body, headers=ADMIN, timeout=300)
+    assert answer.status_code == 200, answer.text
+
+
+async def reasoning_agent_episode(
+    http: httpx.AsyncClient, make_gateway: GatewayFactory, server: EngineServer, replica: dict[str, Any], history: str
 ) -> None:
-    server = think_server
-    await restore(http, server)
-    model = {"tokenizer": str(server.model_path), "max_model_len": 4096, "reasoning_parser": "qwen3"}
+    """The episode in `history` mode on `server` (restored by the caller, before and after)."""
+    think = server.models / "think"
+    model = {"tokenizer": str(think), "max_model_len": 4096, "reasoning_parser": "qwen3", "tool_parser": "hermes"}
     gw = await make_gateway(
-        [ReplicaConfig(url=server.url, backend=server.kind)],
-        model={**model, "tool_parser": "hermes"},
+        [ReplicaConfig(url=server.url, backend=server.kind, **replica)],
+        model=model,
         sessions={"history": history},
         generation={"request_timeout_s": 300},
     )
+    await update(http, gw.url, 1, str(think))  # the tier's server, its weights the agent's
     session = f"agent-{history}"
     api = client(gw, **{"X-Session-ID": session})
     messages: list[Any] = [{"role": "user", "content": "Is it warm in Paris today?"}]
     first, rollout1, counted1 = await turn(http, server, api, messages)
     reply = called(first)
-    update = {"version": 1, "path": server.second_checkpoint, "mode": "abort"}  # the episode spans two versions
-    assert (await http.post(f"{gw.url}/admin/weights", json=update, headers=ADMIN, timeout=300)).status_code == 200
-    call_id = reply["tool_calls"][0]["id"]
-    messages += [reply, {"role": "tool", "tool_call_id": call_id, "content": "18 C, sunny"}]
+    await update(http, gw.url, 2, str(server.models / "think_v2"))  # the episode spans two versions
+    messages += [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "18 C, sunny"}]
     second, rollout2, counted2 = await turn(http, server, api, messages)
     assert not second.message.tool_calls and (second.message.content or "").strip() == "Here is the weather."
     messages += [{"role": "assistant", "content": second.message.content}, {"role": "user", "content": "And tomorrow?"}]
@@ -115,9 +100,9 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
         starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
         ends = [*[i for i in range(1, len(mask)) if not mask[i] and mask[i - 1]], len(mask)]
         prompts = [sample.input_ids[: sample.prompt_ids.size + start].tolist() for start in starts]
-        turns = [(start, end) for start, end in zip(starts, ends, strict=True)]
-        assert sorted(set(sample.versions[sample.loss_mask == 1].tolist())) == [0, 1]
-        sampled = [(sample.response_ids[a:b].tolist(), sample.logprobs[a:b]) for a, b in turns]
+        assert sorted(set(sample.versions[sample.loss_mask == 1].tolist())) == [1, 2]
+        spans = zip(starts, ends, strict=True)
+        sampled = [(sample.response_ids[a:b].tolist(), sample.logprobs[a:b]) for a, b in spans]
     else:
         assert [(r["sample_index"], r["new_sample"]) for r in rollouts] == [(0, True), (1, True), (2, True)]
         prompts = [s.prompt_ids.tolist() for s in samples]
@@ -128,4 +113,3 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
         alone, alone_logprobs = await greedy(http, server, prompt, len(output))  # the engine run on that prompt alone
         assert alone == output and np.allclose(alone_logprobs, logprobs, atol=1e-4)
     await gw.stop()
-    await restore(http, server)
