@@ -237,15 +237,21 @@ def record(name: str, template: str) -> dict[str, Any]:
         "next_turn_texts": list(published.next_turns),
         "kwargs": published.kwargs or None,
         # What the template read besides the call: for rendering the renders again (tests/gateway/parsers/).
-        "context": {
-            "bos_token": tokenizer.bos_token,
-            "eos_token": tokenizer.eos_token,
-            "today": datetime.date.today().isoformat(),
-        },
+        "context": tokenizer_context(tokenizer),
         "problems": check.problems,
         "unwritten": check.unwritten,
         "suffixes": check.suffixes,
         "renders": renders,
+    }
+
+
+def tokenizer_context(tokenizer: Any) -> dict[str, Any]:
+    """What a render depends on beside the template and the call: the tokenizer's BOS and EOS texts, and the day
+    (templates that write today's date); the own-template tests render again with it."""
+    return {
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "today": datetime.date.today().isoformat(),
     }
 
 

@@ -15,7 +15,6 @@ end-of-sequence token), with today's date for the templates that write it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from transformers import AutoTokenizer
 from gateway.errors import InvalidRequest
 from gateway.parsers.detect import detect_reasoning_format, detect_tool_format
 from gateway.tokenization.chat_template import apply_chat_template
+from scripts.history.golden_renders import tokenizer_context
 from tests.gateway.parsers.family_tokenizers import family_tokenizer_dir
 from tests.gateway.parsers.reasoning_families import DEEPSEEK_R1, QWEN3
 from tests.gateway.parsers.render_cases import CASES
@@ -102,11 +102,7 @@ def record(name: str, template: str) -> dict[str, Any]:
         "template": name,
         "source": PUBLISHED[name],
         "detected": {"reasoning": detect_reasoning_format(template), "tool": detect_tool_format(template)},
-        "context": {
-            "bos_token": tokenizer.bos_token,
-            "eos_token": tokenizer.eos_token,
-            "today": datetime.date.today().isoformat(),
-        },
+        "context": tokenizer_context(tokenizer),
         "renders": renders,
     }
 

@@ -19,21 +19,12 @@ import httpx
 import numpy as np
 
 from gateway.config import ReplicaConfig
+from scripts.think_model import TOOLS  # the tools the model was trained with
 from tests.conftest import ADMIN, GatewayFactory
 from tests.engines.direct import greedy, metric
 from tests.engines.servers import EngineServer
 from tests.gateway_helpers import client
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
 PROMPT_TOKENS = {"vllm": "vllm:prompt_tokens_total", "sglang": "sglang:prompt_tokens_total"}
 
 
