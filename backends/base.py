@@ -185,6 +185,7 @@ class EngineBackend(Protocol):
         *,
         stream: bool = True,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request, as chunks. Ends with a chunk whose `finish_reason` is set; an engine-side
         abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure, and
@@ -197,7 +198,10 @@ class EngineBackend(Protocol):
 
         The call itself builds the request (its body encoded); nothing is sent before the first iteration. So a
         caller may build a request ahead, while it cannot be sent yet, and drop it unstarted. `token_ids` may be the
-        caller's own list (a first segment's prompt, uncopied): nothing of it is kept past the call."""
+        caller's own list (a first segment's prompt, uncopied): nothing of it is kept past the call.
+
+        `cache_salt` partitions the engine's prefix cache (vLLM `cache_salt`, SGLang `extra_key`): a prefix cached
+        by a request with another salt (or none) is never reused by this one."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -210,9 +214,11 @@ class EngineBackend(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def update_weights(self, version: str, source: str | None) -> bool:
+    async def update_weights(self, version: str, source: str | None, *, flush: bool = True) -> bool:
         """Load new weights from `source` (a path the engine can read) and label them `version`; with no
         source the weights were synced out of band (NCCL, checkpoint engine) and only the label changes.
+        `flush`: drop the prefix cache too (its KV was computed under the old weights); without it, requests kept
+        through the update keep their KV, and the caller keeps new work off old entries (a cache salt).
         Returns whether the prefix cache is clean: False when the engine switched weights but could not
         flush (requests still hold KV), so the caller must `flush_cache` before new work reuses stale KV.
         Raises `WeightsNotLoaded` only where the engine answered that the load from `source` failed and it kept

@@ -99,12 +99,15 @@ class SglangBackend(HttpEngineBackend):
         *,
         stream: bool = True,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`), streamed, or with `stream=False` one answer at
         the end; the last chunk carries the finish reason, version spans and (with R3) the routed experts of
         positions [experts_start, prompt + output - 1). The body is encoded here, before the first iteration sends
-        it."""
+        it. `cache_salt` goes as `extra_key`, which the radix cache keys prefixes by."""
         body = self._body(token_ids, sampling, request_id, routed_experts, experts_start, stream)
+        if cache_salt is not None:
+            body["extra_key"] = cache_salt
         return self._chunks(orjson.dumps(body), sampling, len(token_ids), experts_start, stream, deadline)
 
     async def _chunks(
@@ -311,18 +314,18 @@ class SglangBackend(HttpEngineBackend):
         self._expect_ok(answer)
         self._client.pacer.restore()
 
-    async def update_weights(self, version: str, source: str | None) -> bool:
-        """From `source`: `/update_weights_from_disk` with the version label and a cache flush. It returns False
-        (without raising) when SGLang switched weights and version but could not flush the radix cache because
-        in_place-paused requests hold KV. Without a source only the label changes (`/update_weight_version`,
-        in-flight requests kept), then the cache is flushed if the engine allows it. A load SGLang answers as
-        failed raises `WeightsNotLoaded`: it rolled back to the weights it had."""
+    async def update_weights(self, version: str, source: str | None, *, flush: bool = True) -> bool:
+        """From `source`: `/update_weights_from_disk` with the version label and, with `flush`, a cache flush. It
+        returns False (without raising) when SGLang switched weights and version but could not flush the radix cache
+        because in_place-paused requests hold KV. Without a source only the label changes (`/update_weight_version`,
+        in-flight requests kept), then, with `flush`, the cache is flushed if the engine allows it. A load SGLang
+        answers as failed raises `WeightsNotLoaded`: it rolled back to the weights it had."""
         if source is None:
             body = {"new_version": version, "abort_all_requests": False}
             answer = await self._call("POST", "/update_weight_version", json=body)
             self._expect_success(answer, f"update_weight_version to {version!r}")
-            return await self.flush_cache()
-        body = {"model_path": source, "weight_version": version, "flush_cache": True}
+            return await self.flush_cache() if flush else True
+        body = {"model_path": source, "weight_version": version, "flush_cache": flush}
         return await self._update_from_disk(body)
 
     async def _update_from_disk(self, body: dict[str, Any]) -> bool:

@@ -21,8 +21,11 @@ with spans; where it stays False, `pause("keep")` pauses with `abort` instead, a
 aborted requests itself, so every token still carries the version that sampled it.
 
 Weight updates use the dev-mode routes: `/collective_rpc reload_weights` (from a path), `/update_weight_version`,
-and `/reset_prefix_cache?reset_running_requests=true`, because vLLM does not flush the prefix cache when weights
-change (running requests are preempted and recompute their KV, so the reset never waits for them).
+and, where the caller flushes (no cache salt, or `weights.kv_after_update: recompute`),
+`/reset_prefix_cache?reset_running_requests=true`, because vLLM does not flush the prefix cache when weights change
+(running requests are preempted and recompute their KV, so the reset never waits for them). With a `cache_salt` per
+weight version on every request, nothing is flushed: kept requests go on with their KV, new ones miss the old
+version's prefixes.
 """
 
 from __future__ import annotations
@@ -165,11 +168,14 @@ class VllmBackend(HttpEngineBackend):
         *,
         stream: bool = True,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`; see the module docstring for the transport),
         streamed where asked and possible, else one whole answer. The body is encoded here, before the first iteration
         sends it."""
         path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt  # both transports take it (at most 128 characters)
         streamed = self.capabilities.streams(stream)  # routed experts come only in whole answers of /v1/completions
         if streamed:
             body["stream"] = True
@@ -420,9 +426,10 @@ class VllmBackend(HttpEngineBackend):
         self._expect_status(answer, "resumed")
         self._client.pacer.restore()
 
-    async def update_weights(self, version: str, source: str | None) -> bool:
-        """Reload weights from `source` (if given), relabel them `version`, then flush the prefix cache (vLLM
-        keeps KV computed under the old weights otherwise). Returns whether the flush succeeded."""
+    async def update_weights(self, version: str, source: str | None, *, flush: bool = True) -> bool:
+        """Reload weights from `source` (if given), relabel them `version`, then, with `flush`, flush the prefix
+        cache (vLLM keeps KV computed under the old weights otherwise). Returns whether the flush succeeded (True
+        without one)."""
         if source is not None:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": source}}
             # An error answer is vLLM saying the reload failed (`WeightsNotLoaded`): a checkpoint it cannot read
@@ -438,7 +445,7 @@ class VllmBackend(HttpEngineBackend):
                 replica=self.id,
                 code="update_weight_version",
             )
-        return await self.flush_cache()
+        return await self.flush_cache() if flush else True
 
     async def weight_version(self) -> str:
         answer = await self._call("GET", "/weight_info")

@@ -196,6 +196,7 @@ async def open_services(
             update_timeout_s=settings.weights.update_timeout_s,
             bus=bus,
             member_ttl_s=settings.weights.member_ttl_s,
+            flush_caches=settings.weights.flushes_caches,
         )
         stack.push_async_callback(weights.aclose)
         weights.start_following()
@@ -209,6 +210,7 @@ async def open_services(
                 max_wait_s=g.max_wait_s,
                 routed_experts=g.routed_experts,
                 stall_timeout_s=g.stall_timeout_s,
+                cache_salt=settings.weights.cache_salt,
             ),
         )
         stack.push_async_callback(generator.aclose)

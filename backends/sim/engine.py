@@ -20,11 +20,13 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
-from common.hashing import mix64
+from common.hashing import mix64, string_key
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep", "retract", "in_place"]
+KEEP_MODES: frozenset[str | None] = frozenset({"keep", "retract", "in_place"})
+"""The pauses that keep the requests in flight (and so, salted, a request that arrives meanwhile keeps its KV)."""
 FinishReason = Literal["stop", "length", "abort"]
 NewRequestsWhilePaused = Literal["block", "reject"]
 
@@ -105,6 +107,8 @@ class SimRequest:
     cached_tokens: int = 0
     num_retractions: int = 0
     stale_key: int = 0
+    salt_key: int = 0  # the prefix-cache partition of its `cache_salt` / `extra_key` (0: none)
+    kept_through_pause: bool = False  # it reached the engine during a pause that keeps requests, and waited
     experts_input: ExpertArray | None = None
     script: tuple[int, ...] | None = None
     created: float = field(default_factory=time.monotonic)
@@ -151,6 +155,7 @@ class SimEngine:
         self._idle.set()
         self._cache: OrderedDict[int, int] = OrderedDict()
         self._retracted: set[str] = set()
+        self._recompute_tokens = 0  # KV to recompute before the next step (preempted and retracted requests)
         self.counters: Counter[str] = Counter()
         self.scripts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         # (first `prompt_log_head` prompt tokens, prompt length, time.monotonic()) of each submitted request,
@@ -204,14 +209,16 @@ class SimEngine:
         prompt: Sequence[int],
         params: SamplingSpec,
         experts_input: ExpertArray | None = None,
+        cache_salt: str | None = None,
     ) -> SimRequest:
-        """Admit a request: wait out (or reject during) a pause, prefill, then join the decode batch."""
+        """Admit a request: wait out (or reject during) a pause, prefill, then join the decode batch. Its prefix
+        is cached, and found, only among requests with the same `cache_salt`."""
         self.validate(prompt, params)
         if self.prompt_log_head:
             self.prompt_log.append((tuple(prompt[: self.prompt_log_head]), len(prompt), time.monotonic()))
         if engine_id in self.requests:
             raise SimRequestError(f"request id {engine_id!r} is already in flight")
-        await self._admit()
+        kept = await self._admit()
         if engine_id in self.requests:  # another request with this id was admitted while we waited
             raise SimRequestError(f"request id {engine_id!r} is already in flight")
         request = SimRequest(
@@ -219,6 +226,8 @@ class SimEngine:
             prompt=list(prompt),
             params=params,
             hashes=self._prompt_hashes(prompt),
+            salt_key=salt_key(cache_salt),
+            kept_through_pause=kept,
             experts_input=experts_input,
             script=self._script_for(prompt),
         )
@@ -242,7 +251,9 @@ class SimEngine:
         self._wake()
         return request
 
-    async def _admit(self) -> None:
+    async def _admit(self) -> bool:
+        """Wait out a pause or a drain; True if the request waited through a pause that keeps requests."""
+        kept = False
         while self.paused or self._admission_gates:
             if (
                 self.paused
@@ -254,12 +265,14 @@ class SimEngine:
                 )
             ):
                 raise EnginePaused("engine_paused: the engine is paused; retry after it resumes")
+            kept = kept or self.pause_mode in KEEP_MODES
             self.held += 1
             try:
                 await self._unpaused.wait()
                 await self._gate_open.wait()
             finally:
                 self.held -= 1
+        return kept
 
     def add_script(self, prompt_suffix: Sequence[int], output: Sequence[int]) -> None:
         """Make prompts ending in `prompt_suffix` produce `output` then stop (a scripted reply, e.g. a tool call).
@@ -292,12 +305,15 @@ class SimEngine:
         stale = 0
         hits = 0
         for block in range(usable_blocks):
-            stored = self._cache.get(request.hashes[(block + 1) * size - 1])
+            key = _cache_key(request, (block + 1) * size - 1)
+            stored = self._cache.get(key)
             if stored is None:
                 break
-            self._cache.move_to_end(request.hashes[(block + 1) * size - 1])
-            if stored != self.wkey:
-                # KV computed under other weights and never flushed: outputs differ from a clean run.
+            self._cache.move_to_end(key)
+            if stored != self.wkey and not (request.salt_key and request.kept_through_pause):
+                # KV computed under other weights and never flushed: outputs differ from a clean run. Except for a
+                # salted request that was on its way when a `keep` pause began: its salt's KV is its own to keep,
+                # as a kept request keeps its KV (the simulator draws a kept request's tokens as a clean run's).
                 stale = mix64(stale ^ stored)
             hits += 1
         request.cached_tokens = hits * size
@@ -308,7 +324,7 @@ class SimEngine:
 
     def _prefill_wkeys(self, request: SimRequest, cached: int) -> list[int]:
         size = self.settings.block_size
-        wkeys = [self._cache.get(request.hashes[(p // size + 1) * size - 1], self.wkey) for p in range(cached)]
+        wkeys = [self._cache.get(_cache_key(request, (p // size + 1) * size - 1), self.wkey) for p in range(cached)]
         wkeys.extend([self.wkey] * (len(request.prompt) - cached))
         return wkeys
 
@@ -316,7 +332,7 @@ class SimEngine:
         size = self.settings.block_size
         forwarded = len(request.forward_wkeys)
         for end in range(size, forwarded + 1, size):
-            key = request.hashes[end - 1]
+            key = _cache_key(request, end - 1)
             if key in self._cache:
                 self._cache.move_to_end(key)
             else:
@@ -339,6 +355,12 @@ class SimEngine:
             await self._work.wait()
             if self.frozen or self.stalled or not self.running:
                 self._work.clear()
+                continue
+            if self._recompute_tokens:
+                # Requests that lost their KV recompute it before the batch steps on: a prefill that stalls every
+                # request of the batch, at the prefill rate.
+                tokens, self._recompute_tokens = self._recompute_tokens, 0
+                await asyncio.sleep(tokens * self.settings.prefill_delay_s_per_token)
                 continue
             self._step()
             delay = self.settings.token_delay_s
@@ -512,9 +534,11 @@ class SimEngine:
             self.counters["retractions"] += 1  # vLLM counts these as preemptions
 
     def _recompute(self, request: SimRequest) -> None:
-        """The request lost its KV: recompute it under the weights now loaded (no cache hit, so nothing stale)."""
+        """The request lost its KV: recompute it under the weights now loaded (no cache hit, so nothing stale), at
+        the prefill rate before the batch's next step."""
         request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
         request.stale_key = 0
+        self._recompute_tokens += len(request.forward_wkeys)
 
     def set_speed(self, token_delay_s: float | None, prefill_delay_s_per_token: float | None) -> None:
         """Change the per-token decode and prefill delays at run time (benchmarks reuse one set of replicas)."""
@@ -532,6 +556,7 @@ class SimEngine:
         self.weights = self.settings.weights
         self.set_version(self.settings.version)
         self._cache.clear()
+        self._recompute_tokens = 0
         self.scripts.clear()
 
     @property
@@ -543,3 +568,16 @@ class SimEngine:
     def num_waiting(self) -> int:
         """Requests prefilling or retracted back to the queue (not those held at admission by a pause)."""
         return len(self.requests) - self.num_running
+
+
+def salt_key(cache_salt: str | None) -> int:
+    """The cache partition of a request's salt: 0 without one, else a 64-bit key of the string."""
+    if not cache_salt:
+        return 0
+    return string_key(cache_salt) or 1
+
+
+def _cache_key(request: SimRequest, position: int) -> int:
+    """The prefix-cache key of `request`'s prefix up to `position`: its hash, in the request's salt partition."""
+    prefix = request.hashes[position]
+    return prefix if not request.salt_key else mix64(prefix ^ request.salt_key)

@@ -279,7 +279,7 @@ class SglangDialect:
         engine_id = self._engine_id(body)
         request = await unless_disconnected(
             raw,
-            self.engine.submit(engine_id, prompt, spec, replay),
+            self.engine.submit(engine_id, prompt, spec, replay, _cache_partition(body)),
             lambda: self.engine.abort(engine_id, "client disconnected"),
         )
         count_transport(self.engine, body.stream)
@@ -561,3 +561,10 @@ def create_sglang_app(settings: SimServerSettings) -> FastAPI:
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     return app
+
+
+def _cache_partition(body: GenerateReqInput) -> str | None:
+    """The radix cache's partition of a request: SGLang keys prefixes by `extra_key` and `cache_salt` both."""
+    if body.cache_salt is None:
+        return body.extra_key
+    return f"{body.extra_key or ''}\x00{body.cache_salt}"

@@ -165,9 +165,11 @@ class VllmDialect:
             return None  # vLLM ignores fields it does not know
         return decode_npy_b64(payload)
 
-    async def _submit(self, raw: Request, engine_id: str, prompt: list[int], spec: SamplingSpec, replay: Any) -> Any:
+    async def _submit(
+        self, raw: Request, engine_id: str, prompt: list[int], spec: SamplingSpec, replay: Any, salt: str | None
+    ) -> Any:
         return await unless_disconnected(
-            raw, self.engine.submit(engine_id, prompt, spec, replay), lambda: self.engine.abort(engine_id)
+            raw, self.engine.submit(engine_id, prompt, spec, replay, salt), lambda: self.engine.abort(engine_id)
         )
 
     async def _finished(self, raw: Request, request: SimRequest) -> None:
@@ -252,7 +254,8 @@ class VllmDialect:
         )
         base_id = raw.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex[:16]
         response_id = f"cmpl-{base_id}"
-        request = await self._submit(raw, f"{response_id}-0", prompt, spec, self._replay(body.replay_routed_experts))
+        replay = self._replay(body.replay_routed_experts)
+        request = await self._submit(raw, f"{response_id}-0", prompt, spec, replay, body.cache_salt)
         count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(
@@ -362,7 +365,8 @@ class VllmDialect:
             sp.max_tokens, sp.temperature, sp.seed, sp.ignore_eos, sp.stop_token_ids, sp.min_tokens, sp.logprobs, 16
         )
         engine_id = f"generate-tokens-{body.request_id or uuid.uuid4().hex[:16]}"
-        request = await self._submit(raw, engine_id, body.token_ids, spec, self._replay(body.replay_routed_experts))
+        replay = self._replay(body.replay_routed_experts)
+        request = await self._submit(raw, engine_id, body.token_ids, spec, replay, body.cache_salt)
         count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(self._generate_stream(body, raw, request), media_type="text/event-stream")

@@ -3,9 +3,27 @@ are ignored, as vLLM does)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+_CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
+
+
+def _checked_salt(salt: str | None) -> str | None:
+    """vLLM's rule for `cache_salt` (`validate_cache_salt`): non-empty, at most 128 characters, none of @ / \\ NUL."""
+    if salt is None:
+        return None
+    if not salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(salt) > 128 or any(c in salt for c in _CACHE_SALT_FORBIDDEN):
+        raise ValueError(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+        )
+    return salt
+
+
+CacheSalt = Annotated[str | None, AfterValidator(_checked_salt)]
 
 
 class StreamOptions(BaseModel):
@@ -40,6 +58,7 @@ class CompletionRequest(BaseModel):
     return_weight_versions: bool | None = None
     routed_experts_prompt_start: int = Field(default=0, ge=0)
     replay_routed_experts: str | None = None
+    cache_salt: CacheSalt = None
 
 
 class GenerateSamplingParams(BaseModel):
@@ -71,6 +90,7 @@ class GenerateRequest(BaseModel):
     return_token_ids: bool | None = None
     output_mode: Literal["tokens", "text", "derender"] = "tokens"
     replay_routed_experts: str | None = None
+    cache_salt: CacheSalt = None
 
 
 class AbortRequests(BaseModel):

@@ -9,12 +9,23 @@ from pydantic import Field
 from gateway.config.section import Seconds, Section
 
 PauseMode = Literal["abort", "keep", "wait"]
+KvAfterUpdate = Literal["keep", "recompute"]
 
 
 class WeightsConfig(Section):
     """Weight updates and versions (docs/architecture.md §5)."""
 
     pause_mode: PauseMode = Field("abort", description="abort | keep | wait; overridable per update.")
+    cache_salt: bool = Field(
+        True,
+        description="Partition the engines' prefix caches by weight version (vLLM `cache_salt`, SGLang `extra_key`), "
+        "so no update flushes them; false: flush after every update.",
+    )
+    kv_after_update: KvAfterUpdate = Field(
+        "keep",
+        description="keep | recompute: requests kept through an update go on with the KV they computed under the old "
+        "weights, or recompute it (a flush that preempts them).",
+    )
     max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
     update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
     control_timeout_s: Seconds = Field(
@@ -25,3 +36,9 @@ class WeightsConfig(Section):
         description="A gateway process is on the weights bus this long after its heartbeat (every fifth of it); "
         "one coordinating an update is taken for dead after twice this without one, seconds.",
     )
+
+    @property
+    def flushes_caches(self) -> bool:
+        """Whether each update flushes the engines' prefix caches: without a salt (old KV would be reused), or where
+        kept requests recompute their KV under the new weights (the flush preempts them)."""
+        return not self.cache_salt or self.kv_after_update == "recompute"

@@ -39,14 +39,15 @@ from gateway.generation.request import (
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
-from gateway.weights.labels import version_label, version_labels
+from gateway.weights.labels import cache_salt, version_label, version_labels
 
 logger = logging.getLogger(__name__)
 
 
 class ServingWeights(Protocol):
     """What generation needs of the weights: whether requests may dispatch, a wait until they may, the version the
-    pool serves, and when held requests were last released (`gateway.weights.WeightCoordinator` is one)."""
+    pool serves (and the one an update under way loads, where known), and when held requests were last released
+    (`gateway.weights.WeightCoordinator` is one)."""
 
     @property
     def serving(self) -> bool: ...
@@ -56,6 +57,9 @@ class ServingWeights(Protocol):
 
     @property
     def released_at(self) -> float: ...
+
+    @property
+    def upcoming_version(self) -> int | None: ...
 
     async def until_serving(self, timeout: float | None = None) -> None: ...
 
@@ -86,6 +90,7 @@ class _EngineCall:
     request_id: str
     chunks: AsyncGenerator[Chunk, None]  # a stream's chunks, or a whole answer's one
     streamed: bool  # the engine streams its tokens (a whole answer has no first token of its own)
+    salt: str | None  # the prefix-cache salt it was built with (the replica's version then)
 
 
 @dataclass(slots=True)
@@ -221,8 +226,8 @@ class Generator:
         """The next segment on `replica`: the continuation built ahead for it during a weight update, or a new call."""
         remaining = request.sampling.max_tokens - len(state.output_ids)
         ahead, resume.ahead = resume.ahead, None
-        if ahead is not None and ahead.replica is replica:
-            call = ahead
+        if ahead is not None and ahead.replica is replica and ahead.salt == self._salt(replica):
+            call = ahead  # built for this replica, and its weights have not changed since
         else:
             call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
         dispatch_version = replica.version if replica.version is not None else self.weights.version
@@ -250,7 +255,9 @@ class Generator:
             # Preempted: the replica most likely serves the continuation too, once the update is done. Building it
             # now (prompt plus tokens so far, encoded) takes that work off the moment every held request is
             # released at once; another replica then gets a call of its own.
-            resume.ahead = self._engine_call(request, state, run.replica, left, resume.loop_deadline)
+            # Salted for the version the update loads: the replica serves it when the continuation goes.
+            upcoming = self.weights.upcoming_version
+            resume.ahead = self._engine_call(request, state, run.replica, left, resume.loop_deadline, upcoming)
 
     async def _until_serving(self, deadline: float) -> None:
         try:
@@ -259,11 +266,18 @@ class Generator:
             raise BackendUnavailable("request deadline passed while waiting for a weight update") from None
 
     def _engine_call(
-        self, request: GenerationRequest, state: GenerationState, replica: Replica, remaining: int, deadline: float
+        self,
+        request: GenerationRequest,
+        state: GenerationState,
+        replica: Replica,
+        remaining: int,
+        deadline: float,
+        version: int | None = None,
     ) -> _EngineCall:
         """The next segment's engine request to `replica`: the prompt plus every token so far, `remaining` to go, by
-        `deadline` (loop time). Its answer streams if the caller takes tokens on the way (or stop strings are
-        watched), else comes whole: the adapter reads it either way (`EngineBackend.generate`)."""
+        `deadline` (loop time), salted for `version` (default: the replica's). Its answer streams if the caller
+        takes tokens on the way (or stop strings are watched), else comes whole: the adapter reads it either way
+        (`EngineBackend.generate`)."""
         backend = replica.backend
         # The first segment sends the prompt as it is (the backend encodes it at once, nothing changes it meanwhile).
         prompt = request.prompt_ids + state.output_ids if state.output_ids else request.prompt_ids
@@ -278,8 +292,21 @@ class Generator:
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         request_id = f"{request.request_id}-{len(state.segments)}"
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
-        chunks = backend.generate(prompt, sampling, request_id, replay, experts_start, stream=stream, deadline=deadline)
-        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream))
+        salt = self._salt(replica, version)
+        chunks = backend.generate(
+            prompt, sampling, request_id, replay, experts_start, stream=stream, deadline=deadline, cache_salt=salt
+        )
+        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream), salt)
+
+    def _salt(self, replica: Replica, version: int | None = None) -> str | None:
+        """The prefix-cache salt of a request to `replica` under `version` (default: the version it serves now):
+        that version's (`cache_salt`), so no request reuses KV cached under other weights and no update needs to
+        flush a cache."""
+        if not self.settings.cache_salt:
+            return None
+        if version is None:
+            version = replica.version if replica.version is not None else self.weights.version
+        return cache_salt(version)
 
     async def _segment(
         self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float

@@ -1,6 +1,6 @@
 """Weight versions: the coordinator of each gateway process and what it is made of (docs/architecture.md §5).
 
-- `labels`: the labels engines carry for a version, and back;
+- `labels`: the labels engines carry for a version, and back, and the prefix-cache salt of a version;
 - `state`: the coordinator's states and the one table of their transitions;
 - `report`: `UpdateReport`, what one update did;
 - `sequence`: THE update sequence (pause → load → settle → resume) that every weight change runs;
@@ -15,7 +15,7 @@
 from gateway.weights.admission import ReplicaAdmission, reported_version
 from gateway.weights.bracket import OutOfBandSync
 from gateway.weights.coordinator import MEMBER_TTL_S, WeightCoordinator
-from gateway.weights.labels import INITIAL_LABELS, newer, parse_version, version_label, version_labels
+from gateway.weights.labels import INITIAL_LABELS, cache_salt, newer, parse_version, version_label, version_labels
 from gateway.weights.report import UpdateReport, UpdateStatus
 from gateway.weights.state import TRANSITIONS, IllegalTransition, State, StateMachine
 
@@ -31,6 +31,7 @@ __all__ = [
     "UpdateReport",
     "UpdateStatus",
     "WeightCoordinator",
+    "cache_salt",
     "newer",
     "parse_version",
     "reported_version",

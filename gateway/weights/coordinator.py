@@ -61,6 +61,7 @@ class WeightCoordinator:
         update_timeout_s: float = 600.0,
         bus: WeightsBus | None = None,
         member_ttl_s: float = MEMBER_TTL_S,
+        flush_caches: bool = True,
     ) -> None:
         self.pool = pool
         self.bus = bus
@@ -77,13 +78,16 @@ class WeightCoordinator:
         # within one task; an out-of-band sync holds it only while it pauses and while it resumes.
         self.lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.sequence = UpdateSequence(pool, self.machine, self._tasks)
+        self.flush_caches = flush_caches
+        self.sequence = UpdateSequence(pool, self.machine, self._tasks, flush_caches=flush_caches)
         self.leader = (
             Leadership(bus, member_ttl_s=member_ttl_s, update_timeout_s=update_timeout_s) if bus is not None else None
         )
         self._follower: Follower | None = None
         self._bracket: OutOfBandSync | None = None  # the out-of-band sync held now
         self._expired: OutOfBandSync | None = None  # the last one that ended at its deadline (a later resume's 409)
+        # The version an update of this process is loading (None: none, or an out-of-band sync's, not known yet).
+        self.upcoming_version: int | None = None
         # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
@@ -134,6 +138,7 @@ class WeightCoordinator:
             started = time.monotonic()
             previous = self.version
             report = UpdateReport(version, mode, started_at=time.time())
+            self.upcoming_version = version
             self.begin()
             timed_out = False
             try:
@@ -143,6 +148,7 @@ class WeightCoordinator:
             except TimeoutError:
                 timed_out = True
             finally:
+                self.upcoming_version = None
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
                 await self._publish_result(report)
@@ -259,7 +265,7 @@ class WeightCoordinator:
                 return False
             cache_clean = True
             if found != label:
-                cache_clean = await replica.backend.update_weights(label, self.last_source)
+                cache_clean = await replica.backend.update_weights(label, self.last_source, flush=self.flush_caches)
                 if await replica.backend.weight_version() != label:
                     return False
             self.pool.set_version(replica, self.version)

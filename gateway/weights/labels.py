@@ -25,6 +25,13 @@ def version_labels(version: int) -> frozenset[str]:
 _VERSION_0_LABELS = frozenset({version_label(0)}) | INITIAL_LABELS
 
 
+@functools.lru_cache(maxsize=64)  # asked once per engine request
+def cache_salt(version: int) -> str:
+    """The prefix-cache partition key of requests served by `version` (vLLM `cache_salt`, SGLang `extra_key`):
+    every process of a fleet derives the same one, so sessions share prefixes within a version and never across."""
+    return f"rg-weights-{version}"
+
+
 def parse_version(label: str) -> int:
     """A gateway version from an engine label; the engines' initial label ("default") is version 0."""
     if label in INITIAL_LABELS:

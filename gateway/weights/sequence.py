@@ -69,10 +69,18 @@ class UpdateSequence:
     """Runs the steps over the pool, moving `machine` through `UPDATING` and `RESUMING` (the caller moves it into
     `PAUSING` before and back to `SERVING` after: it knows what comes around the sequence)."""
 
-    def __init__(self, pool: ReplicaPool, machine: StateMachine, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(
+        self, pool: ReplicaPool, machine: StateMachine, tasks: set[asyncio.Task[None]], *, flush_caches: bool = True
+    ) -> None:
         self.pool = pool
         self.machine = machine
         self._tasks = tasks  # hard references to the cache flushes, stopped by the coordinator's `aclose`
+        # Flush each engine's prefix cache with its load. A `keep` update does not where every request salts the
+        # cache with its version (`weights.cache_salt`) and kept requests keep their KV
+        # (`weights.kv_after_update: keep`): nothing is preempted, no replica drains for a flush. `abort` and `wait`
+        # updates flush anyway: nothing holds KV then, the old version's entries are dead weight under the new
+        # salt, and a request that reached a paused engine with the old salt must not find them.
+        self.flush_caches = flush_caches
 
     async def run(self, mode: PauseMode, plan: Plan, report: UpdateReport) -> None:
         """The whole sequence."""
@@ -137,7 +145,8 @@ class UpdateSequence:
         """Load (or relabel) one paused replica and read its label back."""
         label = version_label(version)
         try:
-            cache_clean = await replica.backend.update_weights(label, source)
+            flush = self.flush_caches or report.mode != "keep"
+            cache_clean = await replica.backend.update_weights(label, source, flush=flush)
             reported = await replica.backend.weight_version()
         except WeightsNotLoaded as exc:
             # Not stale yet: if no replica loads `version`, this one may serve on (`_settle_refusals`).

@@ -274,6 +274,40 @@ async def keep_update_switches_weights_in_flight(
     return reports[0]
 
 
+PREEMPTED = {"vllm": "vllm:num_preemptions_total", "sglang": "sglang:num_retracted_requests_total"}
+CACHED = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
+SALTED_PROMPT = prompt_of(300, seed=5)  # two whole vLLM-CPU blocks (128 tokens) and more
+
+
+async def salted_keep_update(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, keep_mode: str = "retract"
+) -> dict[str, Any]:
+    """Issue 50 §1: every request carries its replica's version as a cache salt, so a `keep` update flushes
+    nothing: the request frozen in the engine is not preempted (no recompute; SGLang `retract` retracts by its own
+    design, so there only the flush is checked), and the replica takes new work at once. A prompt cached under the
+    old version is a miss under the new one (and its tokens are the new weights' clean ones); the new version's
+    own prefix is a hit. Returns the admin report."""
+    warm = await http.post(f"{gw.url}/generate", json=generate_body(SALTED_PROMPT, 4, session_id="s"), timeout=120)
+    assert warm.status_code == 200, warm.text  # SALTED_PROMPT cached under version 0's salt
+    preempted = await metric(http, server, PREEMPTED[server.kind])
+    report = await keep_update_switches_weights_in_flight(http, gw, server, keep_mode)
+    assert report["flush_pending"] == [] and report["stale"] == [], report
+    if keep_mode != "retract" or server.kind == "vllm":
+        assert await metric(http, server, PREEMPTED[server.kind]) == preempted
+    hits = await metric(http, server, CACHED[server.kind])
+    body = generate_body(SALTED_PROMPT, 16, session_id="s")
+    after = (await http.post(f"{gw.url}/generate", json=body, timeout=120)).json()
+    assert after["versions"] == [1] * 16
+    assert await metric(http, server, CACHED[server.kind]) == hits  # nothing of version 0's prefix reused
+    again = (await http.post(f"{gw.url}/generate", json=body, timeout=120)).json()
+    assert await metric(http, server, CACHED[server.kind]) >= hits + 128  # version 1's own prefix reused
+    assert again["output_ids"] == after["output_ids"]
+    await flush(http, server)
+    clean, _ = await greedy(http, server, SALTED_PROMPT, 16)
+    assert after["output_ids"] == clean
+    return report
+
+
 async def new_requests_wait_during_a_pause(http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer) -> None:
     """A request that arrives while the gateway is paused waits (it does not fail), then runs under the new label."""
     reference, _ = await greedy(http, server, PROMPT, 16)

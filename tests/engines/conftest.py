@@ -6,6 +6,7 @@ stopped when its tier ends, before the other tier starts (never two engines at o
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -37,11 +38,15 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def gateway_over(make_gateway: GatewayFactory, server: EngineServer, **replica: object) -> RunningGateway:
-    """A gateway in front of the real engine only (its tokenizer is the model's own)."""
+async def gateway_over(
+    make_gateway: GatewayFactory, server: EngineServer, weights: dict[str, Any] | None = None, **replica: object
+) -> RunningGateway:
+    """A gateway in front of the real engine only (its tokenizer is the model's own); `weights`: its `weights:`
+    section."""
     config = ReplicaConfig(url=server.url, backend=server.kind, **replica)  # type: ignore[arg-type]
     return await make_gateway(
         [config],
         model={"tokenizer": str(server.model_path), "max_model_len": 4096},
         generation={"request_timeout_s": 300},
+        weights=weights or {},
     )

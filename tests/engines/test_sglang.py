@@ -35,11 +35,11 @@ async def make(
     await restore(http, sglang_server)
     made: list[RunningGateway] = []
 
-    async def make_one(**replica: Any) -> RunningGateway:
+    async def make_one(weights: dict[str, Any] | None = None, **replica: Any) -> RunningGateway:
         if sglang_server.routed_experts:
             layers, top_k, _ = checks.experts_shape(sglang_server)
             replica |= {"routed_experts": True, "routed_experts_shape": (layers, top_k)}
-        made.append(await gateway_over(make_gateway, sglang_server, **replica))
+        made.append(await gateway_over(make_gateway, sglang_server, weights, **replica))
         return made[-1]
 
     yield make_one
@@ -88,13 +88,26 @@ async def test_retract_update_continue_reports_weight_version_spans(
     assert report["flush_pending"] == [] and report["stale"] == []
 
 
-async def test_in_place_update_flushes_the_cache_before_new_work(
+async def test_in_place_update_drains_nothing_and_new_work_misses_the_old_prefix(
     make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
 ) -> None:
-    """pause(in_place) + /update_weights_from_disk answers 400 (weights and version switched, radix cache not
-    flushed: the frozen request holds KV). The gateway counts the update as done, keeps new work off the replica
-    until the request finished and the cache is flushed, so new work never reuses KV of the old weights."""
+    """pause(in_place) + /update_weights_from_disk with `flush_cache: false` (requests carry their version as
+    `extra_key`): the frozen request keeps its KV, is not retracted, and the replica takes new work at once; the
+    old version's prefix is a miss, the new version's a hit."""
     gw = await make(keep_mode="in_place")
+    report = await checks.salted_keep_update(http, gw, sglang_server, "in_place")
+    assert report["updated"] == [gw.services.pool.all()[0].id]
+    assert not gw.services.pool.all()[0].draining
+
+
+async def test_in_place_update_with_kv_recomputed_flushes_the_cache_before_new_work(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    """`weights.kv_after_update: recompute`: pause(in_place) + /update_weights_from_disk answers 400 (weights and
+    version switched, radix cache not flushed: the frozen request holds KV). The gateway counts the update as done,
+    keeps new work off the replica until the request finished and the cache is flushed, so new work never reuses
+    KV of the old weights."""
+    gw = await make({"kv_after_update": "recompute"}, keep_mode="in_place")
     report = await checks.keep_update_switches_weights_in_flight(http, gw, sglang_server, "in_place")
     assert report["updated"] == [gw.services.pool.all()[0].id]
     assert report["flush_pending"] == report["updated"]

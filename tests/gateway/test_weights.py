@@ -351,9 +351,11 @@ async def test_request_queued_during_a_keep_pause_never_reads_old_weights_kv(
     later, once the replica was idle; but a request that reached the engine after its pause (sent just before
     it, or by another gateway process) is queued there and admitted on resume, onto prefix KV of the old
     weights: it sampled tokens that no version draws. The flush now preempts running requests (they recompute
-    their KV under the new weights), so it succeeds before the replica resumes."""
+    their KV under the new weights), so it succeeds before the replica resumes. That flush is what
+    `weights.kv_after_update: recompute` keeps (by default the cache is salted per version instead, and a request
+    queued with the old version's salt keeps its KV, as a kept request does: tests/gateway/test_cache_salt.py)."""
     sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.005))
-    gw = await make_gateway([sim])
+    gw = await make_gateway([sim], weights={"kv_after_update": "recompute"})
     prompt = list(range(10, 50))  # two full cache blocks
     warm = await http.post(f"{gw.url}/generate", json=generate_body(prompt, 4, session_id="warm"))
     assert warm.status_code == 200  # the prompt's blocks are now cached, computed under the initial weights
