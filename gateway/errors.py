@@ -9,6 +9,7 @@ GatewayError                      base of every error the gateway raises on purp
 ├── NotFound                      404: unknown resource (replica, ...)
 │   └── SessionNotFound           404: unknown session id
 ├── Conflict                      409: e.g. a weight version older than or equal to the current one
+├── SampleStale                   410: the turn would extend a sample cut for staleness (code `sample_stale`)
 ├── Overloaded                    429: backpressure; carries `retry_after_s`
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
@@ -79,6 +80,19 @@ class SessionNotFound(NotFound):
 class Conflict(GatewayError):
     status_code = 409
     error_type = "conflict_error"
+
+
+class SampleStale(GatewayError):
+    """A turn would extend a sample beyond the staleness budget (docs/features.md, "Staleness budget"): its first
+    token's version is older than the version served minus `weights.max_staleness`. The sample is kept, marked
+    stale; the session ends here (finish it, or start another). 410, not 409: clients (the openai package among
+    them) retry a 409, and no retry can make the sample fresh again."""
+
+    status_code = 410
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "sample_stale") -> None:
+        super().__init__(message, param=param, code=code)
 
 
 class Overloaded(GatewayError):

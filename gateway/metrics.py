@@ -24,6 +24,9 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_samples_moved_total`    | counter   |               | read at scrape from the store's stats     |
 | `rollout_gateway_chat_turns_total`       | counter   | history       | read at scrape from `SessionManager`      |
 | `rollout_gateway_replays_forgiven_total` | counter   | kind          | read at scrape from `SessionManager`      |
+| `rollout_gateway_budget_sessions_total`  | counter   | outcome       | read at scrape from `StalenessBudget`     |
+| `rollout_gateway_budget_stale_cuts_total`| counter   |               | read at scrape from `StalenessBudget`     |
+| `rollout_gateway_delivered_staleness`    | histogram |               | versions behind, per delivered sample     |
 
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
@@ -50,6 +53,13 @@ from the sample's exact ids, `sessions.history: tokens`; `template`: the templat
 and those that started a new sample in a session that had one (`rewritten`: an edit, or a template that writes the
 new messages elsewhere). `replays_forgiven_total{kind}` counts the tokens-path turns whose replay differed from the
 stored conversation in that kind of serialization (`gateway.history.Forgiven`, `sessions.replay_match`).
+
+`budget_sessions_total{outcome}` counts new sessions by what the staleness budget did (docs/architecture.md §5):
+`admitted` (a group's n count n), `held` (waited for the trainer's next version; admitted or refused later), and
+`refused` (429, at once under `weights.over_budget: refuse`, else after `hold_timeout_s`). `budget_stale_cuts_total`
+counts the turns cut for staleness (a resume not made; a later turn on such a sample refused with 410).
+`delivered_staleness` is the dashboard's staleness of delivered samples (how many versions each one's oldest
+token lags the version serving at delivery); the dashboard shows it per version too.
 
 Store pending is read from Redis (`SCARD rg:pending:sessions`) by `refresh()` before each scrape, bounded by a short
 timeout, rather than cached by a background task: a scrape every ~15 s costs one GET per process, the value is
@@ -78,7 +88,7 @@ if TYPE_CHECKING:
     from gateway.routing import ReplicaPool
     from gateway.session.samples import SessionManager
     from gateway.store import TrajectoryStore
-    from gateway.weights import UpdateReport, WeightCoordinator
+    from gateway.weights import BudgetCounts, UpdateReport, WeightCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +104,7 @@ DISPATCH_BUCKETS = (
     *(0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 LOG_FIELDS = ("session_id", "replica", "version")
 
 
@@ -113,6 +124,7 @@ class _Sources:
         self.generator = generator
         self.store = store
         self.sessions = sessions
+        self.budget: BudgetCounts | None = None
 
 
 class _LiveCollector:
@@ -191,6 +203,16 @@ class _LiveCollector:
         for kind in Forgiven:
             forgiven.add_metric([kind.value], src.sessions.replays_forgiven[kind])
         yield forgiven
+        if src.budget is not None:
+            budget = CounterMetricFamily(
+                f"{PREFIX}_budget_sessions", "New sessions by the staleness budget's outcome.", labels=["outcome"]
+            )
+            for outcome in ("admitted", "held", "refused"):
+                budget.add_metric([outcome], getattr(src.budget, outcome))
+            yield budget
+            yield CounterMetricFamily(
+                f"{PREFIX}_budget_stale_cuts", "Turns cut for staleness by the staleness budget.", src.budget.cut
+            )
         if self.pending is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_store_pending", "Finished trajectories not yet consumed by a trainer.", self.pending
@@ -239,6 +261,12 @@ class GatewayMetrics:
             buckets=UPDATE_BUCKETS,
             registry=self.registry,
         )
+        self.delivered_staleness = Histogram(
+            f"{PREFIX}_delivered_staleness",
+            "Versions a delivered sample's oldest token lags the version serving at delivery.",
+            buckets=STALENESS_BUCKETS,
+            registry=self.registry,
+        )
         self._live: _LiveCollector | None = None
         self._pending_failing = False
 
@@ -249,11 +277,13 @@ class GatewayMetrics:
         generator: Generator,
         store: TrajectoryStore,
         sessions: SessionManager,
+        budget: BudgetCounts | None = None,
     ) -> None:
         """Read these objects at scrape time and subscribe to their events (once, at startup)."""
         if self._live is not None:
             raise RuntimeError("GatewayMetrics is already bound")
         self._live = _LiveCollector(_Sources(pool, weights, generator, store, sessions))
+        self._live.sources.budget = budget
         self.registry.register(self._live)
         generator.on_resume = self.observe_resume
         generator.on_dispatch = self.observe_dispatch

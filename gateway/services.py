@@ -32,7 +32,7 @@ from gateway.session.samples import SessionManager
 from gateway.store import Keys, OpenSessions, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns.runner import TurnRunner
-from gateway.weights import ReplicaAdmission, WeightCoordinator, reported_version
+from gateway.weights import ReplicaAdmission, StalenessBudget, WeightCoordinator, reported_version
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,17 @@ async def open_services(
         )
         quota = SessionQuota(settings.server.max_sessions_per_key)
         lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions, quota)
+        w = settings.weights
+        budget = StalenessBudget(
+            trajectories.started,
+            weights,
+            max_staleness=w.max_staleness,
+            over_budget=w.over_budget,
+            hold_timeout_s=w.hold_timeout_s,
+            retry_after_s=trajectories.retry_after_s,
+        )
+        trajectories.admission = lifecycle.staleness = generator.staleness = budget
+        trajectories.drop_stale = w.stale_samples == "drop"
         turns = TurnRunner(
             generator,
             lifecycle,
@@ -269,8 +280,10 @@ async def open_services(
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
-        metrics.bind(pool, weights, generator, trajectories, sessions)
+        metrics.bind(pool, weights, generator, trajectories, sessions, budget.counts)
         dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix, s.stream_partitions))
+        dashboard.budget = budget.counts
+        dashboard.on_staleness = metrics.delivered_staleness.observe
         trajectories.on_delivered.append(dashboard.observe_delivered)
         dashboard.start()
         stack.push_async_callback(dashboard.aclose)  # before Redis closes

@@ -163,6 +163,9 @@ class Sample:
     # last turn is abandoned, and the parent is delivered `superseded` (set when the session is read, not stored).
     retry: bool = False
     superseded: bool = False
+    # Cut for staleness by the gateway's budget (docs/architecture.md §5): its first sampled token is older than the
+    # version then served minus `weights.max_staleness`. Its tokens are kept; no later turn extends it.
+    stale: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -267,6 +270,7 @@ class Sample:
         fields: dict[str, bytes | int | str] = {
             "num_turns": self.num_turns,
             "cancelled": int(self.cancelled),
+            "stale": int(self.stale),
             "min_version": int(sampled.min()) if sampled.size else "",
             "max_version": int(sampled.max()) if sampled.size else "",
             "num_resumes": self.num_resumes,
@@ -311,6 +315,7 @@ class Sample:
                 routed_experts=experts,
                 num_turns=int(fields.get("num_turns", 0)),
                 cancelled=_text(fields.get("cancelled", "0")) == "1",
+                stale=_text(fields.get("stale", "0")) == "1",
                 conversation=_stored_conversation(fields, chunks),
                 tools=orjson.loads(fields["tools"]) if "tools" in fields else None,
                 chat_template_kwargs=(

@@ -10,6 +10,8 @@ from gateway.config.section import Seconds, Section
 
 PauseMode = Literal["abort", "keep", "wait"]
 KvAfterUpdate = Literal["keep", "recompute"]
+OverBudget = Literal["hold", "refuse"]
+StaleSamples = Literal["deliver", "drop"]
 
 
 class WeightsConfig(Section):
@@ -26,7 +28,24 @@ class WeightsConfig(Section):
         description="keep | recompute: requests kept through an update go on with the KV they computed under the old "
         "weights, or recompute it (a flush that preempts them).",
     )
-    max_staleness: int = Field(4, ge=0, description="Samples older than current - this are marked stale.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="The staleness budget (docs/architecture.md §5): new sessions are admitted while the samples "
+        "started <= (version + this + 1) x the trainer's published batch size; a turn whose sample's first token is "
+        "older than version - this is cut and its sample marked stale. Off until a consumer publishes its batch size.",
+    )
+    over_budget: OverBudget = Field(
+        "hold", description="hold | refuse: a new session over the budget waits (up to hold_timeout_s) or gets 429."
+    )
+    hold_timeout_s: Seconds = Field(
+        30.0, description="How long a held session waits for the trainer's next version before its 429, seconds."
+    )
+    stale_samples: StaleSamples = Field(
+        "deliver",
+        description="deliver | drop: a session with a sample cut for staleness reaches the trainer marked "
+        "stale, or is recorded in rg:abandoned instead (a GRPO group's member is delivered either way).",
+    )
     update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
     control_timeout_s: Seconds = Field(
         30.0, description="Timeout of one pause, resume, abort or version call to a replica, seconds."

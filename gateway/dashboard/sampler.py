@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -41,7 +41,7 @@ from gateway.generation import GenerationRequest, Generator
 from gateway.routing import Replica, ReplicaPool
 from gateway.store import Keys
 from gateway.store.keys import call, text
-from gateway.weights import UpdateReport, WeightCoordinator
+from gateway.weights import BudgetCounts, UpdateReport, WeightCoordinator
 
 __all__ = ["WINDOW_S", "DashboardSampler"]
 
@@ -85,6 +85,9 @@ class DashboardSampler:
         # Since the start of this process (and the window it backfilled): the run's learning curve and staleness.
         self.rewards: dict[str, list[float]] = {}  # version -> [sum, count]
         self.staleness: dict[str, int] = {}  # versions behind -> samples
+        self.staleness_by_version: dict[str, list[int]] = {}  # version serving -> [versions behind summed, samples]
+        self.budget: BudgetCounts | None = None  # the staleness budget's counts (set where the gateway is assembled)
+        self.on_staleness: Callable[[int], None] | None = None  # told each delivered sample's versions behind
         self._latency = LatencyHistogram()
         self._ttft = LatencyHistogram()
         self._turns = 0
@@ -193,7 +196,7 @@ class DashboardSampler:
             point["x"].update(shared)
         delivered = await self._guarded(self._delivered_details(), "read delivered sessions")
         if delivered is not None:
-            point["rw"], point["st"] = delivered
+            point["rw"], point["st"], point["sv"] = delivered
         self._merge(point)
         await self._guarded(self._exchange(point), "exchange points with the other processes")
 
@@ -225,6 +228,10 @@ class DashboardSampler:
             "preemptions": self._delta("preemptions", g.preemptions_total),
             "delivered": self._delivered_count,
         }
+        if self.budget is not None:
+            b = self.budget
+            for name, total in (("admitted", b.admitted), ("held", b.held), ("refused", b.refused), ("cut", b.cut)):
+                point["n"][f"budget_{name}"] = self._delta(f"budget_{name}", total)
         point["lat"] = {str(k): v for k, v in self._latency.counts.items()}
         point["ttft"] = {str(k): v for k, v in self._ttft.counts.items()}
         self._turns, self._latency, self._ttft = 0, LatencyHistogram(), LatencyHistogram()
@@ -286,17 +293,19 @@ class DashboardSampler:
 
         return await call(read(), "read the dashboard's backlog")
 
-    async def _delivered_details(self) -> tuple[dict[str, list[float]], dict[str, int]]:
+    async def _delivered_details(self) -> tuple[dict[str, list[float]], dict[str, int], dict[str, list[int]]]:
         """Rewards by weight version and staleness of the sessions delivered since the last tick. A session's
         version is its samples' newest (the policy that acted last); staleness, per sample, how many versions
-        its oldest token lags the version serving when it was delivered (the trainer sees it at least that stale)."""
+        its oldest token lags the version serving when it was delivered (the trainer sees it at least that stale),
+        as a histogram and, summed with the samples' count, under the version serving then."""
         # Taken off the queue only once read: after a Redis error the next tick reads them again.
         batch = list(itertools.islice(self._delivered, MAX_DELIVERED_PER_TICK))
         rewards: dict[str, list[float]] = {}
         staleness: dict[str, int] = {}
         if not batch:
-            return rewards, staleness
+            return rewards, staleness, {}
         current = self.weights.version
+        by_version = [0, 0]
         client, keys = self.redis, self.keys
 
         async def read() -> list[Any]:
@@ -322,8 +331,7 @@ class DashboardSampler:
             newest: int | None = None
             for min_v, max_v in versions[at : at + int(count or 0)]:
                 if min_v:
-                    behind = str(min(MAX_STALENESS_BUCKET, max(0, current - int(min_v))))
-                    staleness[behind] = staleness.get(behind, 0) + 1
+                    self._count_staleness(max(0, current - int(min_v)), staleness, by_version)
                 if max_v:
                     newest = int(max_v) if newest is None else max(newest, int(max_v))
             at += int(count or 0)
@@ -331,7 +339,15 @@ class DashboardSampler:
                 total = rewards.setdefault(str(newest), [0.0, 0])
                 total[0] += float(reward)
                 total[1] += 1
-        return rewards, staleness
+        return rewards, staleness, ({str(current): by_version} if by_version[1] else {})
+
+    def _count_staleness(self, behind: int, histogram: dict[str, int], by_version: list[int]) -> None:
+        bucket = str(min(MAX_STALENESS_BUCKET, behind))
+        histogram[bucket] = histogram.get(bucket, 0) + 1
+        by_version[0] += behind
+        by_version[1] += 1
+        if self.on_staleness is not None:
+            self.on_staleness(behind)
 
     def _merge(self, point: Point) -> None:
         self.ring.merge(point)
@@ -341,6 +357,10 @@ class DashboardSampler:
             into[1] += count
         for behind, count in point.get("st", {}).items():
             self.staleness[behind] = self.staleness.get(behind, 0) + count
+        for version, (behind_sum, samples) in point.get("sv", {}).items():
+            into_version = self.staleness_by_version.setdefault(version, [0, 0])
+            into_version[0] += behind_sum
+            into_version[1] += samples
 
     async def _exchange(self, point: Point) -> None:
         """Append our point to the stream and merge the points the others appended since our last read."""
@@ -390,6 +410,11 @@ class DashboardSampler:
                 if count
             ],
             "staleness": dict(sorted(self.staleness.items(), key=lambda kv: int(kv[0]))),
+            "staleness_by_version": [
+                {"version": int(v), "mean_behind": total / samples, "samples": samples}
+                for v, (total, samples) in sorted(self.staleness_by_version.items(), key=lambda kv: int(kv[0]))
+                if samples
+            ],
             "top_sessions": _top_sessions(points[-TOP_SESSIONS_WINDOW_S:]),
         }
 
@@ -425,6 +450,10 @@ def _series(points: list[Point]) -> dict[str, list[Any]]:
             "delivered",
             "resumes",
             "preemptions",
+            "budget_admitted",
+            "budget_held",
+            "budget_refused",
+            "budget_cut",
             "latency_p50",
             "latency_p99",
             "ttft_p50",
@@ -444,7 +473,7 @@ def _series(points: list[Point]) -> dict[str, list[Any]]:
     for p in points:
         n, x = p["n"], p["x"]
         out["t"].append(p["t"])
-        for name in ("turns", "tokens", "delivered", "resumes", "preemptions"):
+        for name in ("turns", "tokens", "delivered", "resumes", "preemptions", *_BUDGET_SERIES):
             out[name].append(n.get(name, 0))
         out["latency_p50"].append(_quantile(p["lat"], 0.5))
         out["latency_p99"].append(_quantile(p["lat"], 0.99))
@@ -459,6 +488,8 @@ def _series(points: list[Point]) -> dict[str, list[Any]]:
         previous, previous_t = x, p["t"]
     return out
 
+
+_BUDGET_SERIES = ("budget_admitted", "budget_held", "budget_refused", "budget_cut")
 
 _REPLICA_COLUMNS = ("healthy", "serving", "open", "version", "in_flight", "tokens")
 

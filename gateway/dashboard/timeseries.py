@@ -12,6 +12,7 @@ A *point* is what one gateway process saw during one wall-clock second, as a pla
 | `r`  | per replica: health, version, in flight, tokens, circuit, prefix cache counts | see `_merge_replica` |
 | `rw` | rewards of delivered sessions by weight version: [sum, n] | sum                     |
 | `st` | delivered samples by versions behind: count              | sum                      |
+| `sv` | delivered samples' staleness by the version serving then: [versions behind summed, samples] | sum |
 | `ev` | weight updates this process coordinated                  | union                    |
 | `ss` | turns by session (the busiest few of the second)         | sum                      |
 
@@ -83,7 +84,7 @@ class LatencyHistogram:
 
 def empty_point(second: int) -> Point:
     point: Point = {"t": second, "ev": []}
-    for key in ("n", "lat", "ttft", "g", "x", "r", "rw", "st", "ss"):
+    for key in ("n", "lat", "ttft", "g", "x", "r", "rw", "st", "sv", "ss"):
         point[key] = {}
     return point
 
@@ -131,6 +132,9 @@ def merge_point(into: Point, other: Point) -> None:
         before = into["rw"].get(version, (0.0, 0))
         into["rw"][version] = [before[0] + total, before[1] + count]
     _add(into["st"], other.get("st", {}))
+    for version, (behind, samples) in other.get("sv", {}).items():
+        before = into["sv"].get(version, (0, 0))
+        into["sv"][version] = [before[0] + behind, before[1] + samples]
     _add(into["ss"], other.get("ss", {}))
     into["ev"].extend(other.get("ev", []))
 

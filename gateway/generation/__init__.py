@@ -1,8 +1,9 @@
 """Generation with transparent resume (docs/architecture.md §4): the request and its state (`request`), the loop
 that serves it across segments, updates and replica failures (`generator`)."""
 
-from gateway.generation.generator import Generator, ServingWeights
+from gateway.generation.generator import Generator, ServingWeights, StalenessCheck
 from gateway.generation.request import (
+    STALE,
     Delta,
     GenerationRequest,
     GenerationSettings,
@@ -15,6 +16,7 @@ from gateway.generation.request import (
 )
 
 __all__ = [
+    "STALE",
     "Delta",
     "GenerationRequest",
     "GenerationSettings",
@@ -24,6 +26,7 @@ __all__ = [
     "RoutedExpertsPolicy",
     "Segment",
     "ServingWeights",
+    "StalenessCheck",
     "StopChecker",
     "sampling_used",
 ]

@@ -30,6 +30,7 @@ from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
 from gateway.generation.request import (
+    STALE,
     Delta,
     GenerationRequest,
     GenerationSettings,
@@ -62,6 +63,15 @@ class ServingWeights(Protocol):
     def upcoming_version(self) -> int | None: ...
 
     async def until_serving(self, timeout: float | None = None) -> None: ...
+
+
+class StalenessCheck(Protocol):
+    """The staleness budget as generation sees it (`gateway.weights.budget.StalenessBudget` is one): the oldest
+    version a sample's first token may have now (None: the budget is off), and a count of the turns cut by it."""
+
+    async def stale_before(self) -> int | None: ...
+
+    def count_cut(self) -> None: ...
 
 
 class _SegmentRun:
@@ -132,6 +142,7 @@ class Generator:
         self.on_resume = on_resume
         self.on_dispatch = on_dispatch
         self.on_finished: Callable[[GenerationRequest, float | None, float], None] | None = None
+        self.staleness: StalenessCheck | None = None  # cuts a completion at a resume once its sample is too old
         self.resumes_total = 0
         self.preemptions_total = 0
         self.interrupted_total = 0  # segments cut because the pool took their replica out
@@ -183,6 +194,8 @@ class Generator:
                     self._close_segment(state, run)
                 if state.finish_reason is None:
                     await self._between(request, state, run, resume, failed=failed)
+                    if await self._beyond_budget(request, state, resume):
+                        state.finish_reason = STALE
         except (GeneratorExit, asyncio.CancelledError):
             state.cancelled = True
             raise
@@ -258,6 +271,35 @@ class Generator:
             # Salted for the version the update loads: the replica serves it when the continuation goes.
             upcoming = self.weights.upcoming_version
             resume.ahead = self._engine_call(request, state, run.replica, left, resume.loop_deadline, upcoming)
+
+    async def _beyond_budget(self, request: GenerationRequest, state: GenerationState, resume: _Resume) -> bool:
+        """Whether the completion, broken off, is not to be resumed: its sample's first token is older than the
+        staleness budget allows under the version served once the update that broke it off is done. Its tokens
+        so far are kept; the caller gets `finish_reason` "stale"."""
+        if self.staleness is None:
+            return False
+        first = request.first_version
+        if first is None and state.versions:
+            first = state.versions[0]
+        if first is None:
+            return False
+        if not self.weights.serving:
+            await self._until_serving(resume.deadline)  # the version the continuation would run under
+        oldest = await self.staleness.stale_before()
+        if oldest is None or first >= oldest:
+            return False
+        self.staleness.count_cut()
+        resume.ahead = None  # built for a continuation that will not run (never started: nothing to close)
+        logger.info(
+            "request %s: cut for staleness after %d tokens (its sample began under version %d, the budget keeps %d "
+            "and later)",
+            request.request_id,
+            len(state.output_ids),
+            first,
+            oldest,
+            extra={"session_id": request.session_id, "version": self.weights.version},
+        )
+        return True
 
     async def _until_serving(self, deadline: float) -> None:
         try:

@@ -49,6 +49,14 @@ class GenerationRequest:
     on_partial: PartialHook | None = None
     stream: bool = True
     stop_strings: tuple[str, ...] = ()
+    # The weight version of the first sampled token of the sample this completion extends (an earlier turn's; None:
+    # its first token is this completion's): the staleness budget cuts the completion when that falls behind.
+    first_version: int | None = None
+
+
+STALE = "stale"
+"""The finish reason of a completion the staleness budget cut at a resume: its sample's first token fell more than
+`weights.max_staleness` versions behind (docs/architecture.md §5). Its tokens are kept; its sample is marked stale."""
 
 
 def sampling_used(request: GenerationRequest) -> dict[str, Any]:

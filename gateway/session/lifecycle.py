@@ -28,11 +28,12 @@ import contextlib
 import secrets
 from typing import Any
 
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, SampleStale, SessionNotFound
+from gateway.generation import StalenessCheck
 from gateway.routing import ReplicaPool
 from gateway.session.open_turn import OpenTurn, RecordedTurn
 from gateway.session.quotas import ANONYMOUS, SessionQuota
-from gateway.session.samples import SessionManager
+from gateway.session.samples import SessionManager, Turn
 from gateway.store import metadata_additions
 from gateway.store.open_sessions import OpenSessions
 from gateway.trajectory import SessionMeta
@@ -71,6 +72,7 @@ class SessionLifecycle:
         self.pool = pool
         self.open_sessions = open_sessions
         self.quota = quota if quota is not None else SessionQuota(0)
+        self.staleness: StalenessCheck | None = None  # the staleness budget (none: no turn is refused as stale)
         self._open = 0  # turns begun and not yet closed
         self._recording: set[asyncio.Task[None]] = set()  # hard references to shielded final writes
         self._idle = asyncio.Event()
@@ -125,6 +127,26 @@ class SessionLifecycle:
                     )
         return turn
 
+    async def check_fresh(self, turn: Turn) -> None:
+        """`SampleStale` (410) for a turn that would extend a sample the staleness budget cut, or one whose first
+        token has fallen behind it since (marked stale now, its tokens kept): that sample is never continued."""
+        sample = turn.sample
+        if turn.new_sample or self.staleness is None:
+            return
+        if not sample.stale:
+            first, oldest = sample.first_version, await self.staleness.stale_before()
+            if first is None or oldest is None or first >= oldest:
+                return
+            sample.stale = True
+            await self.store.mark_stale(turn.session_id, turn.stored_index)
+            self.staleness.count_cut()
+        raise SampleStale(
+            f"session {turn.session_id}: its sample {turn.stored_index} fell behind the staleness budget (first token "
+            "sampled under a version older than the one served minus weights.max_staleness); it is kept, marked "
+            "stale, and not continued: finish the session, or start a new one",
+            param="session_id",
+        )
+
     # -- create, or refuse -----------------------------------------------------------------------------------
 
     async def create(self, turn: OpenTurn, metadata: dict[str, str] | None = None) -> None:
@@ -150,10 +172,11 @@ class SessionLifecycle:
     async def create_group(self, turn: OpenTurn, members: list[str], metadata: dict[str, Any]) -> None:
         """Record the member sessions of a group in Redis, member i with `group_index` i; each one counts as an open
         session of the key (none is made if they do not all fit)."""
+        await self.store.admit(len(members))  # backpressure, and the staleness budget for the group as one
         async with self._claimed(turn.owner, members):
             for index, member in enumerate(members):
                 await self.store.create_session(
-                    metadata | {"group_index": index}, member, absent=True, owner=turn.owner
+                    metadata | {"group_index": index}, member, absent=True, owner=turn.owner, admitted=True
                 )
 
     def _claimed(self, owner: str | None, session_ids: list[str]) -> contextlib.AbstractAsyncContextManager[None]:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from backends.routed_experts import ExpertArray
-from gateway.generation import GenerationState, sampling_used
+from gateway.generation import STALE, GenerationState, sampling_used
 from gateway.history import ReplayMatch, TokenHistory, replayed
 from gateway.request_ids import new_name
 from gateway.session.forks import branch_of, last_turn_start, retried, rewritten_from
@@ -463,6 +463,7 @@ class SessionManager:
         sample.routed_experts = self._merge_experts(sample, turn, state)
         sample.num_turns += 1
         sample.cancelled = not state.finished  # the client left, or an error ended it: its tokens kept, not extended
+        sample.stale = sample.stale or state.finish_reason == STALE  # cut by the staleness budget: kept, marked
         if assistant is not None:
             sample.conversation = [*turn.messages, assistant]
             sample.rendering = Rendering()

@@ -71,6 +71,7 @@ class SampleArrays:
         rewritten_from: int | None = None,
         template_kwargs: dict[str, Any] | None = None,
         branch: Branch | None = None,
+        stale: bool = False,
     ) -> Sample:
         """The sample these arrays are the token arrays of (`branch`: where it branches from another; None: a
         root)."""
@@ -92,6 +93,7 @@ class SampleArrays:
             parent=branch.parent if branch is not None else None,
             branch_point=branch.point if branch is not None else 0,
             retry=branch.retry if branch is not None else False,
+            stale=stale,
         )
 
 
@@ -137,6 +139,7 @@ class WorkingSample:
     template_kwargs: dict[str, Any] | None = None  # `Sample.chat_template_kwargs`
     num_turns: int = 0
     cancelled: bool = False
+    stale: bool = False  # `Sample.stale`: cut for staleness, never extended again
     num_resumes: int = 0
     segments: list[SampleSegment] = field(default_factory=list)
     rewritten_from: int | None = None  # `Sample.rewritten_from`
@@ -185,7 +188,17 @@ class WorkingSample:
             self.rewritten_from,
             self.template_kwargs,
             self.branch,
+            self.stale,
         )
+
+    @property
+    def first_version(self) -> int | None:
+        """The weight version of the sample's first sampled token (None: none sampled yet): what its staleness is
+        measured by."""
+        for version, mask in zip(self.versions, self.loss_mask, strict=True):
+            if mask:
+                return version
+        return None
 
     @classmethod
     def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
@@ -202,6 +215,7 @@ class WorkingSample:
             template_kwargs=sample.chat_template_kwargs,
             num_turns=sample.num_turns,
             cancelled=sample.cancelled,
+            stale=sample.stale,
             num_resumes=sample.num_resumes,
             segments=list(sample.segments),
             rewritten_from=sample.rewritten_from,

@@ -44,6 +44,7 @@ class StoreStats:
     duplicate_entries: int = 0  # stream entries that lost the `stream_id` arbitration and were deleted
     repaired: int = 0  # sessions delivered by `repair_undelivered`
     abandoned: int = 0  # sessions closed by `abandon_idle`
+    dropped_stale: int = 0  # finished sessions not delivered: a sample cut for staleness (`stale_samples: drop`)
     samples_moved: int = 0  # sample writes that found their index taken by another turn, and moved (logged)
     delivered: int = 0  # sessions this process delivered to the trajectories stream (their real entry)
 

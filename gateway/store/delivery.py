@@ -7,6 +7,11 @@ script on the session's slot, stores the first entry id it is given and answers 
 whose entry won SADDs its session to `rg:pending:sessions`, a loser XDELs its duplicate; (5) SREM
 `rg:sessions:undelivered`.
 
+A session holding a sample cut for staleness (its hash's `stale`) is, under `weights.stale_samples: drop`, not
+delivered: it is recorded in `rg:abandoned` (with `reason` stale) once (the meta's `dropped`, set first, says it
+was), and its count in the staleness budget given back. A GRPO group's member is delivered all the same (its group
+is complete only with it), its stale sample marked.
+
 Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
 other; an entry whose meta has no `stream_id` yet is not arbitrated yet: leave it pending and look again.
 """
@@ -21,7 +26,7 @@ from collections.abc import Callable, Container
 from redis.asyncio.client import Pipeline
 
 from gateway.errors import SessionNotFound, StoreError
-from gateway.store.backpressure import Backpressure
+from gateway.store.backpressure import Backpressure, StartedSamples
 from gateway.store.core import StoreCore
 from gateway.store.keys import call, optional_text, text
 from gateway.store.scripts import queue, rerun_unknown
@@ -38,10 +43,18 @@ class Delivery:
     `finishing`: the sessions whose finish runs in this process (the repair sweeper leaves them to it).
     """
 
-    def __init__(self, core: StoreCore, backpressure: Backpressure, finishing: Container[str]) -> None:
+    def __init__(
+        self,
+        core: StoreCore,
+        backpressure: Backpressure,
+        finishing: Container[str],
+        started: StartedSamples | None = None,
+    ) -> None:
         self._core = core
         self._backpressure = backpressure
         self._finishing = finishing
+        self._started = started
+        self.drop_stale = False  # `weights.stale_samples: drop` (see the module docstring)
         # Told the id of each session this process delivered (its real entry, once): the dashboard's feed.
         self.on_delivered: list[Callable[[str], None]] = []
         self._announced = False  # `rg:trajectories:partitions` written by this process
@@ -59,8 +72,35 @@ class Delivery:
 
             await self._core.batched(confirm, "confirm an empty session")
             return ""
+        if self.drop_stale and meta.group_id is None and await self.holds_stale(meta):
+            await self._drop_stale(meta)
+            return ""
         entry_id = await self.append_entry(meta)
         return await self.claim_entry(meta, entry_id)
+
+    async def holds_stale(self, meta: SessionMeta) -> bool:
+        """Whether one of the session's samples was cut for staleness (`Sample.stale`)."""
+        keys = self._core.keys
+
+        def build(pipe: Pipeline) -> None:
+            for index in range(meta.sample_count):
+                pipe.hget(keys.sample(meta.id, index), "stale")
+
+        flags = await self._core.batched(build, "read stale flags")
+        return any(flag is not None and text(flag) == "1" for flag in flags)
+
+    async def _drop_stale(self, meta: SessionMeta) -> None:
+        """Record the session as dropped for staleness, once, and forget it as undelivered."""
+        keys, client = self._core.keys, self._core.client
+        first = await call(client.hsetnx(keys.meta(meta.id), "dropped", "stale"), "mark dropped")
+        if first:
+            entry = {"session_id": meta.id, "group_id": "", "samples": meta.sample_count, "reason": "stale"}
+            await call(client.xadd(keys.abandoned, entry, maxlen=100_000, approximate=True), "record dropped")  # type: ignore[arg-type]
+            self._core.stats.dropped_stale += 1
+            if self._started is not None:
+                await self._started.give_back(1, "dropped as stale")
+        logger.info("session=%s: dropped, a sample was cut for staleness (weights.stale_samples: drop)", meta.id)
+        await call(client.srem(keys.undelivered, meta.id), "forget undelivered")
 
     def stream_of(self, meta: SessionMeta) -> str:
         """The partition of the trajectory stream that takes the session's entry."""

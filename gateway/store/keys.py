@@ -27,6 +27,12 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
 - `rg:open:{key id}` (sorted set, score = when the session expires idle): the open sessions of one API key
   (`server.max_open_sessions_per_key`, `OpenSessions`); it expires once idle `session_idle_ttl_s`.
+- `rg:{budget}:started` (counter): the sessions (samples, in the staleness budget's sense: one trajectory each)
+  started, INCRBY'd atomically at admission by whichever process admits them, given back (DECRBY) for a session
+  abandoned or dropped as stale (`gateway.weights.budget`).
+- `rg:{budget}:batch` (hash): `<group>/<consumer>` → the batch size that trainer consumer takes per step, written by
+  `TrajectoryConsumer` when it starts and at every ack, deleted when it closes; their sum is the batch size of the
+  staleness budget (none: the budget is off). Both budget keys share the hash tag `{budget}`, one cluster slot.
 - `rg:weights` (hash): `version`, `state`, `source`, `updated`, `stale` (JSON lists of replica ids), `updated_at` —
   the weight version the pool serves, as the update that made it announced it.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update; its token is
@@ -143,6 +149,14 @@ class Keys:
         """Sorted set: the open sessions of one API key (its key id, never the key), scored by when they expire
         idle (`OpenSessions`); it expires itself once idle that long."""
         return f"{self.prefix}open:{key}"
+
+    @property
+    def budget_started(self) -> str:
+        return f"{self.prefix}{{budget}}:started"
+
+    @property
+    def budget_batch(self) -> str:
+        return f"{self.prefix}{{budget}}:batch"
 
     @property
     def weights(self) -> str:

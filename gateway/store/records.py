@@ -10,7 +10,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from redis.asyncio.client import Pipeline
@@ -22,7 +22,7 @@ from gateway.store.keys import REDIS_ERRORS, call, text
 from gateway.store.scripts import queue, rerun_unknown
 from gateway.trajectory import SessionMeta
 
-__all__ = ["Sessions", "check_session_id", "metadata_additions"]
+__all__ = ["Admission", "Sessions", "check_session_id", "metadata_additions"]
 
 _SESSION_ID_MAX_LEN = 256
 
@@ -54,12 +54,26 @@ def check_session_id(session_id: str) -> str:
     return session_id
 
 
+class Admission(Protocol):
+    """What admits new sessions after backpressure: the staleness budget (`gateway.weights.budget`). Returns once
+    `samples` new sessions are admitted (and counted); raises `Overloaded` where they are not."""
+
+    async def admit(self, samples: int) -> None: ...
+
+
 class Sessions:
-    """Sessions' metas: creation (subject to backpressure), reads, activity, metadata."""
+    """Sessions' metas: creation (subject to backpressure, then `admission`), reads, activity, metadata."""
 
     def __init__(self, core: StoreCore, backpressure: Backpressure) -> None:
         self._core = core
         self._backpressure = backpressure
+        self.admission: Admission | None = None  # the staleness budget, set where the gateway is assembled
+
+    async def _admit(self, admitted: bool) -> None:
+        """Backpressure, then the staleness budget (unless the caller `admitted` the session already: a group's)."""
+        await self._backpressure.check()
+        if self.admission is not None and not admitted:
+            await self.admission.admit(1)
 
     async def create_session(
         self,
@@ -69,12 +83,15 @@ class Sessions:
         fresh: bool = False,
         absent: bool = False,
         owner: str | None = None,
+        admitted: bool = False,
     ) -> SessionMeta:
         """A new active session (a fresh uuid unless `session_id` is given), of `owner` (`SessionMeta.owner`).
 
         An existing active session of that id is returned as is (and counts as activity); a finished or
         abandoned one is a `Conflict`. Only a new session is subject to backpressure: `Overloaded` while
-        `rg:pending:sessions` ≥ `max_pending`. Concurrent creations of one id yield one session.
+        `rg:pending:sessions` ≥ `max_pending`; and then to `admission` (the staleness budget: it may hold the call,
+        or refuse it), unless `admitted` (a group's members, admitted together). Concurrent creations of one id
+        yield one session.
 
         `fresh`: the caller has just made `session_id` up from random bits, so no one else can know it; the session is
         written without looking for an existing one (two round trips instead of six). A generated id is fresh.
@@ -82,21 +99,25 @@ class Sessions:
         repeated; a creation of the same id meanwhile is still caught, as for any other.
         """
         if session_id is None or fresh:
-            return await self._create_fresh(metadata, uuid.uuid4().hex if session_id is None else session_id, owner)
+            new_id = uuid.uuid4().hex if session_id is None else session_id
+            return await self._create_fresh(metadata, new_id, owner, admitted)
         session_id = check_session_id(session_id)
         if not absent:
             existing = await self.touch_session(session_id)
             if existing is not None:
                 return existing
-        await self._backpressure.check()
+        await self._admit(admitted)
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now, owner=owner)
         before = await self._create_absent(meta)
         return meta if before is None else await self._reuse(before)
 
-    async def _create_fresh(self, metadata: dict[str, Any] | None, session_id: str, owner: str | None) -> SessionMeta:
-        """Write a session whose id nobody else knows: backpressure, then index and meta in one round trip."""
-        await self._backpressure.check()
+    async def _create_fresh(
+        self, metadata: dict[str, Any] | None, session_id: str, owner: str | None, admitted: bool
+    ) -> SessionMeta:
+        """Write a session whose id nobody else knows: backpressure and budget, then index and meta in one round
+        trip."""
+        await self._admit(admitted)
         now = time.time()
         meta = SessionMeta(id=session_id, metadata=dict(metadata or {}), created_at=now, updated_at=now, owner=owner)
         keys = self._core.keys

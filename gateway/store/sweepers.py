@@ -10,6 +10,7 @@ import time
 from collections.abc import Container
 
 from gateway.errors import StoreError
+from gateway.store.backpressure import StartedSamples
 from gateway.store.core import StoreCore, Writes
 from gateway.store.delivery import Delivery
 from gateway.store.keys import call, text
@@ -26,9 +27,10 @@ class IdleSweeper:
     """Closes idle sessions as abandoned. `finishing`: the sessions whose finish runs in this process (left
     alone)."""
 
-    def __init__(self, core: StoreCore, finishing: Container[str]) -> None:
+    def __init__(self, core: StoreCore, finishing: Container[str], started: StartedSamples | None = None) -> None:
         self._core = core
         self._finishing = finishing
+        self._started = started  # an abandoned session never reaches the trainer: its budget is given back
 
     async def abandon_idle(self, now: float | None = None, limit: int = 1_000) -> list[str]:
         """Close active sessions idle for more than `session_idle_ttl_s` as `abandoned`, recorded in
@@ -46,6 +48,8 @@ class IdleSweeper:
         ids = [text(member) for member in found if isinstance(member, bytes | str)]
         closed = [session_id for session_id in ids if await self._abandon_one(session_id, cutoff, now)]
         self._core.stats.abandoned += len(closed)
+        if closed and self._started is not None:
+            await self._started.give_back(len(closed), "abandoned")
         return closed
 
     async def _abandon_one(self, session_id: str, cutoff: float, now: float) -> bool:

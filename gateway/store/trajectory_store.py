@@ -17,15 +17,15 @@ from redis.exceptions import RedisError
 from gateway.background import background, stop
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
 from gateway.sample_tree import joined
-from gateway.store.backpressure import Backpressure
+from gateway.store.backpressure import Backpressure, StartedSamples
 from gateway.store.buffer import WriteBuffer
 from gateway.store.core import StoreCore, backoff_s
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
-from gateway.store.keys import Keys
+from gateway.store.keys import Keys, call
 from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
-from gateway.store.records import Sessions
+from gateway.store.records import Admission, Sessions
 from gateway.store.responses import ResponseKeys
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
 from gateway.store.sweepers import IdleSweeper, sweep_forever
@@ -99,14 +99,15 @@ class TrajectoryStore:
         self._core = core
         self._backpressure = Backpressure(core, max_pending=max_pending, retry_after_s=retry_after_s)
         self._sessions = Sessions(core, self._backpressure)
+        self.started = StartedSamples(core)  # the staleness budget's count (`gateway.weights.budget`)
         self._writer = SampleWriter(core)
         self._buffer = WriteBuffer(self._writer, core.stats, self.locks, max_buffered_writes=max_buffered_writes)
         # The finishes running in this process, by session; the sweepers leave those sessions alone.
         self._finishing: dict[str, asyncio.Task[str]] = {}
-        self._delivery = Delivery(core, self._backpressure, self._finishing)
+        self._delivery = Delivery(core, self._backpressure, self._finishing, self.started)
         self.on_delivered = self._delivery.on_delivered  # called with each session this process delivers
         self._finisher = Finisher(core, self._buffer, self._delivery, self._finishing, retry_budget_s=retry_budget_s)
-        self._idle = IdleSweeper(core, self._finishing)
+        self._idle = IdleSweeper(core, self._finishing, self.started)
         self.responses = ResponseKeys(core)  # the Responses API's stored responses
         self._sweeper: asyncio.Task[None] | None = None  # a hard reference: the event loop keeps only weak ones
         # The steps of a finish and of a buffered write, reachable here as before the store was split in parts
@@ -168,13 +169,50 @@ class TrajectoryStore:
         fresh: bool = False,
         absent: bool = False,
         owner: str | None = None,
+        admitted: bool = False,
     ) -> SessionMeta:
         """A new active session; see `Sessions.create_session`. A turn's first step: retried through a Redis outage
         (`_retried`; every step of a creation is idempotent, and a retry finds the session a lost reply created)."""
         return await self._retried(
-            lambda: self._sessions.create_session(metadata, session_id, fresh=fresh, absent=absent, owner=owner),
+            lambda: self._sessions.create_session(
+                metadata, session_id, fresh=fresh, absent=absent, owner=owner, admitted=admitted
+            ),
             "create session",
         )
+
+    async def mark_stale(self, session_id: str, index: int) -> None:
+        """Mark a stored sample `stale` (cut for staleness; `Sample.stale`), after the session's buffered writes."""
+        await self._buffer.flush(session_id)
+        await self._retried(
+            lambda: call(self.client.hset(self.keys.sample(session_id, index), "stale", 1), "mark sample stale"),
+            "mark sample stale",
+        )
+
+    @property
+    def drop_stale(self) -> bool:
+        """`weights.stale_samples: drop`: a finished session holding a stale sample is recorded, not delivered."""
+        return self._delivery.drop_stale
+
+    @drop_stale.setter
+    def drop_stale(self, drop: bool) -> None:
+        self._delivery.drop_stale = drop
+
+    @property
+    def admission(self) -> Admission | None:
+        """What admits new sessions after backpressure (the staleness budget; None: backpressure alone)."""
+        return self._sessions.admission
+
+    @admission.setter
+    def admission(self, admission: Admission | None) -> None:
+        self._sessions.admission = admission
+        self.started.counting = admission is not None
+
+    async def admit(self, samples: int) -> None:
+        """Backpressure, then `admission` for `samples` new sessions at once (a group's members, created with
+        `admitted=True`)."""
+        await self._backpressure.check()
+        if self._sessions.admission is not None:
+            await self._sessions.admission.admit(samples)
 
     async def ensure_session(self, session_id: str, metadata: dict[str, Any] | None = None) -> SessionMeta:
         """The session named by a client (header or body), created on first use; see `create_session`."""

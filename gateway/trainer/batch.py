@@ -6,7 +6,8 @@ from `rg:weights` (0 when absent); a model token is off-policy when its version 
 and a trajectory is stale when any of its samples has `min_version` below that bound. `stale_policy="drop"`
 acknowledges and skips stale trajectories (with `group_by`, the whole group: a group is trained whole or not
 at all) and counts them in `Batch.dropped_stale`; `"mask"` keeps them but zeroes their off-policy tokens in
-`Batch.off_policy_mask`, and so in the `loss_mask` tensor.
+`Batch.off_policy_mask`, and so in the `loss_mask` tensor. A sample the gateway's staleness budget cut
+(`Sample.stale`) counts as stale under either policy, every token of it off-policy.
 
 torch is imported only by `Batch.to_tensors`.
 """
@@ -79,6 +80,12 @@ class Batch:
     @property
     def num_groups(self) -> int:
         return self.group_index[-1] + 1 if self.group_index else 0
+
+    @property
+    def stale_samples(self) -> int:
+        """Samples the gateway's staleness budget cut (`Sample.stale`), delivered marked (`weights.stale_samples:
+        deliver`)."""
+        return sum(sample.stale for t in self.trajectories for sample in t.samples)
 
     @property
     def num_samples(self) -> int:
@@ -222,10 +229,15 @@ def _length(sample: Sample) -> int:
 def _on_policy(sample: Sample, stale_before: int | None) -> npt.NDArray[np.uint8]:
     if stale_before is None:
         return np.ones(sample.response_ids.size, np.uint8)
+    if sample.stale:
+        return np.zeros(sample.response_ids.size, np.uint8)
     off = sample.loss_mask.astype(bool) & (sample.versions < stale_before)
     return (~off).astype(np.uint8)
 
 
 def is_stale(trajectory: Trajectory, stale_before: int) -> bool:
+    """Whether a sample of `trajectory` is older than `stale_before`, or was cut for staleness by the gateway."""
     versions = (sample.min_version for sample in trajectory.samples)
-    return any(v is not None and v < stale_before for v in versions)
+    return any(sample.stale for sample in trajectory.samples) or any(
+        v is not None and v < stale_before for v in versions
+    )

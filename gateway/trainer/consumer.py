@@ -18,6 +18,12 @@ instead of deleting them: a duplicate entry read shortly after still finds the m
 duplicate (rather than as expired data), and an operator can still inspect what was trained on.
 `ack_ttl_s=0` deletes them at once.
 
+The staleness budget (docs/architecture.md §5). The consumer publishes the batch size it takes per step in
+`rg:{budget}:batch` (field `<group>/<consumer>`): `batch_size` when it starts, else the `n` of its first
+`next_batch`, and again at every `ack`; `aclose` deletes it. The gateway
+admits new sessions by the sum over the consumers (several ranks: the global batch) and the weight version the
+trainer publishes (`POST /admin/weights`); with no consumer published the budget is off.
+
 Redis errors become `gateway.errors.StoreError`.
 """
 
@@ -105,6 +111,7 @@ class TrajectoryConsumer:
         ack_ttl_s: float = 60.0,
         socket_timeout_s: float = 10.0,
         stream_partitions: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         if claim_idle_s < 0 or ack_ttl_s < 0 or socket_timeout_s <= 0:
             raise ValueError("claim_idle_s and ack_ttl_s must be >= 0, socket_timeout_s > 0")
@@ -114,6 +121,8 @@ class TrajectoryConsumer:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         if stream_partitions is not None and stream_partitions < 1:
             raise ValueError(f"stream_partitions must be >= 1, got {stream_partitions}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if stale_policy not in ("drop", "mask"):
             raise ValueError(f"stale_policy must be 'drop' or 'mask', got {stale_policy!r}")
         self.redis_url = redis_url
@@ -128,6 +137,8 @@ class TrajectoryConsumer:
         self.stale_policy: StalePolicy = stale_policy
         self.ack_ttl_s = ack_ttl_s
         self.socket_timeout_s = socket_timeout_s
+        self.batch_size = batch_size  # published for the gateway's staleness budget (see the module docstring)
+        self._published: int | None = None  # the batch size last published
         self._client: aioredis.Redis | None = None
         self._holding = Groups(group_by, group_size)  # read here, not yet handed out
         self._touch_held: AsyncScript | None = None  # `_TOUCH`, registered on the client
@@ -163,6 +174,18 @@ class TrajectoryConsumer:
             await client.aclose()
             raise
         self._touch_held = client.register_script(_TOUCH)
+        if self.batch_size is not None:
+            await self._publish_batch_size(self.batch_size)
+
+    @property
+    def budget_field(self) -> str:
+        """This consumer's field in `rg:{budget}:batch`."""
+        return f"{self.group}/{self.consumer}"
+
+    async def _publish_batch_size(self, size: int) -> None:
+        with store_errors("publish the batch size"):
+            await self.client.hset(self.keys.budget_batch, self.budget_field, size)
+        self._published = size
 
     async def aclose(self) -> None:
         """Hand back the entries read but never handed out (others reclaim them at once), then disconnect.
@@ -177,6 +200,10 @@ class TrajectoryConsumer:
         self._holding.clear()
         self._unconfirmed.clear()
         try:
+            if self._published is not None:  # its batches no longer count in the gateway's staleness budget
+                self._published = None
+                with store_errors("withdraw the batch size"):
+                    await client.hdel(self.keys.budget_batch, self.budget_field)
             if held:
                 await self._touch_script(client, held, _HAND_BACK_IDLE_MS)
         except StoreError as exc:
@@ -201,6 +228,10 @@ class TrajectoryConsumer:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if self.batch_size is None:
+            self.batch_size = n
+        if self._published is None:
+            await self._publish_batch_size(self.batch_size)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, timeout)
         batch = Batch(current_version=await self._read_layout())
@@ -436,6 +467,8 @@ class TrajectoryConsumer:
                 unknown.append(item)
         resolved, others = await resolve(self.client, self.keys, unknown)
         acked = await self._settle(real + resolved, others)
+        if self.batch_size is not None:  # again at every ack: a restarted gateway's Redis, a field deleted meanwhile
+            await self._publish_batch_size(self.batch_size)
         for entry in real + resolved:
             self._delivered.pop(entry.entry_id, None)
         return acked

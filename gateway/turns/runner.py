@@ -153,6 +153,7 @@ class TurnRunner:
                 turn = await self.sessions.begin_chat_turn(sid, prompt.messages, prompt.tools, template_kwargs)
             else:
                 turn = await self.sessions.begin_completion_turn(sid, ids or [])
+            await self.lifecycle.check_fresh(turn)  # a sample the staleness budget cut is not continued (410)
             turns = self.sessions.branch(turn, request.sampling.n)
             prepared = self._prepare(handle, turns, request)
             await self.lifecycle.create(handle, request.metadata)
@@ -278,6 +279,7 @@ class TurnRunner:
             routed_experts=turn.sample.routed_experts if want else None,
             on_partial=on_partial,
             stream=request.stream,
+            first_version=turn.sample.first_version,
         )
 
     # -- running ---------------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@
 - `leader`, `follower`, `recovery`: the processes sharing one Redis (leading an update, following another's,
   recovering from one whose coordinator died);
 - `gate`, `gc_deferral`: what generation waits on, and the GC kept out of the release burst;
-- `admission`: a replica joins or rejoins the pool on the pool's weights.
+- `admission`: a replica joins or rejoins the pool on the pool's weights;
+- `budget`: the staleness budget: new sessions admitted by it, samples that fell behind it cut.
 """
 
 from gateway.weights.admission import ReplicaAdmission, reported_version
 from gateway.weights.bracket import OutOfBandSync
+from gateway.weights.budget import BudgetCounts, StalenessBudget
 from gateway.weights.coordinator import MEMBER_TTL_S, WeightCoordinator
 from gateway.weights.labels import INITIAL_LABELS, cache_salt, newer, parse_version, version_label, version_labels
 from gateway.weights.report import UpdateReport, UpdateStatus
@@ -25,7 +27,9 @@ __all__ = [
     "TRANSITIONS",
     "IllegalTransition",
     "OutOfBandSync",
+    "BudgetCounts",
     "ReplicaAdmission",
+    "StalenessBudget",
     "State",
     "StateMachine",
     "UpdateReport",

@@ -67,7 +67,8 @@ class WeightCoordinator:
         self.bus = bus
         self.member_ttl_s = member_ttl_s
         self.heartbeat_s = member_ttl_s / 5
-        self.version = initial_version
+        self._version = initial_version
+        self._version_moved = asyncio.Event()  # set (and replaced) whenever the version changes
         self.default_mode = default_mode
         self.update_timeout_s = update_timeout_s
         self.last_source: str | None = None
@@ -90,6 +91,26 @@ class WeightCoordinator:
         self.upcoming_version: int | None = None
         # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
+
+    @property
+    def version(self) -> int:
+        """The weight version the pool serves, as this process knows it (its own updates, the others' results)."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        if version != self._version:
+            self._version = version
+            self._version_moved.set()  # wakes `version_after`'s waiters
+            self._version_moved = asyncio.Event()
+
+    async def version_after(self, version: int, timeout: float) -> int:
+        """The version once it is other than `version`, or at `timeout` (seconds) whatever it is then."""
+        if self._version == version:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, timeout)):
+                    await self._version_moved.wait()
+        return self._version
 
     @property
     def state(self) -> State:

@@ -273,6 +273,13 @@ function render(s) {
     series: [{ label: "versions behind" }, { label: "samples", stroke: "#2aa3b8", fill: "rgba(42,163,184,.5)",
       paths: uPlot.paths.bars({ size: [0.6, 60] }) }],
   }, [behind, behind.map((k) => s.staleness[k] ?? null)]);
+  const byVersion = s.staleness_by_version;
+  chart("chart-staleness-version", {
+    scales: { x: { time: false, range: (u, lo, hi) => (hi === null ? [0, 1] : [Math.min(lo, hi - 1) - 0.5, hi + 0.5]) } },
+    series: [{ label: "version" }, { label: "mean versions behind", stroke: "#2aa3b8", width: 2, points: { show: true, size: 6 } }],
+  }, [byVersion.map((r) => r.version), byVersion.map((r) => r.mean_behind)]);
+  chart("chart-budget", { series: lineSeries(["admitted/s", "held/s", "refused/s", "cut for staleness/s"]) },
+    [d.t, d.budget_admitted, d.budget_held, d.budget_refused, d.budget_cut]);
   chart("chart-sessions", {
     series: lineSeries(["open", "finished/s", "abandoned (total)"]).map((x, i) => (i === 2 ? { ...x, scale: "n" } : x)),
     axes: [{}, {}, { scale: "n", side: 1, grid: { show: false } }],

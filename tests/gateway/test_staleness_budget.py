@@ -1,0 +1,205 @@
+"""The staleness budget (`weights.max_staleness`, docs/architecture.md §5): admission by AReaL's rule against the
+batch size the trainer's consumer publishes, held or refused beyond it, and samples that fell behind cut and marked.
+Real Redis, real HTTP, the simulator, the real `TrajectoryConsumer`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from backends.sim.engine import EngineSettings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.server import RunningGateway
+from gateway.store import Keys
+from gateway.trainer import TrajectoryConsumer
+from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway_helpers import PROMPT, generate_body, publish, scrape, stream_generate, value
+from tests.sim_helpers import wait_for
+
+ConsumerFactory = Callable[..., Awaitable[TrajectoryConsumer]]
+KEYS = Keys()
+
+
+@pytest.fixture
+async def make_consumer(redis_server: EmbeddedRedis) -> AsyncIterator[ConsumerFactory]:
+    """The trainer's consumers, closed at the end."""
+    made: list[TrajectoryConsumer] = []
+
+    async def make(**options: Any) -> TrajectoryConsumer:
+        consumer = TrajectoryConsumer(redis_server.url, "trainer", f"rank{len(made)}", claim_idle_s=600, **options)
+        await consumer.start()
+        made.append(consumer)
+        return consumer
+
+    yield make
+    for consumer in made:
+        await consumer.aclose()
+
+
+async def gateway(make_sim: SimFactory, make_gateway: GatewayFactory, delay: float = 0.0, **weights: Any) -> Any:
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=delay))
+    return await make_gateway([sim], weights={"max_staleness": 0} | weights)
+
+
+async def one_turn(http: httpx.AsyncClient, gw: RunningGateway) -> httpx.Response:
+    """The first turn of a new session."""
+    return await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id=uuid.uuid4().hex))
+
+
+async def started(redis: Redis) -> int:
+    return int(await redis.get(KEYS.budget_started) or 0)
+
+
+@pytest.mark.parametrize("over_budget", ["refuse", "hold"])
+async def test_a_session_beyond_the_budget_gets_429_with_retry_after(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+    over_budget: str,
+) -> None:
+    gw = await gateway(make_sim, make_gateway, over_budget=over_budget, hold_timeout_s=0.3)
+    await make_consumer(batch_size=2)  # version 0, max_staleness 0: (0 + 0 + 1) x 2 sessions
+    for _ in range(2):
+        assert (await one_turn(http, gw)).status_code == 200
+    refused = await one_turn(http, gw)
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["code"] == "staleness_budget"
+    created = await http.post(f"{gw.url}/v1/sessions", json={})  # every way of starting a session counts
+    assert created.status_code == 429
+    assert await started(redis) == 2  # a refused session is not counted
+    counts = gw.services.store.admission.counts
+    assert (counts.admitted, counts.refused, counts.held) == (2, 2, 2 if over_budget == "hold" else 0)
+    metrics = await scrape(http, gw.url)
+    assert value(metrics, "rollout_gateway_budget_sessions_total", outcome="refused") == 2
+
+
+async def test_a_held_session_is_admitted_once_the_trainer_acks_and_publishes_its_next_version(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+) -> None:
+    gw = await gateway(make_sim, make_gateway, over_budget="hold", hold_timeout_s=30)
+    trainer = await make_consumer(batch_size=2)
+    for i in range(2):
+        assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id=f"s{i}"))).is_success
+        assert (await http.post(f"{gw.url}/v1/sessions/s{i}/finish", json={"reward": 1.0})).is_success
+    held = asyncio.create_task(one_turn(http, gw))
+    budget = gw.services.store.admission
+    await wait_for(lambda: budget.counts.held == 1, what="the third session held")
+    assert not held.done()
+    batch = await trainer.next_batch(2, timeout=5)  # the trainer trains on the two, acks them, publishes version 1
+    assert len(batch) == 2
+    await trainer.ack(batch)
+    assert not held.done()  # an ack alone moves no version
+    assert (await publish(http, gw.url, 1)).is_success
+    answer = await asyncio.wait_for(held, 10)
+    assert answer.status_code == 200, answer.text
+    assert await started(redis) == 3
+    assert (budget.counts.admitted, budget.counts.refused) == (3, 0)
+
+
+async def test_the_budget_is_off_until_a_consumer_publishes_its_batch_size(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gw = await gateway(make_sim, make_gateway, over_budget="refuse")
+    with caplog.at_level(logging.INFO, logger="gateway.weights.budget"):
+        for _ in range(4):
+            assert (await one_turn(http, gw)).status_code == 200
+    off = [r for r in caplog.records if "staleness budget off" in r.getMessage()]
+    assert len(off) == 1  # said once
+    assert await started(redis) == 4  # counted all the same
+    await make_consumer(batch_size=2)
+    assert (await one_turn(http, gw)).status_code == 429  # 4 started, the trainer takes 2 by version 0
+    assert await redis.hgetall(KEYS.budget_batch) == {b"trainer/rank0": b"2"}
+
+
+async def cut_turn(http: httpx.AsyncClient, gw: RunningGateway, session: str) -> dict[str, Any]:
+    """A long streamed turn of `session` broken off by an update to version 1: with max_staleness 0, its sample
+    (begun under version 0) is beyond the budget once version 1 serves."""
+    progress = [0]
+    body = generate_body(PROMPT, 4000, session_id=session)
+    turn = asyncio.create_task(stream_generate(http, gw.url, body, progress))
+    await wait_for(lambda: progress[0] >= 5, what="tokens streamed")
+    assert (await publish(http, gw.url, 1)).is_success
+    streamed = await asyncio.wait_for(turn, 20)
+    assert streamed.final["finish_reason"] == "stale", streamed.final
+    assert 5 <= len(streamed.output_ids) < 4000  # its tokens kept, not continued
+    return {"ids": streamed.output_ids}
+
+
+async def test_a_turn_beyond_the_budget_is_cut_and_its_sample_delivered_marked_stale(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+) -> None:
+    gw = await gateway(make_sim, make_gateway, delay=0.002)
+    trainer = await make_consumer(batch_size=100)
+    cut = await cut_turn(http, gw, "long")
+    # The agent's next turn on that sample: a 410 it will not retry, not a continuation.
+    again = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT + cut["ids"] + [7], 2, session_id="long"))
+    assert again.status_code == 410, again.text
+    assert again.json()["error"]["code"] == "sample_stale"
+    assert (await http.post(f"{gw.url}/v1/sessions/long/finish", json={"reward": 0.0})).is_success
+    batch = await trainer.next_batch(1, timeout=5)
+    (trajectory,) = batch.trajectories
+    (sample,) = trajectory.samples
+    assert sample.stale and len(sample.response_ids) == len(cut["ids"])
+    assert batch.stale_samples == 1
+    assert gw.services.store.admission.counts.cut == 1
+    metrics = await scrape(http, gw.url)
+    assert value(metrics, "rollout_gateway_budget_stale_cuts_total") == 1
+
+
+async def test_a_session_with_a_stale_sample_is_dropped_under_drop(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+) -> None:
+    gw = await gateway(make_sim, make_gateway, delay=0.002, stale_samples="drop")
+    trainer = await make_consumer(batch_size=100)
+    await cut_turn(http, gw, "long")
+    finished = await http.post(f"{gw.url}/v1/sessions/long/finish", json={"reward": 0.0})
+    assert finished.is_success, finished.text
+    assert len(await trainer.next_batch(1, timeout=0.5)) == 0  # never reaches the trainer
+    ((_, entry),) = await redis.xrange(KEYS.abandoned)
+    assert entry[b"session_id"] == b"long" and entry[b"reason"] == b"stale"
+    assert await started(redis) == 0  # its budget given back
+
+
+async def test_a_later_turn_on_a_sample_that_fell_behind_is_refused_and_the_sample_marked(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+) -> None:
+    gw = await gateway(make_sim, make_gateway)
+    await make_consumer(batch_size=100)
+    first = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 3, session_id="idle"))
+    ids = first.json()["output_ids"]
+    assert (await publish(http, gw.url, 1)).is_success  # the agent was away while the trainer moved on
+    again = await http.post(f"{gw.url}/generate", json=generate_body(PROMPT + ids + [7], 2, session_id="idle"))
+    assert again.status_code == 410 and again.json()["error"]["code"] == "sample_stale"
+    assert await redis.hget(KEYS.sample("idle", 0), "stale") == b"1"
+    # A new session under version 1 is fresh: it runs.
+    assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id="fresh"))).is_success
