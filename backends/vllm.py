@@ -403,7 +403,11 @@ class VllmBackend(HttpEngineBackend):
             mode = "abort"
         timeout = self._long if mode == "wait" else self._control
         self._client.pacer.suspend()  # the aborted requests' answers come in at once
-        answer = await self._call("POST", "/pause", params={"mode": mode}, timeout=timeout)
+        # `clear_cache` defaults to true, and vLLM 0.32 honours it in keep mode too (its docs say it is ignored
+        # there): once the engine is idle it resets the prefix cache with `reset_running_requests`, preempting every
+        # kept request. A keep pause keeps them; a flush, where one is wanted, comes with the load.
+        params = {"mode": mode, "clear_cache": "false"} if mode == "keep" else {"mode": mode}
+        answer = await self._call("POST", "/pause", params=params, timeout=timeout)
         self._expect_status(answer, "paused")
 
     async def _reports_version_spans(self) -> bool:

@@ -476,8 +476,10 @@ async def pause(raw: Request, mode: str = "abort", clear_cache: bool = True) -> 
     engine = _engine(raw)
     pause_mode: PauseMode = mode  # type: ignore[assignment]
     await engine.pause(pause_mode)
-    if clear_cache and mode != "keep":  # clear_cache is ignored for keep
-        engine.flush_cache()
+    if clear_cache:
+        # vLLM 0.32 resets its caches as its docs say it does not for keep too: with `reset_running_requests`,
+        # preempting the frozen requests (they recompute their KV on resume).
+        engine.flush_cache(preempt_running=True)
     return json_response({"status": "paused"})
 
 

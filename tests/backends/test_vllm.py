@@ -605,6 +605,8 @@ async def test_keep_needs_version_spans(scripted: Scripted, version: str, scale_
     backend = VllmBackend(ReplicaSpec(id="r0", url=server.url, scale_out=scale_out))
     await backend.pause("keep")
     assert server.seen[-1].path == "/pause" and server.seen[-1].query["mode"] == sent
+    # A keep pause asks vLLM to keep its cache (0.32 preempts the kept requests otherwise); an abort clears it.
+    assert server.seen[-1].query.get("clear_cache") == ("false" if sent == "keep" else None)
     assert backend.capabilities.version_spans is scale_out
     await backend.aclose()
 

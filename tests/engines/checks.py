@@ -112,7 +112,8 @@ async def freeze(http: httpx.AsyncClient, server: EngineServer, keep_mode: str =
     """Pause the engine directly, keeping in-flight requests (vLLM keep; SGLang retract or in_place, the mode
     the gateway will use: a retracted request holds no KV, which would change an in_place scenario)."""
     if server.kind == "vllm":
-        response = await http.post(f"{server.url}/pause", params={"mode": "keep"})
+        # clear_cache false: vLLM 0.32 otherwise resets its cache on a keep pause too, preempting the request.
+        response = await http.post(f"{server.url}/pause", params={"mode": "keep", "clear_cache": "false"})
     else:
         response = await http.post(f"{server.url}/pause_generation", json={"mode": keep_mode})
     assert response.status_code == 200, response.text

@@ -176,8 +176,9 @@ async def test_pause_keep_freezes_and_new_requests_are_held(make_sim: SimFactory
         http.post(f"{sim.url}/v1/completions", json=completion(max_tokens=300, return_token_ids=True))
     )
     await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 5, what="tokens")
-    await http.post(f"{sim.url}/pause", params={"mode": "keep"})
+    await http.post(f"{sim.url}/pause", params={"mode": "keep", "clear_cache": "false"})
     assert (await http.get(f"{sim.url}/is_paused")).json() == {"is_paused": True}
+    assert sim.engine.counters["retractions"] == 0
     frozen = sim.engine.counters["generation_tokens"]
     second = asyncio.create_task(http.post(f"{sim.url}/v1/completions", json=completion(max_tokens=3)))
     await wait_for(lambda: sim.engine.held == 1, what="held")
@@ -187,6 +188,22 @@ async def test_pause_keep_freezes_and_new_requests_are_held(make_sim: SimFactory
     await http.post(f"{sim.url}/resume")
     assert (await first).json()["choices"][0]["finish_reason"] == "length"
     assert (await second).json()["choices"][0]["finish_reason"] == "length"
+
+
+async def test_pause_keep_with_clear_cache_preempts_as_vllm_032_does(
+    make_sim: SimFactory, http: httpx.AsyncClient
+) -> None:
+    """vLLM 0.32 documents `clear_cache` as ignored for keep, but resets its caches with `reset_running_requests`
+    once the paused engine is idle: the frozen request is preempted (it recomputes its KV on resume)."""
+    sim = await make_sim("vllm", engine=EngineSettings(token_delay_s=0.001), dev_mode=True)
+    first = asyncio.create_task(
+        http.post(f"{sim.url}/v1/completions", json=completion(max_tokens=300, return_token_ids=True))
+    )
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 5, what="tokens")
+    await http.post(f"{sim.url}/pause", params={"mode": "keep"})  # clear_cache defaults to true
+    assert sim.engine.counters["retractions"] == 1
+    await http.post(f"{sim.url}/resume")
+    assert (await first).json()["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize(("policy", "status"), [("block", 200), ("reject", 503)])
@@ -354,7 +371,7 @@ async def test_stale_prefix_cache_until_reset(make_sim: SimFactory, http: httpx.
     sim = await make_sim("vllm")
     prompt = list(range(10, 50))
     await http.post(f"{sim.url}/v1/completions", json=completion(prompt=prompt, max_tokens=2))
-    await http.post(f"{sim.url}/pause", params={"mode": "keep"})  # keep never clears the cache
+    await http.post(f"{sim.url}/pause", params={"mode": "keep", "clear_cache": "false"})  # the cache kept
     await http.post(f"{sim.url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": "w2"}})
     await http.post(f"{sim.url}/resume")
     clean = reference_tokens(SHAPE, prompt, ("w2", "default"), 8, ignore_eos=True)
