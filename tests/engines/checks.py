@@ -276,6 +276,7 @@ async def keep_update_switches_weights_in_flight(
 
 
 PREEMPTED = {"vllm": "vllm:num_preemptions_total", "sglang": "sglang:num_retracted_requests_total"}
+# SGLang's two counters appear once they counted something (labelled counters): absent is zero.
 CACHED = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
 SALTED_PROMPT = prompt_of(300, seed=5)  # two whole vLLM-CPU blocks (128 tokens) and more
 
@@ -290,18 +291,22 @@ async def salted_keep_update(
     own prefix is a hit. Returns the admin report."""
     warm = await http.post(f"{gw.url}/generate", json=generate_body(SALTED_PROMPT, 4, session_id="s"), timeout=120)
     assert warm.status_code == 200, warm.text  # SALTED_PROMPT cached under version 0's salt
-    preempted = await metric(http, server, PREEMPTED[server.kind])
+    preempted = await metric(http, server, PREEMPTED[server.kind], absent_is_zero=True)
     report = await keep_update_switches_weights_in_flight(http, gw, server, keep_mode)
     assert report["flush_pending"] == [] and report["stale"] == [], report
     if keep_mode != "retract" or server.kind == "vllm":
-        assert await metric(http, server, PREEMPTED[server.kind]) == preempted
-    hits = await metric(http, server, CACHED[server.kind])
+        assert await metric(http, server, PREEMPTED[server.kind], absent_is_zero=True) == preempted
+    hits = await metric(http, server, CACHED[server.kind], absent_is_zero=True)
     body = generate_body(SALTED_PROMPT, 16, session_id="s")
     after = (await http.post(f"{gw.url}/generate", json=body, timeout=120)).json()
     assert after["versions"] == [1] * 16
-    assert await metric(http, server, CACHED[server.kind]) == hits  # nothing of version 0's prefix reused
+    assert (
+        await metric(http, server, CACHED[server.kind], absent_is_zero=True) == hits
+    )  # nothing of version 0's prefix reused
     again = (await http.post(f"{gw.url}/generate", json=body, timeout=120)).json()
-    assert await metric(http, server, CACHED[server.kind]) >= hits + 128  # version 1's own prefix reused
+    assert (
+        await metric(http, server, CACHED[server.kind], absent_is_zero=True) >= hits + 128
+    )  # version 1's own prefix reused
     assert again["output_ids"] == after["output_ids"]
     await flush(http, server)
     clean, _ = await greedy(http, server, SALTED_PROMPT, 16)

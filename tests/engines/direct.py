@@ -53,8 +53,9 @@ async def _post(http: httpx.AsyncClient, url: str, body: Any = None, **kw: Any) 
     return response.json() if response.headers.get("content-type", "").startswith("application/json") else None
 
 
-async def metric(http: httpx.AsyncClient, server: EngineServer, name: str) -> float:
-    """Sum of the samples of one Prometheus metric (all label sets) from the engine's /metrics."""
+async def metric(http: httpx.AsyncClient, server: EngineServer, name: str, *, absent_is_zero: bool = False) -> float:
+    """Sum of the samples of one Prometheus metric (all label sets) from the engine's /metrics. `absent_is_zero`:
+    a labelled counter that never counted has no sample yet (SGLang's retraction counter)."""
     response = await http.get(f"{server.url}/metrics")
     response.raise_for_status()
     total, found = 0.0, False
@@ -62,7 +63,7 @@ async def metric(http: httpx.AsyncClient, server: EngineServer, name: str) -> fl
         if line.startswith(name) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
             found = True
-    assert found, f"the engine exports no {name}"
+    assert found or absent_is_zero, f"the engine exports no {name}"
     return total
 
 
