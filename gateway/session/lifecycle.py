@@ -134,8 +134,11 @@ class SessionLifecycle:
         if turn.new_sample or self.staleness is None:
             return
         if not sample.stale:
-            first, oldest = sample.first_version, await self.staleness.stale_before()
-            if first is None or oldest is None or first >= oldest:
+            oldest = await self.staleness.stale_before()
+            if oldest is None:
+                return  # the budget is off
+            first = sample.first_version
+            if first is None or first >= oldest:
                 return
             sample.stale = True
             await self.store.mark_stale(turn.session_id, turn.stored_index)

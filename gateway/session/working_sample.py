@@ -195,10 +195,10 @@ class WorkingSample:
     def first_version(self) -> int | None:
         """The weight version of the sample's first sampled token (None: none sampled yet): what its staleness is
         measured by."""
-        for version, mask in zip(self.versions, self.loss_mask, strict=True):
-            if mask:
-                return version
-        return None
+        try:
+            return self.versions[self.loss_mask.index(1)]  # a scan in C: asked once per turn
+        except ValueError:
+            return None
 
     @classmethod
     def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
