@@ -406,7 +406,7 @@ class VllmBackend(HttpEngineBackend):
         # `clear_cache` defaults to true, and vLLM 0.32 honours it in keep mode too (its docs say it is ignored
         # there): once the engine is idle it resets the prefix cache with `reset_running_requests`, preempting every
         # kept request. A keep pause keeps them; a flush, where one is wanted, comes with the load.
-        params = {"mode": mode, "clear_cache": "false"} if mode == "keep" else {"mode": mode}
+        params: dict[str, str] = {"mode": mode, "clear_cache": "false"} if mode == "keep" else {"mode": mode}
         answer = await self._call("POST", "/pause", params=params, timeout=timeout)
         self._expect_status(answer, "paused")
 
