@@ -256,16 +256,18 @@ async def open_services(
         quota = SessionQuota(settings.server.max_sessions_per_key)
         lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions, quota)
         w = settings.weights
-        budget = StalenessBudget(
-            trajectories.started,
-            weights,
-            max_staleness=w.max_staleness,
-            over_budget=w.over_budget,
-            hold_timeout_s=w.hold_timeout_s,
-            retry_after_s=trajectories.retry_after_s,
-        )
-        trajectories.admission = lifecycle.staleness = generator.staleness = budget
-        trajectories.drop_stale = w.stale_samples == "drop"
+        budget: StalenessBudget | None = None
+        if w.max_staleness is not None:  # null: no budget (nothing counted, held or cut)
+            budget = StalenessBudget(
+                trajectories.started,
+                weights,
+                max_staleness=w.max_staleness,
+                over_budget=w.over_budget,
+                hold_timeout_s=w.hold_timeout_s,
+                retry_after_s=trajectories.retry_after_s,
+            )
+            trajectories.admission = lifecycle.staleness = generator.staleness = budget
+            trajectories.drop_stale = w.stale_samples == "drop"
         turns = TurnRunner(
             generator,
             lifecycle,
@@ -280,9 +282,9 @@ async def open_services(
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
-        metrics.bind(pool, weights, generator, trajectories, sessions, budget.counts)
+        metrics.bind(pool, weights, generator, trajectories, sessions, budget.counts if budget else None)
         dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix, s.stream_partitions))
-        dashboard.budget = budget.counts
+        dashboard.budget = budget.counts if budget else None
         dashboard.on_staleness = metrics.delivered_staleness.observe
         trajectories.on_delivered.append(dashboard.observe_delivered)
         dashboard.start()

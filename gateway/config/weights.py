@@ -28,12 +28,13 @@ class WeightsConfig(Section):
         description="keep | recompute: requests kept through an update go on with the KV they computed under the old "
         "weights, or recompute it (a flush that preempts them).",
     )
-    max_staleness: int = Field(
+    max_staleness: int | None = Field(
         4,
         ge=0,
         description="The staleness budget (docs/architecture.md §5): new sessions are admitted while the samples "
         "started <= (version + this + 1) x the trainer's published batch size; a turn whose sample's first token is "
-        "older than version - this is cut and its sample marked stale. Off until a consumer publishes its batch size.",
+        "older than version - this is cut and its sample marked stale. Off until a consumer publishes its batch "
+        "size; null: no budget.",
     )
     over_budget: OverBudget = Field(
         "hold", description="hold | refuse: a new session over the budget waits (up to hold_timeout_s) or gets 429."

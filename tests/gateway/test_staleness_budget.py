@@ -203,3 +203,19 @@ async def test_a_later_turn_on_a_sample_that_fell_behind_is_refused_and_the_samp
     assert await redis.hget(KEYS.sample("idle", 0), "stale") == b"1"
     # A new session under version 1 is fresh: it runs.
     assert (await http.post(f"{gw.url}/generate", json=generate_body(PROMPT, 2, session_id="fresh"))).is_success
+
+
+async def test_max_staleness_null_turns_the_budget_off(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    redis: Redis,
+) -> None:
+    """`weights.max_staleness: null`: no budget at all, a consumer's batch size notwithstanding: nothing counted,
+    held or refused."""
+    gw = await gateway(make_sim, make_gateway, max_staleness=None, over_budget="refuse")
+    await make_consumer(batch_size=1)
+    for _ in range(3):
+        assert (await one_turn(http, gw)).status_code == 200
+    assert await started(redis) == 0 and gw.services.store.admission is None
