@@ -104,7 +104,7 @@ def sim(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
-def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode: str) -> int:
+def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode: str, max_staleness: int) -> int:
     """`demo --engine vllm|sglang`; the exit status (2: it could not start)."""
     import uvloop
 
@@ -125,6 +125,7 @@ def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode
         steps=steps,
         target_reward=target_reward,
         mode=mode,  # type: ignore[arg-type]
+        max_staleness=None if max_staleness < 0 else max_staleness,
     )
     try:
         return 0 if uvloop.run(run_engine_demo(options)) else 1
@@ -154,6 +155,9 @@ def demo(
     steps: Annotated[int, typer.Option(min=1, max=10000, help="--engine: most training steps.")] = 60,
     model: Annotated[str, typer.Option(help="--engine: a tiny model's name (dense) or a checkpoint folder.")] = "dense",
     target_reward: Annotated[float, typer.Option(min=0, max=1, help="--engine: stop once a step reaches it.")] = 0.95,
+    max_staleness: Annotated[
+        int, typer.Option(min=-1, help="--engine: the gateway's staleness budget, in versions (-1: no budget).")
+    ] = 4,
 ) -> None:
     """Everything in one process: embedded Redis, simulator replicas, the gateway, GRPO agents, a trainer
     that consumes trajectories and publishes weight updates mid-generation. With --engine vllm|sglang: a real
@@ -161,7 +165,7 @@ def demo(
     import uvloop
 
     if engine != "sim":
-        raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode))
+        raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode, max_staleness))
     from rollout_cli.demo import DemoOptions, run_demo
 
     if (

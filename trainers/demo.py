@@ -41,6 +41,7 @@ class EngineDemoOptions:
     target_reward: float = 0.95
     mode: Literal["abort", "keep", "wait"] = "abort"
     seed: int = 0
+    max_staleness: int | None = 4  # the gateway's staleness budget (`weights.max_staleness`; None: no budget)
 
 
 def sparkline(values: list[float]) -> str:
@@ -87,6 +88,7 @@ def _summary(console: Console, options: EngineDemoOptions, reports: list[StepRep
         ("reward curve", sparkline(rewards)),
         ("seconds a step: generation / train / update", _phases(reports)),
         ("resumed samples (resumes)", f"{last.resumed_samples} ({last.resumes})" if last else "-"),
+        ("stale tokens a batch (mean share; budget max_staleness)", _stale_share(reports, options.max_staleness)),
         ("logprob mismatch, own version (mean of steps, max)", _mismatch(own, reports)),
         ("logprob gap to older versions (mean of steps)", f"{statistics.fmean(older):.2e}" if older else "-"),
     ):
@@ -109,6 +111,13 @@ def _phases(reports: list[StepReport]) -> str:
         f"{mean(r.generation_s for r in reports):.2f} / {mean(r.train_s for r in reports):.2f} / "
         f"{mean(r.update_s for r in reports):.2f}"
     )
+
+
+def _stale_share(reports: list[StepReport], max_staleness: int | None) -> str:
+    """The mean share of a batch's model tokens sampled by weights older than the learner's."""
+    shares = [r.stats.stale_tokens / r.stats.tokens for r in reports if r.stats.tokens]
+    budget = "off" if max_staleness is None else str(max_staleness)
+    return f"{statistics.fmean(shares):.1%} ({budget})" if shares else "-"
 
 
 def _mismatch(own: list[float], reports: list[StepReport]) -> str:
@@ -142,6 +151,7 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
                 replicas=[replica],
                 model={"tokenizer": str(model), "max_model_len": launch.max_model_len},
                 generation={"request_timeout_s": 300},
+                weights={"max_staleness": options.max_staleness},
             )
             async with serve_gateway(settings) as gateway:
                 console.print(
