@@ -16,11 +16,13 @@ turns) is `gateway.weights.budget`'s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 from redis.asyncio.client import Pipeline
 
+from gateway.background import background
 from gateway.errors import Overloaded, StoreError
 from gateway.store.core import StoreCore
 from gateway.store.keys import call, text
@@ -103,6 +105,8 @@ class StartedSamples:
         self._core = core
         self._admit = core.client.register_script(_ADMIT)
         self.counting = False  # sessions are counted (a budget admits them): only then is anything given back
+        self._later = 0  # sessions counted by `count_later`, not yet written
+        self._writer: asyncio.Task[None] | None = None  # writes them, one INCRBY for all that came meanwhile
 
     async def admit(self, samples: int, version: int, max_staleness: int) -> Admitted:
         """Count `samples` new sessions as started if the budget has room for them all (or is off)."""
@@ -110,6 +114,24 @@ class StartedSamples:
         script = self._admit(keys=[keys.budget_started, keys.budget_batch], args=[samples, version, max_staleness])
         admitted, started, limit = await call(script, "admit by the staleness budget")
         return Admitted(bool(int(admitted)), int(started), int(limit) or None)
+
+    def count_later(self, samples: int) -> None:
+        """Count `samples` new sessions without waiting (the budget is off: no limit to compare with), in one INCRBY
+        with the others counted meanwhile, in the background. A write Redis refuses is logged, not retried."""
+        self._later += samples
+        if self._writer is None:
+            self._writer = background(self._write_later(), "staleness-budget-count")
+
+    async def _write_later(self) -> None:
+        try:
+            while self._later:
+                samples, self._later = self._later, 0
+                try:
+                    await call(self._core.client.incrby(self._core.keys.budget_started, samples), "count sessions")
+                except StoreError as exc:
+                    logger.warning("staleness budget: %d sessions not counted (%s)", samples, exc)
+        finally:
+            self._writer = None
 
     async def batch_size(self) -> int:
         """The sum of the batch sizes the trainer's consumers published (0: none, the budget is off)."""

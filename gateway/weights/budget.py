@@ -11,6 +11,8 @@ can take while they are fresh, and cuts what fell behind anyway.
   sample is a 410 `sample_stale` (`SessionLifecycle.check_fresh`); either way the sample is kept, marked `stale`.
 
 Until a consumer has published its batch size the budget is off (sessions are still counted), said once in the log.
+While it is known to be off (read at most `OFF_RECHECK_S` ago, under the current version) a new session is counted
+without being waited for (`StartedSamples.count_later`): no round trip to Redis on its way.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from gateway.store.backpressure import Admitted, StartedSamples
 __all__ = ["BudgetCounts", "StalenessBudget", "VersionSource"]
 
 logger = logging.getLogger(__name__)
+
+OFF_RECHECK_S = 1.0
+"""How long the budget counts on having no published batch size before it asks Redis again."""
 
 
 class VersionSource(Protocol):
@@ -72,10 +77,15 @@ class StalenessBudget:
         self.limit: int | None = None  # the budget's limit at the last admission (None: off)
         self._on: bool | None = None  # whether a consumer's batch size was found, as last read (None: not yet)
         self._read_at_version: int | None = None  # the version `_on` was last read under
+        self._read_at = 0.0  # when (monotonic)
 
     async def admit(self, samples: int) -> None:
         """Count `samples` new sessions as started once the budget has room for them; `Overloaded` (429) where
         it has none now (`refuse`) or got none within `hold_timeout_s` (`hold`)."""
+        if self._known_off():
+            self.started.count_later(samples)
+            self.counts.admitted += samples
+            return
         answer = await self._try(samples)
         if answer.admitted:
             return
@@ -117,9 +127,18 @@ class StalenessBudget:
     def count_cut(self) -> None:
         self.counts.cut += 1
 
+    def _known_off(self) -> bool:
+        """Whether no consumer had published a batch size when last read, under this version, lately."""
+        return (
+            self._on is False
+            and self._read_at_version == self.weights.version
+            and time.monotonic() - self._read_at < OFF_RECHECK_S
+        )
+
     def _turned(self, on: bool, version: int) -> None:
         """Record whether the budget is on; say so in the log when that changes."""
         self._read_at_version = version
+        self._read_at = time.monotonic()
         if on == self._on:
             return
         if on:

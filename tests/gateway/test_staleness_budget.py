@@ -19,6 +19,7 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.server import RunningGateway
 from gateway.store import Keys
 from gateway.trainer import TrajectoryConsumer
+from gateway.weights.budget import OFF_RECHECK_S
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import PROMPT, generate_body, publish, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
@@ -124,8 +125,13 @@ async def test_the_budget_is_off_until_a_consumer_publishes_its_batch_size(
             assert (await one_turn(http, gw)).status_code == 200
     off = [r for r in caplog.records if "staleness budget off" in r.getMessage()]
     assert len(off) == 1  # said once
-    assert await started(redis) == 4  # counted all the same
+
+    async def counted() -> bool:
+        return await started(redis) == 4
+
+    await wait_for(counted, what="4 sessions counted")  # counted all the same (in the background while off)
     await make_consumer(batch_size=2)
+    await asyncio.sleep(OFF_RECHECK_S)  # known off meanwhile: counted without a look at Redis
     assert (await one_turn(http, gw)).status_code == 429  # 4 started, the trainer takes 2 by version 0
     assert await redis.hgetall(KEYS.budget_batch) == {b"trainer/rank0": b"2"}
 
