@@ -4,13 +4,13 @@ the tiers' proof that the prompt the gateway stored for a turn is the one the en
 vLLM (`--enable-log-requests`, its request logger alone at DEBUG) writes a line per request, its id the gateway's
 with the route's prefix (`generate-tokens-<id>`, `cmpl-<id>-0`):
 
-    (APIServer pid=…) DEBUG 12-06 06:41:02 [serve/utils/request_logger.py:52] Request generate-tokens-<id> details:
-    prompt: None, prompt_token_ids: [151644, 872, …], prompt_embeds shape: None.   (one line in the log)
+    (APIServer pid=…) DEBUG 12-06 06:47:41 [request_logger.py:55] Request generate-tokens-<id> details:
+    prompt: None, prompt_token_ids: [1, 89, 1176, …], prompt_embeds shape: None.   (one line in the log)
 
 SGLang (`--log-requests --log-requests-level 2 --log-requests-format json`) a JSON object per received request, its
 `rid` the gateway's id:
 
-    [2026-12-06 06:41:02] {"timestamp": …, "event": "request.received", "rid": "<id>", "obj": {"input_ids": […], …}}
+    [2026-12-06 06:51:33] {"timestamp": …, "event": "request.received", "rid": "<id>", "obj": {"input_ids": […], …}}
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ _VLLM = re.compile(r"Request (\S+) details: prompt: .*?, prompt_token_ids: \[([0
 _SGLANG_EVENT = '"event": "request.received"'
 
 
-def received_prompts(server: EngineServer) -> list[tuple[str, list[int]]]:
+def received_prompts(server: EngineServer) -> list[tuple[str, list[int] | None]]:
     """Each request `server` logged it received, oldest first: its engine request id and its prompt ids (a prompt
-    past `RECEIVED_PROMPT_LOG_IDS` ids is logged cut, so it equals no stored prompt)."""
+    past `RECEIVED_PROMPT_LOG_IDS` ids is logged cut, so it equals no stored prompt; None: SGLang got text, as its
+    own warm-up request)."""
     assert server.log is not None and server.logs_received_prompts, f"{server.kind} logs no received prompts"
     text = server.log.read_text(errors="replace")
     if server.kind == "vllm":
         return [(m[1], [int(i) for i in m[2].split(",") if i.strip()]) for m in _VLLM.finditer(text)]
-    received = []
+    received: list[tuple[str, list[int] | None]] = []
     for line in text.splitlines():
         if _SGLANG_EVENT in line:
             event = json.loads(line[line.index("{") :])
