@@ -10,7 +10,7 @@ import re
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -36,7 +36,8 @@ class SamplingParams:
 
     A value: nothing changes one once made (a continuation's is a `dataclasses.replace` copy). Not frozen only
     because one is made per request, and a frozen dataclass sets each field through `object.__setattr__`, which
-    costs more than the whole construction otherwise does."""
+    costs more than the whole construction otherwise does. `min_p` and the penalties None: not sent (the engine's
+    default)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -47,6 +48,21 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     top_logprobs: int = 0
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+def add_optional_sampling(fields: dict[str, Any], sampling: SamplingParams) -> None:
+    """Add to an engine request's sampling `fields` those of `sampling` that both engines name alike and get only
+    when set (`min_p`, `presence_penalty`, `frequency_penalty`): a value left out is the engine's default, which
+    vLLM may take from the model's generation config."""
+    if sampling.min_p is not None:
+        fields["min_p"] = sampling.min_p
+    if sampling.presence_penalty is not None:
+        fields["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty is not None:
+        fields["frequency_penalty"] = sampling.frequency_penalty
 
 
 @dataclass(frozen=True, slots=True)

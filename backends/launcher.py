@@ -26,6 +26,7 @@ each engine needs, how its processes are laid out) and needs nothing from `gatew
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -57,6 +58,12 @@ SGL_KERNEL_STUB_DIR = Path(__file__).resolve().parent / "sgl-kernel-stub"
 # Several tokens per stream event: one event per token keeps the API server, the gateway and the client (all on two
 # cores) so busy that streams lag the engine by seconds. The gateway's adapters take chunks of any size.
 STREAM_INTERVAL = ("--stream-interval", "8")
+
+# `EngineLaunch.log_received_prompts`: the most prompt ids a logged request keeps (vLLM's `--max-log-len`; SGLang's
+# `--log-requests-level 2` keeps 2,048 of each list too, the middle elided). Longer prompts are logged cut.
+RECEIVED_PROMPT_LOG_IDS = 2048
+# The vLLM logger that writes each request's prompt ids (at DEBUG, with `--enable-log-requests`).
+VLLM_REQUEST_LOGGER = "vllm.entrypoints.serve.utils.request_logger"
 
 
 def engines_dir() -> Path:
@@ -120,6 +127,10 @@ class EngineLaunch:
     max_model_len: int = 4096
     # Routed-expert capture (R3). The CPU builds cannot: vLLM refuses the flag, SGLang crashes (docs/engines.md).
     routed_experts: bool = False
+    # Log the prompt ids of every request as the server received it (the engine tiers read them back to prove the
+    # gateway sent exactly the stored prompt): a log line or two per request, prompts cut at
+    # RECEIVED_PROMPT_LOG_IDS ids. Off for users and the demo.
+    log_received_prompts: bool = False
     extra_args: tuple[str, ...] = ()
     cache: Path = field(default_factory=engine_cache)
 
@@ -162,6 +173,9 @@ class EngineLaunch:
         ]
         if self.routed_experts:
             command.append("--enable-return-routed-experts")
+        if self.log_received_prompts:
+            # The ids are logged at DEBUG by one logger, which the logging config (`env`) alone sets to DEBUG.
+            command += ["--enable-log-requests", "--max-log-len", str(RECEIVED_PROMPT_LOG_IDS)]
         return command
 
     def _sglang_command(self) -> list[str]:
@@ -196,6 +210,9 @@ class EngineLaunch:
         ]
         if self.routed_experts:
             command.append("--enable-return-routed-experts")
+        if self.log_received_prompts:
+            # Level 2: the sampling parameters and up to 2,048 of each list's items (3: every item, of outputs too).
+            command += ["--log-requests", "--log-requests-level", "2", "--log-requests-format", "json"]
         return command
 
     def env(self, workdir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -224,6 +241,8 @@ class EngineLaunch:
             }
             if self.routed_experts:
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-expert capture needs the V2 model runner
+            if self.log_received_prompts:
+                env["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_logging_config(workdir))  # `start_engine` writes it
         else:
             env |= {
                 "SGLANG_USE_CPU_ENGINE": "1",
@@ -236,6 +255,35 @@ class EngineLaunch:
 def sgl_kernel_stub_log(workdir: Path) -> Path:
     """Where the sgl_kernel stand-in records a call of one of its functions (none should ever run)."""
     return workdir / "sgl_kernel_stub_calls.log"
+
+
+def vllm_logging_config(workdir: Path) -> Path:
+    """Where a vLLM server that logs received prompts finds its logging config (`VLLM_LOGGING_CONFIG_PATH`)."""
+    return workdir / "vllm-logging.json"
+
+
+def vllm_logging_config_text() -> str:
+    """vLLM's default logging config (vllm/logger.py `DEFAULT_LOGGING_CONFIG`, which a config file replaces whole)
+    plus its request logger at DEBUG on a handler of its own: the prompt ids of each request, nothing else more."""
+    formatter = {
+        "()": "vllm.logging_utils.NewLineFormatter",
+        "datefmt": "%m-%d %H:%M:%S",
+        "format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] "
+        "%(message)s",
+        "log_level": "INFO",
+    }
+    stream = {"class": "logging.StreamHandler", "formatter": "vllm", "stream": "ext://sys.stdout"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"vllm": formatter},
+        "handlers": {"vllm": stream | {"level": "INFO"}, "vllm_requests": stream | {"level": "DEBUG"}},
+        "loggers": {
+            "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+            VLLM_REQUEST_LOGGER: {"handlers": ["vllm_requests"], "level": "DEBUG", "propagate": False},
+        },
+    }
+    return json.dumps(config, indent=1)
 
 
 @dataclass(frozen=True)
@@ -279,6 +327,8 @@ def start_engine(
             f"(`--python`) to a python with {launch.kind} installed"
         )
     workdir.mkdir(parents=True, exist_ok=True)
+    if launch.log_received_prompts and launch.kind == "vllm":
+        vllm_logging_config(workdir).write_text(vllm_logging_config_text())
     log = log or workdir / f"{launch.kind}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
@@ -408,6 +458,7 @@ def pin_engine_core_beside_its_worker(api_server: int) -> list[int]:
 
 __all__ = [
     "ENGINE_KINDS",
+    "RECEIVED_PROMPT_LOG_IDS",
     "SGL_KERNEL_STUB_DIR",
     "STARTUP_TIMEOUT_S",
     "TINY_MODELS",
@@ -427,4 +478,6 @@ __all__ = [
     "start_engine",
     "stop_process_group",
     "tail",
+    "vllm_logging_config",
+    "vllm_logging_config_text",
 ]

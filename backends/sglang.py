@@ -31,6 +31,7 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    add_optional_sampling,
     encodable_ids,
     merge_deltas,
     raise_for_load_status,
@@ -195,6 +196,7 @@ class SglangBackend(HttpEngineBackend):
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.min_tokens > 0:
             params["min_new_tokens"] = sampling.min_tokens
+        add_optional_sampling(params, sampling)  # only when set: SGLang refuses a null
         body: dict[str, Any] = {
             "rid": request_id,  # the id /abort_request names
             "input_ids": encodable_ids(token_ids),

@@ -47,6 +47,7 @@ from backends.base import (
     ReplicaSpec,
     SamplingParams,
     VersionSpan,
+    add_optional_sampling,
     encodable_ids,
     merge_deltas,
     raise_for_load_status,
@@ -214,6 +215,7 @@ class VllmBackend(HttpEngineBackend):
             fields["top_k"] = sampling.top_k
         if sampling.seed is not None:
             fields["seed"] = sampling.seed
+        add_optional_sampling(fields, sampling)
         return fields
 
     def _completion_body(

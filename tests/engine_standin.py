@@ -26,7 +26,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DIALECTS = {"vllm.entrypoints.openai.api_server": "vllm", "sglang.launch_server": "sglang"}
-ENV_SEEN = ("PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "HF_HUB_OFFLINE", "VLLM_SERVER_DEV_MODE", "SGLANG_USE_CPU_ENGINE")
+ENV_SEEN = (
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "TMPDIR",
+    "HF_HUB_OFFLINE",
+    "VLLM_SERVER_DEV_MODE",
+    "SGLANG_USE_CPU_ENGINE",
+    "VLLM_LOGGING_CONFIG_PATH",
+)
 
 
 def set_process_name(name: str) -> None:

@@ -109,7 +109,10 @@ class VllmMetrics:
         return out
 
 
-_SAMPLING = set("max_tokens temperature top_p top_k seed stop_token_ids ignore_eos min_tokens logprobs".split())
+_SAMPLING = set(
+    "max_tokens temperature top_p top_k seed stop_token_ids ignore_eos min_tokens logprobs min_p presence_penalty "
+    "frequency_penalty".split()
+)
 """The sampling fields of a request (`SimEngine.sampling_log`); a completion's `n` and `stop` too."""
 
 

@@ -48,6 +48,10 @@ class CompletionRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Accepted and logged (`/sim/sampling_log`), with no effect on what the simulator samples.
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0)
@@ -73,6 +77,10 @@ class GenerateSamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Accepted and logged (`/sim/sampling_log`), with no effect on what the simulator samples.
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logprobs: int | None = Field(default=None, ge=0)
 
 

@@ -46,7 +46,9 @@ ANTHROPIC_FIELDS: ParamFields = _same("max_tokens", "temperature", "top_p", "top
     "stop_sequences": "stop"
 }
 RESPONSES_FIELDS: ParamFields = _SHARED | _same("stop", "min_p") | {"max_output_tokens": "max_tokens"}
-GENERATE_FIELDS: ParamFields = _SHARED | _same("max_tokens", "top_logprobs")
+GENERATE_FIELDS: ParamFields = _SHARED | _same(
+    "max_tokens", "top_logprobs", "min_p", "presence_penalty", "frequency_penalty"
+)
 
 
 def governed_sampling(

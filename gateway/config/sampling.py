@@ -54,6 +54,8 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Stops = Annotated[tuple[Annotated[str, Field(min_length=1)], ...], Field(max_length=8)]
 StopIds = Annotated[tuple[Annotated[int, Field(ge=0, le=_INT32)], ...], Field(max_length=1024)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 PINNABLE = (
     "temperature",
@@ -66,12 +68,14 @@ PINNABLE = (
     "min_tokens",
     "ignore_eos",
     "top_logprobs",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
 )
 """The fields a policy may pin: those the engine request carries (`gateway.turns.request.Sampling`)."""
 
-FORBID_ONLY = ("n", "min_p", "presence_penalty", "frequency_penalty")
-"""Fields a policy may forbid but not pin: `n` (the choices an answer returns), and those the routes accept but no
-engine request carries (a pinned value would be a value no engine used)."""
+FORBID_ONLY = ("n",)
+"""Fields a policy may forbid but not pin: `n`, the choices an answer returns (not how each is sampled)."""
 
 
 class SamplingPolicy(Section):
@@ -89,10 +93,10 @@ class SamplingPolicy(Section):
     min_tokens: Choice | Pin[Count] = "allow"
     ignore_eos: Choice | Pin[bool] = "allow"
     top_logprobs: Choice | Pin[TopLogprobs] = "allow"
+    min_p: Choice | Pin[MinP | None] = "allow"
+    presence_penalty: Choice | Pin[Penalty | None] = "allow"
+    frequency_penalty: Choice | Pin[Penalty | None] = "allow"
     n: Choice = "allow"
-    min_p: Choice = "allow"
-    presence_penalty: Choice = "allow"
-    frequency_penalty: Choice = "allow"
     max_tokens_cap: Budget | None = Field(
         None, description="A larger max_tokens is lowered to it; a request without one gets it (None: no cap)."
     )

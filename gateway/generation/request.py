@@ -75,6 +75,9 @@ def sampling_used(request: GenerationRequest) -> dict[str, Any]:
         "min_tokens": s.min_tokens,
         "ignore_eos": s.ignore_eos,
         "top_logprobs": s.top_logprobs,
+        "min_p": s.min_p,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
     }
 
 

@@ -37,7 +37,8 @@ def wrapped_seed(seed: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """How a turn samples each of its `n` choices. `max_tokens` None: what the context leaves after the prompt.
-    `stop`: stop strings (empty ones left out); `top_logprobs`: alternatives per token (0: none)."""
+    `stop`: stop strings (empty ones left out); `top_logprobs`: alternatives per token (0: none); `min_p` and the
+    penalties None: left out of the engine request (the engine's default)."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -49,6 +50,9 @@ class Sampling:
     ignore_eos: bool = False
     min_tokens: int = 0
     top_logprobs: int = 0
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     n: int = 1
 
 

@@ -261,6 +261,9 @@ class TurnRunner:
             ignore_eos=s.ignore_eos,
             min_tokens=s.min_tokens,
             top_logprobs=s.top_logprobs,
+            min_p=s.min_p,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
         )
         want = request.want_routed_experts or self.want_routed_experts
 

@@ -24,6 +24,8 @@ import httpx
 import pytest
 
 from backends.launcher import (
+    ENGINE_KINDS,
+    RECEIVED_PROMPT_LOG_IDS,
     SGL_KERNEL_STUB_DIR,
     EngineLaunch,
     child_pids,
@@ -34,6 +36,8 @@ from backends.launcher import (
     pin_process,
     resolve_model,
     start_engine,
+    vllm_logging_config,
+    vllm_logging_config_text,
 )
 from gateway.errors import EngineLaunchError, EngineNotInstalled
 from tests import REPO
@@ -152,6 +156,33 @@ def test_sglang_command_and_env_with_the_kernel_stand_in(tmp_path: Path) -> None
     assert "It is not a kernel" in stub.read_text()
 
 
+def test_logging_received_prompts_is_opt_in(tmp_path: Path) -> None:
+    """Off by default (users, the demo); on, vLLM logs requests with its request logger alone at DEBUG (a logging
+    config that keeps vLLM's own handler at INFO), SGLang logs them as JSON with up to 2,048 ids of each list."""
+    for kind in ENGINE_KINDS:
+        plain = EngineLaunch(kind, Path("/p"), Path("/m"), 1)
+        assert not {"--enable-log-requests", "--log-requests"} & set(plain.command())
+        assert "VLLM_LOGGING_CONFIG_PATH" not in plain.env(tmp_path, base={})
+    vllm = EngineLaunch("vllm", Path("/p"), Path("/m"), 1, log_received_prompts=True)
+    assert vllm.command()[-3:] == ["--enable-log-requests", "--max-log-len", str(RECEIVED_PROMPT_LOG_IDS)]
+    assert vllm.env(tmp_path, base={})["VLLM_LOGGING_CONFIG_PATH"] == str(vllm_logging_config(tmp_path))
+    config = json.loads(vllm_logging_config_text())
+    assert config["loggers"] == {
+        "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+        "vllm.entrypoints.serve.utils.request_logger": {
+            "handlers": ["vllm_requests"],
+            "level": "DEBUG",
+            "propagate": False,
+        },
+    }
+    assert {name: handler["level"] for name, handler in config["handlers"].items()} == {
+        "vllm": "INFO",
+        "vllm_requests": "DEBUG",
+    }
+    sglang = EngineLaunch("sglang", Path("/p"), Path("/m"), 1, log_received_prompts=True)
+    assert sglang.command()[-5:] == ["--log-requests", "--log-requests-level", "2", "--log-requests-format", "json"]
+
+
 def test_the_kernel_stand_in_is_package_data() -> None:
     """A non-editable install carries the stand-in: pyproject's package data of `backends` names its file."""
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -220,6 +251,7 @@ def test_start_waits_for_health_and_stops_the_process_group(standin: Path, model
         assert started["env"]["VLLM_SERVER_DEV_MODE"] == "1" and started["env"]["PYTHONPATH"] is None
         assert started["env"]["TMPDIR"] == str(tmp_path / "work")
         assert started["sgl_kernel"] is None
+        assert started["env"]["VLLM_LOGGING_CONFIG_PATH"] is None  # received prompts are logged only when asked
         process = engine.process
     assert process.returncode is not None and gone(process.pid)
     with pytest.raises(httpx.TransportError):
@@ -236,6 +268,18 @@ def test_sglang_server_finds_the_kernel_stand_in(standin: Path, models: Path, tm
     started = json.loads(record.read_text())
     assert started["sgl_kernel"] == str(SGL_KERNEL_STUB_DIR / "sgl_kernel" / "__init__.py")
     assert started["env"]["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_a_vllm_server_that_logs_received_prompts_finds_its_logging_config(
+    standin: Path, models: Path, tmp_path: Path
+) -> None:
+    record, work = tmp_path / "record.json", tmp_path / "work"
+    extra = ("--standin-record", str(record))
+    launch = EngineLaunch("vllm", standin, models / "dense", free_port(), log_received_prompts=True, extra_args=extra)
+    with start_engine(launch, work, startup_timeout_s=60):
+        started = json.loads(record.read_text())
+    assert started["env"]["VLLM_LOGGING_CONFIG_PATH"] == str(vllm_logging_config(work))
+    assert vllm_logging_config(work).read_text() == vllm_logging_config_text()  # written before the server started
 
 
 @TWO_CPUS

@@ -6,9 +6,14 @@ and `model.tool_parser: hermes`. Three turns whose agent never sends the reasoni
 `think_v2`, the same weights) between the first two:
 
 - `sessions.history: tokens`: one sample; each turn's prompt is the sample's ids so far plus what the template
-  writes after a reply, and the engine got exactly that prompt (its prompt-token counter rose by its length, and
-  the engine run alone on it gives the turn's tokens and log-probabilities);
+  writes after a reply;
 - `template`: Qwen3's template drops the reasoning, so each turn starts a new sample (one per turn).
+
+In both, the engine got exactly each turn's stored prompt: the prompt ids the engine logged it received for the
+session's requests (`tests.engines.received`; the gateway's request id, which names the session, reaches the
+engine) are the three turns' prompts, in order, and nothing else; its prompt-token counter rose by each prompt's
+length; and the engine run alone on each prompt gives the turn's tokens and log-probabilities. (A server the tier
+did not start, `RG_<KIND>_URL`, has no log here: the counter and the rerun alone prove it there.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gateway.config import ReplicaConfig
 from scripts.think_model import TOOLS  # the tools the model was trained with
 from tests.conftest import ADMIN, GatewayFactory
 from tests.engines.direct import greedy, metric
+from tests.engines.received import received_prompts
 from tests.engines.servers import EngineServer
 from tests.gateway_helpers import client
 
@@ -98,6 +104,9 @@ async def reasoning_agent_episode(
         assert [(r["sample_index"], r["new_sample"]) for r in rollouts] == [(0, True), (1, True), (2, True)]
         prompts = [s.prompt_ids.tolist() for s in samples]
         sampled = [(s.response_ids.tolist(), s.logprobs) for s in samples]
+    if server.logs_received_prompts:  # what the engine logged it received for this session, whole and in order
+        received = [ids for engine_id, ids in received_prompts(server) if f"{session}-" in engine_id]
+        assert received == prompts, [len(ids) for ids in received]
     assert [len(prompt) for prompt in prompts] == [counted1, counted2, counted3]  # what the engine counted
     for prompt, (output, logprobs), rollout in zip(prompts, sampled, rollouts, strict=True):
         assert output == rollout["output_ids"]

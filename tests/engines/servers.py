@@ -42,7 +42,8 @@ STARTUP_TIMEOUT = float(os.environ.get("RG_ENGINE_STARTUP_TIMEOUT_S", STARTUP_TI
 
 @dataclass(frozen=True)
 class EngineServer:
-    """A running engine: where it listens, what it serves, where its log is (None for an external server)."""
+    """A running engine: where it listens, what it serves, where its log is (None for an external server), and
+    whether that log has the prompt ids of every request received (`tests.engines.received`)."""
 
     kind: EngineKind
     url: str
@@ -51,6 +52,7 @@ class EngineServer:
     routed_experts: bool
     log: Path | None
     stub_calls: Path | None = None
+    logs_received_prompts: bool = False
 
     @property
     def model_path(self) -> Path:
@@ -93,8 +95,8 @@ def engine_server(kind: EngineKind, tmp: Path) -> Iterator[EngineServer]:
     if not (models / model / "config.json").exists() or not (models / f"{model}_v2" / "config.json").exists():
         unavailable(f"no tiny models in {models}")
     # Routed-expert capture is not asked of a server started here: the CPU builds cannot (docs/engines.md).
-    launch = EngineLaunch(kind, python, models / model, free_port())
+    launch = EngineLaunch(kind, python, models / model, free_port(), log_received_prompts=True)
     started = time.monotonic()
     with start_engine(launch, tmp, startup_timeout_s=STARTUP_TIMEOUT) as engine:
         print(f"\n{kind} server up in {time.monotonic() - started:.1f} s ({engine.url}, log {engine.log})")
-        yield EngineServer(kind, engine.url, models, model, routed, engine.log, engine.stub_calls)
+        yield EngineServer(kind, engine.url, models, model, routed, engine.log, engine.stub_calls, True)

@@ -64,6 +64,9 @@ class GenerateSampling(BaseModel):
     ignore_eos: bool = False
     min_tokens: Count = 0
     top_logprobs: int = Field(0, ge=0, le=20)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
 
 
 class GenerateBody(BaseModel):
@@ -116,6 +119,9 @@ def _sampling(body: GenerateBody) -> Sampling:
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
         top_logprobs=s.top_logprobs,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
     )
 
 
@@ -131,6 +137,9 @@ def _request(body: GenerateBody, s: Sampling, svc: ApiServices) -> GenerationReq
         ignore_eos=s.ignore_eos,
         min_tokens=s.min_tokens,
         top_logprobs=s.top_logprobs,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
     )
     return GenerationRequest(
         request_id=new_request_id("gen"),

@@ -175,7 +175,7 @@ class Sampled(_Body):
     min_tokens: Count = 0
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    # Accepted for compatibility; the engines apply them where they can, the simulator ignores them.
+    # Sent to the engine when set (both engines apply them; the simulator logs and ignores them).
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # OpenAI's metadata reaches the session (`gateway.turns.runner`: set on the turn that creates it, new keys added

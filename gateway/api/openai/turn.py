@@ -41,6 +41,9 @@ def sampling_of(body: Sampled, max_tokens: int | None, top_logprobs: int) -> Sam
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         top_logprobs=top_logprobs,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
         n=body.n,
     )
 

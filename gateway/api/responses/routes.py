@@ -133,6 +133,7 @@ def _turn_request(body: ResponseRequest, messages: list[Message], metadata: dict
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
+        min_p=body.min_p,
     )
     effort = body.reasoning.effort if body.reasoning is not None else None
     conversation = Conversation(messages, offered, template_kwargs_of(body.chat_template_kwargs, effort))

@@ -1,7 +1,8 @@
 """Sampling policies per API key (issue 49 §3), over real HTTP on a served gateway and the simulator: a pin reaches
 the engine whatever the agent sent, a forbidden field is a 400 naming it as sent with nothing stored, the cap lowers a
 budget (and gives one), each key gets its policy, a key is configured alone or as {id, key}, and each stored segment
-keeps what the engine got. The simulator logs the sampling fields each request brought (`GET /sim/sampling_log`)."""
+keeps what the engine got; `min_p` and the penalties reach each engine dialect. The simulator logs the sampling fields
+each request brought (`GET /sim/sampling_log`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from backends.sim.server import SimReplica
-from gateway.config import derived_key_id
+from gateway.config import ReplicaConfig, derived_key_id
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import PROMPT, generate_body
@@ -74,17 +75,47 @@ async def test_a_pin_replaces_what_the_agent_sent_and_sets_what_it_left_out(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, route: str
 ) -> None:
     policy = {"temperature": {"pin": 0.25}, "top_p": {"pin": 0.5}, "top_k": {"pin": 7}, "seed": {"pin": 11}}
+    penalties = {"min_p": 0.1, "presence_penalty": 0.3, "frequency_penalty": -0.2}  # no route but chat's takes all
+    policy |= {field: {"pin": value} for field, value in penalties.items()}
     gw, sim = await gateway(make_sim, make_gateway, sampling={"default": policy})
-    path, body = route_body(route, "pinned", temperature=0.9, top_p=0.8)  # top_k and seed left out
+    path, body = route_body(route, "pinned", temperature=0.9, top_p=0.8)  # the others left out
     response = await http.post(f"{gw.url}{path}", json=body)
     assert response.status_code == 200, response.text
     if route == "responses":  # the response says what it was sampled with
         assert (response.json()["temperature"], response.json()["top_p"]) == (0.25, 0.5)
     (engine,) = await received(http, sim)
     assert (engine["temperature"], engine["top_p"], engine["top_k"], engine["seed"]) == (0.25, 0.5, 7, 11)
+    assert {field: engine[field] for field in penalties} == penalties
     (sample,) = await gw.services.store.load_samples("pinned")
     used = sample.segments[0].sampling
     assert used is not None and (used["temperature"], used["top_p"], used["top_k"], used["seed"]) == (0.25, 0.5, 7, 11)
+    assert {field: used[field] for field in penalties} == penalties
+
+
+PENALTIES = {"min_p": 0.05, "presence_penalty": 0.5, "frequency_penalty": -0.25}
+TAKEN = {"chat": PENALTIES, "completions": PENALTIES, "responses": {"min_p": 0.05}, "generate": PENALTIES}
+"""What each route takes of `min_p` and the penalties (the Responses API has no penalties, Anthropic's none)."""
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "vllm-scale-out", "sglang"])
+@pytest.mark.parametrize("route", list(TAKEN))
+async def test_min_p_and_the_penalties_reach_each_engine_dialect_and_are_stored(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, route: str, dialect: str
+) -> None:
+    """vLLM's completions and `/inference/v1/generate` bodies, SGLang's `sampling_params`: each field the agent set
+    arrives as sent, one left out is left out (the engine's default: null in the vLLM log, SGLang's 0.0)."""
+    name, scale_out = dialect.removesuffix("-scale-out"), dialect.endswith("-scale-out")
+    sim = await make_sim(name, enable_scale_out=scale_out)
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect=name, scale_out=scale_out)])
+    sent = TAKEN[route]
+    path, body = route_body(route, "penalised", **sent)
+    assert (response := await http.post(f"{gw.url}{path}", json=body)).status_code == 200, response.text
+    default = 0.0 if name == "sglang" else None
+    (engine,) = await received(http, sim)
+    assert {field: engine[field] for field in PENALTIES} == {field: default for field in PENALTIES} | sent
+    (sample,) = await gw.services.store.load_samples("penalised")
+    used = sample.segments[0].sampling
+    assert used is not None and {field: used[field] for field in PENALTIES} == dict.fromkeys(PENALTIES) | sent
 
 
 @pytest.mark.parametrize(
@@ -207,6 +238,7 @@ async def test_each_stored_segment_keeps_what_its_turn_was_sampled_with(
     assert sample.num_turns == 2
     by_turn = [s.sampling for s in sample.segments]
     same = {"top_p": 1.0, "top_k": 5, "stop": [], "stop_token_ids": [], "min_tokens": 0, "ignore_eos": True}
+    same |= {"min_p": None, "presence_penalty": None, "frequency_penalty": None}
     assert by_turn == [
         same | {"temperature": 0.0, "seed": None, "max_tokens": 3, "top_logprobs": 0},
         same | {"temperature": 0.7, "seed": 3, "max_tokens": 2, "top_logprobs": 0},
