@@ -16,7 +16,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import version_tuple
@@ -43,6 +42,7 @@ from backends.sim.engine import (
     SimRequest,
     SimRequestError,
 )
+from backends.sim.vllm_metrics import VllmMetrics
 from backends.sim.vllm_models import (
     AbortRequests,
     CollectiveRpc,
@@ -70,43 +70,6 @@ def error_body(message: str, status: int) -> bytes:
 
 def error_response(message: str, status: int) -> Response:
     return Response(error_body(message, status), status_code=status, media_type="application/json")
-
-
-class VllmMetrics:
-    """Prometheus collector reading the engine's counters at scrape time (no per-token metric calls)."""
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-
-    def collect(self) -> list[Metric]:
-        e = self.engine
-        labels = {"model_name": e.settings.model_name, "engine": "0"}
-        names = list(labels)
-        values = list(labels.values())
-        out: list[Metric] = []
-        for name, value in (
-            ("vllm:num_requests_running", e.num_running),
-            ("vllm:num_requests_waiting", e.num_waiting),
-            ("vllm:kv_cache_usage_perc", min(1.0, len(e.running) / 256)),
-        ):
-            gauge = GaugeMetricFamily(name, name, labels=names)
-            gauge.add_metric(values, value)
-            out.append(gauge)
-        for name, key in (
-            ("vllm:prefix_cache_queries", "prefix_cache_queries"),
-            ("vllm:prefix_cache_hits", "prefix_cache_hits"),
-            ("vllm:prompt_tokens", "prompt_tokens"),
-            ("vllm:generation_tokens", "generation_tokens"),
-            ("vllm:num_preemptions", "retractions"),
-        ):
-            counter = CounterMetricFamily(name, name, labels=names)
-            counter.add_metric(values, e.counters[key])
-            out.append(counter)
-        success = CounterMetricFamily("vllm:request_success", "finished requests", labels=[*names, "finished_reason"])
-        for reason in ("stop", "length", "abort"):
-            success.add_metric([*values, reason], e.counters[f"finished_{reason}"])
-        out.append(success)
-        return out
 
 
 _SAMPLING = set(
