@@ -82,6 +82,7 @@ DIALECTS = ("vllm", "sglang")
 CACHES = ("salt", "flush")
 KV_AFTER_UPDATE = {"salt": "keep", "flush": "recompute"}  # `weights.kv_after_update` of each cache policy
 TARGET_RATIO = 5.0
+DISTURBED = 0.1  # a steady window whose halves differ by more than this share of a period's tokens
 TROUGH_WIDTH_S = 0.5
 MAX_MODEL_LEN = 65536  # conversations grow for the whole run
 GAUGES = {
@@ -127,6 +128,7 @@ class Cell:
     dialect: str
     cache: str
     mode: str
+    period_s: float = 0.0
     steady_rate: float = math.nan
     dip_rate: float = math.nan
     trough_rate: float = math.nan
@@ -152,6 +154,14 @@ class Cell:
     @property
     def mean_lost(self) -> float:
         return statistics.fmean(self.lost) if self.lost else math.nan
+
+    @property
+    def disturbed(self) -> bool:
+        """The steady window was not steady (on a shared machine, another process took the CPUs for a while): its
+        halves differ by more than `DISTURBED` of a period's tokens, so the steady rate, and every loss measured
+        against it, is off."""
+        period_tokens = self.steady_rate * (self.period_s or 1.0)
+        return not abs(self.noise) <= DISTURBED * period_tokens
 
 
 # -- the stack --------------------------------------------------------------------------------------------------
@@ -254,7 +264,7 @@ async def publish(client: httpx.AsyncClient, stack: Stack, mode: str, cell: Cell
 
 
 async def run_cell(options: Options, stack: Stack, mode: str, tag: int) -> Cell:
-    cell = Cell(stack.dialect, stack.cache, mode)
+    cell = Cell(stack.dialect, stack.cache, mode, options.period_s)
     spec = load_spec(options, stack.gateway.url, tag)
     async with httpx.AsyncClient(timeout=options.timeout_s) as admin, loadgen_process(stack.loadgen_cpus) as process:
         _stdin(process).write(orjson.dumps(spec) + b"\n")
@@ -352,7 +362,7 @@ def cell_row(cell: Cell, salt: Cell | None) -> list[str]:
     updates = max(1, len(cell.lost))
     budget = "/".join(f"{cell.gateway.get(name, 0.0):.0f}" for name in ("held", "refused", "cut"))
     return [
-        cell.label,
+        f"{cell.label} (!)" if cell.disturbed else cell.label,
         number(cell.steady_rate),
         number(cell.dip_rate),
         number(cell.trough_rate),
@@ -415,10 +425,13 @@ def verdicts(cells: Sequence[Cell]) -> list[str]:
             continue
         floor = max(abs(salt.noise), 1.0) if salt.noise == salt.noise else 1.0
         met = flush.mean_lost >= TARGET_RATIO * max(salt.mean_lost, floor) and salt.drained == 0
+        verdict = "met" if met else "NOT met"
+        if flush.disturbed or salt.disturbed:
+            verdict = "inconclusive: a steady window was disturbed (!), rerun"
         lines.append(
             f"{flush.dialect} keep: tokens lost per update, flush ÷ salt = {ratio_text(flush, salt)} "
             f"({number(flush.mean_lost)} vs {number(salt.mean_lost)}); replicas drained for a cache with the salt: "
-            f"{salt.drained} → target (≥ {TARGET_RATIO:g}×, none drained) {'met' if met else 'NOT met'}"
+            f"{salt.drained} → target (≥ {TARGET_RATIO:g}×, none drained) {verdict}"
         )
     return lines
 
@@ -434,7 +447,8 @@ def report(console: Console, options: Options, cells: Sequence[Cell]) -> None:
         f"tokens/s decoded by the fleet (the replicas' counters): 'steady', 'after' (the first {options.dip_s:g} s "
         f"after each update), 'trough' (the lowest {TROUGH_WIDTH_S:g}-s mean after one). 'lost': tokens lost per "
         f"update, ∫ (steady − rate) dt over {options.period_s:g} s from each update; 'noise': the same between the "
-        "steady window's halves; '÷ salt': lost ÷ lost of the salt cell of the same dialect and mode. 'admin ms': "
+        "steady window's halves ((!): they differ by over a tenth of a period's tokens, the window was disturbed); "
+        "'÷ salt': lost ÷ lost of the salt cell of the same dialect and mode. 'admin ms': "
         "the update call (pause, load, resume). Per update: 'preempt' requests preempted, 'recomp' the KV tokens "
         "they recomputed, 'abort' requests aborted, 'resume' the gateway's resumes. 'hit': prefix-cache hit ÷ "
         "queried prompt tokens, steady → over the update windows. 'drain': replicas taken out of rotation for a flush "
