@@ -539,6 +539,7 @@ class SimEngine:
         request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
         request.stale_key = 0
         self._recompute_tokens += len(request.forward_wkeys)
+        self.counters["recomputed_tokens"] += len(request.forward_wkeys)  # what a flush cost (benchmarks.updates)
 
     def set_speed(self, token_delay_s: float | None, prefill_delay_s_per_token: float | None) -> None:
         """Change the per-token decode and prefill delays at run time (benchmarks reuse one set of replicas)."""

@@ -1,0 +1,538 @@
+"""What a weight update costs a busy fleet (issue 50 §3): a steady RL load with an update every few seconds, per pause
+mode × engine dialect × prefix-cache policy, side by side in one run.
+
+    python -m benchmarks.updates                         # 64 streams, 2 dialects × 3 modes × salt/flush (~6 min)
+    python -m benchmarks.updates --streams 256           # the issue's size (a bigger machine)
+    python -m benchmarks.updates --dialects vllm --modes keep --updates 4
+
+What runs (all on 127.0.0.1, every part a child process, as in `benchmarks.compare`):
+
+* `--replicas` simulator replicas per stack, with a decode step (`--token-delay`), a prefill cost per uncached prompt
+  token (`--prefill-delay`: a preempted request's KV is recomputed at that rate before the batch steps on, so a flush
+  that preempts stalls the replica) and their prefix caches on; vLLM dialect with `--enable-scale-out` (its `keep` is
+  real there), SGLang dialect paused `in_place` (`keep_mode` of the replica entries);
+* the gateway (`rollout-gateway serve`, its embedded Redis): `salt` is the default, version-salted prefix caches
+  (`weights.kv_after_update: keep`: a `keep` update flushes nothing); `flush` is `weights.kv_after_update: recompute`,
+  a flush after every update (vLLM: `reset_prefix_cache?reset_running_requests=true`, preempting every kept
+  request; SGLang: the load's `flush_cache`, refused while `in_place` requests hold KV, so the replica is drained);
+* the load generator (`benchmarks.loadgen`, its own process): the `rl` workload's streams made multi-turn, as an
+  agent's rollout is: `--streams` sessions at once, each turn a streamed `/v1/completions` of 32-128 tokens whose
+  prompt is the conversation so far (the previous reply and 32 more words), turn after turn for the whole run.
+
+One stack per (dialect, cache policy); in it, one timed run per pause mode, each on new sessions: `--warmup` seconds
+of ramp, `--steady` seconds without an update (the steady rate), then `--updates` updates `POST /admin/weights
+{version, path, mode}`, one every `--period` seconds. Meanwhile the replicas' `/sim/state` counters are sampled every
+`--interval` seconds (`benchmarks.update_timeline`). Per cell:
+
+* tokens/s: steady (decoded by the fleet over the steady window), in the first `--dip` seconds after each update
+  starts, and the trough (the lowest 0.5-s mean in the update windows);
+* tokens lost per update: the dip's area, ∫ (steady rate − rate) dt over [update sent, + period) (net: a catch-up
+  counts against the shortfall; the issue's "token-seconds"); the noise floor beside it is the same integral between
+  the steady window's two halves, scaled to a period;
+* pause-to-serving: the admin call's duration as the client saw it (pause, load, resume of every replica);
+* preempted (the replicas' preemptions, `vllm:num_preemptions`), the KV tokens they recomputed, requests aborted,
+  and the gateway's resumes (`rollout_gateway_resumes_total`), per update;
+* prefix-cache hit ratio (hit ÷ queried prompt tokens): over the steady window, and over the update windows (each
+  session's first turn after an update misses its prefix, salted or flushed alike);
+* replicas drained for a cache flush (the update reports' `flush_pending`), and the staleness budget's sessions held
+  or refused and turns cut (`rollout_gateway_budget_*`; the budget is off until a trainer publishes its batch size,
+  which no trainer here does, so these count what the gateway did on its own).
+
+The key ratio, per dialect and mode: tokens lost per update with the flush ÷ with the salt. `abort` and `wait`
+updates flush under both policies (nothing holds KV then), so their two rows differ by the run's noise alone: a
+control. The target (issue 50): `keep` with the salt loses at least 5× fewer, and no replica is drained for a cache.
+Said, never asserted: the figures depend on the prefill/decode cost ratio, the turn and prompt lengths given. Errors
+(any failed turn or update) make the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import math
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from benchmarks._harness import (
+    ADMIN_HEADERS,
+    BenchmarkError,
+    GatewayProcess,
+    machine_line,
+    print_table,
+    run_benchmark,
+    sim_replicas,
+)
+from benchmarks.compare import GATEWAY_SETTINGS, _stdin, _stdout, cpu_split, loadgen_process, workloads
+from benchmarks.update_timeline import Timeline, sampled
+from gateway.config import DEFAULT_TOKENIZER
+
+MODES = ("abort", "keep", "wait")
+DIALECTS = ("vllm", "sglang")
+CACHES = ("salt", "flush")
+KV_AFTER_UPDATE = {"salt": "keep", "flush": "recompute"}  # `weights.kv_after_update` of each cache policy
+TARGET_RATIO = 5.0
+DISTURBED = 0.1  # a steady window whose halves differ by more than this share of a period's tokens
+TROUGH_WIDTH_S = 0.5
+MAX_MODEL_LEN = 65536  # conversations grow for the whole run
+GAUGES = {
+    "resumes": "rollout_gateway_resumes_total",
+    "held": 'rollout_gateway_budget_sessions_total{outcome="held"}',
+    "refused": 'rollout_gateway_budget_sessions_total{outcome="refused"}',
+    "cut": "rollout_gateway_budget_stale_cuts_total",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    streams: int = 64
+    replicas: int = 2
+    dialects: tuple[str, ...] = DIALECTS
+    modes: tuple[str, ...] = MODES
+    caches: tuple[str, ...] = CACHES
+    token_delay_s: float = 0.03
+    prefill_delay_s: float = 5e-5
+    min_tokens: int = 32
+    max_tokens: int = 128
+    prompt_words: int = 256
+    warmup_s: float = 2.0
+    steady_s: float = 4.0
+    period_s: float = 4.0
+    updates: int = 3
+    dip_s: float = 1.0
+    interval_s: float = 0.2
+    load_delay_s: float = 0.0
+    pin: bool = True
+    timeout_s: float = 180.0
+
+    @property
+    def load_s(self) -> float:
+        """How long the load generator starts new turns: the windows, and a margin for updates that run late."""
+        return self.warmup_s + self.steady_s + self.updates * self.period_s + 1.0
+
+
+@dataclass
+class Cell:
+    """One (dialect, cache policy, pause mode) run."""
+
+    dialect: str
+    cache: str
+    mode: str
+    period_s: float = 0.0
+    steady_rate: float = math.nan
+    dip_rate: float = math.nan
+    trough_rate: float = math.nan
+    lost: list[float] = field(default_factory=list)  # per update
+    noise: float = math.nan
+    admin_s: list[float] = field(default_factory=list)
+    counts: dict[str, float] = field(default_factory=dict)  # replicas' counters over the update windows
+    gateway: dict[str, float] = field(default_factory=dict)  # GAUGES' growth over the run
+    hit_before: float = math.nan
+    hit_after: float = math.nan
+    drained: int = 0
+    turns: int = 0
+    errors: list[str] = field(default_factory=list)
+    error_count: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.dialect} {self.mode} {self.cache}"
+
+    def per_update(self, name: str) -> float:
+        return self.counts.get(name, 0.0) / max(1, len(self.lost))
+
+    @property
+    def mean_lost(self) -> float:
+        return statistics.fmean(self.lost) if self.lost else math.nan
+
+    @property
+    def disturbed(self) -> bool:
+        """The steady window was not steady (on a shared machine, another process took the CPUs for a while): its
+        halves differ by more than `DISTURBED` of a period's tokens, so the steady rate, and every loss measured
+        against it, is off."""
+        period_tokens = self.steady_rate * (self.period_s or 1.0)
+        return not abs(self.noise) <= DISTURBED * period_tokens
+
+
+# -- the stack --------------------------------------------------------------------------------------------------
+
+
+def sim_args(options: Options, dialect: str) -> list[str]:
+    args = ["--dialect", dialect, "--token-delay", str(options.token_delay_s)]
+    args += ["--prefill-delay", str(options.prefill_delay_s), "--eos-prob", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
+    args += ["--max-model-len", str(MAX_MODEL_LEN)]
+    return [*args, "--enable-scale-out"] if dialect == "vllm" else args
+
+
+def replica_entry(url: str, dialect: str) -> dict[str, Any]:
+    """vLLM with scale-out (its `keep` is real there), SGLang paused in place."""
+    entry: dict[str, Any] = {"url": url, "backend": "sim", "dialect": dialect}
+    return entry | ({"scale_out": True} if dialect == "vllm" else {"keep_mode": "in_place"})
+
+
+def gateway_settings(cache: str) -> dict[str, Any]:
+    return {**GATEWAY_SETTINGS, "weights": {"cache_salt": True, "kv_after_update": KV_AFTER_UPDATE[cache]}}
+
+
+@dataclass
+class Stack:
+    """The replicas and the gateway of one (dialect, cache policy); the versions it has published."""
+
+    dialect: str
+    cache: str
+    gateway: GatewayProcess
+    urls: list[str]
+    loadgen_cpus: set[int] | None
+    versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+
+@contextlib.asynccontextmanager
+async def stack_up(options: Options, dialect: str, cache: str) -> AsyncIterator[Stack]:
+    shared, proxy = cpu_split(options.pin)
+    args = [sim_args(options, dialect)] * options.replicas
+    with sim_replicas(args, [shared] * options.replicas) as sims:
+        if options.load_delay_s > 0:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                for sim in sims:
+                    answer = await client.post(f"{sim.url}/sim/faults", json={"load_delay": options.load_delay_s})
+                    answer.raise_for_status()
+        entries = [replica_entry(sim.url, dialect) for sim in sims]
+        with GatewayProcess(entries, gateway_settings(cache), cpus=proxy) as gateway:
+            yield Stack(dialect, cache, gateway, [sim.url for sim in sims], shared)
+
+
+# -- one timed run ----------------------------------------------------------------------------------------------
+
+
+def load_spec(options: Options, url: str, tag: int) -> dict[str, Any]:
+    """The `rl` workload (`benchmarks.compare`) made multi-turn: every stream a session that runs turn after turn
+    (each prompt the conversation so far) until the load generator's time is up."""
+    rl = next(w for w in workloads(False, options.streams, None, options.token_delay_s) if w.name == "rl")
+    steady = replace(
+        rl,
+        turns=0,
+        requests=10**9,
+        min_tokens=options.min_tokens,
+        max_tokens=options.max_tokens,
+        duration_s=options.load_s,
+        grow=True,
+        echo=True,
+        prompt_words=options.prompt_words,
+    )
+    return steady.spec([url], tag, options.timeout_s, "completions")
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Prometheus text → {`name` or `name{label="value"}`: value}."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+async def gateway_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    answer = await client.get(f"{url}/metrics")
+    answer.raise_for_status()
+    values = scrape(answer.text)
+    return {name: values.get(metric, 0.0) for name, metric in GAUGES.items()}
+
+
+async def publish(client: httpx.AsyncClient, stack: Stack, mode: str, cell: Cell) -> None:
+    """One weight update; its duration, and any replica it left drained for a flush, go into `cell`."""
+    version = next(stack.versions)
+    body = {"version": version, "path": f"bench-ckpt-{version}", "mode": mode}
+    sent = time.monotonic()
+    answer = await client.post(f"{stack.gateway.url}/admin/weights", json=body, headers=ADMIN_HEADERS)
+    cell.admin_s.append(time.monotonic() - sent)
+    report = answer.json() if answer.headers.get("content-type") == "application/json" else {}
+    if answer.status_code != 200 or report.get("stale") or not report.get("updated"):
+        cell.errors.append(f"update {version} ({mode}): HTTP {answer.status_code}: {report or answer.text[:200]}")
+        cell.error_count += 1
+    cell.drained += len(report.get("flush_pending") or [])
+
+
+async def run_cell(options: Options, stack: Stack, mode: str, tag: int) -> Cell:
+    cell = Cell(stack.dialect, stack.cache, mode, options.period_s)
+    spec = load_spec(options, stack.gateway.url, tag)
+    async with httpx.AsyncClient(timeout=options.timeout_s) as admin, loadgen_process(stack.loadgen_cpus) as process:
+        _stdin(process).write(orjson.dumps(spec) + b"\n")
+        await _stdin(process).drain()
+        warm = orjson.loads(await asyncio.wait_for(_stdout(process).readline(), options.timeout_s))
+        cell.error_count += warm.get("errors", 0)
+        cell.errors += ["warm-up: " + message for message in warm.get("error_samples", [])]
+        gateway0 = await gateway_counts(admin, stack.gateway.url)
+        async with sampled(stack.urls, options.interval_s) as timeline:
+            _stdin(process).write(b"go\n")
+            await _stdin(process).drain()
+            started = time.monotonic()
+            steady = (started + options.warmup_s, started + options.warmup_s + options.steady_s)
+            sent: list[float] = []
+            for index in range(options.updates):
+                await asyncio.sleep(max(0.0, steady[1] + index * options.period_s - time.monotonic()))
+                sent.append(time.monotonic())
+                await publish(admin, stack, mode, cell)
+            await asyncio.sleep(max(0.0, sent[-1] + options.period_s - time.monotonic()))
+            if time.monotonic() > started + options.load_s:
+                cell.errors.append("an update ran so late that its window outlasted the load (raise --period)")
+            line = await asyncio.wait_for(_stdout(process).readline(), options.timeout_s + 30)
+        await asyncio.wait_for(process.wait(), 30)
+        gateway1 = await gateway_counts(admin, stack.gateway.url)
+    if not line:
+        raise BenchmarkError(f"{cell.label}: the load generator stopped without a result")
+    result = orjson.loads(line)
+    cell.turns = result["ok"]
+    cell.error_count += result["errors"]
+    cell.errors += result["error_samples"]
+    cell.gateway = {name: gateway1[name] - gateway0[name] for name in GAUGES}
+    measure(cell, timeline, steady, sent, options)
+    return cell
+
+
+def measure(
+    cell: Cell, timeline: Timeline, steady: tuple[float, float], sent: Sequence[float], options: Options
+) -> None:
+    """The cell's figures from the timeline: the steady window, and one window of a period per update."""
+    start, end = steady
+    cell.steady_rate = timeline.rate("generation_tokens", start, end)
+    middle = (start + end) / 2
+    first_half = timeline.rate("generation_tokens", start, middle)
+    cell.noise = timeline.tokens_lost(first_half, middle, end) * options.period_s / (end - middle)
+    windows = [(at, at + options.period_s) for at in sent]
+    dips = [(at, at + options.dip_s) for at in sent]
+    cell.lost = [timeline.tokens_lost(cell.steady_rate, a, b) for a, b in windows]
+    cell.dip_rate = statistics.fmean(timeline.rate("generation_tokens", a, b) for a, b in dips)
+    cell.trough_rate = min(timeline.lowest_rate(a, b, TROUGH_WIDTH_S) for a, b in windows)
+    cell.hit_before = timeline.hit_ratio([steady])
+    cell.hit_after = timeline.hit_ratio(windows)
+    for name in ("retractions", "recomputed_tokens", "aborted"):
+        cell.counts[name] = sum(timeline.delta(name, a, b) for a, b in windows)
+
+
+async def wait_idle(urls: Sequence[str], timeout_s: float) -> None:
+    """Until no replica decodes anything (the previous run's last turns are done): polled, there is no event."""
+    async with httpx.AsyncClient(timeout=30.0) as client, asyncio.timeout(timeout_s):
+        while True:
+            states = [(await client.get(f"{url}/sim/state")).json() for url in urls]
+            if all(state["running"] == 0 and state["waiting"] == 0 for state in states):
+                return
+            await asyncio.sleep(0.1)
+
+
+async def run_all(options: Options, console: Console) -> list[Cell]:
+    cells: list[Cell] = []
+    tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up sessions
+    for dialect, cache in itertools.product(options.dialects, options.caches):
+        async with stack_up(options, dialect, cache) as stack:
+            for mode in options.modes:
+                began = time.monotonic()
+                await wait_idle(stack.urls, options.timeout_s)
+                cell = await run_cell(options, stack, mode, next(tags))
+                cells.append(cell)
+                console.print(
+                    f"  {cell.label:<20} {cell.turns:>5,} turns {cell.error_count:>3} errors  "
+                    f"lost/update {cell.mean_lost:>8,.0f} tokens  {time.monotonic() - began:5.1f} s"
+                )
+    return cells
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def number(value: float, spec: str = ",.0f") -> str:
+    return "—" if value != value else format(value, spec)  # NaN: nothing measured
+
+
+def percent(value: float) -> str:
+    return "—" if value != value else f"{value * 100:.0f}%"
+
+
+def cell_row(cell: Cell, salt: Cell | None) -> list[str]:
+    updates = max(1, len(cell.lost))
+    budget = "/".join(f"{cell.gateway.get(name, 0.0):.0f}" for name in ("held", "refused", "cut"))
+    return [
+        f"{cell.label} (!)" if cell.disturbed else cell.label,
+        number(cell.steady_rate),
+        number(cell.dip_rate),
+        number(cell.trough_rate),
+        number(cell.mean_lost),
+        number(cell.noise),
+        ratio_text(cell, salt) if salt is not None else "—",
+        number(statistics.fmean(cell.admin_s) * 1000 if cell.admin_s else math.nan, ",.0f"),
+        number(cell.per_update("retractions"), ",.1f"),
+        number(cell.per_update("recomputed_tokens")),
+        number(cell.per_update("aborted"), ",.1f"),
+        number(cell.gateway.get("resumes", 0.0) / updates, ",.1f"),
+        f"{percent(cell.hit_before)}→{percent(cell.hit_after)}",
+        str(cell.drained),
+        budget,
+        f"{cell.turns:,}",
+        str(cell.error_count),
+    ]
+
+
+COLUMNS = [
+    "dialect mode cache",
+    "steady",
+    "after",
+    "trough",
+    "lost",
+    "noise",
+    "÷ salt",
+    "admin ms",
+    "preempt",
+    "recomp",
+    "abort",
+    "resume",
+    "hit",
+    "drain",
+    "h/r/c",
+    "turns",
+    "err",
+]
+
+
+def ratio_text(flush: Cell, salt: Cell) -> str:
+    """flush's loss ÷ salt's; a bound where salt's loss is within the noise floor of its steady window."""
+    floor = max(abs(salt.noise), 1.0) if salt.noise == salt.noise else 1.0
+    if salt.mean_lost <= floor:
+        return f"≥{flush.mean_lost / floor:,.1f}× (noise)"
+    return f"{flush.mean_lost / salt.mean_lost:,.1f}×"
+
+
+def salt_of(cell: Cell, cells: Sequence[Cell]) -> Cell | None:
+    """The cell with the salt of the same dialect and mode (the ratio's denominator)."""
+    return next((c for c in cells if (c.dialect, c.mode, c.cache) == (cell.dialect, cell.mode, "salt")), None)
+
+
+def verdicts(cells: Sequence[Cell]) -> list[str]:
+    """One line per dialect with both `keep` cells: the key ratio against the target."""
+    lines = []
+    for flush in (c for c in cells if c.mode == "keep" and c.cache == "flush"):
+        salt = salt_of(flush, cells)
+        if salt is None:
+            continue
+        floor = max(abs(salt.noise), 1.0) if salt.noise == salt.noise else 1.0
+        met = flush.mean_lost >= TARGET_RATIO * max(salt.mean_lost, floor) and salt.drained == 0
+        verdict = "met" if met else "NOT met"
+        if flush.disturbed or salt.disturbed:
+            verdict = "inconclusive: a steady window was disturbed (!), rerun"
+        lines.append(
+            f"{flush.dialect} keep: tokens lost per update, flush ÷ salt = {ratio_text(flush, salt)} "
+            f"({number(flush.mean_lost)} vs {number(salt.mean_lost)}); replicas drained for a cache with the salt: "
+            f"{salt.drained} → target (≥ {TARGET_RATIO:g}×, none drained) {verdict}"
+        )
+    return lines
+
+
+def report(console: Console, options: Options, cells: Sequence[Cell]) -> None:
+    title = (
+        f"Weight updates under a steady RL load: {options.streams} streams, {options.replicas} sim replicas per stack, "
+        f"{options.min_tokens}-{options.max_tokens} tokens a turn, decode step {options.token_delay_s * 1000:g} ms, "
+        f"prefill {options.prefill_delay_s * 1e6:g} µs per uncached prompt token, {options.updates} updates "
+        f"{options.period_s:g} s apart after {options.steady_s:g} s steady; {machine_line()}"
+    )
+    note = (
+        f"tokens/s decoded by the fleet (the replicas' counters): 'steady', 'after' (the first {options.dip_s:g} s "
+        f"after each update), 'trough' (the lowest {TROUGH_WIDTH_S:g}-s mean after one). 'lost': tokens lost per "
+        f"update, ∫ (steady − rate) dt over {options.period_s:g} s from each update; 'noise': the same between the "
+        "steady window's halves ((!): they differ by over a tenth of a period's tokens, the window was disturbed); "
+        "'÷ salt': lost ÷ lost of the salt cell of the same dialect and mode. 'admin ms': "
+        "the update call (pause, load, resume). Per update: 'preempt' requests preempted, 'recomp' the KV tokens "
+        "they recomputed, 'abort' requests aborted, 'resume' the gateway's resumes. 'hit': prefix-cache hit ÷ "
+        "queried prompt tokens, steady → over the update windows. 'drain': replicas taken out of rotation for a flush "
+        "(flush_pending). 'h/r/c': staleness budget sessions held / refused, turns cut (off: no trainer publishes "
+        "a batch size here)."
+    )
+    rows = [cell_row(cell, salt_of(cell, cells)) for cell in cells]
+    print_table(console, title, COLUMNS, rows, note)
+    for line in verdicts(cells):
+        console.print(line)
+    for cell in cells:
+        for message in cell.errors[:3]:
+            console.print(f"[red]{cell.label}: {message}[/]")
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.updates", description=__doc__.splitlines()[0])
+    d = Options()
+    p.add_argument("--streams", type=int, default=d.streams, help=f"concurrent sessions ({d.streams}; the issue: 256)")
+    p.add_argument("--replicas", type=int, default=d.replicas, help=f"simulator replicas per stack ({d.replicas})")
+    p.add_argument("--dialects", nargs="+", choices=DIALECTS, default=list(d.dialects))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(d.modes))
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(d.caches))
+    p.add_argument("--token-delay", type=float, default=d.token_delay_s, help="seconds per decode step (0.03)")
+    p.add_argument(
+        "--prefill-delay", type=float, default=d.prefill_delay_s, help="seconds per uncached prompt token (5e-05)"
+    )
+    p.add_argument("--tokens", type=int, nargs=2, default=[d.min_tokens, d.max_tokens], metavar=("MIN", "MAX"))
+    p.add_argument("--prompt-words", type=int, default=d.prompt_words, help="first turn's prompt, words (256)")
+    p.add_argument("--warmup", type=float, default=d.warmup_s, help="ramp before the steady window, s")
+    p.add_argument("--steady", type=float, default=d.steady_s, help="the steady window (no update), s")
+    p.add_argument("--period", type=float, default=d.period_s, help="seconds between updates (each one's window)")
+    p.add_argument("--updates", type=int, default=d.updates, help="updates per run")
+    p.add_argument("--dip", type=float, default=d.dip_s, help="the window after an update for 'after' figures, s")
+    p.add_argument("--interval", type=float, default=d.interval_s, help="sampling interval of the counters, s")
+    p.add_argument("--load-delay", type=float, default=d.load_delay_s, help="a weight load's duration, s (0)")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound of each run's load generator, s")
+    p.add_argument("--no-pin", action="store_true", help="do not pin the gateway and the rest to separate cores")
+    return p
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    low, high = args.tokens
+    if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high:
+        raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX)")
+    if min(args.steady, args.period, args.dip, args.interval) <= 0 or args.dip > args.period:
+        raise SystemExit("--steady, --period, --dip and --interval must be > 0, and --dip ≤ --period")
+    return Options(
+        streams=args.streams,
+        replicas=args.replicas,
+        dialects=tuple(dict.fromkeys(args.dialects)),
+        modes=tuple(dict.fromkeys(args.modes)),
+        caches=tuple(dict.fromkeys(args.caches)),
+        token_delay_s=args.token_delay,
+        prefill_delay_s=args.prefill_delay,
+        min_tokens=low,
+        max_tokens=high,
+        prompt_words=args.prompt_words,
+        warmup_s=args.warmup,
+        steady_s=args.steady,
+        period_s=args.period,
+        updates=args.updates,
+        dip_s=args.dip,
+        interval_s=args.interval,
+        load_delay_s=args.load_delay,
+        pin=not args.no_pin,
+        timeout_s=args.timeout,
+    )
+
+
+async def main_async(options: Options, console: Console) -> bool:
+    cells = await run_all(options, console)
+    report(console, options, cells)
+    return all(cell.error_count == 0 and not cell.errors for cell in cells)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = options_from(build_parser().parse_args(argv))
+    runs = len(options.dialects) * len(options.modes) * len(options.caches)
+    return run_benchmark(main_async, options, (options.timeout_s + 60) * runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
