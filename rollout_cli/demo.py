@@ -92,7 +92,11 @@ async def _start(options: DemoOptions, stack: contextlib.AsyncExitStack) -> Runn
     replicas = [
         ReplicaConfig(url=s.url, backend="sim", dialect=d) for s, d in zip(sims, _dialects(options), strict=True)
     ]
-    settings = Settings(server={"port": 0, "admin_token": ADMIN_TOKEN}, replicas=replicas)
+    # No staleness budget: this trainer publishes a version on a clock (every `update_every_s`), not one per batch
+    # as the budget assumes, so it would hold the agents at each update, and no rollout would span one.
+    settings = Settings(
+        server={"port": 0, "admin_token": ADMIN_TOKEN}, replicas=replicas, weights={"max_staleness": None}
+    )
     return await stack.enter_async_context(serve_gateway(settings))
 
 
