@@ -38,7 +38,8 @@ METRICS: dict[EngineKind, dict[str, tuple[str, ...]]] = {
         # recomputed_tokens: vLLM counts no recomputed KV (NaN)
     },
     "sglang": {
-        "generation_tokens": ("sglang:generation_tokens_total",),
+        # counted at every decode step (`sglang:generation_tokens_total` only as requests finish)
+        "generation_tokens": ('sglang:realtime_tokens_total{mode="decode"}',),
         "prefix_cache_hits": ("sglang:cached_tokens_total",),
         "prefix_cache_queries": ("sglang:prompt_tokens_total",),
         "retractions": ("sglang:num_retracted_requests_total",),
@@ -57,15 +58,15 @@ FLUSH_TIMEOUT_S = 30.0
 def metric_sums(text: str, wanted: tuple[str, ...]) -> dict[str, float]:
     """The sum of the samples of each wanted metric in Prometheus text. An absent one is 0: SGLang's labelled
     counters appear only once they have counted."""
-    specs = {metric: metric.partition("{") for metric in wanted}
+    specs = {metric: metric.removesuffix("}").partition("{") for metric in wanted}
     sums = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
+        name, _, labels = head.removesuffix("}").partition("{")
         for metric, (wanted_name, _, wanted_label) in specs.items():
-            if name == wanted_name and wanted_label.rstrip("}") in labels:
+            if name == wanted_name and (not wanted_label or wanted_label in labels.split(",")):
                 sums[metric] += float(value)
     return sums
 

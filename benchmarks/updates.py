@@ -102,6 +102,7 @@ class Options:
     min_tokens: int = 32
     max_tokens: int = 128
     prompt_words: int = 256
+    episode_turns: int = 0  # > 0: a stream's session ends after this many turns, a new one follows
     warmup_s: float = 2.0
     steady_s: float = 4.0
     period_s: float = 4.0
@@ -185,7 +186,8 @@ async def stack_up(options: Options, dialect: str, cache: str, engine: Engine | 
 
 def load_spec(options: Options, url: str, tag: int) -> dict[str, Any]:
     """The `rl` workload (`benchmarks.compare`) made multi-turn: every stream a session that runs turn after turn
-    (each prompt the conversation so far) until the load generator's time is up."""
+    (each prompt the conversation so far) until the load generator's time is up (with `episode_turns`, a new
+    session every so many turns)."""
     rl = next(w for w in workloads(False, options.streams, None, options.token_delay_s) if w.name == "rl")
     steady = replace(
         rl,
@@ -198,7 +200,7 @@ def load_spec(options: Options, url: str, tag: int) -> dict[str, Any]:
         echo=True,
         prompt_words=options.prompt_words,
     )
-    return steady.spec([url], tag, options.timeout_s, "completions")
+    return steady.spec([url], tag, options.timeout_s, "completions") | {"episode_turns": options.episode_turns}
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -344,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=int, nargs=2, default=[d.min_tokens, d.max_tokens], metavar=("MIN", "MAX"))
     p.add_argument("--prompt-words", type=int, default=d.prompt_words, help="first turn's prompt, words (256)")
+    p.add_argument("--episode-turns", type=int, default=d.episode_turns, help="turns a session (0: the whole run)")
     p.add_argument("--warmup", type=float, default=d.warmup_s, help="ramp before the steady window, s")
     p.add_argument("--steady", type=float, default=d.steady_s, help="the steady window (no update), s")
     p.add_argument("--period", type=float, default=d.period_s, help="seconds between updates (each one's window)")
@@ -367,6 +370,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "streams": 6,
     "tokens": [32, 64],
     "prompt_words": 64,
+    "episode_turns": 8,  # the conversations stay within the tiny models' 4,096-token context
     "warmup": 4.0,
     "steady": 8.0,
     "period": 8.0,
@@ -391,8 +395,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def options_from(args: argparse.Namespace) -> Options:
     low, high = args.tokens
-    if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high:
-        raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX)")
+    if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high or args.episode_turns < 0:
+        raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX), --episode-turns ≥ 0")
     if min(args.steady, args.period, args.dip, args.interval) <= 0 or args.dip > args.period:
         raise SystemExit("--steady, --period, --dip and --interval must be > 0, and --dip ≤ --period")
     return Options(
@@ -406,6 +410,7 @@ def options_from(args: argparse.Namespace) -> Options:
         min_tokens=low,
         max_tokens=high,
         prompt_words=args.prompt_words,
+        episode_turns=args.episode_turns,
         warmup_s=args.warmup,
         steady_s=args.steady,
         period_s=args.period,

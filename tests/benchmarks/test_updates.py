@@ -99,7 +99,16 @@ def test_engine_metrics_are_summed_over_label_sets_and_absent_ones_read_zero() -
             'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 3.0',
             'vllm:num_preemptions_total{engine="0",model_name="tiny"} 5.0',
             'vllm:num_preemptions_total{engine="1",model_name="tiny"} 2.0',
+            'sglang:realtime_tokens_total{model_name="tiny",mode="decode"} 11.0',
+            'sglang:realtime_tokens_total{model_name="tiny",mode="prefill_compute"} 80.0',
+            'sglang:other_total{forward_mode="decode"} 1.0',
         ]
     )
-    wanted = ('vllm:request_success_total{finished_reason="abort"}', "vllm:num_preemptions_total", "vllm:absent_total")
-    assert metric_sums(text, wanted) == dict(zip(wanted, [3.0, 7.0, 0.0], strict=True))
+    wanted = (
+        'vllm:request_success_total{finished_reason="abort"}',
+        "vllm:num_preemptions_total",
+        "vllm:absent_total",
+        'sglang:realtime_tokens_total{mode="decode"}',
+        'sglang:other_total{mode="decode"}',
+    )
+    assert metric_sums(text, wanted) == dict(zip(wanted, [3.0, 7.0, 0.0, 11.0, 0.0], strict=True))
