@@ -101,6 +101,8 @@ class Spec:
     one_turn: bool = False  # name no session: every request is a one-turn session of its own in this gateway
     echo: bool = False  # `completions` with `grow`: each prompt also carries the previous reply (agent-shaped)
     chained: bool = False  # `responses`: a turn sends only its new message and the previous response's id
+    episode_turns: int = 0  # > 0 (with `turns == 0`): an agent's session ends after this many turns and a new one
+    # (another session number, a new conversation) goes on: an RL rollout's episodes, a context that stays bounded
 
     def __post_init__(self) -> None:
         if self.api not in ("completions", "generate", *AGENT_APIS):
@@ -324,15 +326,18 @@ class LoadGen:
     async def agent(
         self, tag: int, number: int, turns: int, remaining: list[int], result: Result, until: float
     ) -> None:
-        """One session: its turns one after the other; with `grow`, each turn's conversation is the previous one,
-        its reply (agent protocols, `echo`) and `append_words` more words from the user."""
+        """One session (with `episode_turns`, one after another): its turns one after the other; with `grow`, each
+        turn's conversation is the previous one, its reply (agent protocols, `echo`) and `append_words` more words
+        from the user."""
         spec = self.spec
         session = session_name(tag, number)
         conn = Connection(self.url_of(session))
         offset = (number * 7919) % 2048
-        conversation: Conversation = [
-            ("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))
-        ]
+
+        def opening(session: str) -> Conversation:
+            return [("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))]
+
+        conversation = opening(session)
         with_replies = spec.api in AGENT_APIS or spec.echo
         previous: str | None = None  # the response a chained turn follows
         try:
@@ -340,6 +345,9 @@ class LoadGen:
             while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
                 if not turns:
                     remaining[0] -= 1
+                    if spec.episode_turns and turn and turn % spec.episode_turns == 0:  # the next episode
+                        session = session_name(tag, number + turn // spec.episode_turns * spec.sessions)
+                        conversation, previous = opening(session), None
                 reply = await self.one(conn, session, conversation, self.budget(), result, previous)
                 turn += 1
                 if reply is None and with_replies:

@@ -1,9 +1,11 @@
-"""The fleet's counters over time, for `benchmarks.updates`: the simulator replicas' `/sim/state` counters summed over
-the fleet and sampled every few hundred milliseconds, and the arithmetic of a dip (tokens in a window, the area a
-weight update cost).
+"""The fleet's counters over time, for `benchmarks.updates`: summed over the fleet and sampled every few hundred
+milliseconds from a `CounterSource` (the simulator replicas' `/sim/state` here, `SimCounters`; a real engine's
+`/metrics` in `benchmarks.update_engine`), and the arithmetic of a dip (tokens in a window, the area a weight update
+cost).
 
 Every value is a cumulative counter, so a window's amount is the difference of the counter, linearly interpolated,
-at its two ends: sampling jitter moves a window's edges by a fraction of the interval, never drops tokens.
+at its two ends: sampling jitter moves a window's edges by a fraction of the interval, never drops tokens. A counter
+a source cannot read is NaN throughout, and so is every figure made from it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 
@@ -34,7 +38,7 @@ class Timeline:
     def add(self, at: float, counters: dict[str, float]) -> None:
         self.times.append(at)
         for name, series in self.values.items():
-            series.append(counters.get(name, 0.0))
+            series.append(counters.get(name, math.nan))
 
     def at(self, name: str, when: float) -> float:
         """The counter at `when`, linearly interpolated between samples (clamped to the first and last)."""
@@ -85,30 +89,56 @@ class Timeline:
         return min((self.rate("generation_tokens", t, t + width) for t in starts), default=float("nan"))
 
 
-async def fleet_counters(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float]:
-    """The counters summed over the replicas (one `GET /sim/state` each, concurrently)."""
-    async with asyncio.TaskGroup() as group:
-        answers = [group.create_task(client.get(f"{url}/sim/state")) for url in urls]
-    total = dict.fromkeys(ALL_COUNTERS, 0.0)
-    for answer in answers:
-        response = answer.result()
-        response.raise_for_status()
-        counters = response.json()["counters"]
-        for name in ALL_COUNTERS:
-            total[name] += float(counters.get(name, 0))
-    return total
+class CounterSource(Protocol):
+    """Where the fleet's counters come from."""
+
+    async def counters(self, client: httpx.AsyncClient) -> dict[str, float]:
+        """`ALL_COUNTERS` summed over the fleet (NaN for one the source cannot read)."""
+        ...
+
+    async def busy(self, client: httpx.AsyncClient) -> bool:
+        """Whether any replica runs or queues a request."""
+        ...
+
+
+@dataclass(frozen=True)
+class SimCounters:
+    """The simulator replicas' `/sim/state`: every counter of `ALL_COUNTERS`, and their running and waiting
+    requests."""
+
+    urls: tuple[str, ...]
+
+    async def _states(self, client: httpx.AsyncClient) -> list[dict[str, Any]]:
+        async with asyncio.TaskGroup() as group:
+            answers = [group.create_task(client.get(f"{url}/sim/state")) for url in self.urls]
+        states = []
+        for answer in answers:
+            response = answer.result()
+            response.raise_for_status()
+            states.append(response.json())
+        return states
+
+    async def counters(self, client: httpx.AsyncClient) -> dict[str, float]:
+        total = dict.fromkeys(ALL_COUNTERS, 0.0)
+        for state in await self._states(client):
+            for name in ALL_COUNTERS:
+                total[name] += float(state["counters"].get(name, 0))
+        return total
+
+    async def busy(self, client: httpx.AsyncClient) -> bool:
+        return any(state["running"] or state["waiting"] for state in await self._states(client))
 
 
 @contextlib.asynccontextmanager
-async def sampled(urls: Sequence[str], interval_s: float) -> AsyncIterator[Timeline]:
-    """Sample the fleet's counters every `interval_s` into a `Timeline` while the block runs (and once more at its
-    end). Each sample is stamped with the middle of its requests' round trip."""
+async def sampled(source: CounterSource, interval_s: float) -> AsyncIterator[Timeline]:
+    """Sample the fleet's counters (`source`) every `interval_s` into a `Timeline` while the block runs (and once more
+    at its end). Each sample is stamped with the middle of its requests' round trip."""
     timeline = Timeline()
     stop = asyncio.Event()
 
     async def sample(client: httpx.AsyncClient) -> None:
         sent = time.monotonic()
-        counters = await fleet_counters(client, urls)
+        counters = await source.counters(client)
         timeline.add((sent + time.monotonic()) / 2, counters)
 
     async def loop(client: httpx.AsyncClient) -> None:

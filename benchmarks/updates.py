@@ -4,6 +4,7 @@ mode × engine dialect × prefix-cache policy, side by side in one run.
     python -m benchmarks.updates                         # 64 streams, 2 dialects × 3 modes × salt/flush (~6 min)
     python -m benchmarks.updates --streams 256           # the issue's size (a bigger machine)
     python -m benchmarks.updates --dialects vllm --modes keep --updates 4
+    python -m benchmarks.updates --engine vllm           # one vLLM-CPU server, keep × salt/flush, small (~4 min)
 
 What runs (all on 127.0.0.1, every part a child process, as in `benchmarks.compare`):
 
@@ -43,6 +44,10 @@ updates flush under both policies (nothing holds KV then), so their two rows dif
 control. The target (issue 50): `keep` with the salt loses at least 5× fewer, and no replica is drained for a cache.
 Said, never asserted: the figures depend on the prefill/decode cost ratio, the turn and prompt lengths given. Errors
 (any failed turn or update) make the exit status 1.
+
+`--engine vllm|sglang` runs the same cells on one real engine server instead (`benchmarks.update_engine`: the CPU
+recipe of `backends.launcher` and its tiny models, the same replica entries, counters from its `/metrics`; the
+updates load the second checkpoint and the first in turn), by default only `keep` at a small size: `ENGINE_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -51,12 +56,12 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import math
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,26 +69,18 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from benchmarks._harness import (
-    ADMIN_HEADERS,
-    BenchmarkError,
-    GatewayProcess,
-    machine_line,
-    print_table,
-    run_benchmark,
-    sim_replicas,
-)
+from backends.launcher import ENGINE_KINDS, STARTUP_TIMEOUT_S, EngineKind
+from benchmarks._harness import ADMIN_HEADERS, BenchmarkError, GatewayProcess, run_benchmark, sim_replicas
 from benchmarks.compare import GATEWAY_SETTINGS, _stdin, _stdout, cpu_split, loadgen_process, workloads
-from benchmarks.update_timeline import Timeline, sampled
+from benchmarks.update_engine import Engine, engine_running, restore
+from benchmarks.update_report import TROUGH_WIDTH_S, Cell, report
+from benchmarks.update_timeline import CounterSource, SimCounters, Timeline, sampled
 from gateway.config import DEFAULT_TOKENIZER
 
 MODES = ("abort", "keep", "wait")
 DIALECTS = ("vllm", "sglang")
 CACHES = ("salt", "flush")
 KV_AFTER_UPDATE = {"salt": "keep", "flush": "recompute"}  # `weights.kv_after_update` of each cache policy
-TARGET_RATIO = 5.0
-DISTURBED = 0.1  # a steady window whose halves differ by more than this share of a period's tokens
-TROUGH_WIDTH_S = 0.5
 MAX_MODEL_LEN = 65536  # conversations grow for the whole run
 GAUGES = {
     "resumes": "rollout_gateway_resumes_total",
@@ -105,6 +102,7 @@ class Options:
     min_tokens: int = 32
     max_tokens: int = 128
     prompt_words: int = 256
+    episode_turns: int = 0  # > 0: a stream's session ends after this many turns, a new one follows
     warmup_s: float = 2.0
     steady_s: float = 4.0
     period_s: float = 4.0
@@ -114,54 +112,14 @@ class Options:
     load_delay_s: float = 0.0
     pin: bool = True
     timeout_s: float = 180.0
+    engine: EngineKind | None = None  # one real engine server instead of the simulator replicas
+    engine_python: Path | None = None
+    engine_model: str = "dense"
 
     @property
     def load_s(self) -> float:
         """How long the load generator starts new turns: the windows, and a margin for updates that run late."""
         return self.warmup_s + self.steady_s + self.updates * self.period_s + 1.0
-
-
-@dataclass
-class Cell:
-    """One (dialect, cache policy, pause mode) run."""
-
-    dialect: str
-    cache: str
-    mode: str
-    period_s: float = 0.0
-    steady_rate: float = math.nan
-    dip_rate: float = math.nan
-    trough_rate: float = math.nan
-    lost: list[float] = field(default_factory=list)  # per update
-    noise: float = math.nan
-    admin_s: list[float] = field(default_factory=list)
-    counts: dict[str, float] = field(default_factory=dict)  # replicas' counters over the update windows
-    gateway: dict[str, float] = field(default_factory=dict)  # GAUGES' growth over the run
-    hit_before: float = math.nan
-    hit_after: float = math.nan
-    drained: int = 0
-    turns: int = 0
-    errors: list[str] = field(default_factory=list)
-    error_count: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self.dialect} {self.mode} {self.cache}"
-
-    def per_update(self, name: str) -> float:
-        return self.counts.get(name, 0.0) / max(1, len(self.lost))
-
-    @property
-    def mean_lost(self) -> float:
-        return statistics.fmean(self.lost) if self.lost else math.nan
-
-    @property
-    def disturbed(self) -> bool:
-        """The steady window was not steady (on a shared machine, another process took the CPUs for a while): its
-        halves differ by more than `DISTURBED` of a period's tokens, so the steady rate, and every loss measured
-        against it, is off."""
-        period_tokens = self.steady_rate * (self.period_s or 1.0)
-        return not abs(self.noise) <= DISTURBED * period_tokens
 
 
 # -- the stack --------------------------------------------------------------------------------------------------
@@ -184,6 +142,10 @@ def gateway_settings(cache: str) -> dict[str, Any]:
     return {**GATEWAY_SETTINGS, "weights": {"cache_salt": True, "kv_after_update": KV_AFTER_UPDATE[cache]}}
 
 
+def sim_checkpoint(version: int) -> str:
+    return f"bench-ckpt-{version}"  # the simulator loads any path
+
+
 @dataclass
 class Stack:
     """The replicas and the gateway of one (dialect, cache policy); the versions it has published."""
@@ -191,13 +153,21 @@ class Stack:
     dialect: str
     cache: str
     gateway: GatewayProcess
-    urls: list[str]
+    source: CounterSource
     loadgen_cpus: set[int] | None
+    checkpoint: Callable[[int], str] = sim_checkpoint  # the path an update to a version loads
     versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
 
 @contextlib.asynccontextmanager
-async def stack_up(options: Options, dialect: str, cache: str) -> AsyncIterator[Stack]:
+async def stack_up(options: Options, dialect: str, cache: str, engine: Engine | None) -> AsyncIterator[Stack]:
+    if engine is not None:
+        await restore(engine)  # as at startup: each stack's gateway starts at version 0
+        generation = {**GATEWAY_SETTINGS["generation"], "request_timeout_s": options.timeout_s}
+        settings = gateway_settings(cache) | {"model": engine.model_settings(), "generation": generation}
+        with GatewayProcess([engine.replica_entry()], settings) as gateway:  # unpinned: the engine needs both cores
+            yield Stack(dialect, cache, gateway, engine.counters(), None, engine.checkpoint)
+        return
     shared, proxy = cpu_split(options.pin)
     args = [sim_args(options, dialect)] * options.replicas
     with sim_replicas(args, [shared] * options.replicas) as sims:
@@ -208,7 +178,7 @@ async def stack_up(options: Options, dialect: str, cache: str) -> AsyncIterator[
                     answer.raise_for_status()
         entries = [replica_entry(sim.url, dialect) for sim in sims]
         with GatewayProcess(entries, gateway_settings(cache), cpus=proxy) as gateway:
-            yield Stack(dialect, cache, gateway, [sim.url for sim in sims], shared)
+            yield Stack(dialect, cache, gateway, SimCounters(tuple(sim.url for sim in sims)), shared)
 
 
 # -- one timed run ----------------------------------------------------------------------------------------------
@@ -216,7 +186,8 @@ async def stack_up(options: Options, dialect: str, cache: str) -> AsyncIterator[
 
 def load_spec(options: Options, url: str, tag: int) -> dict[str, Any]:
     """The `rl` workload (`benchmarks.compare`) made multi-turn: every stream a session that runs turn after turn
-    (each prompt the conversation so far) until the load generator's time is up."""
+    (each prompt the conversation so far) until the load generator's time is up (with `episode_turns`, a new
+    session every so many turns)."""
     rl = next(w for w in workloads(False, options.streams, None, options.token_delay_s) if w.name == "rl")
     steady = replace(
         rl,
@@ -229,7 +200,7 @@ def load_spec(options: Options, url: str, tag: int) -> dict[str, Any]:
         echo=True,
         prompt_words=options.prompt_words,
     )
-    return steady.spec([url], tag, options.timeout_s, "completions")
+    return steady.spec([url], tag, options.timeout_s, "completions") | {"episode_turns": options.episode_turns}
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -252,7 +223,7 @@ async def gateway_counts(client: httpx.AsyncClient, url: str) -> dict[str, float
 async def publish(client: httpx.AsyncClient, stack: Stack, mode: str, cell: Cell) -> None:
     """One weight update; its duration, and any replica it left drained for a flush, go into `cell`."""
     version = next(stack.versions)
-    body = {"version": version, "path": f"bench-ckpt-{version}", "mode": mode}
+    body = {"version": version, "path": stack.checkpoint(version), "mode": mode}
     sent = time.monotonic()
     answer = await client.post(f"{stack.gateway.url}/admin/weights", json=body, headers=ADMIN_HEADERS)
     cell.admin_s.append(time.monotonic() - sent)
@@ -273,7 +244,7 @@ async def run_cell(options: Options, stack: Stack, mode: str, tag: int) -> Cell:
         cell.error_count += warm.get("errors", 0)
         cell.errors += ["warm-up: " + message for message in warm.get("error_samples", [])]
         gateway0 = await gateway_counts(admin, stack.gateway.url)
-        async with sampled(stack.urls, options.interval_s) as timeline:
+        async with sampled(stack.source, options.interval_s) as timeline:
             _stdin(process).write(b"go\n")
             await _stdin(process).drain()
             started = time.monotonic()
@@ -320,148 +291,42 @@ def measure(
         cell.counts[name] = sum(timeline.delta(name, a, b) for a, b in windows)
 
 
-async def wait_idle(urls: Sequence[str], timeout_s: float) -> None:
+async def wait_idle(source: CounterSource, timeout_s: float) -> None:
     """Until no replica decodes anything (the previous run's last turns are done): polled, there is no event."""
     async with httpx.AsyncClient(timeout=30.0) as client, asyncio.timeout(timeout_s):
-        while True:
-            states = [(await client.get(f"{url}/sim/state")).json() for url in urls]
-            if all(state["running"] == 0 and state["waiting"] == 0 for state in states):
-                return
+        while await source.busy(client):
             await asyncio.sleep(0.1)
 
 
 async def run_all(options: Options, console: Console) -> list[Cell]:
     cells: list[Cell] = []
     tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up sessions
-    for dialect, cache in itertools.product(options.dialects, options.caches):
-        async with stack_up(options, dialect, cache) as stack:
-            for mode in options.modes:
-                began = time.monotonic()
-                await wait_idle(stack.urls, options.timeout_s)
-                cell = await run_cell(options, stack, mode, next(tags))
-                cells.append(cell)
-                console.print(
-                    f"  {cell.label:<20} {cell.turns:>5,} turns {cell.error_count:>3} errors  "
-                    f"lost/update {cell.mean_lost:>8,.0f} tokens  {time.monotonic() - began:5.1f} s"
-                )
+    with contextlib.ExitStack() as exits:
+        engine = None
+        if options.engine is not None:
+            console.print(f"starting {options.engine} on {options.engine_model} (a minute or two on a CPU) ...")
+            engine = exits.enter_context(engine_running(options.engine, options.engine_python, options.engine_model))
+        for dialect, cache in itertools.product(options.dialects, options.caches):
+            cells += await run_stack(options, dialect, cache, engine, tags, console)
     return cells
 
 
-# -- report ------------------------------------------------------------------------------------------------------
-
-
-def number(value: float, spec: str = ",.0f") -> str:
-    return "—" if value != value else format(value, spec)  # NaN: nothing measured
-
-
-def percent(value: float) -> str:
-    return "—" if value != value else f"{value * 100:.0f}%"
-
-
-def cell_row(cell: Cell, salt: Cell | None) -> list[str]:
-    updates = max(1, len(cell.lost))
-    budget = "/".join(f"{cell.gateway.get(name, 0.0):.0f}" for name in ("held", "refused", "cut"))
-    return [
-        f"{cell.label} (!)" if cell.disturbed else cell.label,
-        number(cell.steady_rate),
-        number(cell.dip_rate),
-        number(cell.trough_rate),
-        number(cell.mean_lost),
-        number(cell.noise),
-        ratio_text(cell, salt) if salt is not None else "—",
-        number(statistics.fmean(cell.admin_s) * 1000 if cell.admin_s else math.nan, ",.0f"),
-        number(cell.per_update("retractions"), ",.1f"),
-        number(cell.per_update("recomputed_tokens")),
-        number(cell.per_update("aborted"), ",.1f"),
-        number(cell.gateway.get("resumes", 0.0) / updates, ",.1f"),
-        f"{percent(cell.hit_before)}→{percent(cell.hit_after)}",
-        str(cell.drained),
-        budget,
-        f"{cell.turns:,}",
-        str(cell.error_count),
-    ]
-
-
-COLUMNS = [
-    "dialect mode cache",
-    "steady",
-    "after",
-    "trough",
-    "lost",
-    "noise",
-    "÷ salt",
-    "admin ms",
-    "preempt",
-    "recomp",
-    "abort",
-    "resume",
-    "hit",
-    "drain",
-    "h/r/c",
-    "turns",
-    "err",
-]
-
-
-def ratio_text(flush: Cell, salt: Cell) -> str:
-    """flush's loss ÷ salt's; a bound where salt's loss is within the noise floor of its steady window."""
-    floor = max(abs(salt.noise), 1.0) if salt.noise == salt.noise else 1.0
-    if salt.mean_lost <= floor:
-        return f"≥{flush.mean_lost / floor:,.1f}× (noise)"
-    return f"{flush.mean_lost / salt.mean_lost:,.1f}×"
-
-
-def salt_of(cell: Cell, cells: Sequence[Cell]) -> Cell | None:
-    """The cell with the salt of the same dialect and mode (the ratio's denominator)."""
-    return next((c for c in cells if (c.dialect, c.mode, c.cache) == (cell.dialect, cell.mode, "salt")), None)
-
-
-def verdicts(cells: Sequence[Cell]) -> list[str]:
-    """One line per dialect with both `keep` cells: the key ratio against the target."""
-    lines = []
-    for flush in (c for c in cells if c.mode == "keep" and c.cache == "flush"):
-        salt = salt_of(flush, cells)
-        if salt is None:
-            continue
-        floor = max(abs(salt.noise), 1.0) if salt.noise == salt.noise else 1.0
-        met = flush.mean_lost >= TARGET_RATIO * max(salt.mean_lost, floor) and salt.drained == 0
-        verdict = "met" if met else "NOT met"
-        if flush.disturbed or salt.disturbed:
-            verdict = "inconclusive: a steady window was disturbed (!), rerun"
-        lines.append(
-            f"{flush.dialect} keep: tokens lost per update, flush ÷ salt = {ratio_text(flush, salt)} "
-            f"({number(flush.mean_lost)} vs {number(salt.mean_lost)}); replicas drained for a cache with the salt: "
-            f"{salt.drained} → target (≥ {TARGET_RATIO:g}×, none drained) {verdict}"
-        )
-    return lines
-
-
-def report(console: Console, options: Options, cells: Sequence[Cell]) -> None:
-    title = (
-        f"Weight updates under a steady RL load: {options.streams} streams, {options.replicas} sim replicas per stack, "
-        f"{options.min_tokens}-{options.max_tokens} tokens a turn, decode step {options.token_delay_s * 1000:g} ms, "
-        f"prefill {options.prefill_delay_s * 1e6:g} µs per uncached prompt token, {options.updates} updates "
-        f"{options.period_s:g} s apart after {options.steady_s:g} s steady; {machine_line()}"
-    )
-    note = (
-        f"tokens/s decoded by the fleet (the replicas' counters): 'steady', 'after' (the first {options.dip_s:g} s "
-        f"after each update), 'trough' (the lowest {TROUGH_WIDTH_S:g}-s mean after one). 'lost': tokens lost per "
-        f"update, ∫ (steady − rate) dt over {options.period_s:g} s from each update; 'noise': the same between the "
-        "steady window's halves ((!): they differ by over a tenth of a period's tokens, the window was disturbed); "
-        "'÷ salt': lost ÷ lost of the salt cell of the same dialect and mode. 'admin ms': "
-        "the update call (pause, load, resume). Per update: 'preempt' requests preempted, 'recomp' the KV tokens "
-        "they recomputed, 'abort' requests aborted, 'resume' the gateway's resumes. 'hit': prefix-cache hit ÷ "
-        "queried prompt tokens, steady → over the update windows. 'drain': replicas taken out of rotation for a flush "
-        "(flush_pending). 'h/r/c': staleness budget sessions held / refused, turns cut (off: no trainer publishes "
-        "a batch size here)."
-    )
-    rows = [cell_row(cell, salt_of(cell, cells)) for cell in cells]
-    print_table(console, title, COLUMNS, rows, note)
-    for line in verdicts(cells):
-        console.print(line)
-    for cell in cells:
-        for message in cell.errors[:3]:
-            console.print(f"[red]{cell.label}: {message}[/]")
+async def run_stack(
+    options: Options, dialect: str, cache: str, engine: Engine | None, tags: Iterator[int], console: Console
+) -> list[Cell]:
+    """One stack's cells, a pause mode each."""
+    cells = []
+    async with stack_up(options, dialect, cache, engine) as stack:
+        for mode in options.modes:
+            began = time.monotonic()
+            await wait_idle(stack.source, options.timeout_s)
+            cell = await run_cell(options, stack, mode, next(tags))
+            cells.append(cell)
+            console.print(
+                f"  {cell.label:<20} {cell.turns:>5,} turns {cell.error_count:>3} errors  "
+                f"lost/update {cell.mean_lost:>8,.0f} tokens  {time.monotonic() - began:5.1f} s"
+            )
+    return cells
 
 
 # -- command line ------------------------------------------------------------------------------------------------
@@ -481,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=int, nargs=2, default=[d.min_tokens, d.max_tokens], metavar=("MIN", "MAX"))
     p.add_argument("--prompt-words", type=int, default=d.prompt_words, help="first turn's prompt, words (256)")
+    p.add_argument("--episode-turns", type=int, default=d.episode_turns, help="turns a session (0: the whole run)")
     p.add_argument("--warmup", type=float, default=d.warmup_s, help="ramp before the steady window, s")
     p.add_argument("--steady", type=float, default=d.steady_s, help="the steady window (no update), s")
     p.add_argument("--period", type=float, default=d.period_s, help="seconds between updates (each one's window)")
@@ -490,13 +356,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-delay", type=float, default=d.load_delay_s, help="a weight load's duration, s (0)")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="bound of each run's load generator, s")
     p.add_argument("--no-pin", action="store_true", help="do not pin the gateway and the rest to separate cores")
+    p.add_argument("--engine", choices=ENGINE_KINDS, help="one real engine server instead of the simulator")
+    p.add_argument("--engine-python", type=Path, help="the engine venv's python (default: RG_<ENGINE>_PYTHON)")
+    p.add_argument("--engine-model", default=d.engine_model, help="a tiny model's name or a folder (dense)")
     return p
+
+
+# `--engine`: the arguments' defaults for a small run on one CPU engine (a few streams, a few updates, spaced for a
+# slower decode and a real weight load); the command line overrides them.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "replicas": 1,
+    "modes": ["keep"],
+    "streams": 6,
+    "tokens": [32, 64],
+    "prompt_words": 64,
+    "episode_turns": 8,  # the conversations stay within the tiny models' 4,096-token context
+    "warmup": 4.0,
+    "steady": 8.0,
+    "period": 8.0,
+    "updates": 3,
+    "dip": 2.0,
+    "interval": 0.5,
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; with `--engine`, over `ENGINE_DEFAULTS` and the engine's dialect."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engine is None:
+        return args
+    parser.set_defaults(**ENGINE_DEFAULTS, dialects=[args.engine])
+    args = parser.parse_args(argv)
+    if args.dialects != [args.engine] or args.replicas != 1 or args.load_delay:
+        raise SystemExit("--engine runs one server of its own dialect: no --dialects, --replicas or --load-delay")
+    return args
 
 
 def options_from(args: argparse.Namespace) -> Options:
     low, high = args.tokens
-    if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high:
-        raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX)")
+    if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high or args.episode_turns < 0:
+        raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX), --episode-turns ≥ 0")
     if min(args.steady, args.period, args.dip, args.interval) <= 0 or args.dip > args.period:
         raise SystemExit("--steady, --period, --dip and --interval must be > 0, and --dip ≤ --period")
     return Options(
@@ -510,6 +410,7 @@ def options_from(args: argparse.Namespace) -> Options:
         min_tokens=low,
         max_tokens=high,
         prompt_words=args.prompt_words,
+        episode_turns=args.episode_turns,
         warmup_s=args.warmup,
         steady_s=args.steady,
         period_s=args.period,
@@ -519,6 +420,9 @@ def options_from(args: argparse.Namespace) -> Options:
         load_delay_s=args.load_delay,
         pin=not args.no_pin,
         timeout_s=args.timeout,
+        engine=args.engine,
+        engine_python=args.engine_python,
+        engine_model=args.engine_model,
     )
 
 
@@ -529,9 +433,11 @@ async def main_async(options: Options, console: Console) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    options = options_from(build_parser().parse_args(argv))
+    options = options_from(parse_args(argv))
     runs = len(options.dialects) * len(options.modes) * len(options.caches)
-    return run_benchmark(main_async, options, (options.timeout_s + 60) * runs)
+    return run_benchmark(
+        main_async, options, (options.timeout_s + 60) * runs + (STARTUP_TIMEOUT_S if options.engine else 0)
+    )
 
 
 if __name__ == "__main__":

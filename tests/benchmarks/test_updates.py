@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks import updates
+from benchmarks.update_engine import metric_sums
 from benchmarks.update_timeline import Timeline
 
 pytestmark = pytest.mark.timeout(240)
@@ -75,3 +76,39 @@ def test_the_timeline_interpolates_counters_and_integrates_the_dip() -> None:
 def test_impossible_options_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         updates.main(argv)
+
+
+@pytest.mark.parametrize("argv", [["--dialects", "sglang"], ["--replicas", "2"], ["--load-delay", "1"]])
+def test_an_engine_run_refuses_the_simulators_fleet_options(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        updates.main(["--engine", "vllm", *argv])
+
+
+def test_an_engine_run_is_small_keep_only_and_of_its_own_dialect_unless_told() -> None:
+    options = updates.options_from(updates.parse_args(["--engine", "sglang", "--streams", "3"]))
+    assert (options.engine, options.dialects, options.replicas, options.modes) == ("sglang", ("sglang",), 1, ("keep",))
+    assert options.streams == 3 and options.updates == updates.ENGINE_DEFAULTS["updates"]
+    assert updates.options_from(updates.parse_args([])).engine is None
+
+
+def test_engine_metrics_are_summed_over_label_sets_and_absent_ones_read_zero() -> None:
+    text = "\n".join(
+        [
+            "# HELP vllm:request_success_total Count of successfully processed requests.",
+            'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} 40.0',
+            'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 3.0',
+            'vllm:num_preemptions_total{engine="0",model_name="tiny"} 5.0',
+            'vllm:num_preemptions_total{engine="1",model_name="tiny"} 2.0',
+            'sglang:realtime_tokens_total{model_name="tiny",mode="decode"} 11.0',
+            'sglang:realtime_tokens_total{model_name="tiny",mode="prefill_compute"} 80.0',
+            'sglang:other_total{forward_mode="decode"} 1.0',
+        ]
+    )
+    wanted = (
+        'vllm:request_success_total{finished_reason="abort"}',
+        "vllm:num_preemptions_total",
+        "vllm:absent_total",
+        'sglang:realtime_tokens_total{mode="decode"}',
+        'sglang:other_total{mode="decode"}',
+    )
+    assert metric_sums(text, wanted) == dict(zip(wanted, [3.0, 7.0, 0.0, 11.0, 0.0], strict=True))
