@@ -11,6 +11,7 @@ GatewayError                      base of every error the gateway raises on purp
 ├── Conflict                      409: e.g. a weight version older than or equal to the current one
 ├── SampleStale                   410: the turn would extend a sample cut for staleness (code `sample_stale`)
 ├── Overloaded                    429: backpressure; carries `retry_after_s`
+├── CutForStaleness               a segment in flight whose sample the budget passed ends "stale" (never answered)
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
 │   │   └── ReplicaWentDown       503: the pool took the replica out while it generated (resumed elsewhere)
@@ -80,6 +81,12 @@ class SessionNotFound(NotFound):
 class Conflict(GatewayError):
     status_code = 409
     error_type = "conflict_error"
+
+
+class CutForStaleness(GatewayError):
+    """A segment in flight whose sample's first token fell behind the staleness budget while it ran on through a
+    weight update that kept it (a `keep` pause): the generator ends it with its tokens so far and finish reason
+    "stale" (`Generator.cut_behind`). Handled there; no client ever gets it."""
 
 
 class SampleStale(GatewayError):
@@ -171,6 +178,7 @@ __all__ = [
     "DeadlinePassed",
     "ConfigError",
     "Conflict",
+    "CutForStaleness",
     "EngineLaunchError",
     "EngineNotInstalled",
     "Forbidden",
@@ -180,6 +188,7 @@ __all__ = [
     "Overloaded",
     "ReplicaStalled",
     "ReplicaWentDown",
+    "SampleStale",
     "SessionNotFound",
     "StoreError",
     "Unauthorized",

@@ -8,11 +8,13 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
+from gateway.background import background, stop
 from gateway.config import FastPathConfig, ReplicaConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.embedded_redis import EmbeddedRedis
@@ -20,6 +22,7 @@ from gateway.errors import Conflict
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
+from gateway.generation.stale_cut import cut_behind
 from gateway.history import family_of, token_history_for
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
@@ -268,6 +271,8 @@ async def open_services(
             )
             trajectories.admission = lifecycle.staleness = generator.staleness = budget
             trajectories.drop_stale = w.stale_samples == "drop"
+            cutting = background(budget.cut_on_updates(partial(cut_behind, pool)), "staleness-cuts")
+            stack.push_async_callback(stop, cutting)
         turns = TurnRunner(
             generator,
             lifecycle,

@@ -28,7 +28,7 @@ import numpy as np
 from backends.base import Chunk, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
-from gateway.errors import DeadlinePassed, ReplicaStalled, ReplicaWentDown
+from gateway.errors import CutForStaleness, DeadlinePassed, ReplicaStalled, ReplicaWentDown
 from gateway.generation.request import (
     STALE,
     Delta,
@@ -37,6 +37,7 @@ from gateway.generation.request import (
     GenerationState,
     Segment,
 )
+from gateway.generation.stale_cut import first_version
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
@@ -185,6 +186,9 @@ class Generator:
                         if first is None and delta.token_ids:
                             first = time.monotonic()
                         yield delta
+                except CutForStaleness:
+                    state.finish_reason = STALE  # `cut_behind`: its sample fell behind while it ran on
+                    self._count_cut(request, state)
                 except BackendError as exc:
                     self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
                     failed = True
@@ -278,9 +282,7 @@ class Generator:
         so far are kept; the caller gets `finish_reason` "stale"."""
         if self.staleness is None:
             return False
-        first = request.first_version
-        if first is None and state.versions:
-            first = state.versions[0]
+        first = first_version(request, state)
         if first is None:
             return False
         if not self.weights.serving:
@@ -288,18 +290,22 @@ class Generator:
         oldest = await self.staleness.stale_before()
         if oldest is None or first >= oldest:
             return False
-        self.staleness.count_cut()
         resume.ahead = None  # built for a continuation that will not run (never started: nothing to close)
+        self._count_cut(request, state)
+        return True
+
+    def _count_cut(self, request: GenerationRequest, state: GenerationState) -> None:
+        if self.staleness is not None:
+            self.staleness.count_cut()
         logger.info(
-            "request %s: cut for staleness after %d tokens (its sample began under version %d, the budget keeps %d "
-            "and later)",
+            "request %s: cut for staleness after %d tokens (its sample began under version %s; the budget moved past "
+            "it with version %d)",
             request.request_id,
             len(state.output_ids),
-            first,
-            oldest,
+            first_version(request, state),
+            self.weights.version,
             extra={"session_id": request.session_id, "version": self.weights.version},
         )
-        return True
 
     async def _until_serving(self, deadline: float) -> None:
         try:
@@ -356,7 +362,10 @@ class Generator:
         """One segment: the engine answer's chunks absorbed into `state`, the caller's new tokens yielded. The request's
         `deadline` (loop time) went with the answer: its transport's own timer enforces it, streamed or whole."""
         engine_done = False
-        watch = SegmentWatch(run.replica.id, self.settings.stall_timeout_s if call.streamed else 0.0, self._quiet_since)
+        stall_s = self.settings.stall_timeout_s if call.streamed else 0.0
+        first = first_version(request, state)
+        first = run.dispatch_version if first is None else first  # a new sample's first token comes in this segment
+        watch = SegmentWatch(run.replica.id, stall_s, self._quiet_since, first)
         with self.pool.lease(run.replica, watch):
             try:
                 if run.preempted_at is not None:

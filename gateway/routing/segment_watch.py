@@ -15,6 +15,9 @@ The watch cancels the reading task only while it waits for the engine (`reading`
 wait (`next_chunk`) raises instead. A cancellation the watch sent is withdrawn (`Task.uncancel`) and becomes the
 error, as `asyncio.timeout` does; one that came from elsewhere as well stays a cancellation. The stall timer is one
 timer per segment, moved on only when it fires, as `backends.http_client`'s read-gap watch does.
+
+A third ends a segment without blaming its replica: the staleness budget moved past the segment's sample while it
+ran on through a `keep` update (`end`, with `CutForStaleness`; the generator compares `first_version`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from backends.errors import BackendError
-from gateway.errors import ReplicaStalled, ReplicaWentDown
+from gateway.errors import GatewayError, ReplicaStalled, ReplicaWentDown
 
 __all__ = ["SegmentWatch"]
 
@@ -41,13 +43,20 @@ class SegmentWatch:
         "_quiet_since",
         "_task",
         "error",
+        "first_version",
         "reading",
         "replica",
         "stall_s",
         "started",
     )
 
-    def __init__(self, replica: str, stall_s: float, quiet_since: Callable[[], float | None]) -> None:
+    def __init__(
+        self,
+        replica: str,
+        stall_s: float,
+        quiet_since: Callable[[], float | None],
+        first_version: int | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None, "a segment is read by a task"
@@ -57,7 +66,8 @@ class SegmentWatch:
         self._quiet_since = quiet_since
         self.reading = False  # the task waits for the engine's next chunk
         self.started = 0.0  # monotonic time that wait began
-        self.error: BackendError | None = None  # why the segment must end, once it must
+        self.first_version = first_version  # the weight version of its sample's first token (staleness)
+        self.error: GatewayError | None = None  # why the segment must end, once it must
         self._cancel_sent = False
         self._handle: asyncio.TimerHandle | None = None
 
@@ -82,7 +92,11 @@ class SegmentWatch:
             ReplicaWentDown(f"replica {self.replica} was taken out ({reason}) while generating", replica=self.replica)
         )
 
-    def withdraw(self) -> BackendError | None:
+    def end(self, error: GatewayError) -> None:
+        """End the segment now (or at its next wait) with `error`, unless it is ending already."""
+        self._end(error)
+
+    def withdraw(self) -> GatewayError | None:
         """On a cancellation of the task: the error to raise instead when the watch sent it, withdrawn; None when it
         is (also) someone else's, which must go on."""
         if not self._cancel_sent:
@@ -127,7 +141,7 @@ class SegmentWatch:
             )
         )
 
-    def _end(self, error: BackendError) -> None:
+    def _end(self, error: GatewayError) -> None:
         if self.error is not None:
             return
         self.error = error

@@ -7,8 +7,9 @@ can take while they are fresh, and cuts what fell behind anyway.
   (`over_budget: hold`, at most `hold_timeout_s`) or is refused at once (`refuse`); a refusal is a 429 with
   Retry-After, the shape of backpressure's.
 - The cut: a completion broken off (a weight update) whose sample's first token is older than version −
-  `max_staleness` is not resumed (`Generator`, finish reason "stale"), and a later turn that would extend such a
-  sample is a 410 `sample_stale` (`SessionLifecycle.check_fresh`); either way the sample is kept, marked `stale`.
+  `max_staleness` is not resumed (`Generator`, finish reason "stale"); one that a `keep` update let run on is ended
+  once the new version serves (`cut_on_updates`, `Generator.cut_behind`); a later turn that would extend such a
+  sample is a 410 `sample_stale` (`SessionLifecycle.check_fresh`). Every way, the sample is kept, marked `stale`.
 
 Until a consumer has published its batch size the budget is off (sessions are still counted), said once in the log.
 While it is known to be off (read at most `OFF_RECHECK_S` ago, under the current version) a new session is counted
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.config.weights import OverBudget
-from gateway.errors import Overloaded
+from gateway.errors import Overloaded, StoreError
 from gateway.store.backpressure import Admitted, StartedSamples
 
 __all__ = ["BudgetCounts", "StalenessBudget", "VersionSource"]
@@ -32,14 +34,20 @@ logger = logging.getLogger(__name__)
 OFF_RECHECK_S = 1.0
 """How long the budget counts on having no published batch size before it asks Redis again."""
 
+UPDATE_WAIT_S = 3600.0
+"""How long `cut_on_updates` waits for a version change at a time (it waits again)."""
+
 
 class VersionSource(Protocol):
-    """The weight version this process knows, and a wait for its next change (`WeightCoordinator` is one)."""
+    """The weight version this process knows, a wait for its next change, and one for the end of an update
+    (`WeightCoordinator` is one)."""
 
     @property
     def version(self) -> int: ...
 
     async def version_after(self, version: int, timeout: float) -> int: ...
+
+    async def until_serving(self, timeout: float | None = None) -> None: ...
 
 
 class BudgetCounts:
@@ -126,6 +134,25 @@ class StalenessBudget:
 
     def count_cut(self) -> None:
         self.counts.cut += 1
+
+    async def cut_on_updates(self, cut_behind: Callable[[int], int]) -> None:
+        """Run for the gateway's life: once each new weight version serves, `cut_behind(oldest)` ends the completions
+        in flight whose sample fell behind the budget (`Generator.cut_behind`): those a `keep` update let run on.
+        Nothing while the budget is off."""
+        version = self.weights.version
+        while True:
+            moved = await self.weights.version_after(version, UPDATE_WAIT_S)
+            if moved == version:
+                continue
+            version = moved
+            await self.weights.until_serving()  # the engines run again: an abort now ends a request that runs
+            try:
+                oldest = await self.stale_before()
+            except StoreError as exc:  # Redis away: the resumes and the next turns still check
+                logger.warning("staleness budget: no cut after version %d: %s", version, exc)
+                continue
+            if oldest is not None and (cut := cut_behind(oldest)):
+                logger.info("staleness budget: %d completions in flight cut at version %d", cut, version)
 
     def _known_off(self) -> bool:
         """Whether no consumer had published a batch size when last read, under this version, lately."""

@@ -15,6 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from backends.sim.engine import EngineSettings
+from gateway.config import ReplicaConfig
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.server import RunningGateway
 from gateway.store import Keys
@@ -225,3 +226,40 @@ async def test_max_staleness_null_turns_the_budget_off(
     for _ in range(3):
         assert (await one_turn(http, gw)).status_code == 200
     assert await started(redis) == 0 and gw.services.store.admission is None
+
+
+@pytest.mark.parametrize(("max_staleness", "cut"), [(0, True), (1, False)])
+async def test_a_turn_a_keep_update_lets_run_on_is_cut_once_its_sample_falls_behind(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    make_consumer: ConsumerFactory,
+    http: httpx.AsyncClient,
+    max_staleness: int,
+    cut: bool,
+) -> None:
+    """A `keep` update (SGLang paused `in_place`) breaks nothing off, so no resume checks the budget: once version 1
+    serves, the gateway ends the turns in flight whose sample began before the budget's oldest version, their tokens
+    kept and their engine requests aborted. Within the budget the turn runs on to its end under version 1."""
+    sim = await make_sim("sglang", engine=EngineSettings(token_delay_s=0.002))
+    config = ReplicaConfig(url=sim.url, backend="sim", dialect="sglang", keep_mode="in_place")
+    gw = await make_gateway([config], weights={"max_staleness": max_staleness})
+    await make_consumer(batch_size=100)
+    progress = [0]
+    max_tokens = 4000 if cut else 300
+    body = generate_body(PROMPT, max_tokens, session_id="kept")
+    turn = asyncio.create_task(stream_generate(http, gw.url, body, progress))
+    await wait_for(lambda: progress[0] >= 5, what="tokens streamed")
+    assert (await publish(http, gw.url, 1, mode="keep")).is_success
+    streamed = await asyncio.wait_for(turn, 20)
+    final = streamed.final
+    assert final["num_resumes"] == 0, final  # kept in the engine, never broken off
+    if cut:
+        assert final["finish_reason"] == "stale", final
+        assert 5 <= len(streamed.output_ids) < max_tokens
+        assert gw.services.store.admission.counts.cut == 1
+        await wait_for(lambda: not sim.engine.requests, what="the engine request aborted")
+        assert sim.engine.counters["finished_abort"] == 1
+    else:
+        assert final["finish_reason"] == "length" and len(streamed.output_ids) == max_tokens
+        assert final["versions"][0] == 0 and final["versions"][-1] == 1
+        assert gw.services.store.admission.counts.cut == 0
