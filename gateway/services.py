@@ -213,6 +213,7 @@ async def open_services(
                 max_wait_s=g.max_wait_s,
                 routed_experts=g.routed_experts,
                 stall_timeout_s=g.stall_timeout_s,
+                first_token_timeout_s=g.first_token_timeout_s,
                 cache_salt=settings.weights.cache_salt,
             ),
         )

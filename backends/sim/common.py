@@ -93,6 +93,8 @@ class FaultState:
         """Switch the faults `update` names (crash and abort_all are actions, taken by the route)."""
         if update.hang is not None:
             self.set_hang(update.hang)
+        if update.stall is not None:
+            self.engine.set_stalled(update.stall)
         if update.error_rate is not None:
             self.error_rate = update.error_rate
         if update.ready is not None:
@@ -147,7 +149,8 @@ class FaultsUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     crash: bool = False
-    hang: bool | None = None
+    hang: bool | None = None  # accept requests, answer none (/health included)
+    stall: bool | None = None  # decode nothing; every route still answers (a wedged scheduler behind a live server)
     error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
     abort_all: bool = False
     ready: bool | None = None

@@ -27,6 +27,12 @@ class GenerationConfig(Section):
         ge=0,
         description="A stream silent this long after its first token: its replica failed, resume elsewhere; s, 0: off.",
     )
+    first_token_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="A stream with no first token this long while its replica sends no token for any request either: "
+        "the replica is hung, resume elsewhere; s, 0: off.",
+    )
     write_timeout_s: Seconds = Field(30.0, description="Max time to send a request body, seconds.")
     pool_timeout_s: Seconds = Field(30.0, description="Max wait for a free pooled connection, seconds.")
     keepalive_expiry_s: Seconds = Field(
@@ -52,5 +58,10 @@ class GenerationConfig(Section):
             raise ValueError(
                 f"stall_timeout_s ({self.stall_timeout_s:g}) must be 0 (off) or longer than stream_pacing_s "
                 f"({self.stream_pacing_s:g}): a held stream would count as a stalled replica"
+            )
+        if 0 < self.first_token_timeout_s <= self.stream_pacing_s:
+            raise ValueError(
+                f"first_token_timeout_s ({self.first_token_timeout_s:g}) must be 0 (off) or longer than "
+                f"stream_pacing_s ({self.stream_pacing_s:g}): a held stream would count as a hung replica"
             )
         return self

@@ -362,10 +362,16 @@ class Generator:
         """One segment: the engine answer's chunks absorbed into `state`, the caller's new tokens yielded. The request's
         `deadline` (loop time) went with the answer: its transport's own timer enforces it, streamed or whole."""
         engine_done = False
-        stall_s = self.settings.stall_timeout_s if call.streamed else 0.0
+        streamed, settings = call.streamed, self.settings
         first = first_version(request, state)
         first = run.dispatch_version if first is None else first  # a new sample's first token comes in this segment
-        watch = SegmentWatch(run.replica.id, stall_s, self._quiet_since, first)
+        watch = SegmentWatch(
+            run.replica,
+            settings.stall_timeout_s if streamed else 0.0,
+            self._quiet_since,
+            first,
+            settings.first_token_timeout_s if streamed else 0.0,
+        )
         with self.pool.lease(run.replica, watch):
             try:
                 if run.preempted_at is not None:
@@ -414,7 +420,9 @@ class Generator:
         if run.interrupted_at is not None:
             self._resumed(run, observe=observe)
         self.completion_tokens_total += len(delta.token_ids)
-        run.replica.tokens_total += len(delta.token_ids)
+        replica = run.replica
+        replica.tokens_total += len(delta.token_ids)
+        replica.progressed_at = time.monotonic()
 
     def _dispatched(self, preempted_at: float) -> None:
         """A continuation of a preempted segment was handed to its engine's client: report how long after the

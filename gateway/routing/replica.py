@@ -27,6 +27,7 @@ class Replica:
     draining: bool = False  # finishing in-flight work before a cache flush; takes no new requests
     in_flight: int = 0
     tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
+    progressed_at: float = 0.0  # monotonic time it last sent tokens for any request (first-token timeouts)
     consecutive_failures: int = 0
     failed_probes: int = 0  # health probes failed in a row
     circuit_open_until: float = 0.0

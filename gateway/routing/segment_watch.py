@@ -6,10 +6,12 @@ wait early; either raises, in the task reading the answer, an error the resume l
 connection (the tokens so far are kept, the request resumes on another replica):
 
 * the pool takes the replica out (its health probe fails, its circuit opens): `interrupt`, `ReplicaWentDown`;
-* a streamed answer sends nothing for `stall_s` once its first chunk came: `ReplicaStalled`. The wait for that
-  first chunk (a queue, a prefill) is not timed here, nor a wait while the weights do not serve (an update holds
-  the engines, `keep` mode included), nor the time the reading task spends elsewhere (handing tokens to a caller
-  that is behind).
+* a streamed answer sends nothing for `stall_s` once its first chunk came: `ReplicaStalled`. A wait while the
+  weights do not serve (an update holds the engines, `keep` mode included) is not timed, nor the time the reading
+  task spends elsewhere (handing tokens to a caller that is behind);
+* a streamed answer's first chunk does not come for `first_token_s` while its replica sent no token for any request
+  either (`Replica.progressed_at`): `ReplicaStalled` too. A request merely queued behind others, or prefilled
+  beside them, waits as long as the others move.
 
 The watch cancels the reading task only while it waits for the engine (`reading`); while it is elsewhere, the next
 wait (`next_chunk`) raises instead. A cancellation the watch sent is withdrawn (`Task.uncancel`) and becomes the
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from gateway.errors import GatewayError, ReplicaStalled, ReplicaWentDown
+from gateway.routing.replica import Replica
 
 __all__ = ["SegmentWatch"]
 
@@ -37,10 +40,13 @@ class SegmentWatch:
     end of the last weight update), or None while the weights do not serve."""
 
     __slots__ = (
+        "_awaiting_first",
         "_cancel_sent",
+        "_first_token_s",
         "_handle",
         "_loop",
         "_quiet_since",
+        "_replica",
         "_task",
         "error",
         "first_version",
@@ -52,17 +58,21 @@ class SegmentWatch:
 
     def __init__(
         self,
-        replica: str,
+        replica: Replica,
         stall_s: float,
         quiet_since: Callable[[], float | None],
         first_version: int | None = None,
+        first_token_s: float = 0.0,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task(self._loop)
         assert task is not None, "a segment is read by a task"
         self._task = task
-        self.replica = replica
+        self._replica = replica
+        self.replica = replica.id
         self.stall_s = stall_s
+        self._first_token_s = first_token_s
+        self._awaiting_first = False
         self._quiet_since = quiet_since
         self.reading = False  # the task waits for the engine's next chunk
         self.started = 0.0  # monotonic time that wait began
@@ -72,15 +82,23 @@ class SegmentWatch:
         self._handle: asyncio.TimerHandle | None = None
 
     def first_chunk(self) -> None:
-        """The task waits for the engine's first chunk (not timed: the engine may queue the request, or prefill)."""
+        """The task waits for the engine's first chunk: timed only against the replica's progress on every request
+        (`first_token_s`; the engine may queue the request, or prefill it)."""
         if self.error is not None:
             raise self.error
+        self.started = time.monotonic()
         self.reading = True
+        if self._first_token_s:
+            self._awaiting_first = True
+            self._handle = self._loop.call_later(self._first_token_s, self._check_first)
 
     def next_chunk(self) -> None:
         """The task waits for the engine's next chunk: the stall timer runs from now."""
         if self.error is not None:
             raise self.error
+        if self._awaiting_first:
+            self._awaiting_first = False
+            self._disarm()
         self.started = time.monotonic()
         self.reading = True
         if self._handle is None and self.stall_s:
@@ -137,6 +155,27 @@ class SegmentWatch:
         self._end(
             ReplicaStalled(
                 f"replica {self.replica} sent nothing for {self.stall_s:g} s (generation.stall_timeout_s)",
+                replica=self.replica,
+            )
+        )
+
+    def _check_first(self) -> None:
+        self._handle = None
+        if self.error is not None or not self._awaiting_first:
+            return
+        since = self._quiet_since()
+        if since is None:  # the weights do not serve: an update holds the engines
+            self._handle = self._loop.call_later(self._first_token_s, self._check_first)
+            return
+        now = time.monotonic()
+        due = max(self.started, since, self._replica.progressed_at) + self._first_token_s
+        if now < due:
+            self._handle = self._loop.call_later(due - now, self._check_first)
+            return
+        self._end(
+            ReplicaStalled(
+                f"replica {self.replica} sent no first token for {self._first_token_s:g} s and no token for any other "
+                "request meanwhile (generation.first_token_timeout_s)",
                 replica=self.replica,
             )
         )

@@ -195,3 +195,51 @@ async def test_a_stream_held_by_a_keep_pause_past_the_stall_timeout_goes_on(
     assert result.final["num_resumes"] == 0 and set(result.final["versions"]) == {0, 1}
     assert result.output_ids == expected_tokens(PROMPT, result.final["versions"], 300)
     assert gw.services.generator.stalled_total == 0
+
+
+@pytest.mark.parametrize("fastpath", FASTPATH)
+async def test_a_stream_whose_replica_sends_no_first_token_resumes_elsewhere(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, fastpath: dict[str, Any]
+) -> None:
+    """A replica that answers its health probe but decodes nothing (a wedged scheduler) sends no first token: once
+    `generation.first_token_timeout_s` passed with no token for any request, the engine request is aborted and the
+    stream resumes on the other replica. Before this bound it waited out `read_timeout_s` (600 s)."""
+    victim, other = await make_sim(*slow("vllm", 0.003)), await make_sim(*slow("vllm", 0.003))
+    gw = await make_gateway(
+        [victim, other],
+        routing={"health_interval_s": 0.2},  # probes run, and pass: the replica looks alive
+        generation={"first_token_timeout_s": 0.5, "stall_timeout_s": 600.0},
+        fastpath=fastpath,
+    )
+    pool = gw.services.pool
+    victim_id = next(r.id for r in pool.all() if victim.url.endswith(r.id.split(":")[-1]))
+    pool.remember("wedged", victim_id)
+    assert (await http.post(f"{victim.url}/sim/faults", json={"stall": True})).status_code == 200
+    body = generate_body(PROMPT, 50, session_id="wedged")
+    try:
+        result = await asyncio.wait_for(stream_generate(http, gw.url, body, [0]), FINISH_WITHIN_S)
+    except TimeoutError:
+        raise AssertionError(f"a stream without a first token still waits after {FINISH_WITHIN_S:g} s") from None
+    assert result.error is None and result.final["finish_reason"] == "length", result.final
+    assert result.output_ids == expected_tokens(PROMPT, result.final["versions"], 50)
+    assert result.final["num_resumes"] >= 1 and victim_id not in result.final["replicas"][-1:]
+    wedged = pool.get(victim_id)
+    assert wedged is not None and wedged.healthy and wedged.consecutive_failures == 1
+    assert gw.services.generator.stalled_total == 1
+    await wait_for(lambda: not victim.engine.requests, what="the wedged replica's engine request aborted")
+
+
+async def test_a_stream_queued_behind_moving_requests_is_not_taken_for_a_hang(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A request whose first token takes longer than `first_token_timeout_s` (here a long prefill) on a replica that
+    keeps sending other requests' tokens is waiting, not hung: it is not cut."""
+    sim = await make_sim(*slow("vllm", 0.005, prefill_delay_s_per_token=0.002))
+    gw = await make_gateway([sim], generation={"first_token_timeout_s": 1.0})
+    busy = asyncio.create_task(stream_generate(http, gw.url, generate_body(PROMPT, 1500, session_id="busy"), [0]))
+    await wait_for(lambda: sim.engine.counters["generation_tokens"] >= 10, what="the busy stream under way")
+    long_prompt = [1 + i % 1000 for i in range(1500)]  # 3 s of prefill
+    queued = await stream_generate(http, gw.url, generate_body(long_prompt, 5, session_id="queued"), [0])
+    assert queued.error is None and queued.final["num_resumes"] == 0, queued.final
+    assert gw.services.generator.stalled_total == 0
+    busy.cancel()
