@@ -85,12 +85,12 @@ async def test_another_key_sees_no_stored_response_of_this_one(
             assert theirs.status_code == 404, theirs.text[:300]
             assert theirs.json()["error"]["type"] == unknown_get.json()["error"]["type"]
             assert made.json()["output"][0]["id"] not in theirs.text
-        continued = await http.post(
-            f"{gw.url}/v1/responses", json=ask | {"previous_response_id": response_id}, headers=key(B)
-        )
+        after = ask | {"previous_response_id": response_id}
+        continued = await http.post(f"{gw.url}/v1/responses", json=after, headers=key(B))
         assert continued.status_code == 400, continued.text
-        assert continued.json()["error"]["code"] == unknown_next.json()["error"]["code"] == "previous_response_not_found"
+        assert continued.json()["error"]["code"] == unknown_next.json()["error"]["code"]
+        assert continued.json()["error"]["code"] == "previous_response_not_found"
         mine = await http.get(f"{gw.url}/v1/responses/{response_id}", headers=key(A))
         assert mine.status_code == 200 and mine.json()["output"] == made.json()["output"]
-        again = await http.post(f"{gw.url}/v1/responses", json=ask | {"previous_response_id": response_id}, headers=key(A))
+        again = await http.post(f"{gw.url}/v1/responses", json=after, headers=key(A))
         assert again.status_code == 200, again.text
