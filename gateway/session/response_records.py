@@ -100,6 +100,7 @@ class ResponseRecords:
         `store: false`, or expired) or another key created it: the same answer, so that a key learns nothing of
         another's ids."""
         cached = self._cache.get(response_id)
+        record: ResponseRecord | None
         if cached is not None:
             record = cached[0]
         else:
