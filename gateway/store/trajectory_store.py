@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.background import background, stop
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
@@ -22,7 +21,7 @@ from gateway.store.buffer import WriteBuffer
 from gateway.store.core import StoreCore, backoff_s
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
-from gateway.store.keys import Keys, call
+from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
 from gateway.store.records import Admission, Sessions
@@ -35,6 +34,8 @@ if TYPE_CHECKING:
     from gateway.config import RedisConfig, StoreConfig
 
 __all__ = ["TrajectoryStore"]
+
+_PROBE_ERRORS: tuple[type[Exception], ...] = (TimeoutError, OSError, *REDIS_ERRORS)
 
 T = TypeVar("T")
 
@@ -232,10 +233,11 @@ class TrajectoryStore:
         return await self._core.get_session(session_id)
 
     async def reachable(self, timeout_s: float = 1.0) -> bool:
-        """Redis answers a PING within `timeout_s` (readiness: a turn needs the store)."""
+        """Redis answers a PING within `timeout_s` (readiness: a turn needs the store). Any failure is a no, a
+        cluster's too (`REDIS_ERRORS`: with no node reachable it raises `RedisClusterException`, no `RedisError`)."""
         try:
             return bool(await asyncio.wait_for(self.client.ping(), timeout_s))
-        except (TimeoutError, RedisError, OSError):
+        except _PROBE_ERRORS:
             return False
 
     async def pending(self) -> int:
