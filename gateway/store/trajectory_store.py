@@ -78,11 +78,13 @@ class TrajectoryStore:
         retry_after_s: float = 5.0,
         pipelines: Pipelines | None = None,
         locks: SessionLocks | None = None,
+        max_session_metadata_bytes: int = 64 * 1024,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
         finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper;
         `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`); `locks`: the
-        process's session locks (`locks`, shared with the session lifecycle), new ones if None."""
+        process's session locks (`locks`, shared with the session lifecycle), new ones if None;
+        `max_session_metadata_bytes`: the most a session's metadata may take as JSON (a 400 past it)."""
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
@@ -94,7 +96,14 @@ class TrajectoryStore:
         self.repair_grace_s = repair_grace_s
         self.retry_after_s = retry_after_s
         self.locks = locks if locks is not None else SessionLocks()
-        core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s, pipelines=pipelines)
+        core = StoreCore(
+            client,
+            keys,
+            ttl_s=ttl_s,
+            session_idle_ttl_s=session_idle_ttl_s,
+            pipelines=pipelines,
+            max_metadata_bytes=max_session_metadata_bytes,
+        )
         self.stats = core.stats
         self.batcher = core.batcher
         self._core = core
@@ -130,6 +139,7 @@ class TrajectoryStore:
             max_pending=store.max_pending,
             session_idle_ttl_s=store.session_idle_ttl_s,
             retry_budget_s=redis.retry_budget_s,
+            max_session_metadata_bytes=store.max_session_metadata_bytes,
             **options,
         )
 
