@@ -22,8 +22,10 @@ Lifecycle invariants:
   Linux it also dies with its owner (a parent-death SIGTERM: Redis flushes the AOF and exits), however the owner
   ended, kill -9 included. Servers are spawned from one long-lived thread, since that signal follows the thread
   that forked the server, not the process.
-* The data is its owner's alone: a data directory it creates is 0700, and the server creates its files (the
-  AOF, the log) under umask 077.
+* The data is its owner's alone: the data directory is 0700 (made so, or chmodded so where it existed; one that
+  another user owns is refused with `ConfigError` naming `redis.data_dir`), the files this class writes (the
+  config, which holds the password, and the log) are 0600 however they were left, and the server creates its own
+  (the AOF, the pid file) under umask 077.
 * One server per data directory: the server writes its pid to `redis.pid` there, and a start on a directory
   whose server still runs (another gateway's, or one still exiting after its owner died) waits up to
   `shutdown_timeout` for it to go, then refuses with `StoreError` naming its pid, never opening the AOF twice.
@@ -62,7 +64,7 @@ from types import TracebackType
 from typing import IO, Literal, Self
 from urllib.parse import quote
 
-from gateway.errors import StoreError
+from gateway.errors import ConfigError, StoreError
 
 __all__ = ["AppendFsync", "EmbeddedRedis", "find_redis_server"]
 
@@ -227,6 +229,34 @@ def _running_server(pid_file: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return pid if b"redis-server" in command else None
+
+
+def _owner_only(data_dir: Path) -> Path:
+    """`data_dir`, made its owner's alone (0700) if this process's user owns it. One that another user owns is
+    refused: a chmod of ours would not keep its owner out (they can open it again), and it may hold files we
+    cannot make private."""
+    owner = data_dir.stat().st_uid
+    if owner != os.geteuid():
+        raise ConfigError(
+            f"redis.data_dir: {data_dir} is owned by uid {owner}, not by this gateway's user (uid {os.geteuid()}); "
+            "the embedded server's password and data must be its owner's alone: give it a folder of its own"
+        )
+    if data_dir.stat().st_mode & 0o077:
+        logger.warning("redis.data_dir %s was readable by others; made owner-only (0700)", data_dir)
+        data_dir.chmod(0o700)
+    return data_dir
+
+
+def _private_file(path: Path, mode: int) -> IO[bytes]:
+    """`path` opened for writing (`mode`: `os.O_TRUNC` or `os.O_APPEND`), created 0600, and made 0600 where an
+    earlier start (or another program) left it readable by others: `O_CREAT`'s mode applies to new files only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "wb")
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:
@@ -428,8 +458,8 @@ class EmbeddedRedis:
     def _ensure_data_dir(self) -> Path:
         if self._data_dir is None:
             if self._requested_dir is not None:
-                self._requested_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the data: its owner's alone
-                self._data_dir = self._requested_dir.resolve()
+                self._requested_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._data_dir = _owner_only(self._requested_dir.resolve())
             else:
                 self._data_dir = Path(tempfile.mkdtemp(prefix="embedded-redis-"))
                 self._owns_data_dir = True
@@ -438,11 +468,12 @@ class EmbeddedRedis:
     def _launch_once(self, data_dir: Path, port: int, abort: threading.Event) -> None:
         self._refuse_a_running_server(data_dir / _PID_FILE, abort)
         config = data_dir / _CONFIG_FILE
-        config.write_text(self._config_text(data_dir, port), encoding="utf-8")
+        with _private_file(config, os.O_TRUNC) as config_file:  # it holds the password
+            config_file.write(self._config_text(data_dir, port).encode())
         log = data_dir / _LOG_FILE
         log_offset = log.stat().st_size if log.exists() else 0
         # stdout/stderr go to the same log: config errors are printed before redis opens its `logfile`.
-        with log.open("ab") as log_file:
+        with _private_file(log, os.O_APPEND) as log_file:
             try:
                 proc = _spawn([self._executable, str(config)], log_file, data_dir)
             except OSError as exc:

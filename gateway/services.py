@@ -235,6 +235,7 @@ async def open_services(
             session_idle_ttl_s=s.session_idle_ttl_s,
             retry_budget_s=settings.redis.retry_budget_s,
             pipelines=PipelineBatcher(redis) if fastpath.on("redis_batching") else None,
+            max_session_metadata_bytes=s.max_session_metadata_bytes,
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)

@@ -1,8 +1,8 @@
 """The OpenAPI schema describes what the gateway really answers: every error is the OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` (see `gateway/api/errors.py`), Anthropic's
 `{"type": "error", "error": {"type", "message"}}` on the Anthropic routes (tagged `anthropic`), validation errors are
-400 (not FastAPI's 422), and the generation routes may stream `text/event-stream`. Fuzzing checks answers against
-it."""
+400 (not FastAPI's 422), the generation routes may stream `text/event-stream`, and an integer's bounds are the
+integers the validation takes. Fuzzing checks answers against it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+
+from gateway.api.bounds import INT64_MAX
 
 ERROR_BODY = "ErrorBody"
 _NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
@@ -78,6 +80,28 @@ def _document(path: str, operation: dict[str, Any]) -> None:
         ok.setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT_SCHEMA}
 
 
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# FastAPI's OpenAPI model types every bound as a float, and a float cannot hold 2**63 - 1 (the largest seed): it
+# rounds up to 2.0**63, a value the validation refuses. Every other bound of ours is exact as a float.
+_ROUNDED = {float(INT64_MAX): INT64_MAX}
+
+
+def _integer_bounds(node: Any) -> None:
+    """Give every integer schema under `node` its bounds back as integers."""
+    if isinstance(node, list):
+        for item in node:
+            _integer_bounds(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "integer":
+        for key in _BOUNDS:
+            if isinstance(value := node.get(key), float):
+                node[key] = _ROUNDED.get(value, int(value))
+    for value in node.values():
+        _integer_bounds(value)
+
+
 def install_openapi(app: FastAPI) -> None:
     """Replace the app's schema generator with one that documents the error responses."""
 
@@ -89,6 +113,7 @@ def install_openapi(app: FastAPI) -> None:
             schemas[ANTHROPIC_ERROR_BODY] = ANTHROPIC_ERROR_SCHEMA
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
+            _integer_bounds(schema)
             for path, item in schema.get("paths", {}).items():
                 for operation in item.values():
                     _document(path, operation)

@@ -10,14 +10,43 @@ from pydantic import AfterValidator, Field
 
 from gateway.config.section import Seconds, Section
 
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+_DEFAULT_PORT = 6379
+
 
 def _check_redis_url(url: str) -> str:
-    if url and urlsplit(url).scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+    scheme = urlsplit(url).scheme
+    if url and scheme not in ("redis", "rediss", "unix", *_CLUSTER_SCHEMES):
         raise ValueError(
             'must be "" (embedded redis-server), a redis://, rediss:// or unix:// URL, or a Redis Cluster\'s '
             "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS)"
         )
+    if scheme in _CLUSTER_SCHEMES:
+        cluster_nodes(url)
     return url
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The startup nodes (host, port) a `redis+cluster://[user:password@]host[:port][,host[:port]...]` URL lists
+    (port 6379 where none is given; an IPv6 host in brackets). A node without a host, or whose port is not one, is a
+    `ValueError` that says which node by its place, never its text: a URL missing its `@` holds the password there."""
+    addresses = urlsplit(url).netloc.rpartition("@")[2].split(",")
+    return [_node(address, index, len(addresses)) for index, address in enumerate(addresses, 1)]
+
+
+def _node(address: str, index: int, count: int) -> tuple[str, int]:
+    if address.endswith("]") or ":" not in address:  # no port: a name, IPv4, or [IPv6]
+        host, port = address, ""
+    else:
+        host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host:
+        raise ValueError(f"Redis Cluster node {index} of {count} has no host (redis+cluster://host:port[,...])")
+    if not port:
+        return host, _DEFAULT_PORT
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"the port of Redis Cluster node {index} of {count} is not a number from 1 to 65535")
+    return host, int(port)
 
 
 def without_credentials(url: str) -> str:

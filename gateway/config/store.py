@@ -27,6 +27,14 @@ class StoreConfig(Section):
     session_cache_bytes: int = Field(
         256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."
     )
+    max_session_metadata_bytes: int = Field(
+        64 * 1024,
+        gt=0,
+        description=(
+            "The most a session's metadata may take as JSON, all its requests' together (each is 16 KiB at most); "
+            "a turn or finish past it is a 400 and stores nothing."
+        ),
+    )
     response_cache_size: int = Field(
         4096, ge=0, description="Stored Responses API answers this process keeps for chained turns (LRU; 0: none)."
     )

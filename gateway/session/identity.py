@@ -11,7 +11,9 @@ A turn names its session in one of five ways; the first one given wins:
 5. `user` in the body.
 
 None of them: a one-turn session. Whichever names it, a session id is 1 to 256 characters of `A-Z a-z 0-9 _ . : @ -`
-(`SESSION_ID_PATTERN`), else a 400 naming where it came from: ids reach log lines and Redis keys.
+other than `.` and `..` (`SESSION_ID_PATTERN`), else a 400 naming where it came from: ids reach log lines and Redis
+keys, and a URL path segment `.` or `..` is resolved away by clients and browsers (`/sessions/{id}/v1`, the
+dashboard's link), so such a session could not be reached.
 
 A session named by the path or by the key of the form `grp-<group>-<index>` or
 `grp-<group>-<index>of<size>` is member `<index>` of GRPO group `<group>`: its metadata gets `group_id`,
@@ -30,7 +32,10 @@ Identity = Literal["header", "api_key"]
 
 KEY_FORMAT = "'<api key>:<session>'"
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9_.:@\-]{1,256}$"
+# Without a lookahead, which pydantic's regex engine and JSON Schema's do not share: an id starts with no dot, or
+# with one dot and then no dot, or with two dots and then anything (`...` is no dot segment).
+_SAFE, _NO_DOT = r"[A-Za-z0-9_.:@\-]", r"[A-Za-z0-9_:@\-]"
+SESSION_ID_PATTERN = rf"^(?:{_NO_DOT}{_SAFE}{{0,255}}|\.{_NO_DOT}{_SAFE}{{0,254}}|\.\.{_SAFE}{{1,254}})$"
 MAX_SESSION_ID = 256
 _SESSION_ID = re.compile(SESSION_ID_PATTERN)
 _SOURCES = ("session_id", "x-session-id", "session_id", "authorization", "user")  # where each candidate comes from
@@ -66,8 +71,8 @@ def session_id_from(
         if candidate:
             if not _SESSION_ID.match(candidate):
                 raise InvalidRequest(
-                    f"a session id is 1 to {MAX_SESSION_ID} characters of A-Z a-z 0-9 _ . : @ - (the {source} "
-                    f"names {candidate[:64]!r})",
+                    f"a session id is 1 to {MAX_SESSION_ID} characters of A-Z a-z 0-9 _ . : @ -, not . or .. (the "
+                    f"{source} names {candidate[:64]!r})",
                     param=source,
                 )
             return candidate

@@ -7,6 +7,10 @@ later turn that extends the sample leaves those first messages as they were, so 
 response of a one-turn session (no session named) records its whole conversation instead: that session ends with
 its turn, and the trainer deletes its keys once it took it.
 
+A response belongs to the API key that created it (`owner`, as `SessionMeta.owner`): to another key it is not
+there, neither to `GET` nor to `previous_response_id`, as another key's session is not (`check_owner`); without API
+keys (no owner) responses are open to all.
+
 The record also holds the answer (for `GET /v1/responses/{id}`), and whether the conversation's first message is the
 request's `instructions`: a request that names a previous response gives its own instructions, which replace those
 (OpenAI's `instructions` are not carried over from the previous response).
@@ -37,7 +41,8 @@ Message = dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class ResponseRecord:
     """What a stored response leaves (see the module docstring). `session_id` None: a one-turn session's, whose
-    `conversation` is recorded whole."""
+    `conversation` is recorded whole; `owner`: the key id that created it (None: made without API keys, and records
+    stored before owners were)."""
 
     answer: dict[str, Any]
     session_id: str | None
@@ -45,6 +50,7 @@ class ResponseRecord:
     messages: int
     instructions: bool
     conversation: list[Message] | None = None
+    owner: str | None = None
 
 
 class ResponseCache:
@@ -89,20 +95,26 @@ class ResponseRecords:
         await self._keys.save(response_id, orjson.dumps(record))  # orjson writes a dataclass (no deep copy)
         self._cache.put(response_id, record, conversation)
 
-    async def get(self, response_id: str) -> ResponseRecord:
-        """The stored response; `NotFound` if there is none (never stored, `store: false`, or expired)."""
+    async def get(self, response_id: str, owner: str | None) -> ResponseRecord:
+        """The stored response, if the caller's key id `owner` may see it; `NotFound` if there is none (never stored,
+        `store: false`, or expired) or another key created it: the same answer, so that a key learns nothing of
+        another's ids."""
         cached = self._cache.get(response_id)
+        record: ResponseRecord | None
         if cached is not None:
-            return cached[0]
-        raw = await self._keys.load(response_id)
-        if raw is None:
+            record = cached[0]
+        else:
+            raw = await self._keys.load(response_id)
+            record = ResponseRecord(**orjson.loads(raw)) if raw is not None else None
+        if record is None or (record.owner is not None and record.owner != owner):
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
-        return ResponseRecord(**orjson.loads(raw))
+        return record
 
-    async def previous(self, response_id: str) -> ResponseRecord:
-        """The response a request continues. Unknown: a 400 as OpenAI answers it (`previous_response_not_found`)."""
+    async def previous(self, response_id: str, owner: str | None) -> ResponseRecord:
+        """The response a request continues, as `get` finds it. Unknown: a 400 as OpenAI answers it
+        (`previous_response_not_found`)."""
         try:
-            return await self.get(response_id)
+            return await self.get(response_id, owner)
         except NotFound:
             raise InvalidRequest(
                 f"Previous response with id '{response_id}' not found.",

@@ -26,6 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.config.redis import cluster_nodes
+
 __all__ = ["FailoverAwareCluster", "connect_cluster"]
 
 _REFRESH_S = 0.25  # a burst of failures reads the layout once
@@ -64,12 +66,8 @@ def connect_cluster(url: str, socket_timeout_s: float, max_connections: int) -> 
     (any one reachable is enough). It follows MOVED and ASK redirections and, when a node fails, reads the slots
     again and retries on the new master."""
     parts = urlsplit(url)
-    nodes = []
-    for address in parts.netloc.rpartition("@")[2].split(","):
-        host, _, port = address.rpartition(":")
-        nodes.append(ClusterNode(host.strip("[]"), int(port or 6379)))
     return FailoverAwareCluster(
-        startup_nodes=nodes,
+        startup_nodes=[ClusterNode(host, port) for host, port in cluster_nodes(url)],  # checked by the config
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,
         ssl=parts.scheme == "rediss+cluster",

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import AskError, MovedError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.errors import StoreError
+from gateway.errors import InvalidRequest, StoreError
 from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
@@ -53,6 +54,7 @@ class StoreCore:
     """The client, its batcher and scripts, the counters and the session lifetimes, shared by the store's parts.
 
     `ttl_s`: a finished or abandoned session's lifetime; an active one's is `active_ttl_s` from its last write.
+    `max_metadata_bytes`: the most a session's metadata may take as JSON (`check_metadata`).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class StoreCore:
         ttl_s: int,
         session_idle_ttl_s: int,
         pipelines: Pipelines | None = None,
+        max_metadata_bytes: int = 64 * 1024,
     ) -> None:
         self.client = client
+        self.max_metadata_bytes = max_metadata_bytes
         self.keys = keys
         self.ttl_s = ttl_s
         self.session_idle_ttl_s = session_idle_ttl_s
@@ -82,6 +86,18 @@ class StoreCore:
     async def get_session(self, session_id: str) -> SessionMeta | None:
         raw = await call(self.client.hgetall(self.keys.meta(session_id)), "read session")
         return SessionMeta.from_redis(session_id, raw) if raw else None
+
+    def check_metadata(self, session_id: str, metadata: Mapping[str, Any]) -> None:
+        """Refuse a session's metadata, all its requests' together, past `max_metadata_bytes` as JSON: each request's
+        is bounded, but a session's turns may each add keys, and all of it goes into the trajectory."""
+        size = len(orjson.dumps(metadata))
+        if size > self.max_metadata_bytes:
+            raise InvalidRequest(
+                f"metadata: session {session_id}'s metadata would take {size} bytes as JSON, more than "
+                f"{self.max_metadata_bytes} bytes (store.max_session_metadata_bytes); nothing was stored",
+                param="metadata",
+                code="session_metadata_too_large",
+            )
 
     async def batched(self, build: Build, what: str) -> list[Any]:
         """The replies to `build`'s commands (`Pipelines`); a transport failure

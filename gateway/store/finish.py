@@ -198,6 +198,8 @@ class Finisher:
                 result.append(before)
                 return None
             merged = before.metadata | (metadata or {})
+            if metadata:
+                self._core.check_metadata(session_id, merged)
             if rewards is not None:
                 check_rewards(before, rewards)  # a sample written since the check above (another turn)
             after = dataclasses.replace(

@@ -100,8 +100,12 @@ class Sessions:
         """
         if session_id is None or fresh:
             new_id = uuid.uuid4().hex if session_id is None else session_id
+            if metadata:
+                self._core.check_metadata(new_id, metadata)
             return await self._create_fresh(metadata, new_id, owner, admitted)
         session_id = check_session_id(session_id)
+        if metadata:
+            self._core.check_metadata(session_id, metadata)
         if not absent:
             existing = await self.touch_session(session_id)
             if existing is not None:
@@ -145,7 +149,8 @@ class Sessions:
 
     async def add_metadata(self, session_id: str, metadata: Mapping[str, str]) -> SessionMeta:
         """Add to an active session's metadata the keys of `metadata` it does not hold (`metadata_additions`: a key
-        it holds with another value is `InvalidRequest`, and nothing is written). Returns the meta as it is then.
+        it holds with another value is `InvalidRequest`, and so is the whole past `StoreCore.check_metadata`; nothing
+        is written then). Returns the meta as it is then.
         Unknown session: `SessionNotFound`; finished or abandoned: `Conflict`."""
         result: list[SessionMeta] = []
 
@@ -156,6 +161,8 @@ class Sessions:
                 raise Conflict(f"session {session_id} is {before.status}", param="session_id")
             added = metadata_additions(before.metadata, metadata, session_id)
             after = dataclasses.replace(before, metadata=before.metadata | added)
+            if added:
+                self._core.check_metadata(session_id, after.metadata)
             result.append(after)
             if not added:
                 return None

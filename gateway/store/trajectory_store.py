@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.background import background, stop
 from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
@@ -22,7 +21,7 @@ from gateway.store.buffer import WriteBuffer
 from gateway.store.core import StoreCore, backoff_s
 from gateway.store.delivery import Delivery
 from gateway.store.finish import Finisher
-from gateway.store.keys import Keys, call
+from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
 from gateway.store.records import Admission, Sessions
@@ -35,6 +34,8 @@ if TYPE_CHECKING:
     from gateway.config import RedisConfig, StoreConfig
 
 __all__ = ["TrajectoryStore"]
+
+_PROBE_ERRORS: tuple[type[Exception], ...] = (TimeoutError, OSError, *REDIS_ERRORS)
 
 T = TypeVar("T")
 
@@ -77,11 +78,13 @@ class TrajectoryStore:
         retry_after_s: float = 5.0,
         pipelines: Pipelines | None = None,
         locks: SessionLocks | None = None,
+        max_session_metadata_bytes: int = 64 * 1024,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
         finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper;
         `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`); `locks`: the
-        process's session locks (`locks`, shared with the session lifecycle), new ones if None."""
+        process's session locks (`locks`, shared with the session lifecycle), new ones if None;
+        `max_session_metadata_bytes`: the most a session's metadata may take as JSON (a 400 past it)."""
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
@@ -93,7 +96,14 @@ class TrajectoryStore:
         self.repair_grace_s = repair_grace_s
         self.retry_after_s = retry_after_s
         self.locks = locks if locks is not None else SessionLocks()
-        core = StoreCore(client, keys, ttl_s=ttl_s, session_idle_ttl_s=session_idle_ttl_s, pipelines=pipelines)
+        core = StoreCore(
+            client,
+            keys,
+            ttl_s=ttl_s,
+            session_idle_ttl_s=session_idle_ttl_s,
+            pipelines=pipelines,
+            max_metadata_bytes=max_session_metadata_bytes,
+        )
         self.stats = core.stats
         self.batcher = core.batcher
         self._core = core
@@ -129,6 +139,7 @@ class TrajectoryStore:
             max_pending=store.max_pending,
             session_idle_ttl_s=store.session_idle_ttl_s,
             retry_budget_s=redis.retry_budget_s,
+            max_session_metadata_bytes=store.max_session_metadata_bytes,
             **options,
         )
 
@@ -232,10 +243,11 @@ class TrajectoryStore:
         return await self._core.get_session(session_id)
 
     async def reachable(self, timeout_s: float = 1.0) -> bool:
-        """Redis answers a PING within `timeout_s` (readiness: a turn needs the store)."""
+        """Redis answers a PING within `timeout_s` (readiness: a turn needs the store). Any failure is a no, a
+        cluster's too (`REDIS_ERRORS`: with no node reachable it raises `RedisClusterException`, no `RedisError`)."""
         try:
             return bool(await asyncio.wait_for(self.client.ping(), timeout_s))
-        except (TimeoutError, RedisError, OSError):
+        except _PROBE_ERRORS:
             return False
 
     async def pending(self) -> int:

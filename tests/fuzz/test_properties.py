@@ -1,8 +1,9 @@
-"""Property tests (hypothesis): the token/expert merge of the resume loop, the Redis codecs of trajectories and the
-vocabulary check of token-id lists."""
+"""Property tests (hypothesis): the token/expert merge of the resume loop, the Redis codecs of trajectories, the
+vocabulary check of token-id lists and the decoding of model-written JSON for answers."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
+from gateway.api.json_answer import model_json
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
 from gateway.generation.generator import _SegmentRun
 from gateway.routing import Replica, ReplicaPool
@@ -285,3 +287,26 @@ def test_one_id_outside_among_many_is_found(length: int, bad: int) -> None:
     assert first_outside(ids, VOCAB) is None
     for position in sorted({0, length // 2, length - 1}):
         assert first_outside([*ids[:position], bad, *ids[position + 1 :]], VOCAB) == position
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**64 - 2, max_value=2**64)
+    | st.integers(min_value=10**40)
+    | st.integers(max_value=-(2**63) - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(JSON_VALUES)
+def test_model_json_answers_what_the_model_wrote(value: Any) -> None:
+    """JSON a model wrote (a tool call's arguments), decoded for an answer and encoded by orjson, reads back as the
+    same value, integers of any size included (they were a 500 on `/v1/messages`)."""
+    written = json.dumps(value, ensure_ascii=False)
+    assert json.loads(orjson.dumps(model_json(written))) == value

@@ -19,6 +19,7 @@ from gateway.config import (
     load_config,
     without_credentials,
 )
+from gateway.config.redis import cluster_nodes
 from gateway.errors import ConfigError
 from gateway.services import replica_spec
 from tests import REPO
@@ -413,6 +414,38 @@ def test_load_config_does_not_leak_its_file_into_later_loads(tmp_path: Path) -> 
 )
 def test_a_redis_url_is_shown_without_credentials(url: str, shown: str) -> None:
     assert without_credentials(url) == shown
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis+cluster://", "node 1 of 1 has no host"),
+        ("redis+cluster://:hunter2pw@", "node 1 of 1 has no host"),
+        ("redis+cluster://a:7000,", "node 2 of 2 has no host"),
+        ("redis+cluster://h:notaport", "port of Redis Cluster node 1 of 1 is not a number"),
+        ("rediss+cluster://a:7000,b:70000", "port of Redis Cluster node 2 of 2 is not a number"),
+        ("redis+cluster://a:0", "port of Redis Cluster node 1 of 1 is not a number"),
+        ("redis+cluster://trainer:hunter2pw", "port of Redis Cluster node 1 of 1"),  # no @: the password is no port
+    ],
+)
+def test_a_cluster_url_without_a_node_is_refused_naming_the_key(url: str, says: str) -> None:
+    """Issue 52 §9: `redis+cluster://` with no host was taken and retried `:6379` forever, and a port that is none
+    killed the start with a bare ValueError. The key is named, the password never shown."""
+    message = config_error(redis={"url": url})
+    assert "\n  redis.url: " in message and says in message and "hunter2pw" not in message
+
+
+@pytest.mark.parametrize(
+    ("url", "nodes"),
+    [
+        ("redis+cluster://a:7000,b:7001", [("a", 7000), ("b", 7001)]),
+        ("redis+cluster://:p%40ss@redis", [("redis", 6379)]),
+        ("rediss+cluster://[::1]:7000,[fe80::1]", [("::1", 7000), ("fe80::1", 6379)]),
+    ],
+)
+def test_a_cluster_url_lists_its_startup_nodes(url: str, nodes: list[tuple[str, int]]) -> None:
+    assert load_config(redis={"url": url}).redis.url == url
+    assert cluster_nodes(url) == nodes
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gateway.internal"])

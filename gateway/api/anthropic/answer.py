@@ -9,7 +9,6 @@ message (whole) or on `message_delta` (streamed).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncGenerator
 from functools import partial
 from typing import Any
@@ -19,7 +18,7 @@ from fastapi.responses import Response
 
 from common.errors import GatewayError
 from gateway.api.errors import anthropic_error
-from gateway.api.json_answer import json_answer
+from gateway.api.json_answer import json_answer, model_json
 from gateway.api.turn_http import TurnAnswer, rollout_field
 from gateway.turns.prepared import Choice, ChoiceEvent, PreparedTurn
 from gateway.turns.runner import TurnRunner
@@ -71,7 +70,7 @@ def content_of(choice: Choice) -> list[dict[str, Any]]:
     if choice.content is not None:
         blocks.append({"type": "text", "text": choice.content})
     for call in choice.tool_calls:
-        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": model_json(call.arguments)})
     return blocks
 
 

@@ -85,7 +85,9 @@ class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    input: Annotated[dict[str, Any], AfterValidator(_storable)]
+    # Not `_storable`: it becomes the call's arguments text by the stdlib's encoder (`chat._assistant`), which
+    # writes integers of any size, so the model's own call (an RL policy writes 2,000 digits) comes back in.
+    input: dict[str, Any]
     caller: dict[str, Any] | None = None  # echoed from Anthropic's answers: ignored
     toolset_name: str | None = None
 

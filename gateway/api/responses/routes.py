@@ -9,7 +9,8 @@ session.
 
 Session: the one the request names (`turn_session`: path, header, body `session_id`, API key, `user`); else the
 previous response's; else a one-turn session, as on the chat API. A previous response of another session than the one
-named is a 400.
+named is a 400. A stored response belongs to the API key that created it (`ResponseRecord.owner`): another key's
+`GET` is a 404 and its `previous_response_id` a 400, as for an id never stored.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastapi.routing import APIRoute
 
 from common.errors import GatewayError
 from gateway.api.context import ApiServices
-from gateway.api.deps import ServicesDep, require_agent, session_in_path
+from gateway.api.deps import ServicesDep, require_agent, session_in_path, session_owner
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_messages
 from gateway.api.responses.items import ItemIds, chat_messages, output_items
@@ -63,8 +64,8 @@ def create_session_router() -> APIRouter:
     return router
 
 
-async def get_response(response_id: str, svc: ServicesDep) -> Response:
-    return json_answer((await _records(svc).get(response_id)).answer)
+async def get_response(response_id: str, raw: Request, svc: ServicesDep) -> Response:
+    return json_answer((await _records(svc).get(response_id, session_owner(raw))).answer)
 
 
 def _records(svc: ApiServices) -> ResponseRecords:
@@ -76,9 +77,10 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
     runner.check_model(body.model)
     records = _records(svc)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata)
+    owner = session_owner(raw)
     history: list[Message] = []
     if body.previous_response_id is not None:
-        previous = await records.previous(body.previous_response_id)
+        previous = await records.previous(body.previous_response_id, owner)
         session = _continuing(session, previous, body.previous_response_id)
         history = await records.conversation(body.previous_response_id, previous)
     messages = _messages(body, history)
@@ -88,7 +90,7 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
     request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, RESPONSES_FIELDS, budget)
 
     def answer(prepared: PreparedTurn) -> TurnAnswer:
-        return _Answer(body, runner, prepared, records).answer()
+        return _Answer(body, runner, prepared, records, owner).answer()
 
     return await serve_turn(raw, runner, request, session, answer)
 
@@ -144,9 +146,15 @@ class _Answer:
     """Shapes one turn's answer: the response object, and its stream."""
 
     def __init__(
-        self, body: ResponseRequest, runner: TurnRunner, prepared: PreparedTurn, records: ResponseRecords
+        self,
+        body: ResponseRequest,
+        runner: TurnRunner,
+        prepared: PreparedTurn,
+        records: ResponseRecords,
+        owner: str | None,
     ) -> None:
         self.body = body
+        self.owner = owner
         self.runner = runner
         self.prepared = prepared
         self.records = records
@@ -232,6 +240,7 @@ class _Answer:
             messages=len(conversation),
             instructions=self.body.instructions is not None,
             conversation=conversation if one_turn else None,
+            owner=self.owner,
         )
         await self.records.save(self.response_id, record, conversation)
 

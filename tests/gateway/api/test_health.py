@@ -5,6 +5,7 @@ request got a 503 naming Redis's host and port)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import httpx
@@ -70,3 +71,32 @@ async def test_a_turn_waits_out_a_short_redis_outage_within_the_retry_budget(
             await redis.arestart()
             answer = await turn
             assert answer.status_code == 200, answer.text
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_an_unreachable_cluster_is_a_503_as_a_single_server_is(
+    make_sim: SimFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 52 §9: with a `redis+cluster://` URL no node answers, `/ready` was a 500 with a traceback on every probe
+    (redis-py's cluster client raises `RedisClusterException`, no `RedisError`): now the single server's 503 with a
+    Retry-After, and a turn the store's 503."""
+    sim = await make_sim("vllm")
+    settings = Settings(
+        server={"port": 0, "admin_token": ADMIN_TOKEN},
+        redis={"url": f"redis+cluster://127.0.0.1:{unused_port()}", "retry_budget_s": 0.5, "socket_timeout_s": 0.5},
+        replicas=[ReplicaConfig(url=sim.url, backend="sim", dialect="vllm")],
+    )
+    async with serve_gateway(settings) as gw:
+        for _ in range(2):  # every probe, not the first only
+            down = await http.get(f"{gw.url}/ready")
+            assert down.status_code == 503, down.text
+            assert down.json()["store"] is False and down.headers["retry-after"] == "1"
+        turn = await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert turn.status_code == 503 and turn.headers["retry-after"] == "1", turn.text
+        assert turn.json()["error"]["type"] == "store_unavailable"

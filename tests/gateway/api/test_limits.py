@@ -264,3 +264,45 @@ async def test_metadata_has_its_own_size_limit(
     assert response.status_code == 400 and response.json()["error"]["param"].startswith("metadata"), response.text
     assert "16384 bytes" in response.json()["error"]["message"]
     assert await nothing_stored(redis)
+
+
+async def test_a_sessions_metadata_has_a_bound_across_its_requests(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 52 §6: metadata was bounded per request only: 40 turns of 15 KB each left 615 KB in one session, all
+    delivered into its trajectory. The session's whole metadata is bounded (`store.max_session_metadata_bytes`,
+    64 KiB by default): the turn, or the finish, that would pass it is a 400 naming `metadata`, and nothing of it is
+    stored (the turn generates nothing)."""
+    gw = await gateway_on(make_sim, make_gateway)
+    headers = {"X-Session-ID": "much-metadata"}
+
+    def turn(index: int) -> dict[str, Any]:
+        return {"model": "tiny", "messages": USER, "max_tokens": 2, "metadata": {f"k{index}": "x" * 15_000}}
+
+    for index in range(4):  # 4 × 15 KB: within 64 KiB
+        assert (await http.post(f"{gw.url}/v1/chat/completions", json=turn(index), headers=headers)).is_success
+    session = (await http.get(f"{gw.url}/v1/sessions/much-metadata")).json()
+    over = await http.post(f"{gw.url}/v1/chat/completions", json=turn(4), headers=headers)
+    error = assert_error(over, 400, "metadata", "session_metadata_too_large")
+    assert "65536 bytes" in error["message"] and "store.max_session_metadata_bytes" in error["message"]
+    assert (await http.get(f"{gw.url}/v1/sessions/much-metadata")).json() == session  # no turn, no key
+    finish = await http.post(
+        f"{gw.url}/v1/sessions/much-metadata/finish", json={"reward": 1.0, "metadata": {"late": "y" * 6_000}}
+    )
+    assert_error(finish, 400, "metadata", "session_metadata_too_large")
+    assert (await http.get(f"{gw.url}/v1/sessions/much-metadata")).json() == session  # still active, unchanged
+    finished = await http.post(f"{gw.url}/v1/sessions/much-metadata/finish", json={"reward": 1.0})
+    assert finished.status_code == 200 and finished.json()["delivered"]
+    metadata = (await http.get(f"{gw.url}/v1/sessions/much-metadata")).json()["metadata"]
+    assert sorted(metadata) == ["k0", "k1", "k2", "k3"]
+
+
+async def test_the_session_metadata_bound_is_configured(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, redis: Redis
+) -> None:
+    """A session made with metadata over a lower `store.max_session_metadata_bytes` (within the per-request 16 KiB)
+    is refused, nothing stored."""
+    gw = await make_gateway([await make_sim("vllm")], store={"max_session_metadata_bytes": 1024})
+    made = await http.post(f"{gw.url}/v1/sessions", json={"metadata": {"blob": "x" * 2_000}})
+    assert "1024 bytes" in assert_error(made, 400, "metadata", "session_metadata_too_large")["message"]
+    assert await nothing_stored(redis)

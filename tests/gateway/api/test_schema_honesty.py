@@ -57,3 +57,30 @@ async def test_the_schema_says_what_the_validation_refuses(
     assert any("tool" in rule["if"]["properties"]["role"].get("enum", []) for rule in needs)
     empty = await http.post(f"{gw.url}/v1/completions", json={"model": "tiny", "prompt": []})
     assert empty.status_code == 400
+
+
+def integer_schemas(node: Any) -> list[dict[str, Any]]:
+    """Every schema of the document that says `type: integer`."""
+    if isinstance(node, list):
+        return [found for item in node for found in integer_schemas(item)]
+    if not isinstance(node, dict):
+        return []
+    here = [node] if node.get("type") == "integer" else []
+    return here + [found for value in node.values() for found in integer_schemas(value)]
+
+
+async def test_integer_bounds_are_published_as_the_integers_the_validation_takes(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 52 §12: FastAPI's OpenAPI model writes every bound as a float, so `seed`'s maximum 2**63 - 1 was
+    published as 2.0**63, a seed the validation refuses. The bounds of integer schemas are integers, exact."""
+    gw = await make_gateway([await make_sim("vllm")])
+    schemas = (await http.get(f"{gw.url}/openapi.json")).json()["components"]["schemas"]  # the stdlib's floats
+    seeds = [
+        s for name in ("ChatCompletionRequest", "ResponseRequest") for s in schemas[name]["properties"]["seed"]["anyOf"]
+    ]
+    assert [(s["minimum"], s["maximum"]) for s in seeds if s.get("type") == "integer"] == [(-(2**63), 2**63 - 1)] * 2
+    bounds = [(key, s[key]) for s in integer_schemas(schemas) for key in ("minimum", "maximum") if key in s]
+    assert bounds and all(type(value) is int for _, value in bounds), [b for b in bounds if type(b[1]) is not int]
+    over = await http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "seed": 2**63})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "seed"

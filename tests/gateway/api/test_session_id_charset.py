@@ -62,3 +62,31 @@ async def test_every_safe_character_is_a_session_id(
     assert response.status_code == 200 and response.json()["rollout"]["session_id"] == session
     too_long = await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": session + "y"})
     assert too_long.status_code == 400
+
+
+@pytest.mark.parametrize("session", [".", ".."])
+@pytest.mark.parametrize(
+    ("where", "param"),
+    [("header", "x-session-id"), ("body", "session_id"), ("path", "session_id"), ("create", "session_id")],
+)
+async def test_a_dot_segment_is_no_session_id(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, where: str, param: str, session: str
+) -> None:
+    """Issue 52 §12: `.` and `..` were taken as session ids, which no URL reaches (clients and browsers drop or
+    resolve the segment: `/sessions/../v1/...`, the dashboard's link). A 400 naming the source; `...` and `.a` stay
+    ids."""
+    gw = await make_gateway([await make_sim("vllm")])
+    url, body, headers = f"{gw.url}/v1/chat/completions", dict(CHAT), {}
+    if where == "header":
+        headers = {"X-Session-ID": session}
+    elif where == "body":
+        body["session_id"] = session
+    elif where == "path":  # percent-encoded, as a client that does not normalise sends it
+        url = f"{gw.url}/sessions/{session.replace('.', '%2E')}/v1/chat/completions"
+    else:
+        url, body = f"{gw.url}/v1/sessions", {"session_id": session}
+    response = await http.post(url, json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    for fine in ("...", ".a"):
+        assert (await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": fine})).is_success

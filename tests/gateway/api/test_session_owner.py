@@ -58,3 +58,39 @@ async def test_without_api_keys_sessions_are_open_to_every_caller(
     gw = await make_gateway([await make_sim("vllm")])
     assert (await http.post(f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "open"})).is_success
     assert (await http.get(f"{gw.url}/v1/sessions/open", headers={"Authorization": "Bearer anything"})).is_success
+
+
+async def test_another_key_sees_no_stored_response_of_this_one(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A stored response belongs to the key that created it (issue 52 §5: key B read key A's response and continued
+    it): B's `GET` is A's 404 for an unknown id, and B's `previous_response_id` the 400 an unknown id gets, whether
+    A's turn was a one-turn session's or a named one's. A keeps both."""
+    gw = await make_gateway([await make_sim("vllm")], server={"api_keys": [A, B]})
+    ask = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    one_turn = await http.post(f"{gw.url}/v1/responses", json=ask, headers=key(A))
+    named = await http.post(f"{gw.url}/v1/responses", json=ask, headers=key(A, "responses-of-a"))
+    unknown_id = "resp_" + "0" * 32
+    unknown_get = await http.get(f"{gw.url}/v1/responses/{unknown_id}", headers=key(A))
+    unknown_next = await http.post(
+        f"{gw.url}/v1/responses", json=ask | {"previous_response_id": unknown_id}, headers=key(B)
+    )
+    assert unknown_get.status_code == 404 and unknown_next.status_code == 400
+
+    for made in (one_turn, named):
+        assert made.status_code == 200, made.text
+        response_id = made.json()["id"]
+        for path in (f"/v1/responses/{response_id}", f"/sessions/elsewhere/v1/responses/{response_id}"):
+            theirs = await http.get(f"{gw.url}{path}", headers=key(B))
+            assert theirs.status_code == 404, theirs.text[:300]
+            assert theirs.json()["error"]["type"] == unknown_get.json()["error"]["type"]
+            assert made.json()["output"][0]["id"] not in theirs.text
+        after = ask | {"previous_response_id": response_id}
+        continued = await http.post(f"{gw.url}/v1/responses", json=after, headers=key(B))
+        assert continued.status_code == 400, continued.text
+        assert continued.json()["error"]["code"] == unknown_next.json()["error"]["code"]
+        assert continued.json()["error"]["code"] == "previous_response_not_found"
+        mine = await http.get(f"{gw.url}/v1/responses/{response_id}", headers=key(A))
+        assert mine.status_code == 200 and mine.json()["output"] == made.json()["output"]
+        again = await http.post(f"{gw.url}/v1/responses", json=after, headers=key(A))
+        assert again.status_code == 200, again.text
