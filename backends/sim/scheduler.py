@@ -220,7 +220,7 @@ class Rank:
         """Reserve the next token's KV of every running request (preempting the newest when short), then admit
         from the head of the queue while there is room; returns the tokens prefilled in this step. Like vLLM, a
         step that preempted admits nothing."""
-        if self.kv and self._reserve_running():
+        if self.kv and self._reserve_running() and self.running:
             return 0
         cap = self.engine.settings.max_num_seqs
         prefill = 0
