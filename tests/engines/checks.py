@@ -486,7 +486,7 @@ async def logprob_mismatch_is_numerical(gw: RunningGateway, server: EngineServer
     assert previous.mean > 10 * same.mean, (same, previous)
 
 
-# The load the simulator reports (backends/sim: vllm_metrics.py, sglang_app.py), by the names the real engines use.
+# The load the simulator reports (backends/sim: vllm_metrics.py, sglang_load.py), by the names the real engines use.
 LOAD_GAUGES = {
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
     "sglang": (
