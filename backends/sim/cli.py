@@ -43,7 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-delay", type=float, default=0.0, help="seconds per decode step")
     s.add_argument("--prefill-delay", type=float, default=0.0, help="seconds per uncached prompt token")
     s.add_argument("--block-size", type=int, default=None, help="prefix-cache block (default: vllm 16, sglang 1)")
-    s.add_argument("--cache-blocks", type=int, default=65536)
+    s.add_argument("--cache-blocks", type=int, default=65536, help="prefix-cache bound, in blocks")
+    c = p.add_argument_group("capacity (any of the first three turns the capacity model on; 0: unlimited)")
+    c.add_argument(
+        "--max-num-seqs",
+        "--max-running-requests",
+        dest="max_num_seqs",
+        type=int,
+        default=0,
+        help="requests decoded per step; the rest wait first come, first served",
+    )
+    c.add_argument(
+        "--num-gpu-blocks", type=int, default=0, help="KV blocks per rank (prefix cache included); short: preemption"
+    )
+    c.add_argument("--per-seq-delay", type=float, default=0.0, help="seconds a decode step takes per running request")
+    c.add_argument("--data-parallel-size", type=int, default=1, help="independent schedulers behind the one server")
     f = p.add_argument_group("features")
     f.add_argument(
         "--paused-new-requests",
@@ -97,6 +111,10 @@ def settings_from_args(args: argparse.Namespace) -> SimServerSettings:
         new_requests_while_paused=args.paused_new_requests,
         routed_experts_output=args.enable_return_routed_experts,
         routed_experts_input=args.enable_routed_experts_input,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks=args.num_gpu_blocks,
+        per_seq_delay_s=args.per_seq_delay,
+        data_parallel_size=args.data_parallel_size,
     )
     return SimServerSettings(
         dialect=args.dialect,

@@ -204,7 +204,17 @@ def control_router(engine: SimEngine, faults: FaultState) -> APIRouter:
             "load_delay": faults.load_delay_s,
             "ready": faults.ready,
             "weights_must_exist": faults.weights_must_exist,
-            "counters": dict(engine.counters),
+            "counters": dict(engine.total_counters()),
+            "ranks": [
+                {
+                    "running": rank.num_running,
+                    "waiting": rank.num_waiting,
+                    "kv_usage": rank.kv_usage(),
+                    "busy_s": rank.busy_s,
+                    "counters": dict(rank.counters),
+                }
+                for rank in engine.ranks
+            ],
         }
 
     @router.post("/faults")

@@ -1,7 +1,8 @@
-"""The simulator's engine core: continuous batching, pause modes, aborts, weights, prefix cache.
+"""The simulator's engine core: requests, pause modes, aborts, weights, data-parallel ranks.
 
-One step loop produces one token for every running request per step (like a real engine's decode batch),
-then sleeps `token_delay_s` (or just yields when it is zero). HTTP dialects (`vllm_app`, `sglang_app`) drive it.
+Each rank (`scheduler.Rank`) runs a step loop that produces one token for every request of its running batch per
+step, like a real engine's decode batch, with a capacity model when one is configured (batch cap, KV blocks, step
+time that grows with the batch and its prefill). HTTP dialects (`vllm_app`, `sglang_app`) drive it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,7 +21,8 @@ import numpy as np
 
 from backends.routed_experts import ExpertArray
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
-from common.hashing import mix64, string_key
+from backends.sim.scheduler import Rank
+from common.hashing import string_key
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ KEEP_MODES: frozenset[str | None] = frozenset({"keep", "retract", "in_place"})
 """The pauses that keep the requests in flight (and so, salted, a request that arrives meanwhile keeps its KV)."""
 FinishReason = Literal["stop", "length", "abort"]
 NewRequestsWhilePaused = Literal["block", "reject"]
+DpBalance = Literal["least_loaded", "round_robin"]
 
 SAMPLING_LOG_SIZE = 256
 """The requests whose sampling fields `SimEngine.sampling_log` keeps (the latest)."""
@@ -67,6 +70,29 @@ class EngineSettings:
     new_requests_while_paused: NewRequestsWhilePaused = "block"
     routed_experts_output: bool = False
     routed_experts_input: bool = False
+    # The capacity model (`scheduler`); any of the three set turns it on. 0: no cap, no KV limit, no per-request cost.
+    max_num_seqs: int = 0  # requests decoded per step (vLLM --max-num-seqs, SGLang --max-running-requests)
+    num_gpu_blocks: int = 0  # KV blocks of `block_size` tokens per rank, prefix cache included
+    per_seq_delay_s: float = 0.0  # step time added per request in the batch
+    data_parallel_size: int = 1  # independent schedulers behind one server
+    dp_balance: DpBalance = "least_loaded"  # where an unpinned request goes (vLLM: least loaded; SGLang: round robin)
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        if min(self.max_num_seqs, self.num_gpu_blocks) < 0 or self.per_seq_delay_s < 0:
+            raise ValueError("max_num_seqs, num_gpu_blocks and per_seq_delay_s must not be negative")
+        if self.num_gpu_blocks and -(-(self.max_model_len + 1) // self.block_size) > self.num_gpu_blocks:
+            # As vLLM refuses to start: one request of the longest length must fit in the KV cache alone.
+            raise ValueError(
+                f"num_gpu_blocks={self.num_gpu_blocks} blocks of {self.block_size} tokens cannot hold one request of "
+                f"max_model_len={self.max_model_len} tokens"
+            )
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the capacity model is on: a waiting queue, and step times shared by the batch."""
+        return bool(self.max_num_seqs or self.num_gpu_blocks or self.per_seq_delay_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +135,10 @@ class SimRequest:
     stale_key: int = 0
     salt_key: int = 0  # the prefix-cache partition of its `cache_salt` / `extra_key` (0: none)
     kept_through_pause: bool = False  # it reached the engine during a pause that keeps requests, and waited
+    rank: int = 0  # the data-parallel rank that serves it
+    preempted: bool = False  # queued again without its KV (scheduled mode): recomputed when admitted
+    kv_blocks: int = 0  # KV blocks it holds (with `num_gpu_blocks`), `shared_blocks` included
+    shared_blocks: list[int] = field(default_factory=list)  # the cached blocks it holds with others
     experts_input: ExpertArray | None = None
     script: tuple[int, ...] | None = None
     created: float = field(default_factory=time.monotonic)
@@ -130,7 +160,10 @@ class SimRequest:
 
 
 class SimEngine:
-    """A deterministic engine replica. Create inside a running event loop; call `start()` and `stop()`."""
+    """A deterministic engine replica. Create inside a running event loop; call `start()` and `stop()`.
+
+    `counters` are the engine's: with one rank they are also the rank's (steps, tokens, cache hits...); with
+    several, each rank counts its own (`ranks[i].counters`) and `total_counters()` adds them up."""
 
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
@@ -139,7 +172,6 @@ class SimEngine:
         self.version = settings.version
         self.wkey = weights_key(self.weights, self.version)
         self.requests: dict[str, SimRequest] = {}
-        self.running: dict[str, SimRequest] = {}
         self.paused = False
         self.pause_mode: PauseMode | None = None
         self.frozen = False
@@ -150,13 +182,12 @@ class SimEngine:
         self._admission_gates = 0
         self._gate_open = asyncio.Event()
         self._gate_open.set()
-        self._work = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._cache: OrderedDict[int, int] = OrderedDict()
-        self._retracted: set[str] = set()
-        self._recompute_tokens = 0  # KV to recompute before the next step (preempted and retracted requests)
         self.counters: Counter[str] = Counter()
+        size = settings.data_parallel_size
+        self.ranks = [Rank(self, i, self.counters if size == 1 else Counter()) for i in range(size)]
+        self._next_rank = 0  # round-robin dispatch
         self.scripts: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         # (first `prompt_log_head` prompt tokens, prompt length, time.monotonic()) of each submitted request,
         # only while `prompt_log_head` > 0 (benchmarks measure session affinity from the replicas' side with it;
@@ -166,22 +197,21 @@ class SimEngine:
         # The sampling fields of the latest requests as each dialect received them (`GET /sim/sampling_log`): what
         # a client asked for, including the fields the simulated model ignores (top_p, top_k).
         self.sampling_log: deque[dict[str, Any]] = deque(maxlen=SAMPLING_LOG_SIZE)
-        self._loop_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._loop_task is None:
-            # Hard reference: a task only referenced by the loop may be garbage-collected mid-flight.
-            self._loop_task = asyncio.create_task(self._step_loop(), name="sim-step-loop")
+        for rank in self.ranks:
+            rank.start()
 
     async def stop(self) -> None:
         self.abort_all(SHUTDOWN_MESSAGE)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
+        for rank in self.ranks:
+            if rank.task is not None:
+                rank.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rank.task
+                rank.task = None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -210,10 +240,14 @@ class SimEngine:
         params: SamplingSpec,
         experts_input: ExpertArray | None = None,
         cache_salt: str | None = None,
+        dp_rank: int | None = None,
     ) -> SimRequest:
-        """Admit a request: wait out (or reject during) a pause, prefill, then join the decode batch. Its prefix
-        is cached, and found, only among requests with the same `cache_salt`."""
+        """Admit a request: wait out (or reject during) a pause, then queue it on its rank (`dp_rank`, else the
+        dispatch policy's choice) or, without the capacity model, prefill and join the decode batch. Its prefix is
+        cached, and found, only among requests with the same `cache_salt`."""
         self.validate(prompt, params)
+        if dp_rank is not None and not 0 <= dp_rank < len(self.ranks):
+            raise SimRequestError(f"data parallel rank {dp_rank} is out of range [0, {len(self.ranks)})")
         if self.prompt_log_head:
             self.prompt_log.append((tuple(prompt[: self.prompt_log_head]), len(prompt), time.monotonic()))
         if engine_id in self.requests:
@@ -221,6 +255,7 @@ class SimEngine:
         kept = await self._admit()
         if engine_id in self.requests:  # another request with this id was admitted while we waited
             raise SimRequestError(f"request id {engine_id!r} is already in flight")
+        rank = self.ranks[self._dispatch() if dp_rank is None else dp_rank]
         request = SimRequest(
             engine_id=engine_id,
             prompt=list(prompt),
@@ -230,26 +265,49 @@ class SimEngine:
             kept_through_pause=kept,
             experts_input=experts_input,
             script=self._script_for(prompt),
+            rank=rank.index,
         )
         self.requests[engine_id] = request
+        rank.inflight += 1
         self._idle.clear()
-        self.counters["prompt_tokens"] += len(prompt)
-        cached = self._lookup_cache(request)
-        delay = (len(prompt) - cached) * self.settings.prefill_delay_s_per_token
+        rank.counters["prompt_tokens"] += len(prompt)
+        if rank.scheduled:
+            rank.waiting.append(request)
+            rank.wake()
+            return request
+        await self._prefill(rank, request)
+        return request
+
+    async def _prefill(self, rank: Rank, request: SimRequest) -> None:
+        """Unbounded mode: the request's own prefill delay, then the decode batch (other requests go on meanwhile)."""
+        cached = rank.take_hits(request, rank.match(request))
+        rank.counters["prefill_tokens"] += len(request.prompt) - cached
+        delay = (len(request.prompt) - cached) * self.settings.prefill_delay_s_per_token
         if delay > 0:
             try:
                 await asyncio.sleep(delay)
             except asyncio.CancelledError:  # the client went away while we prefilled
-                self.abort(engine_id, "client disconnected")
-                self._retire(request)
+                self.abort(request.engine_id, "client disconnected")
+                rank.retire(request)
                 raise
         if request.finished:  # aborted during prefill
-            self._retire(request)
-            return request
-        request.forward_wkeys = self._prefill_wkeys(request, cached)
-        self.running[engine_id] = request
-        self._wake()
-        return request
+            rank.retire(request)
+            return
+        request.forward_wkeys = rank.prefill_wkeys(request, cached)
+        rank.running[request.engine_id] = request
+        rank.wake()
+
+    def _dispatch(self) -> int:
+        """The rank of an unpinned request: the one with the fewest requests, lowest index first (vLLM's balancer),
+        or the next in turn (SGLang's default round robin)."""
+        ranks = self.ranks
+        if len(ranks) == 1:
+            return 0
+        if self.settings.dp_balance == "round_robin":
+            index = self._next_rank
+            self._next_rank = (index + 1) % len(ranks)
+            return index
+        return min(ranks, key=lambda rank: rank.inflight).index
 
     async def _admit(self) -> bool:
         """Wait out a pause or a drain; True if the request waited through a pause that keeps requests."""
@@ -298,86 +356,18 @@ class SimEngine:
             hashes.append(state)
         return hashes
 
-    def _lookup_cache(self, request: SimRequest) -> int:
-        """Leading full blocks found in the prefix cache; a real engine always recomputes the last token."""
-        size = self.settings.block_size
-        usable_blocks = (len(request.prompt) - 1) // size
-        stale = 0
-        hits = 0
-        for block in range(usable_blocks):
-            key = _cache_key(request, (block + 1) * size - 1)
-            stored = self._cache.get(key)
-            if stored is None:
-                break
-            self._cache.move_to_end(key)
-            if stored != self.wkey and not (request.salt_key and request.kept_through_pause):
-                # KV computed under other weights and never flushed: outputs differ from a clean run. Except for a
-                # salted request that was on its way when a `keep` pause began: its salt's KV is its own to keep,
-                # as a kept request keeps its KV (the simulator draws a kept request's tokens as a clean run's).
-                stale = mix64(stale ^ stored)
-            hits += 1
-        request.cached_tokens = hits * size
-        request.stale_key = stale
-        self.counters["prefix_cache_queries"] += len(request.prompt)
-        self.counters["prefix_cache_hits"] += request.cached_tokens
-        return request.cached_tokens
-
-    def _prefill_wkeys(self, request: SimRequest, cached: int) -> list[int]:
-        size = self.settings.block_size
-        wkeys = [self._cache.get(_cache_key(request, (p // size + 1) * size - 1), self.wkey) for p in range(cached)]
-        wkeys.extend([self.wkey] * (len(request.prompt) - cached))
-        return wkeys
-
-    def _store_cache(self, request: SimRequest) -> None:
-        size = self.settings.block_size
-        forwarded = len(request.forward_wkeys)
-        for end in range(size, forwarded + 1, size):
-            key = _cache_key(request, end - 1)
-            if key in self._cache:
-                self._cache.move_to_end(key)
-            else:
-                self._cache[key] = request.forward_wkeys[end - 1]
-        while len(self._cache) > self.settings.cache_blocks:
-            self._cache.popitem(last=False)
-
     # -- decoding --------------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        if self.running and not self.frozen and not self.stalled:
-            self._work.set()
+        for rank in self.ranks:
+            rank.wake()
 
     def set_stalled(self, stalled: bool) -> None:
         self.stalled = stalled
         self._wake()
 
-    async def _step_loop(self) -> None:
-        while True:
-            await self._work.wait()
-            if self.frozen or self.stalled or not self.running:
-                self._work.clear()
-                continue
-            if self._recompute_tokens:
-                # Requests that lost their KV recompute it before the batch steps on: a prefill that stalls every
-                # request of the batch, at the prefill rate.
-                tokens, self._recompute_tokens = self._recompute_tokens, 0
-                await asyncio.sleep(tokens * self.settings.prefill_delay_s_per_token)
-                continue
-            self._step()
-            delay = self.settings.token_delay_s
-            await asyncio.sleep(delay if delay > 0 else 0)
-
-    def _step(self) -> None:
-        wkey = self.wkey
-        version = self.version
-        for request in list(self.running.values()):
-            if request.engine_id in self._retracted:
-                continue
-            self._decode_one(request, wkey, version)
-            if request.finished:
-                self._retire(request)
-        self.counters["steps"] += 1
-
-    def _decode_one(self, request: SimRequest, wkey: int, version: str) -> None:
+    def decode_one(self, request: SimRequest, wkey: int, version: str, counters: Counter[str]) -> None:
+        """One step of `request`: sample its next token (a pure function of weights, seed and prefix)."""
         params = request.params
         produced = len(request.output_ids)
         if produced:
@@ -395,7 +385,7 @@ class SimEngine:
             request.top_logprobs.append(draw.top)
         request.versions.append(version)
         request.hashes.append(extend_prefix_hash(request.hashes[-1], token))
-        self.counters["generation_tokens"] += 1
+        counters["generation_tokens"] += 1
         if allow_eos and token == self.settings.shape.eos_token_id:
             request.finish_reason = "stop"
         elif token in params.stop_token_ids and produced + 1 >= params.min_tokens:
@@ -404,12 +394,9 @@ class SimEngine:
             request.finish_reason = "length"
         request.updated.set()
 
-    def _retire(self, request: SimRequest) -> None:
-        self.running.pop(request.engine_id, None)
+    def forget(self, request: SimRequest) -> None:
+        """A rank retired the request: it is no longer in flight."""
         self.requests.pop(request.engine_id, None)
-        self._retracted.discard(request.engine_id)
-        self._store_cache(request)
-        self.counters[f"finished_{request.finish_reason}"] += 1
         request.updated.set()
         if not self.requests:
             self._idle.set()
@@ -435,11 +422,12 @@ class SimEngine:
             return False
         request.finish_reason = "abort"
         request.abort_message = message
-        self.counters["aborted"] += 1
-        if engine_id in self.running:
-            self._retire(request)
+        rank = self.ranks[request.rank]
+        rank.counters["aborted"] += 1
+        if engine_id in rank.running or rank.scheduled:
+            rank.retire(request)
         else:
-            request.updated.set()  # still prefilling: `submit` retires it
+            request.updated.set()  # still prefilling: `_prefill` retires it
         return True
 
     def abort_all(self, message: str = "Aborted") -> int:
@@ -458,17 +446,25 @@ class SimEngine:
         else:
             self.frozen = True
             if mode == "retract":
-                newly = [r for r in self.running.values() if r.engine_id not in self._retracted]
-                for request in newly:
-                    request.num_retractions += 1
-                    self._retracted.add(request.engine_id)
-                self.counters["retractions"] += len(newly)
+                for rank in self.ranks:
+                    self._retract_rank(rank)
+
+    def _retract_rank(self, rank: Rank) -> None:
+        if rank.scheduled:
+            rank.preempt_all()  # back to the queue; recomputed when admitted after the resume
+            return
+        newly = [r for r in rank.running.values() if r.engine_id not in rank.retracted]
+        for request in newly:
+            request.num_retractions += 1
+            rank.retracted.add(request.engine_id)
+        rank.counters["retractions"] += len(newly)
 
     def resume(self) -> None:
-        retracted = [self.running[i] for i in self._retracted if i in self.running]
-        self._retracted.clear()
-        for request in retracted:
-            self._recompute(request)
+        for rank in self.ranks:
+            retracted = [rank.running[i] for i in rank.retracted if i in rank.running]
+            rank.retracted.clear()
+            for request in retracted:
+                rank.recompute_tokens += self.forget_kv(request)
         self.paused = False
         self.pause_mode = None
         self.frozen = False
@@ -510,7 +506,7 @@ class SimEngine:
 
     def active_blocking_flush(self) -> int:
         """Requests whose KV a cache flush would destroy (running, not retracted)."""
-        return sum(1 for i in self.running if i not in self._retracted)
+        return sum(rank.num_running for rank in self.ranks)
 
     def flush_cache(self, preempt_running: bool = False) -> bool:
         """Drop the prefix cache; refused (False) while requests hold KV, like the real engines, unless
@@ -520,26 +516,32 @@ class SimEngine:
             self._preempt_running()  # nothing holds KV after this
         elif self.active_blocking_flush():
             return False
-        self._cache.clear()
+        for rank in self.ranks:
+            rank.clear_cache()
         return True
 
     def _preempt_running(self) -> None:
-        for request in list(self.running.values()):
-            if request.engine_id in self._retracted:
+        for rank in self.ranks:
+            if rank.scheduled:
+                rank.preempt_all()  # counted as preemptions; recomputed when admitted again
                 continue
-            if self.frozen:
-                self._retracted.add(request.engine_id)  # back to the queue; `resume` recomputes its KV
-            else:
-                self._recompute(request)
-            self.counters["retractions"] += 1  # vLLM counts these as preemptions
+            for request in list(rank.running.values()):
+                if request.engine_id in rank.retracted:
+                    continue
+                if self.frozen:
+                    rank.retracted.add(request.engine_id)  # back to the queue; `resume` recomputes its KV
+                else:
+                    rank.recompute_tokens += self.forget_kv(request)
+                rank.counters["retractions"] += 1  # vLLM counts these as preemptions
 
-    def _recompute(self, request: SimRequest) -> None:
-        """The request lost its KV: recompute it under the weights now loaded (no cache hit, so nothing stale), at
-        the prefill rate before the batch's next step."""
-        request.forward_wkeys = [self.wkey] * len(request.forward_wkeys)
+    def forget_kv(self, request: SimRequest) -> int:
+        """The request lost its KV: it is recomputed under the weights now loaded (no cache hit, so nothing stale),
+        at the prefill rate. Returns the tokens to recompute."""
+        tokens = len(request.forward_wkeys)
+        request.forward_wkeys = [self.wkey] * tokens
         request.stale_key = 0
-        self._recompute_tokens += len(request.forward_wkeys)
-        self.counters["recomputed_tokens"] += len(request.forward_wkeys)  # what a flush cost (benchmarks.updates)
+        self.ranks[request.rank].counters["recomputed_tokens"] += tokens  # what a flush cost (benchmarks.updates)
+        return tokens
 
     def set_speed(self, token_delay_s: float | None, prefill_delay_s_per_token: float | None) -> None:
         """Change the per-token decode and prefill delays at run time (benchmarks reuse one set of replicas)."""
@@ -556,18 +558,28 @@ class SimEngine:
         self.resume()
         self.weights = self.settings.weights
         self.set_version(self.settings.version)
-        self._cache.clear()
-        self._recompute_tokens = 0
+        for rank in self.ranks:
+            rank.clear_cache()
+            rank.recompute_tokens = 0
         self.scripts.clear()
+
+    def total_counters(self) -> Counter[str]:
+        """The engine's counters with every rank's added (the same object with one rank)."""
+        if len(self.ranks) == 1:
+            return self.counters
+        total = Counter(self.counters)
+        for rank in self.ranks:
+            total.update(rank.counters)
+        return total
 
     @property
     def num_running(self) -> int:
-        """Requests in the decode batch (frozen ones too: they keep their KV)."""
-        return len(self.running) - len(self._retracted)
+        """Requests in the decode batches (frozen ones too: they keep their KV)."""
+        return sum(rank.num_running for rank in self.ranks)
 
     @property
     def num_waiting(self) -> int:
-        """Requests prefilling or retracted back to the queue (not those held at admission by a pause)."""
+        """Requests queued, prefilling or retracted back to the queue (not those held at admission by a pause)."""
         return len(self.requests) - self.num_running
 
 
@@ -576,9 +588,3 @@ def salt_key(cache_salt: str | None) -> int:
     if not cache_salt:
         return 0
     return string_key(cache_salt) or 1
-
-
-def _cache_key(request: SimRequest, position: int) -> int:
-    """The prefix-cache key of `request`'s prefix up to `position`: its hash, in the request's salt partition."""
-    prefix = request.hashes[position]
-    return prefix if not request.salt_key else mix64(prefix ^ request.salt_key)

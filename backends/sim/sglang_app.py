@@ -14,6 +14,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import orjson
@@ -21,7 +22,6 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,6 +39,7 @@ from backends.sim.common import (
     watch_disconnect,
 )
 from backends.sim.engine import SHUTDOWN_MESSAGE, EngineStopped, SamplingSpec, SimEngine, SimRequest, SimRequestError
+from backends.sim.sglang_load import SglangMetrics, load_sections, loads_as_prometheus, rank_load
 from backends.sim.sglang_models import (
     AbortReq,
     ContinueGenerationReqInput,
@@ -74,49 +75,6 @@ def error_body(message: str, status: int) -> bytes:
 
 def error_response(message: str, status: int) -> Response:
     return Response(error_body(message, status), status_code=status, media_type="application/json")
-
-
-# -- request bodies ----------------------------------------------------------------------------------------------
-
-
-class SglangMetrics:
-    """Prometheus collector reading the engine's counters at scrape time (no per-token metric calls)."""
-
-    def __init__(self, engine: SimEngine) -> None:
-        self.engine = engine
-
-    def collect(self) -> list[Metric]:
-        e = self.engine
-        names, values = ["model_name"], [e.settings.model_name]
-        queries = e.counters["prefix_cache_queries"]
-        out: list[Metric] = []
-        for name, doc, value in (
-            ("sglang:num_running_reqs", "The number of running requests.", float(e.num_running)),
-            ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", float(e.num_waiting)),
-            ("sglang:num_retracted_reqs", "The number of retracted requests.", float(len(e.running) - e.num_running)),
-            (
-                "sglang:cache_hit_rate",
-                "The prefix cache hit rate.",
-                e.counters["prefix_cache_hits"] / queries if queries else 0.0,
-            ),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=names)
-            gauge.add_metric(values, value)
-            out.append(gauge)
-        for name, doc, key in (
-            ("sglang:num_aborted_requests", "Number of requests aborted.", "aborted"),
-            ("sglang:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
-            ("sglang:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
-            ("sglang:cached_tokens", "Number of cached prompt tokens.", "prefix_cache_hits"),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=names)  # exposed with the `_total` suffix
-            counter.add_metric(values, float(e.counters[key]))
-            out.append(counter)
-        finished = sum(e.counters[f"finished_{reason}"] for reason in ("stop", "length", "abort"))
-        requests = CounterMetricFamily("sglang:num_requests", "Number of requests processed.", labels=names)
-        requests.add_metric(values, float(finished))
-        out.append(requests)
-        return out
 
 
 # -- the dialect ------------------------------------------------------------------------------------------------
@@ -197,6 +155,17 @@ class SglangDialect:
             return decode_int32_b64(body.replay_routed_experts, shape.num_layers, shape.top_k)
         except RoutedExpertsFormatError as exc:
             raise ContractError(f"replay_routed_experts: {exc}") from exc
+
+    def _dp_rank(self, body: GenerateReqInput) -> int | None:
+        """The rank `routed_dp_rank` (or its deprecated alias `data_parallel_rank`) pins; rank 0 of a server without
+        data parallelism is ignored, as SGLang does, and a rank it does not have is refused."""
+        rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+        ranks = len(self.engine.ranks)
+        if rank is None or (ranks == 1 and rank == 0):
+            return None
+        if not 0 <= rank < ranks:
+            raise ContractError(f"routed_dp_rank={rank} out of range [0, {ranks})")
+        return rank
 
     def _engine_id(self, body: GenerateReqInput) -> str:
         if isinstance(body.rid, list):
@@ -279,7 +248,7 @@ class SglangDialect:
         engine_id = self._engine_id(body)
         request = await unless_disconnected(
             raw,
-            self.engine.submit(engine_id, prompt, spec, replay, _cache_partition(body)),
+            self.engine.submit(engine_id, prompt, spec, replay, _cache_partition(body), self._dp_rank(body)),
             lambda: self.engine.abort(engine_id, "client disconnected"),
         )
         count_transport(self.engine, body.stream)
@@ -397,29 +366,32 @@ class SglangDialect:
             "skip_tokenizer_init": self.settings.tokenizer_path is None,
             "enable_return_routed_experts": engine.settings.routed_experts_output,
             "incremental_streaming_output": self.settings.incremental_streaming_output,
-            "internal_states": [{"num_running_reqs": engine.num_running, "num_waiting_reqs": engine.num_waiting}],
+            "internal_states": [
+                {"dp_rank": rank.index, "num_running_reqs": rank.num_running, "num_waiting_reqs": rank.num_waiting}
+                for rank in engine.ranks
+            ],
+            "dp_size": len(engine.ranks),
             "simulator": True,
         }
 
-    def loads(self) -> dict[str, Any]:
-        engine = self.engine
-        running, waiting = engine.num_running, engine.num_waiting
-        tokens = sum(len(r.prompt) + len(r.output_ids) for r in engine.requests.values())
-        load = {
-            "dp_rank": 0,
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting,
-            "num_used_tokens": tokens,
-        }
-        return {
-            "num_reqs": running + waiting,
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_tokens": tokens,
-            "dp_rank_count": 1,
-            "loads": [load],
-        }
+    def loads(self, dp_rank: int | None, include: str | None, prometheus: bool) -> Response:
+        """`GET /v1/loads`: every rank's load, or only `dp_rank`'s (none for a rank the server does not have)."""
+        sections = load_sections(include)
+        ranks = self.engine.ranks
+        if dp_rank is not None:
+            ranks = [ranks[dp_rank]] if 0 <= dp_rank < len(ranks) else []
+        loads = [rank_load(rank, sections) for rank in ranks]
+        if prometheus:
+            return Response(loads_as_prometheus(loads), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return json_response(
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": SGLANG_VERSION,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": loads,
+            }
+        )
 
 
 def _dialect(raw: Request) -> SglangDialect:
@@ -520,8 +492,10 @@ async def ready(raw: Request) -> Response:
 
 
 @router.get("/v1/loads")
-async def loads(raw: Request) -> dict[str, Any]:
-    return _dialect(raw).loads()
+async def loads(
+    raw: Request, dp_rank: int | None = None, include: str | None = None, format: str | None = None
+) -> Response:
+    return _dialect(raw).loads(dp_rank, include, format == "prometheus")
 
 
 @router.get("/metrics")
@@ -546,7 +520,9 @@ async def _on_http(_: Request, exc: Exception) -> Response:
 def create_sglang_app(settings: SimServerSettings) -> FastAPI:
     """A FastAPI app that behaves like an SGLang 0.5.23 server (`/generate` and native control routes)."""
     # SGLang always holds new requests while paused (`is_pause_cond.wait_for`); it never rejects them.
-    engine = SimEngine(dataclasses.replace(settings.engine, new_requests_while_paused="block"))
+    # Unpinned requests go round robin over the ranks (SGLang's default `--load-balance-method`).
+    engine_settings = dataclasses.replace(settings.engine, new_requests_while_paused="block", dp_balance="round_robin")
+    engine = SimEngine(engine_settings)
     app = build_app(
         "rollout-gateway simulator (SGLang dialect)",
         settings,

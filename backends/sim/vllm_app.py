@@ -72,6 +72,9 @@ def error_response(message: str, status: int) -> Response:
     return Response(error_body(message, status), status_code=status, media_type="application/json")
 
 
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""The request header that pins a request to one data-parallel rank (vLLM's API server)."""
+
 _SAMPLING = set(
     "max_tokens temperature top_p top_k seed stop_token_ids ignore_eos min_tokens logprobs min_p presence_penalty "
     "frequency_penalty".split()
@@ -135,8 +138,24 @@ class VllmDialect:
         self, raw: Request, engine_id: str, prompt: list[int], spec: SamplingSpec, replay: Any, salt: str | None
     ) -> Any:
         return await unless_disconnected(
-            raw, self.engine.submit(engine_id, prompt, spec, replay, salt), lambda: self.engine.abort(engine_id)
+            raw,
+            self.engine.submit(engine_id, prompt, spec, replay, salt, self._dp_rank(raw)),
+            lambda: self.engine.abort(engine_id),
         )
+
+    def _dp_rank(self, raw: Request) -> int | None:
+        """The rank the `X-data-parallel-rank` header pins (vLLM ignores one that is not an integer)."""
+        header = raw.headers.get(DP_RANK_HEADER)
+        if header is None:
+            return None
+        try:
+            rank = int(header)
+        except ValueError:
+            return None
+        ranks = len(self.engine.ranks)
+        if not 0 <= rank < ranks:
+            raise SimRequestError(f"data_parallel_rank {rank} is out of range [0, {ranks}).")
+        return rank
 
     async def _finished(self, raw: Request, request: SimRequest) -> None:
         async def wait() -> None:

@@ -16,9 +16,12 @@ import httpx
 import numpy as np
 
 from backends.routed_experts import decode_npy_b64
+from backends.sim.common import SimServerSettings
+from backends.sim.engine import EngineSettings
+from backends.sim.server import serve_in_process
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN, ADMIN_TOKEN
-from tests.engines.direct import flush, greedy, metric, prompt_of
+from tests.engines.direct import flush, greedy, metric, prompt_of, wait_metric
 from tests.engines.servers import EngineServer
 from tests.gateway_helpers import Streamed, generate_body, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
@@ -481,3 +484,112 @@ async def logprob_mismatch_is_numerical(gw: RunningGateway, server: EngineServer
     print(f"\n{server.kind} float32 mismatch: same {same}, previous {previous}")
     assert same.tokens == 2 * 4 * 4 * 16 and same.p99 < 1e-3 and same.max < 1e-2, same
     assert previous.mean > 10 * same.mean, (same, previous)
+
+
+# The load the simulator reports (backends/sim: vllm_metrics.py, sglang_load.py), by the names the real engines use.
+LOAD_GAUGES = {
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"),
+    "sglang": (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "sglang:num_retracted_reqs",
+    ),
+}
+LOAD_COUNTERS = {
+    "vllm": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"),
+    # SGLang's labelled counters have no sample before they count (sglang:cached_tokens_total, ...; see PREEMPTED).
+    "sglang": (),
+}
+USAGE = {"vllm": "vllm:kv_cache_usage_perc", "sglang": "sglang:token_usage"}
+LOAD_TOKENS = {"vllm": 3000, "sglang": 2000}  # long enough to be seen running on a busy two-core machine
+# Per-rank fields of SGLang's /v1/loads the simulator reports (srt/managers/load_snapshot.py, `LoadSnapshot`).
+LOADS_FIELDS = (
+    "dp_rank",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_used_tokens",
+    "num_total_tokens",
+    "max_total_num_tokens",
+    "max_running_requests",
+    "token_usage",
+    "cache_hit_rate",
+)
+
+
+async def load_reports_mean_what_the_simulator_says(http: httpx.AsyncClient, server: EngineServer) -> None:
+    """Issue 51 §1: the load names the simulator reports exist on the real engine, with its labels and meaning.
+    One long request in flight: running 1, waiting 0, KV usage in (0, 1]; SGLang's /v1/loads lists rank 0 with the
+    same, and `?dp_rank=0` only it. A simulator replica of the same dialect reports every one of those names."""
+    kind = server.kind
+    task = asyncio.create_task(_long_stream(http, server, LOAD_TOKENS[kind]))
+    try:
+        await wait_for(
+            lambda: _one_running_with_kv(http, server), timeout=60, what="the long request running, holding KV"
+        )
+        assert await metric(http, server, WAITING[kind]) == 0
+        text = (await http.get(f"{server.url}/metrics")).text
+        real = _sample_names(text)
+        for name in (*LOAD_GAUGES[kind], *LOAD_COUNTERS[kind]):
+            assert name in real, f"the engine exports no {name}"
+        if kind == "vllm":
+            assert any(line.startswith(f'{RUNNING[kind]}{{engine="0"') for line in text.splitlines()), text[:2000]
+        else:
+            await _loads_agree(http, server)
+    finally:
+        task.cancel()  # the client goes away: the engine aborts the request
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await wait_metric(http, server, RUNNING[kind], 0, timeout=60)
+    assert set((*LOAD_GAUGES[kind], *LOAD_COUNTERS[kind])) <= await _simulator_names(kind)
+
+
+async def _long_stream(http: httpx.AsyncClient, server: EngineServer, n: int) -> None:
+    if server.kind == "vllm":
+        url = f"{server.url}/v1/completions"
+        body: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "stream": True}
+    else:
+        url = f"{server.url}/generate"
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}, "stream": True}
+    async with http.stream("POST", url, json=body, timeout=300) as response:
+        async for _ in response.aiter_bytes():
+            pass
+
+
+async def _one_running_with_kv(http: httpx.AsyncClient, server: EngineServer) -> bool:
+    """Gauges lag the scheduler (published each logging interval): poll until they show the request."""
+    if await metric(http, server, RUNNING[server.kind]) != 1:
+        return False
+    usage = await metric(http, server, USAGE[server.kind])
+    assert 0 <= usage <= 1, usage
+    return usage > 0
+
+
+async def _loads_agree(http: httpx.AsyncClient, server: EngineServer) -> None:
+    answer = (await http.get(f"{server.url}/v1/loads")).json()
+    [load] = answer["loads"]
+    assert set(LOADS_FIELDS) <= set(load), sorted(load)
+    assert (load["dp_rank"], load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1, 0), load
+    assert 0 < load["token_usage"] <= 1 and load["num_used_tokens"] > 0, load
+    assert "queues" in load and {"waiting", "retracted"} <= set(load["queues"]), load
+    [only] = (await http.get(f"{server.url}/v1/loads", params={"dp_rank": 0})).json()["loads"]
+    assert only["dp_rank"] == 0
+    assert (await http.get(f"{server.url}/v1/loads", params={"dp_rank": 1})).json()["loads"] == []
+
+
+def _sample_names(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def _simulator_names(kind: str) -> set[str]:
+    """The sample names of a simulator replica of this dialect, after one request (counters appear once counted)."""
+    settings = SimServerSettings(dialect=kind, engine=EngineSettings(block_size=16 if kind == "vllm" else 1))  # type: ignore[arg-type]
+    async with serve_in_process(settings) as sim, httpx.AsyncClient(timeout=30) as client:
+        if kind == "vllm":
+            await client.post(f"{sim.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+        else:
+            await client.post(
+                f"{sim.url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+            )
+        return _sample_names((await client.get(f"{sim.url}/metrics")).text)

@@ -173,3 +173,8 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
     await restore(http, sglang_server)
     await agent_checks.reasoning_agent_episode(http, make_gateway, sglang_server, {}, history)
     await restore(http, sglang_server)
+
+
+async def test_load_reports_mean_what_the_simulator_says(sglang_server: EngineServer, http: httpx.AsyncClient) -> None:
+    await restore(http, sglang_server)
+    await checks.load_reports_mean_what_the_simulator_says(http, sglang_server)

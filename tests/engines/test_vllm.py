@@ -158,3 +158,8 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
     replica = {"new_requests_while_paused": "block", "scale_out": True}  # as the tier's `gw` fixture
     await agent_checks.reasoning_agent_episode(http, make_gateway, vllm_server, replica, history)
     await restore(http, vllm_server)
+
+
+async def test_load_reports_mean_what_the_simulator_says(vllm_server: EngineServer, http: httpx.AsyncClient) -> None:
+    await restore(http, vllm_server)
+    await checks.load_reports_mean_what_the_simulator_says(http, vllm_server)

@@ -555,13 +555,13 @@ async def test_info_and_health_endpoints(make_sim: SimFactory, http: httpx.Async
     for method in ("GET", "POST"):
         assert (await http.request(method, f"{sim.url}/flush_cache")).status_code == 200
 
-    idle = (await http.get(f"{sim.url}/v1/loads")).json()
-    assert (idle["num_reqs"], idle["num_running_reqs"], idle["num_waiting_reqs"], idle["num_tokens"]) == (0, 0, 0, 0)
+    [idle] = (await http.get(f"{sim.url}/v1/loads")).json()["loads"]
+    assert (idle["num_running_reqs"], idle["num_waiting_reqs"], idle["num_used_tokens"]) == (0, 0, 0)
     running = asyncio.create_task(generate(http, sim.url, gen(max_new_tokens=300)))
     await wait_for(lambda: _at_least(http, sim.url, 2), what="generation to start")
-    busy = (await http.get(f"{sim.url}/v1/loads")).json()
-    assert (busy["num_reqs"], busy["num_running_reqs"], busy["num_waiting_reqs"]) == (1, 1, 0)
-    assert busy["num_tokens"] > len(PROMPT)
+    [busy] = (await http.get(f"{sim.url}/v1/loads")).json()["loads"]
+    assert (busy["dp_rank"], busy["num_running_reqs"], busy["num_waiting_reqs"]) == (0, 1, 0)
+    assert busy["num_used_tokens"] > len(PROMPT) and 0 < busy["token_usage"] <= 1
     flush = await http.post(f"{sim.url}/flush_cache")
     assert flush.status_code == 400 and flush.text
     await post(http, sim.url, "/abort_request", {"abort_all": True})
