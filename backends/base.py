@@ -140,13 +140,15 @@ class Capabilities:
 
 @dataclass(frozen=True, slots=True)
 class Load:
-    """In-flight work the engine reports, and its prefix cache's counters since it started: prompt tokens looked
-    up, and those found cached (None where it does not say)."""
+    """In-flight work the engine reports, the share of its KV cache in use (0 to 1; the fullest of its engines where
+    it runs several), and its prefix cache's counters since it started: prompt tokens looked up, and those found
+    cached (None where it does not say)."""
 
     running: int | None = None
     waiting: int | None = None
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
+    kv_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

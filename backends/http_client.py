@@ -449,19 +449,24 @@ def decode_latest(buffer: bytes) -> tuple[bytes, list[Any], bool, tuple[int, str
     return rest, batch, ended, error
 
 
-def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
-    """Values of the named Prometheus samples, summed over their label sets; names that are absent are left out.
+def parse_gauges(text: str, names: Iterable[str], peaks: Iterable[str] = ()) -> dict[str, float]:
+    """Values of the named Prometheus samples, summed over their label sets (those named in `peaks` too: their
+    largest value instead, a share such as KV usage); names that are absent are left out.
 
     Only the lines of the wanted samples go through prometheus_client's parser: a real engine's /metrics is
     tens of kilobytes of histograms, and parsing all of it on every load probe costs milliseconds.
     """
-    wanted = set(names)
+    largest = set(peaks)
+    wanted = set(names) | largest
     lines = [line for line in text.splitlines() if _sample_name(line) in wanted]
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
-            if sample.name in wanted:
-                totals[sample.name] = totals.get(sample.name, 0.0) + float(sample.value)
+            name, value = sample.name, float(sample.value)
+            if name in largest:
+                totals[name] = max(totals.get(name, value), value)
+            elif name in wanted:
+                totals[name] = totals.get(name, 0.0) + value
     return totals
 
 
@@ -479,12 +484,13 @@ def _sample_name(line: str) -> str:
 class HttpEngineBackend:
     """What every HTTP engine adapter shares: the replica's pooled client, health, load and closing.
 
-    Subclasses name their engine's load gauges (`running_gauge`, `waiting_gauge`) and implement the rest of
-    `EngineBackend`.
+    Subclasses name their engine's load gauges (`running_gauge`, `waiting_gauge`, `kv_usage_gauge`) and implement
+    the rest of `EngineBackend`.
     """
 
     running_gauge: str
     waiting_gauge: str
+    kv_usage_gauge: str  # the share of the KV cache in use, 0 to 1
     cache_queries_counter: str  # prompt tokens the prefix cache was asked for (a counter, `_total` included)
     cache_hits_counter: str  # of them, those it had
 
@@ -510,17 +516,18 @@ class HttpEngineBackend:
 
     async def load(self) -> Load:
         """Running and waiting requests and the prefix cache's counters from `/metrics`, summed over label sets
-        (engines, models)."""
+        (engines, models), and the KV cache's usage (the fullest engine's)."""
         response = await request(self._client, self.id, "GET", "/metrics", timeout=self._probe)
         names = (self.running_gauge, self.waiting_gauge, self.cache_queries_counter, self.cache_hits_counter)
         with translate_errors(self.id):
-            gauges = parse_gauges(response.text, names)
+            gauges = parse_gauges(response.text, names, (self.kv_usage_gauge,))
         running, waiting = gauges.get(self.running_gauge), gauges.get(self.waiting_gauge)
         return Load(
             running=None if running is None else int(running),
             waiting=None if waiting is None else int(waiting),
             prefix_cache_queries=gauges.get(self.cache_queries_counter),
             prefix_cache_hits=gauges.get(self.cache_hits_counter),
+            kv_usage=gauges.get(self.kv_usage_gauge),
         )
 
     async def aclose(self) -> None:

@@ -65,6 +65,7 @@ class SglangBackend(HttpEngineBackend):
 
     running_gauge = "sglang:num_running_reqs"
     waiting_gauge = "sglang:num_queue_reqs"
+    kv_usage_gauge = "sglang:token_usage"
     cache_queries_counter = "sglang:prompt_tokens_total"
     cache_hits_counter = "sglang:cached_tokens_total"
 

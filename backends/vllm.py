@@ -140,6 +140,7 @@ class VllmBackend(HttpEngineBackend):
 
     running_gauge = "vllm:num_requests_running"
     waiting_gauge = "vllm:num_requests_waiting"
+    kv_usage_gauge = "vllm:kv_cache_usage_perc"
     cache_queries_counter = "vllm:prefix_cache_queries_total"
     cache_hits_counter = "vllm:prefix_cache_hits_total"
 

@@ -26,7 +26,7 @@ from gateway.generation.stale_cut import cut_behind
 from gateway.history import family_of, token_history_for
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import LoadBound, Replica, ReplicaPool
 from gateway.routing.discovery import Discovery, make_source
 from gateway.session.lifecycle import SessionLifecycle
 from gateway.session.quotas import SessionQuota
@@ -174,6 +174,11 @@ async def open_services(
             failure_threshold=r.failure_threshold,
             circuit_open_s=r.circuit_open_s,
             health_interval_s=r.health_interval_s,
+            group_placement=r.group_placement,
+            bound=LoadBound(r.load_bound, r.kv_usage_limit),
+            load_interval_s=r.load_interval_s,
+            prefix_block_tokens=r.prefix_block_tokens,
+            prefix_max_blocks=r.prefix_max_blocks,
         )
         stack.push_async_callback(pool.aclose)
         backends = [backend_factory(replica, settings) for replica in settings.replicas]

@@ -222,7 +222,7 @@ class Generator:
         (`_start_after_wait`): a plain function, as most segments start without waiting for anything."""
         if not self.weights.serving or resume.avoid:
             return None
-        replica = self.pool.pick(request.session_id)
+        replica = self.pool.pick(request.session_id, prompt=request.prompt_ids, group=request.group_id)
         return None if replica is None else self._start_on(replica, request, state, resume)
 
     async def _start_after_wait(
@@ -231,10 +231,11 @@ class Generator:
         """The next segment, once the weights serve and a replica (other than the one that just failed) is free."""
         if not self.weights.serving:
             await self._until_serving(resume.deadline)
-        replica = None if resume.avoid else self.pool.pick(request.session_id)
+        pool, prompt, group = self.pool, request.prompt_ids, request.group_id
+        replica = None if resume.avoid else pool.pick(request.session_id, prompt=prompt, group=group)
         if replica is None:
             wait_until = min(resume.deadline, time.monotonic() + self.settings.max_wait_s)
-            replica = await self.pool.acquire(request.session_id, wait_until, exclude=resume.avoid)
+            replica = await pool.acquire(request.session_id, wait_until, resume.avoid, prompt=prompt, group=group)
         return self._start_on(replica, request, state, resume)
 
     def _start_on(
@@ -247,6 +248,7 @@ class Generator:
             call = ahead  # built for this replica, and its weights have not changed since
         else:
             call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
+        self.pool.sent(replica, request.prompt_ids)  # what `cache_aware` expects the replica's prefix cache to hold
         dispatch_version = replica.version if replica.version is not None else self.weights.version
         run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at

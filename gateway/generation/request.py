@@ -36,6 +36,9 @@ class GenerationRequest:
 
     `stop_strings`: the stop strings `stop` watches for, as the record of what the completion was sampled with
     (`sampling_used`).
+
+    `group_id`: the GRPO group whose member session this completion is a turn of (the pool places a new member with
+    its group, `gateway.routing.groups`).
     """
 
     request_id: str
@@ -52,6 +55,7 @@ class GenerationRequest:
     # The weight version of the first sampled token of the sample this completion extends (an earlier turn's; None:
     # its first token is this completion's): the staleness budget cuts the completion when that falls behind.
     first_version: int | None = None
+    group_id: str | None = None
 
 
 STALE = "stale"

@@ -1,28 +1,41 @@
 """Routing: the replica pool (membership, health, load, placement, each replica's weight version), its placement
-policies, replica discovery, and the watch on a request in flight on a replica."""
+policies (with the prefix trees of `cache_aware`, the engine load some read, GRPO groups placed together), replica
+discovery, and the watch on a request in flight on a replica."""
 
+from gateway.routing.load import LoadBound, LoadPoller
 from gateway.routing.policies import (
+    Ask,
+    CacheAwarePolicy,
     LeastLoadedPolicy,
     Policy,
     RoundRobinPolicy,
     RoutingPolicyName,
+    StickyLeastLoadedPolicy,
     StickyPolicy,
     make_policy,
 )
 from gateway.routing.pool import PROBES_TO_TAKE_OUT, AffinityStats, Lease, ReplicaPool
-from gateway.routing.replica import InFlight, Replica
+from gateway.routing.prefix_tree import PrefixTree
+from gateway.routing.replica import EngineLoad, InFlight, Replica
 
 __all__ = [
     "PROBES_TO_TAKE_OUT",
     "AffinityStats",
+    "Ask",
+    "CacheAwarePolicy",
+    "EngineLoad",
     "InFlight",
     "LeastLoadedPolicy",
     "Lease",
+    "LoadBound",
+    "LoadPoller",
     "Policy",
+    "PrefixTree",
     "Replica",
     "ReplicaPool",
     "RoundRobinPolicy",
     "RoutingPolicyName",
+    "StickyLeastLoadedPolicy",
     "StickyPolicy",
     "make_policy",
 ]

@@ -1,7 +1,9 @@
 """The replica pool: membership, health, circuit breaking, load, placement, and each replica's weight version.
 
 Placement goes through a policy (`gateway.routing.policies`); `sticky`, the default, keeps a session on its replica
-while that replica serves.
+while that replica serves. A new member of a GRPO group goes with its group (`gateway.routing.groups`) under
+`routing.group_placement: together`. The policies that weigh engine load get a background reader of it
+(`gateway.routing.load`); `sticky` reads none.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from backends.base import EngineBackend
 from backends.errors import BackendUnavailable
 from common.hashing import mix64, string_key
 from gateway.background import stop
-from gateway.routing.policies import RoutingPolicyName, make_policy
+from gateway.routing.groups import together
+from gateway.routing.load import LoadBound, LoadPoller
+from gateway.routing.policies import Ask, CacheAwarePolicy, RoutingPolicyName, make_policy
 from gateway.routing.replica import InFlight, Replica
 
 logger = logging.getLogger(__name__)
@@ -72,8 +77,9 @@ class Lease:
 class ReplicaPool:
     """Replicas, their health and load, and where each session lives.
 
-    `placements` remembers the replica of recent sessions in this process (bounded LRU); the session store
-    records it durably so other gateway processes follow it too.
+    `placements` remembers the replica of the open sessions of this process (released when a session finishes,
+    `forget`; a bounded LRU besides, for the sessions never finished); the session store records it durably so
+    other gateway processes follow it too.
     """
 
     def __init__(
@@ -85,8 +91,21 @@ class ReplicaPool:
         circuit_open_s: float = 10.0,
         health_interval_s: float = 2.0,
         max_placements: int = 100_000,
+        group_placement: Literal["together", "hash"] = "together",
+        bound: LoadBound | None = None,
+        load_interval_s: float = 1.0,
+        prefix_block_tokens: int = 16,
+        prefix_max_blocks: int = 65_536,
     ) -> None:
-        self.policy = make_policy(policy, balance_factor)
+        self.bound = bound if bound is not None else LoadBound()
+        self.policy = make_policy(policy, balance_factor, self.bound, prefix_block_tokens, prefix_max_blocks)
+        self.groups_together = group_placement == "together"
+        # The prefix trees of `cache_aware`, fed by every engine request sent (`sent`); None under other policies.
+        self.prefixes = self.policy if isinstance(self.policy, CacheAwarePolicy) else None
+        self.loads: LoadPoller | None = None
+        if self.policy.reads_load:
+            on_read = self.prefixes.on_read if self.prefixes is not None else None
+            self.loads = LoadPoller(self.all, load_interval_s, on_read)
         self.failure_threshold = failure_threshold
         self.circuit_open_s = circuit_open_s
         self.health_interval_s = health_interval_s
@@ -113,6 +132,8 @@ class ReplicaPool:
 
     async def remove(self, replica_id: str) -> Replica:
         replica = self.replicas.pop(replica_id)
+        if self.prefixes is not None:
+            self.prefixes.drop(replica_id)
         self.notify()
         await replica.backend.aclose()
         return replica
@@ -148,22 +169,47 @@ class ReplicaPool:
         now = time.monotonic()
         return [r for r in self.replicas.values() if r.serving(now)]
 
-    def pick(self, session_id: str | None, exclude: Iterable[str] = ()) -> Replica | None:
-        """The replica for this session now, or None if none can serve. Records the placement."""
+    def pick(
+        self,
+        session_id: str | None,
+        exclude: Iterable[str] = (),
+        *,
+        prompt: Sequence[int] | None = None,
+        group: str | None = None,
+    ) -> Replica | None:
+        """The replica for this session now, or None if none can serve. Records the placement. `prompt`: the request's
+        prompt ids (`cache_aware` looks them up); `group`: the GRPO group the session is a member of (a new member
+        goes with its group, `gateway.routing.groups`)."""
         excluded = set(exclude)
         previous = self.placements.get(session_id) if session_id else None
         current = self.replicas.get(previous) if previous is not None else None
+        policy = self.policy
         if current is not None and current.id not in excluded and current.serving(time.monotonic()):
-            self._place(session_id, current, moved=False)  # sticky: checked before any candidate list is built
-            return current
-        candidates = [r for r in self.candidates() if r.id not in excluded]
-        if not candidates:
-            return None
+            if not policy.rebalances:
+                self._place(session_id, current, moved=False)  # sticky: checked before any candidate list is built
+                return current
+            candidates = [r for r in self.candidates() if r.id not in excluded]
+            if policy.stays(current, candidates):
+                self._place(session_id, current, moved=False)
+                return current
+        else:
+            candidates = [r for r in self.candidates() if r.id not in excluded]
+            if not candidates:
+                return None
         key = string_key(session_id) if session_id else mix64(time.monotonic_ns())
-        chosen = self.policy.choose(key, candidates, is_new=previous is None)
+        chosen = None
+        if group is not None and previous is None and self.groups_together:
+            chosen = together(string_key(group), candidates, self.bound)
+        if chosen is None:
+            chosen = policy.choose(Ask(key, previous is None, prompt), candidates)
         if session_id:
             self._place(session_id, chosen, moved=previous is not None)
         return chosen
+
+    def sent(self, replica: Replica, prompt: Sequence[int]) -> None:
+        """An engine request with `prompt` goes to `replica` (what `cache_aware` expects its prefix cache to hold)."""
+        if self.prefixes is not None:
+            self.prefixes.sent(replica, prompt)
 
     def _place(self, session_id: str | None, replica: Replica, *, moved: bool) -> None:
         if session_id is None:
@@ -182,19 +228,32 @@ class ReplicaPool:
         """Adopt a placement recorded elsewhere (e.g. another gateway process, via the session store)."""
         self.placements.setdefault(session_id, replica_id)
 
+    def forget(self, session_id: str) -> None:
+        """The session finished: release its placement (its Redis meta keeps the record)."""
+        self.placements.pop(session_id, None)
+
     async def wait_for_change(self, timeout: float) -> None:
         """Wait until membership, health or load changes (or `timeout` passes)."""
         changed = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), timeout)
 
-    async def acquire(self, session_id: str | None, deadline: float, exclude: Iterable[str] = ()) -> Replica:
+    async def acquire(
+        self,
+        session_id: str | None,
+        deadline: float,
+        exclude: Iterable[str] = (),
+        *,
+        prompt: Sequence[int] | None = None,
+        group: str | None = None,
+    ) -> Replica:
         """Pick a replica, waiting (until `deadline`, monotonic) while none can serve; 503 after that."""
         excluded = tuple(exclude)
         while True:
-            replica = self.pick(session_id, excluded)
+            replica = self.pick(session_id, excluded, prompt=prompt, group=group)
             if replica is None and excluded:
-                replica = self.pick(session_id)  # every other replica is out: retrying the same one beats failing
+                # Every other replica is out: retrying the same one beats failing.
+                replica = self.pick(session_id, prompt=prompt, group=group)
             if replica is not None:
                 return replica
             remaining = deadline - time.monotonic()
@@ -280,9 +339,12 @@ class ReplicaPool:
             request.interrupt(reason)
 
     def start_health_checks(self) -> None:
+        """Probe every replica's health in the background, and read its engine load where the policy weighs it."""
         if self._health_task is None:
             # Hard reference: the loop keeps only weak references to tasks.
             self._health_task = asyncio.create_task(self._health_loop(), name="replica-health")
+        if self.loads is not None:
+            self.loads.start()
 
     async def _health_loop(self) -> None:
         while True:
@@ -293,6 +355,8 @@ class ReplicaPool:
             await asyncio.sleep(self.health_interval_s)
 
     async def aclose(self) -> None:
+        if self.loads is not None:
+            await self.loads.aclose()
         if self._health_task is not None:
             await stop(self._health_task)
             self._health_task = None

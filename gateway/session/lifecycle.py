@@ -113,6 +113,8 @@ class SessionLifecycle:
         then lock and load the `size` member sessions of a group, `<base>-<i>`, all new (an existing one is a
         `Conflict`). Failing, the turn is closed: everything released."""
         turn = OpenTurn(self, base, owner=owner_of(key))
+        # The choices are placed as `base`, which no later turn names: its placement goes with the turn.
+        turn.hold(lambda: self.pool.forget(base))
         async with turn.closed_on_error():
             turn.hold(self.quota.acquire(key, base if named else None).release)
             members = group_members(base, size)
@@ -216,6 +218,7 @@ class SessionLifecycle:
         finally:
             if turn.one_turn:
                 self.sessions.forget(turn.session_id)  # it ends with this turn
+                self.pool.forget(turn.session_id)
         if turn.one_turn and not cancelled:
             await self.store.finish(turn.session_id, None, None)
 

@@ -76,9 +76,10 @@ class TurnRunner:
         self.prompts = PromptEncoder(tokenizer, max_model_len, lambda: self.sessions.cache_size)
 
     def forget(self, session_id: str) -> None:
-        """Drop what this process keeps of a finished session: its samples and its last raw prompt."""
+        """Drop what this process keeps of a finished session: its samples, its last raw prompt, its placement."""
         self.sessions.forget(session_id)
         self.prompts.forget(session_id)
+        self.lifecycle.pool.forget(session_id)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -155,7 +156,8 @@ class TurnRunner:
                 turn = await self.sessions.begin_completion_turn(sid, ids or [])
             await self.lifecycle.check_fresh(turn)  # a sample the staleness budget cut is not continued (410)
             turns = self.sessions.branch(turn, request.sampling.n)
-            prepared = self._prepare(handle, turns, request)
+            group = (request.metadata or {}).get("group_id") or (handle.meta.group_id if handle.meta else None)
+            prepared = self._prepare(handle, turns, request, group)
             await self.lifecycle.create(handle, request.metadata)
             handle.adopt(prepared)
         return prepared
@@ -189,16 +191,19 @@ class TurnRunner:
                 )
                 for member in members
             ]
-            prepared = self._prepare(handle, turns, request)
+            prepared = self._prepare(handle, turns, request, group_id)
             prepared.group_id = group_id
             await self.lifecycle.create_group(handle, members, metadata)
             handle.adopt(prepared)
         return prepared
 
-    def _prepare(self, handle: OpenTurn, turns: list[Turn], request: TurnRequest) -> PreparedTurn:
+    def _prepare(
+        self, handle: OpenTurn, turns: list[Turn], request: TurnRequest, group: str | None = None
+    ) -> PreparedTurn:
         """The choices of `turns` (one per choice, all of one prompt), checked against the context length. A chat
         turn's text is split into reasoning and content (with a reasoning parser), and tool calls (with the tools
-        it offers: the parser types text arguments by their schemas)."""
+        it offers: the parser types text arguments by their schemas). `group`: the GRPO group of the session (its
+        turns are placed with the group's)."""
         prompt_ids = turns[0].prompt_ids
         sampling = request.sampling
         room = self.max_model_len - len(prompt_ids)
@@ -223,7 +228,7 @@ class TurnRunner:
         silent = (*self.tokenizer.stop_token_ids, *sampling.stop_token_ids, *format_stops) if keep_special else ()
         choices = []
         for index, turn in enumerate(turns):
-            generation = self._request(handle.session_id, turn, request, max_tokens, index, format_stops)
+            generation = self._request(handle.session_id, turn, request, max_tokens, index, format_stops, group)
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not keep_special, stop=sampling.stop, silent_ids=silent
             )
@@ -244,6 +249,7 @@ class TurnRunner:
         max_tokens: int,
         index: int,
         format_stops: tuple[int, ...] = (),
+        group: str | None = None,
     ) -> GenerationRequest:
         """The generation of `turn`, placed as `session_id` (a group's members all as the group's session, so that
         their shared prompt lands on one replica's prefix cache), its sample written at every segment boundary."""
@@ -283,6 +289,7 @@ class TurnRunner:
             on_partial=on_partial,
             stream=request.stream,
             first_version=turn.sample.first_version,
+            group_id=group,
         )
 
     # -- running ---------------------------------------------------------------------------------------------

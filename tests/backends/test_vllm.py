@@ -716,7 +716,9 @@ async def test_older_server_answers(backend_for: BackendFactory, scripted: Scrip
         await backend.pause("keep")
 
 
-async def test_load_sums_label_sets(backend_for: BackendFactory, scripted: Scripted) -> None:
+async def test_load_sums_label_sets_and_takes_the_fullest_kv_cache(
+    backend_for: BackendFactory, scripted: Scripted
+) -> None:
     metrics = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
@@ -724,9 +726,13 @@ vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
 vllm:num_requests_running_total_something{engine="0"} 100.0
 vllm:num_requests_waiting{engine="0",model_name="a b"} 4.0
 vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
 """
     backend = backend_for((await scripted(replying(metrics))).url)
-    assert busy(await backend.load()) == (5, 4)
+    load = await backend.load()
+    assert busy(load) == (5, 4)
+    assert load.kv_usage == 0.5  # a share: the fullest engine's, not the sum
     assert await backend_for((await scripted(replying(b"# nothing\n"))).url).load() == Load()
     assert parse_gauges("", ["x"]) == {}
 

@@ -69,6 +69,7 @@ def test_repo_config_has_the_documented_values() -> None:
     assert settings.routing.policy == "sticky"
     assert settings.routing.balance_factor == 0.25
     assert settings.routing.health_interval_s == 2.0
+    assert settings.routing.group_placement == "together" and settings.routing.load_bound == 32
     assert settings.generation.max_resumes == 32
     assert settings.generation.request_timeout_s == 600
     assert settings.generation.max_wait_s == 60
@@ -303,6 +304,14 @@ def test_bad_replica(replica: dict[str, object], expected: str) -> None:
     [
         ({"redis": {"url": "http://r:6379"}}, "redis.url"),
         ({"routing": {"health_interval_s": 0}}, "routing.health_interval_s"),
+        ({"routing": {"policy": "prefix"}}, "routing.policy"),
+        ({"routing": {"group_placement": "split"}}, "routing.group_placement"),
+        ({"routing": {"load_bound": -1}}, "routing.load_bound"),
+        ({"routing": {"kv_usage_limit": 0}}, "routing.kv_usage_limit"),
+        ({"routing": {"kv_usage_limit": 1.5}}, "routing.kv_usage_limit"),
+        ({"routing": {"load_interval_s": 0}}, "routing.load_interval_s"),
+        ({"routing": {"prefix_block_tokens": 0}}, "routing.prefix_block_tokens"),
+        ({"routing": {"prefix_max_blocks": 0}}, "routing.prefix_max_blocks"),
         ({"weights": {"pause_mode": "drop"}}, "weights.pause_mode"),
         ({"weights": {"update_timeout_s": -1}}, "weights.update_timeout_s"),
         ({"store": {"max_pending": 0}}, "store.max_pending"),

@@ -1,0 +1,102 @@
+"""Engine load, read in the background for the policies that weigh it (`cache_aware`, `sticky_least_loaded`).
+
+A `LoadPoller` reads each replica's `/metrics` (`EngineBackend.load`) every `routing.load_interval_s`: its running
+and waiting requests (every gateway process's) and the share of its KV cache in use, kept on the replica
+(`Replica.engine_load`). Between two reads the pool adds the requests this process began and ended since
+(`Replica.load`), so a burst of placements sees its own weight at once. A read that fails forgets the last one: the
+replica's load is then this process's in-flight count until a read succeeds. The default policy (`sticky`) reads
+nothing and starts no poller.
+
+`LoadBound` says when a replica counts as loaded: more than `routing.load_bound` requests above the least loaded
+candidate, or its KV cache fuller than `routing.kv_usage_limit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backends.base import Load
+from backends.errors import BackendError
+from common.hashing import mix64
+from gateway.background import stop
+from gateway.routing.replica import EngineLoad, Replica
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LoadBound", "LoadPoller", "least_loaded"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBound:
+    """When a replica counts as loaded (see the module docstring)."""
+
+    requests: int = 32
+    kv_usage: float = 0.95
+
+    def loaded(self, replica: Replica, least: int) -> bool:
+        kv = replica.kv_usage
+        return replica.load > least + self.requests or (kv is not None and kv > self.kv_usage)
+
+
+def least_loaded(candidates: list[Replica], key: int) -> Replica:
+    """The candidate with the fewest requests; ties go by rendezvous hash of `key`, so processes that see the same
+    loads agree."""
+    return min(candidates, key=lambda r: (r.load, -mix64(key ^ r.key)))
+
+
+class LoadPoller:
+    """Reads the engine load of every replica `replicas()` lists, every `interval_s`; `on_read` sees each read."""
+
+    def __init__(
+        self,
+        replicas: Callable[[], list[Replica]],
+        interval_s: float,
+        on_read: Callable[[Replica, Load], None] | None = None,
+    ) -> None:
+        self._replicas = replicas
+        self.interval_s = interval_s
+        self._on_read = on_read
+        self._task: asyncio.Task[None] | None = None
+
+    async def poll(self) -> None:
+        """Read every replica's load once, concurrently."""
+        async with asyncio.TaskGroup() as group:
+            for replica in self._replicas():
+                group.create_task(self._read(replica))
+
+    async def _read(self, replica: Replica) -> None:
+        in_flight = replica.in_flight  # before the read: requests begun during it are the engine's or counted after
+        try:
+            load = await replica.backend.load()
+        except BackendError as exc:
+            logger.debug("replica %s: load not read: %s", replica.id, exc, extra={"replica": replica.id})
+            replica.engine_load = None
+            return
+        if load.running is None and load.waiting is None:
+            replica.engine_load = None  # an engine that reports neither: count what this process sends it
+        else:
+            requests = (load.running or 0) + (load.waiting or 0)
+            replica.engine_load = EngineLoad(requests, load.kv_usage, in_flight)
+        if self._on_read is not None:
+            self._on_read(replica, load)
+
+    def start(self) -> None:
+        if self._task is None:
+            # Hard reference: the loop keeps only weak references to tasks.
+            self._task = asyncio.create_task(self._loop(), name="replica-load")
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.poll()
+            except Exception:  # a bug in one round must not end load reading for good
+                logger.exception("engine load round failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            await stop(self._task)
+            self._task = None
