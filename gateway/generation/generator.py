@@ -37,7 +37,7 @@ from gateway.generation.request import (
     GenerationState,
     Segment,
 )
-from gateway.generation.stale_cut import first_version
+from gateway.generation.stale_cut import first_version, log_cut
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
 from gateway.token_versions import stale_version, token_versions
@@ -299,15 +299,7 @@ class Generator:
     def _count_cut(self, request: GenerationRequest, state: GenerationState) -> None:
         if self.staleness is not None:
             self.staleness.count_cut()
-        logger.info(
-            "request %s: cut for staleness after %d tokens (its sample began under version %s; the budget moved past "
-            "it with version %d)",
-            request.request_id,
-            len(state.output_ids),
-            first_version(request, state),
-            self.weights.version,
-            extra={"session_id": request.session_id, "version": self.weights.version},
-        )
+        log_cut(request, state, self.weights.version)
 
     async def _until_serving(self, deadline: float) -> None:
         try:

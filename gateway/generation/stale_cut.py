@@ -7,12 +7,16 @@ so far and finish reason "stale" (the generator's handling of `CutForStaleness`)
 
 from __future__ import annotations
 
+import logging
+
 from gateway.errors import CutForStaleness
 from gateway.generation.request import GenerationRequest, GenerationState
 from gateway.routing import ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
 
-__all__ = ["cut_behind", "first_version"]
+__all__ = ["cut_behind", "first_version", "log_cut"]
+
+logger = logging.getLogger("gateway.generation.generator")  # the generator's log, where a resume's cut is said
 
 
 def first_version(request: GenerationRequest, state: GenerationState) -> int | None:
@@ -35,3 +39,16 @@ def cut_behind(pool: ReplicaPool, oldest: int) -> int:
                 request.end(CutForStaleness(f"its sample's first token is older than version {oldest}"))
                 cut += 1
     return cut
+
+
+def log_cut(request: GenerationRequest, state: GenerationState, version: int) -> None:
+    """Say that a completion was cut for staleness under `version`."""
+    logger.info(
+        "request %s: cut for staleness after %d tokens (its sample began under version %s; the budget moved past it "
+        "with version %d)",
+        request.request_id,
+        len(state.output_ids),
+        first_version(request, state),
+        version,
+        extra={"session_id": request.session_id, "version": version},
+    )
