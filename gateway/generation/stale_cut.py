@@ -16,7 +16,7 @@ from gateway.routing.segment_watch import SegmentWatch
 
 __all__ = ["cut_behind", "first_version", "log_cut"]
 
-logger = logging.getLogger("gateway.generation.generator")  # the generator's log, where a resume's cut is said
+logger = logging.getLogger(__name__)
 
 
 def first_version(request: GenerationRequest, state: GenerationState) -> int | None:

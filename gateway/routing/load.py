@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from backends.base import Load
 from backends.errors import BackendError
 from common.hashing import mix64
-from gateway.background import stop
+from gateway.background import background, stop
 from gateway.routing.replica import EngineLoad, Replica
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,7 @@ class LoadPoller:
 
     def start(self) -> None:
         if self._task is None:
-            # Hard reference: the loop keeps only weak references to tasks.
-            self._task = asyncio.create_task(self._loop(), name="replica-load")
+            self._task = background(self._loop(), "replica-load")  # held here: the loop keeps weak references
 
     async def _loop(self) -> None:
         while True:
