@@ -207,7 +207,7 @@ async def open_services(
             flush_caches=settings.weights.flushes_caches,
         )
         stack.push_async_callback(weights.aclose)
-        weights.start_following()
+        await weights.start_following()
         g = settings.generation
         generator = Generator(
             pool,

@@ -28,7 +28,7 @@ from gateway.store.records import metadata_additions
 from gateway.store.samples import SampleWrite
 from gateway.store.trajectory_store import TrajectoryStore
 from gateway.store.weights_bus import WeightsBus, WeightsRecord
-from gateway.store.weights_events import Drained, Pausing, Serving, WeightsEvent
+from gateway.store.weights_events import Drained, Pausing, Serving, Subscribed, WeightsEvent
 
 _SampleWrite = SampleWrite  # its name before the store was split in modules (tests build one)
 
@@ -40,6 +40,7 @@ __all__ = [
     "Serving",
     "SessionLocks",
     "StoreStats",
+    "Subscribed",
     "TrajectoryStore",
     "WeightsBus",
     "WeightsEvent",

@@ -20,7 +20,7 @@ from gateway.errors import StoreError
 from gateway.store.cluster_client import FailoverAwareCluster
 from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
-from gateway.store.weights_events import Drained, Serving, WeightsEvent, parse_event
+from gateway.store.weights_events import Drained, Serving, Subscribed, WeightsEvent, parse_event
 
 __all__ = ["WeightsBus", "WeightsRecord"]
 
@@ -223,9 +223,10 @@ class WeightsBus:
         payload = orjson.dumps(event.to_wire() | {"origin": self.origin})
         await call(self.client.publish(self.keys.control, payload), "publish control event")
 
-    async def events(self) -> AsyncIterator[WeightsEvent]:
+    async def events(self) -> AsyncIterator[WeightsEvent | Subscribed]:
         """Control events from the other processes, forever (those of a kind this release does not know skipped);
-        reconnects after a Redis outage."""
+        reconnects after a Redis outage. `Subscribed` comes first, and again after each reconnection (the client's or
+        this loop's): the events sent meanwhile were lost."""
         delay = 0.1
         while True:
             try:
@@ -233,7 +234,9 @@ class WeightsBus:
                     # Its pub/sub picks a node by the channel's slot: the slots must be read first (a fresh client
                     # has not), and again after a failover.
                     await self.client.initialize()
-                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                # The subscription's confirmations are kept: one comes again each time the client resubscribes,
+                # which it does by itself after a lost connection (a Redis restart), and means `Subscribed`.
+                pubsub = self.client.pubsub()
             except (RedisError, RedisClusterException, OSError) as exc:
                 logger.warning("control channel unreachable (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
@@ -244,7 +247,10 @@ class WeightsBus:
                 delay = 0.1
                 while True:
                     message = await pubsub.get_message(timeout=30.0)
-                    if message is None or message.get("type") != "message":
+                    kind = message.get("type") if message is not None else None
+                    if kind == "subscribe":
+                        yield Subscribed()
+                    if kind != "message":
                         continue
                     raw: dict[str, Any] = orjson.loads(message["data"])
                     event = parse_event(raw) if raw.get("origin") != self.origin else None

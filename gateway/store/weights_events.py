@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Drained", "Pausing", "Serving", "WeightsEvent", "parse_event"]
+__all__ = ["Drained", "Pausing", "Serving", "Subscribed", "WeightsEvent", "parse_event"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,13 @@ class Drained:
 
     def to_wire(self) -> dict[str, Any]:
         return {"event": "drained", "token": self.token}
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribed:
+    """Not on the wire: this process's subscription to the control channel is (again) in place. Events sent while it
+    was not (before the first, during a Redis restart or failover) never reached it: what they said is read from
+    `rg:weights` and its lock."""
 
 
 WeightsEvent = Pausing | Serving | Drained

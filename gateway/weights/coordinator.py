@@ -286,7 +286,9 @@ class WeightCoordinator:
                 return False
             cache_clean = True
             if found != label:
-                cache_clean = await replica.backend.update_weights(label, self.last_source, flush=self.flush_caches)
+                # Flushed whatever the salt: requests sent to it before it was held out (it restarted unseen) were
+                # salted for this version but prefilled under the weights it ran, and their blocks are cached.
+                cache_clean = await replica.backend.update_weights(label, self.last_source, flush=True)
                 if await replica.backend.weight_version() != label:
                     return False
             self.pool.set_version(replica, self.version)
@@ -391,11 +393,14 @@ class WeightCoordinator:
 
     # -- several gateway processes on one Redis ----------------------------------------------------
 
-    def start_following(self) -> None:
-        """Follow updates that other gateway processes coordinate, and tell them this process is there."""
+    async def start_following(self, within_s: float = 5.0) -> None:
+        """Follow updates that other gateway processes coordinate, and tell them this process is there. Returns once
+        it is subscribed and knows of an update running now (it follows it: a process started mid-update must not
+        serve before its end), or after `within_s` where Redis does not answer (it catches up once it does)."""
         if self.leader is not None and self._follower is None:
             self._follower = Follower(self, self.leader)
             self._follower.start()
+            await self._follower.until_caught_up(within_s)
 
     async def adopt_recorded(self) -> bool:
         """Adopt the version `rg:weights` records where it is newer than this process's (a `serving` event it

@@ -1,9 +1,13 @@
 """Following the updates other gateway processes coordinate.
 
 On `pausing` this process stops dispatching (`FOLLOWING`) until the result (`serving`), and in `wait` mode drains
-its own requests and reports it. It stays on the bus with a heartbeat. A result it missed (its subscription was
-down: a Redis failover, a restart) is made up for from `rg:weights` once the lock no longer names the update; an
-update whose coordinator died, or that outlasts `weights.update_timeout_s`, is recovered (`Recovery`).
+its own requests and reports it. It stays on the bus with a heartbeat. What it missed while its subscription was
+down (a Redis restart or failover, this process starting mid-update) is read back as soon as the subscription is
+in place again: an update that holds the lock is followed as if its `pausing` had arrived, a result recorded in
+`rg:weights` adopted as if its `serving` had. Serving on meanwhile would label tokens with one version and salt the
+engines' caches with another (a `keep` update flushes nothing). A result missed while following is made up for from
+`rg:weights` once the lock no longer names the update; an update whose coordinator died, or that outlasts
+`weights.update_timeout_s`, is recovered (`Recovery`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 
 from gateway.background import stop
 from gateway.errors import StoreError
-from gateway.store import Drained, Pausing, Serving
+from gateway.store import Drained, Pausing, Serving, Subscribed
 from gateway.store.core import backoff_s
 from gateway.weights.host import Coordinator
 from gateway.weights.leader import Leadership
@@ -36,6 +40,7 @@ class Follower:
         self._draining: set[str] = set()  # the updates whose drain this process is reporting (`_drain_and_report`)
         self._follow_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self.caught_up = asyncio.Event()  # set once the first subscription has read back what it missed
         self.recovery = Recovery(weights, self, leader)
 
     def start(self) -> None:
@@ -44,6 +49,16 @@ class Follower:
             # Hard references: the loop keeps only weak references to tasks.
             self._follow_task = asyncio.create_task(self._follow(), name="weights-follow")
             self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="weights-heartbeat")
+
+    async def until_caught_up(self, within_s: float) -> None:
+        """Until the first subscription has read back what it missed (`_catch_up`), `within_s` at most; at once where
+        Redis does not answer (it catches up once Redis is back)."""
+        try:
+            await self.bus.holder()
+        except StoreError:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.caught_up.wait(), within_s)
 
     async def aclose(self) -> None:
         await stop(self._follow_task, self._heartbeat_task)
@@ -72,6 +87,37 @@ class Follower:
                 self.weights.adopt(event)
             elif isinstance(event, Drained):
                 self.leader.note_drained()
+            elif isinstance(event, Subscribed):
+                await self._catch_up()
+                self.caught_up.set()
+
+    async def _catch_up(self) -> None:
+        """Read back what the events sent while this process was not subscribed said (see the module docstring).
+        Nothing while it runs an update of its own (its result decides), nor where Redis does not answer (its next
+        subscription reads again)."""
+        weights = self.weights
+        if weights.lock.locked() or weights.machine.state not in (State.SERVING, State.FOLLOWING):
+            return
+        try:
+            lock = await self.bus.holder()
+            record = await self.bus.read() if lock is None else None
+        except StoreError:
+            return
+        if weights.lock.locked():
+            return  # this process began an update meanwhile
+        if lock is not None:
+            if not self.following(lock):
+                logger.warning("weights: an update began unannounced here (lock %s): following it", lock)
+                if weights.machine.state is State.SERVING:
+                    weights.gate.close()
+                    weights.machine.to(State.FOLLOWING)
+                self.followed = lock
+                self.watch(lock, None)  # what it is, out of band or not, was in the missed `pausing`
+            return
+        if weights.machine.state is State.FOLLOWING or (record is not None and record.version > weights.version):
+            logger.warning("weights: version %s, recorded, was not announced here", record.version if record else None)
+            self.followed = None
+            weights.adopt_record(record)
 
     def _on_pausing(self, event: Pausing) -> None:
         machine = self.weights.machine

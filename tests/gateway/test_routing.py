@@ -219,6 +219,43 @@ async def test_replica_restarted_between_probes_never_serves_old_weights(
             await asyncio.to_thread(proc.stop)
 
 
+async def test_a_replica_restarted_unseen_is_caught_up_with_its_cache_flushed(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Bug (found by the chaos soak): requests sent to a replica that restarted unseen are salted for the pool's
+    version but prefilled under the engine's initial weights, and their blocks stay in its prefix cache after the
+    gateway refuses their tokens. The catch-up loaded the pool's version without a flush (the salt was taken to keep
+    versions apart), so later requests with that salt reused KV of the wrong weights. A catch-up flushes now."""
+    procs = [SimProcess() for _ in range(2)]
+    for proc in procs:
+        await asyncio.to_thread(proc.start)
+    try:
+        replicas = [ReplicaConfig(url=p.url, backend="sim", dialect="vllm") for p in procs]
+        gw = await make_gateway(replicas, routing={"health_interval_s": 3600})  # no probe between the steps
+        assert (await publish(http, gw.url, 1)).status_code == 200
+        await asyncio.to_thread(procs[0].kill)
+        await asyncio.to_thread(procs[0].start)  # back on the same port with its initial weights, unseen
+        restarted = gw.services.pool.get(procs[0].url.removeprefix("http://"))
+        survivor = gw.services.pool.get(procs[1].url.removeprefix("http://"))
+        assert restarted is not None and survivor is not None
+        prompt = list(range(200, 240))  # two full blocks of the prefix cache
+        reached: list[str] = []
+        for i in range(8):  # sessions spread over both replicas: those on the restarted one resume on the other
+            result = (await http.post(f"{gw.url}/generate", json=generate_body(prompt, 4, session_id=f"s{i}"))).json()
+            assert result["output_ids"] == expected_tokens(prompt, [1] * 4, 4)
+            reached += result["replicas"]
+        assert restarted.id in reached
+        await gw.services.pool.check_health()  # the probe holds it out...
+        await wait_for(lambda: not restarted.stale and restarted.version == 1, what="the catch-up")  # ...until v1
+        assert (await http.delete(f"{gw.url}/admin/replicas/{survivor.id}", headers=ADMIN)).status_code == 204
+        result = (await http.post(f"{gw.url}/generate", json=generate_body(prompt, 4))).json()
+        assert result["replicas"] == [restarted.id] and result["versions"] == [1] * 4
+        assert result["output_ids"] == expected_tokens(prompt, [1] * 4, 4)
+    finally:
+        for proc in procs:
+            await asyncio.to_thread(proc.stop)
+
+
 def version_zero_engine(reads: dict[str, int], failing: tuple[int, ...] = ()) -> Callable[[Seen], Answer]:
     """A scripted vLLM replica at weight version 0 that counts its `/weight_info` reads in `reads`; the reads
     numbered in `failing` (from 1) answer 500."""

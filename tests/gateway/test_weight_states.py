@@ -25,7 +25,7 @@ from gateway.store.weights_events import parse_event
 from gateway.weights import TRANSITIONS, IllegalTransition, State, StateMachine, UpdateReport
 from gateway.weights.state import all_transitions
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
-from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish, slow, stream_generate
+from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish, slow, stream_generate, weights_of
 from tests.sim_helpers import sim_state, wait_for
 
 S, PG, PD, U, R, F = State.SERVING, State.PAUSING, State.PAUSED, State.UPDATING, State.RESUMING, State.FOLLOWING
@@ -251,6 +251,94 @@ async def test_a_follower_recovers_from_an_update_whose_coordinator_died(
     assert weights.machine.taken == SCENARIOS["recovering from an update whose coordinator died"]
     body = (await http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 3))).json()
     assert body["versions"] == [0, 0, 0]
+
+
+async def drop_subscriptions(redis_server: EmbeddedRedis) -> None:
+    """Close every control-channel subscription on the server, as a Redis restart does: each process subscribes again,
+    and whatever the channel carried meanwhile never reached it."""
+    client = connect(redis_server.url)
+    try:
+        await client.client_kill_filter(_type="pubsub")
+    finally:
+        await client.aclose()
+
+
+async def test_a_result_sent_while_a_process_was_not_subscribed_is_adopted_when_it_subscribes_again(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """A `keep` update flushes no cache: a process that missed its result would go on salting the engine's cache
+    with the old version, reuse KV computed under the old weights, and label the tokens with the new one. It adopts
+    the result as soon as its subscription is back (here with no health probe to notice the engine's version)."""
+    sim = await make_sim("vllm")
+    follower = await make_gateway([sim], routing={"health_interval_s": 60.0})
+    # The update runs from a process on another bus (its own key prefix), so the follower hears nothing of it: as a
+    # process whose subscription was down while it ran.
+    updater = await make_gateway([sim], store={"prefix": "elsewhere"})
+    prompt = list(range(100, 140))  # two full blocks of the engine's prefix cache
+    first = (await http.post(f"{follower.url}/generate", json=generate_body(prompt, 4))).json()
+    assert first["output_ids"] == expected_tokens(prompt, [0] * 4, 4)  # cached under version 0's salt and weights
+    assert (await publish(http, updater.url, 1, mode="keep")).status_code == 200
+    client = connect(redis_server.url)
+    try:
+        bus = WeightsBus(client, Keys(), origin="the-missed-coordinator")
+        await bus.record(1, "serving", weights_of(1)[0], [replica_id(sim.url)], [])  # what its coordinator recorded
+    finally:
+        await client.aclose()
+    assert follower.services.weights.version == 0
+    await drop_subscriptions(redis_server)
+    await wait_for(lambda: follower.services.weights.version == 1, what="the follower adopting the recorded v1")
+    answer = (await http.post(f"{follower.url}/generate", json=generate_body(prompt, 4))).json()
+    assert (answer["output_ids"], answer["versions"]) == (expected_tokens(prompt, [1] * 4, 4), [1] * 4)
+
+
+async def test_an_update_that_began_while_a_process_was_not_subscribed_is_followed_when_it_subscribes_again(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    follower = await make_gateway([sim], routing={"health_interval_s": 60.0}, weights={"member_ttl_s": 1.0})
+    weights = follower.services.weights
+    client = connect(redis_server.url)
+    try:
+        bus = WeightsBus(client, Keys(), origin="a-coordinator")
+        await bus.join(ttl_s=30.0)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60)  # its `pausing` is never heard here
+        await drop_subscriptions(redis_server)
+        await wait_for(lambda: weights.state is State.FOLLOWING, what="the follower following the unheard update")
+        held = asyncio.create_task(http.post(f"{follower.url}/generate", json=generate_body(PROMPT, 3)))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # no dispatch while the update runs
+        await bus.release(token)  # the update ends, its `serving` unheard too: read from `rg:weights`
+        await wait_for(lambda: weights.state is State.SERVING, what="the follower serving again")
+        assert (await held).json()["output_ids"] == expected_tokens(PROMPT, [0] * 3, 3)
+    finally:
+        await client.aclose()
+    assert weights.machine.taken == SCENARIOS["following another process's update"]
+
+
+async def test_a_process_started_while_an_update_runs_serves_only_after_it(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """A process (re)started mid-update missed its `pausing`: it reads the engines' versions from before the load,
+    and must not dispatch with them while the update runs."""
+    sim = await make_sim("vllm")
+    client = connect(redis_server.url)
+    try:
+        bus = WeightsBus(client, Keys(), origin="a-coordinator")
+        await bus.join(ttl_s=30.0)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60)
+        started = await make_gateway([sim], routing={"health_interval_s": 60.0}, weights={"member_ttl_s": 1.0})
+        weights = started.services.weights
+        assert weights.state is State.FOLLOWING  # from its start on
+        held = asyncio.create_task(http.post(f"{started.url}/generate", json=generate_body(PROMPT, 3)))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await bus.release(token)
+        await wait_for(lambda: weights.state is State.SERVING, what="the new process serving")
+        assert (await held).json()["output_ids"] == expected_tokens(PROMPT, [0] * 3, 3)
+    finally:
+        await client.aclose()
 
 
 # -- the bus's events on the wire ------------------------------------------------------------------------------------
