@@ -41,7 +41,14 @@ def connection_limits(settings: Settings) -> ConnectionLimits:
     """The client connection limits of `settings.server` (the connection cap derived from the fd limit if unset)."""
     server = settings.server
     cap = server.max_connections or derived_max_connections(settings.redis.max_connections)
-    return ConnectionLimits(server.max_header_bytes, server.header_timeout_s, cap)
+    return ConnectionLimits(
+        max_header_bytes=server.max_header_bytes,
+        header_timeout_s=server.header_timeout_s,
+        max_connections=cap,
+        body_timeout_s=server.body_timeout_s,
+        min_body_rate_bytes_s=server.min_body_rate_bytes_s,
+        silent_timeout_near_cap_s=server.silent_timeout_near_cap_s,
+    )
 
 
 def uvicorn_config(

@@ -60,6 +60,17 @@ class ServerConfig(Section):
     header_timeout_s: Seconds = Field(
         10.0, description="A connection that has not sent a complete request head within this is closed, seconds."
     )
+    body_timeout_s: Seconds = Field(
+        30.0,
+        description="A request body with no byte for this long is answered 408, seconds; also the rate floor's grace.",
+    )
+    min_body_rate_bytes_s: int = Field(
+        1024, ge=0, description="A body must arrive this fast on average past body_timeout_s, or 408; 0: no floor."
+    )
+    silent_timeout_near_cap_s: Seconds = Field(
+        0.5,
+        description="With half of max_connections open, a connection that has sent nothing is closed after this.",
+    )
     max_connections: int | None = Field(
         None, ge=1, description="Client connections per process; then idle ones close, else 503; None: by fd limit."
     )

@@ -1,7 +1,7 @@
 """The client connection limits, enforced where bytes arrive, in a subclass of uvicorn's httptools protocol
 (`server_protocol` under `fastpath:`).
 
-Three limits (config.yaml, `server`):
+The limits (config.yaml, `server`):
 
 - `max_header_bytes`: a request head (request line and headers) longer than this is answered 431 and the
   connection closed. The parser is fed at most this many bytes of a head, so a huge header costs the event loop
@@ -9,11 +9,25 @@ Three limits (config.yaml, `server`):
 - `header_timeout_s`: a connection must send a complete request head within this long of connecting, or of the
   first byte of its next request; otherwise it is closed (408 if part of a head came). Idle time between requests
   is uvicorn's keep-alive timeout.
+- `body_timeout_s` and `min_body_rate_bytes_s`: a request body is answered 408 and its connection closed when no
+  byte of it came for `body_timeout_s`, or when it came slower on average than `min_body_rate_bytes_s` past a grace
+  of `body_timeout_s` (each byte buys `1 / min_body_rate_bytes_s` more: Apache's mod_reqtimeout `MinRate`). The
+  gap alone is beaten by a byte every so often, the rate alone by a burst then silence; a whole-body deadline would
+  cut large uploads on slow links. The body is timed from the end of its head, in raw bytes whatever its framing
+  (a `Content-Length`, or chunks), on every route, read by the app or not (a body the app answered without reading
+  is still timed; its connection is then closed without a second answer). Time the gateway holds the body back
+  (uvicorn pauses reading while the app has not taken what came, or before its `100 Continue`) starts the clock
+  again.
 - `max_connections`: a connection past this closes the longest-idle connection (one that has sent nothing since
   it connected or since its last response, for at least `IDLE_GRACE_S`) and is served; when none is idle it is
   answered 503 at once and closed. So idle sockets can neither take the file descriptors the gateway needs for
   Redis and the replicas nor keep agents out; only requests under way (and heads still within
   `header_timeout_s`) fill the cap.
+- `silent_timeout_near_cap_s`: a connection made with `ConnectionLimits.near_cap` connections open (itself
+  included) must send its first byte within this long, not `header_timeout_s` (a client sends its request as soon as
+  it has connected); and, that near the cap, a new connection or one cut so closes every other that has been silent
+  this long since it connected. So a flood of silent connections holds about its rate times this many, not its rate
+  times `header_timeout_s`.
 
 A refused connection is closed the way HTTP servers close one whose client may still be sending (RFC 9112 §9.6,
 "lingering close"): the answer, then the write side shut, then what the client still sends is read and dropped
@@ -27,14 +41,17 @@ timer armed, holding the connection's protocol, its last request cycle (scope, h
 only the cyclic collector frees.
 
 uvicorn has no public API for any of this: its `limit_concurrency` answers 503 only once a whole head has come (so
-idle sockets past it still hold their file descriptors), and it has no head size or head time limit on httptools.
+idle sockets past it still hold their file descriptors), and it has no head size, head time or body time limit on
+httptools.
 So the protocol class given to uvicorn's `http=` overrides asyncio's `Protocol` callbacks, httptools' parser
 callbacks and `on_response_complete` (the callback uvicorn gives each response), each calling the parent's, and
 reads uvicorn's attributes `transport`, `loop`, `server_state` (its connection set), `cycle` (whether a response is
-under way) and `timeout_keep_alive_task`: uvicorn is pinned in pyproject.toml, and
+under way; `CYCLE_NAMES` of it), `flow` (whether reading is paused), `pipeline` (requests queued behind a response)
+and `timeout_keep_alive_task`: uvicorn is pinned in pyproject.toml, and
 `tests/gateway/fastpath/test_taken.py` fails when they move. With the part off (`gateway.server.uvicorn_config`),
-uvicorn's own httptools protocol serves with `limit_concurrency: server.max_connections` alone: no head limits, a
-connection past the cap is answered 503 once its head came, and a reset connection is freed by the collector.
+uvicorn's own httptools protocol serves with `limit_concurrency: server.max_connections` alone: no head or body
+limits, a connection past the cap is answered 503 once its head came, and a reset connection is freed by the
+collector.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import ClassVar
 
 import orjson
@@ -50,6 +68,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.connection_limits import ConnectionLimits
 
 __all__ = [
+    "CYCLE_NAMES",
     "IDLE_GRACE_S",
     "LINGER_S",
     "REFUSAL_LINGER_S",
@@ -61,9 +80,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-UVICORN_NAMES = ("transport", "loop", "server_state", "cycle", "timeout_keep_alive_task")
+UVICORN_NAMES = ("transport", "loop", "server_state", "cycle", "flow", "pipeline", "timeout_keep_alive_task")
 """The attributes of uvicorn's protocol this part reads and writes (tests/gateway/fastpath/test_taken.py checks
 that a connection's protocol still has them)."""
+
+CYCLE_NAMES = ("response_started", "response_complete", "waiting_for_100_continue", "disconnected", "message_event")
+"""The attributes of uvicorn's request cycle this part reads and writes (checked by the same test)."""
 
 LINGER_S = 2.0
 """How long a refused connection's remaining input is read and dropped before it is closed, seconds."""
@@ -125,37 +147,59 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     limits: ClassVar[ConnectionLimits]
     idle: ClassVar[dict[LimitedHttpToolsProtocol, float]]
     """This server's idle connections and since when (loop time), longest idle first."""
+    silent: ClassVar[OrderedDict[LimitedHttpToolsProtocol, float]]
+    """Those of them that have sent nothing since they connected, and when they connected, oldest first."""
+    dropped: ClassVar[set[LimitedHttpToolsProtocol]]
+    """Connections this server closed that the loop has not reported lost yet (uvicorn still counts them)."""
     too_large: ClassVar[bytes]
     too_many: ClassVar[bytes]
     timed_out: ClassVar[bytes]
+    body_timed_out: ClassVar[bytes]
 
     # Per-connection state beside the parent's, set in connection_made (uvicorn makes one protocol per connection).
     _reading_head: bool
     _head_bytes: int
     _heads: int
     _head_timer: asyncio.TimerHandle | None
+    _head_deadline: float
+    _body_timer: asyncio.TimerHandle | None
+    _body_since: float
+    """When the body's clock started (loop time)."""
+    _body_last: float
+    """When bytes of it last came."""
+    _body_bytes: int
+    """How many came since the clock started."""
+    _body_held: bool
+    """Whether the gateway held the body back since the clock started."""
     _linger: asyncio.TimerHandle | None
     _refused: bool
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._reading_head, self._head_bytes, self._heads, self._refused = True, 0, 0, False
-        self._head_timer = self._linger = None
+        self._head_timer = self._body_timer = self._linger = None
         now = self.loop.time()
-        if len(self.server_state.connections) > self.limits.max_connections:
+        limits = self.limits
+        near_cap = self._near_cap()
+        if near_cap:
+            self._cut_silent(now)
+        if len(self.server_state.connections) - len(self.dropped) > limits.max_connections:
             longest_idle = next(iter(self.idle), None)
             if longest_idle is None or now - self.idle[longest_idle] < IDLE_GRACE_S:
-                _warn(f"more than server.max_connections={self.limits.max_connections} busy (503)")
+                _warn(f"more than server.max_connections={limits.max_connections} busy (503)")
                 self._refuse(self.too_many, REFUSAL_LINGER_S)
                 return
-            del self.idle[longest_idle]
-            longest_idle.transport.close()  # it has nothing unanswered and sent nothing since: a plain close
-        self.idle[self] = now
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+            longest_idle._drop()  # it has nothing unanswered and sent nothing since: a plain close
+        self.idle[self] = self.silent[self] = now
+        self._head_deadline = now + limits.header_timeout_s
+        wait_s = min(limits.header_timeout_s, limits.silent_timeout_near_cap_s) if near_cap else limits.header_timeout_s
+        self._head_timer = self.loop.call_later(wait_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.idle.pop(self, None)
-        self._cancel_head_timer()
+        self.silent.pop(self, None)
+        self.dropped.discard(self)
+        self._cancel_timers()
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
@@ -164,11 +208,21 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: dropped unread
-        if not self._reading_head:
+        if self._reading_head:
+            self._head_received(data)
+        else:
+            self._body_bytes += len(data)
+            self._body_last = self.loop.time()
             super().data_received(data)
-            return
+            if self.flow.read_paused:  # the app has not taken what came: the client waits for the gateway
+                self._body_held = True
+        if not (self._reading_head or self._refused or self._body_timer or self.transport.is_closing()):
+            self._arm_body_timer()  # a body is on its way
+
+    def _head_received(self, data: bytes) -> None:
         if not self._head_bytes:
             self.idle.pop(self, None)  # a request begins
+            self.silent.pop(self, None)
         room = self.limits.max_header_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -191,7 +245,8 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
             # The next request on a kept-alive connection came in part: its head must be complete in time too.
             # (A head pipelined behind a response still being sent waits for it; uvicorn's keep-alive timeout
             # bounds it from there.)
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+            self._head_deadline = self.loop.time() + self.limits.header_timeout_s
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)
 
     # httptools parser callbacks
 
@@ -199,11 +254,16 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         self._reading_head = False
         self._heads += 1
         self._cancel_head_timer()
+        self._body_since = self._body_last = self.loop.time()  # a body's clock starts (its timer once one comes)
+        self._body_bytes = 0
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._reading_head, self._head_bytes = True, 0
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     # The callback uvicorn's response cycle calls when a response is sent
 
@@ -218,34 +278,121 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         self._head_timer = None
         if self.transport.is_closing():
             return
-        if self._head_bytes:
+        now = self.loop.time()
+        if not self._head_bytes:  # it never said anything: nobody to answer
+            if self._near_cap():
+                self._cut_silent(now)  # and others silent as long
+            self._drop()
+        elif now < self._head_deadline:  # it spoke within the first byte's time near the cap
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)
+        else:
             _warn(f"a request head not complete within server.header_timeout_s={self.limits.header_timeout_s} (408)")
             self._refuse(self.timed_out)
-        else:
-            self.transport.close()  # it never said anything: nobody to answer
+
+    def _arm_body_timer(self) -> None:
+        self._body_held = self._holding_body()
+        self._body_timer = self.loop.call_at(self._body_since + self.limits.body_timeout_s, self._body_timed_out)
+
+    def _holding_body(self) -> bool:
+        """Whether the gateway holds the body back: reading paused, or the `100 Continue` it waits for not sent."""
+        return self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue)
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self._reading_head or self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return  # complete, closed, or upgraded to another protocol
+        if self._body_held or self._holding_body():
+            # The client may have waited for the gateway meanwhile: its clock starts again.
+            self._body_since = self._body_last = self.loop.time()
+            self._body_bytes = 0
+            self._arm_body_timer()
+            return
+        limits = self.limits
+        deadline = self._body_last + limits.body_timeout_s
+        if limits.min_body_rate_bytes_s:
+            floor = self._body_since + limits.body_timeout_s + self._body_bytes / limits.min_body_rate_bytes_s
+            deadline = min(deadline, floor)
+        if self.loop.time() < deadline:
+            self._body_timer = self.loop.call_at(deadline, self._body_timed_out)
+            return
+        _warn(
+            f"a request body slower than server.min_body_rate_bytes_s={limits.min_body_rate_bytes_s} or silent for "
+            f"server.body_timeout_s={limits.body_timeout_s:g} (408)"
+        )
+        cycle = self.cycle
+        if cycle.response_started or self.pipeline:
+            # Answered already (the app did not wait for the body), or another request's response under way.
+            self._refused = True
+            self.transport.close()
+            return
+        cycle.disconnected = True  # the app's read of the body ends now, and nothing it sends goes out
+        cycle.message_event.set()
+        self._answer(self.body_timed_out, LINGER_S)
+
+    def _near_cap(self) -> bool:
+        return len(self.server_state.connections) - len(self.dropped) >= self.limits.near_cap
+
+    def _cut_silent(self, now: float) -> None:
+        """Closes the connections that have sent nothing for `silent_timeout_near_cap_s` since they connected."""
+        silent, connected_by = self.silent, now - self.limits.silent_timeout_near_cap_s
+        while silent:
+            oldest, since = next(iter(silent.items()))
+            if since > connected_by:
+                return
+            oldest._drop()
+
+    def _drop(self) -> None:
+        """Closes this connection without a word (it has nothing unanswered)."""
+        self.idle.pop(self, None)
+        self.silent.pop(self, None)
+        if not self.transport.is_closing():
+            self.dropped.add(self)
+            self.transport.close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _cancel_timers(self) -> None:
+        self._cancel_head_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
     def _responding(self) -> bool:
         """Whether a response is being sent on this connection (a request pipelined behind it is waiting)."""
         return self.cycle is not None and not self.cycle.response_complete
 
     def _refuse(self, answer: bytes, linger_s: float = LINGER_S) -> None:
-        self._refused = True
-        self._cancel_head_timer()
         if self._responding():
             # An answer now would land inside the response under way: a client that pipelined a request past a
             # limit gets the connection closed instead.
+            self._refused = True
+            self._cancel_timers()
             self.transport.close()
             return
+        self._answer(answer, linger_s)
+
+    def _answer(self, answer: bytes, linger_s: float) -> None:
+        """Answers `answer`, then closes the connection after a lingering close (the module docstring)."""
+        self._refused = True
+        self._cancel_timers()
         self.transport.write(answer)
         if self.transport.can_write_eof():
             self.transport.write_eof()
         # The client's EOF closes the transport (the parent's eof_received); this bounds a client that never sends it.
         self._linger = self.loop.call_later(linger_s, self.transport.close)
+
+
+def _body_timeout_message(limits: ConnectionLimits) -> str:
+    paused = f"no byte of the request body came for {limits.body_timeout_s:g} s (server.body_timeout_s)"
+    if not limits.min_body_rate_bytes_s:
+        return paused
+    return (
+        f"{paused}, or it came slower than {limits.min_body_rate_bytes_s} bytes/s after its first "
+        f"{limits.body_timeout_s:g} s (server.min_body_rate_bytes_s)"
+    )
 
 
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
@@ -254,6 +401,8 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
     attributes = {
         "limits": limits,
         "idle": {},
+        "silent": OrderedDict(),
+        "dropped": set(),
         "too_large": _answer(
             431,
             "Request Header Fields Too Large",
@@ -274,6 +423,13 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
             "invalid_request_error",
             "request_header_timeout",
             f"the request head was not complete within {limits.header_timeout_s:g} s (server.header_timeout_s)",
+        ),
+        "body_timed_out": _answer(
+            408,
+            "Request Timeout",
+            "invalid_request_error",
+            "request_body_timeout",
+            _body_timeout_message(limits),
         ),
     }
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), attributes)

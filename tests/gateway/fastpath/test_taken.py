@@ -16,7 +16,7 @@ from gateway.fastpath import hot_routes, one_pass_route
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.hot_routes import HotRoutes
 from gateway.fastpath.redis_batching import PipelineBatcher
-from gateway.fastpath.server_protocol import UVICORN_NAMES, LimitedHttpToolsProtocol
+from gateway.fastpath.server_protocol import CYCLE_NAMES, UVICORN_NAMES, LimitedHttpToolsProtocol
 from gateway.fastpath.server_send import abort_connection, server_transport
 from gateway.server import RunningGateway
 from gateway.store.pipelines import OwnPipelines
@@ -77,6 +77,8 @@ async def test_every_part_is_taken_on_the_pinned_libraries(
     connections = gw.server.server_state.connections
     assert connections and all(isinstance(c, LimitedHttpToolsProtocol) for c in connections)
     assert all(set(UVICORN_NAMES) <= vars(c).keys() for c in connections), "uvicorn's protocol renamed its state"
+    cycles = [c.cycle for c in connections if c.cycle is not None]
+    assert cycles and all(set(CYCLE_NAMES) <= vars(c).keys() for c in cycles), "uvicorn's cycle renamed its state"
 
 
 async def test_off_switch_leaves_the_libraries_alone(
