@@ -59,6 +59,24 @@ def _chunks(text: str, size: int) -> Iterator[str]:
         start = end
 
 
+def _pieces(texts: Iterable[str], size: int) -> Iterator[str]:
+    """`texts` run together in pieces of at most `size` characters: short texts joined, each longer one in its own
+    `_chunks`. Lazy: a piece is made when it is asked for."""
+    held: list[str] = []
+    length = 0
+    for text in texts:
+        if held and length + len(text) > size:
+            yield "".join(held)
+            held, length = [], 0
+        if len(text) > size:
+            yield from _chunks(text, size)
+        elif text:
+            held.append(text)
+            length += len(text)
+    if held:
+        yield "".join(held)
+
+
 class ChatTokenizer:
     """The model's tokenizer and chat template, loaded from a local folder.
 
@@ -158,16 +176,16 @@ class ChatTokenizer:
         return characters <= tokens * self._max_token_bytes
 
     async def count_at_least(self, texts: Iterable[str], limit: int, chunk_chars: int = COUNT_CHUNK_CHARS) -> int:
-        """A lower bound of the tokens of `texts`, counted a chunk of at most `chunk_chars` characters at a time (cut
-        after whitespace where there is some) and no further than needed to pass `limit`: the time and memory of a
-        text far too long are those of its first `limit` tokens, not of all of it. A cut may split what the whole
-        text encodes as one token, so each chunk but the first counts one token less."""
+        """A lower bound of the tokens of `texts` run together, counted a chunk of at most `chunk_chars` characters
+        at a time (short texts joined, a long one cut after whitespace where it has some) and no further than needed
+        to pass `limit`: the time and memory of texts far too long are those of their first `limit` tokens, not of
+        all of them, and `texts` are read no further. A cut may split what the whole text encodes as one token, so
+        each chunk but the first counts one token less."""
         total = 0
-        for text in texts:
-            for chunk in _chunks(text, chunk_chars):
-                total += max(0, len(await self.encode_async(chunk)) - (1 if total else 0))
-                if total > limit:
-                    return total
+        for chunk in _pieces(texts, chunk_chars):
+            total += max(0, len(await self.encode_async(chunk)) - (1 if total else 0))
+            if total > limit:
+                return total
         return total
 
     @property

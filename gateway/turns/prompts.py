@@ -1,21 +1,32 @@
-"""A turn's prompt checked and encoded: a text too long for the context refused before it is tokenized whole
-(`PromptEncoder.check_fits`), and a raw completion's text encoded reusing what it shares with its session's previous
-prompt (`PromptEncoder.encode`)."""
+"""A turn's prompt checked and encoded: a prompt too long for the context refused before it is rendered or tokenized
+whole (`PromptEncoder.check_fits`, over every text of it: `conversation_texts`, `text_prompt`), and a raw completion's
+text encoded reusing what it shares with its session's previous prompt (`PromptEncoder.encode`)."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import orjson
 
 from gateway.errors import InvalidRequest
 from gateway.tokenization import ChatTokenizer, EncodedPrefix
+from gateway.turns.request import Conversation
 
-__all__ = ["LIKELY_MAX_CHARS_PER_TOKEN", "PromptEncoder", "message_texts"]
+__all__ = ["LIKELY_MAX_CHARS_PER_TOKEN", "PromptEncoder", "PromptTexts", "conversation_texts", "text_prompt"]
 
 # Beyond this many characters a token of the context, a prompt is counted in chunks before it is tokenized whole:
 # natural text and code run at 2-5 characters a token, so a text that long almost never fits.
 LIKELY_MAX_CHARS_PER_TOKEN = 8
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the refusal's error code, as OpenAI's
+
+PromptTexts = Sequence[tuple[str, Callable[[], Iterable[str]]]]
+"""A prompt's texts by the request field that holds them (the refusal's `param`), in the order a template writes
+them; each a function that reads them anew, lazily (the check reads them once or twice, and no further than it
+needs)."""
 
 
 class PromptEncoder:
@@ -33,25 +44,36 @@ class PromptEncoder:
         """Drop the session's last prompt (it is finished)."""
         self._prefixes.pop(session_id, None)
 
-    async def check_fits(self, texts: list[str], param: str) -> None:
-        """Refuse a text the context cannot hold before tokenizing it whole (a 15 MB prompt cost seconds of CPU and a
-        GB of memory to learn it was too long): by its length alone where that says so (`ChatTokenizer.fits_in`);
-        else, for a text longer than `LIKELY_MAX_CHARS_PER_TOKEN` characters a token of the context, by counting its
-        tokens a chunk at a time up to the context (`ChatTokenizer.count_at_least`). A shorter text is tokenized
-        whole, a cost bounded by the context's size."""
-        characters = sum(map(len, texts))
-        if not self.tokenizer.fits_in(characters, self.max_model_len):
-            raise InvalidRequest(
-                f"{characters} characters of prompt text cannot fit the context length of {self.max_model_len} tokens",
-                param=param,
-            )
-        if characters > self.max_model_len * LIKELY_MAX_CHARS_PER_TOKEN:
-            counted = await self.tokenizer.count_at_least(texts, self.max_model_len)
-            if counted > self.max_model_len:
+    async def check_fits(self, texts: PromptTexts) -> None:
+        """Refuse a prompt the context cannot hold before it is rendered or tokenized whole (a prompt or tool
+        descriptions of megabytes cost seconds of CPU and gigabytes of memory to learn it was too long): by its
+        texts' length alone where that says so (`ChatTokenizer.fits_in`), read no further than that; else, for texts
+        longer than `LIKELY_MAX_CHARS_PER_TOKEN` characters a token of the context, by counting their tokens a chunk
+        at a time up to the context (`ChatTokenizer.count_at_least`). Shorter texts are rendered whole, a cost
+        bounded by the context's size. The refusal names the field whose texts passed the bound."""
+        limit = self.max_model_len
+        characters = 0
+        for param, read in texts:
+            for text in read():
+                characters += len(text)
+                if not self.tokenizer.fits_in(characters, limit):
+                    raise InvalidRequest(
+                        f"the prompt text through `{param}` is at least {characters} characters, which cannot fit "
+                        f"the context length of {limit} tokens",
+                        param=param,
+                        code=CONTEXT_LENGTH_EXCEEDED,
+                    )
+        if characters <= limit * LIKELY_MAX_CHARS_PER_TOKEN:
+            return
+        counted = 0
+        for param, read in texts:
+            counted += await self.tokenizer.count_at_least(read(), limit - counted)
+            if counted > limit:
                 raise InvalidRequest(
-                    f"the prompt text is more than {counted} tokens (counted up to the context length of "
-                    f"{self.max_model_len} tokens)",
+                    f"the prompt text through `{param}` is at least {counted} tokens (counted up to the context "
+                    f"length of {limit} tokens)",
                     param=param,
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 )
 
     async def encode(self, text: str, session_id: str | None) -> list[int]:
@@ -71,14 +93,50 @@ class PromptEncoder:
         return ids
 
 
-def message_texts(messages: list[dict[str, Any]]) -> list[str]:
-    """The texts of messages' contents (string content, or its text parts): part of what their rendering holds."""
-    texts: list[str] = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            parts = (part.get("text") for part in content if isinstance(part, dict))
-            texts += [text for text in parts if isinstance(text, str)]
-    return texts
+def text_prompt(text: str) -> PromptTexts:
+    """A raw completion's text prompt, for `PromptEncoder.check_fits`."""
+    return [("prompt", lambda: (text,))]
+
+
+def conversation_texts(conversation: Conversation) -> PromptTexts:
+    """Every text a conversation's rendering holds, for `PromptEncoder.check_fits`: its tools' (`tools`; templates
+    write them first), then its messages' (`messages`), as `field_texts` reads them."""
+    tools, messages = conversation.tools or (), conversation.messages
+    return [
+        ("tools", lambda: (text for tool in tools for text in field_texts(tool))),
+        ("messages", lambda: (text for message in messages for text in field_texts(message))),
+    ]
+
+
+_NOT_TEXT = frozenset({"role", "type"})  # a message's role, a tool's or a part's type: the template's own words
+_LISTS = frozenset({"content", "tool_calls"})  # a message's content parts, an assistant's tool calls
+
+
+def field_texts(fields: Mapping[str, Any]) -> Iterator[str]:
+    """The texts of a message's or a tool's fields, as the chat template may write them: strings as they are (a
+    content, a name, a description, a tool call's arguments), the fields of content parts, of tool calls and of a
+    tool's `function` read the same way, and any other structure (a `parameters` schema, arguments as an object) as
+    compact JSON, which the template's own JSON (`tojson`) can only lengthen. Roles and types are left out."""
+    for key, value in fields.items():
+        if key in _NOT_TEXT or value is None or isinstance(value, bool | int | float):
+            continue
+        if isinstance(value, str):
+            yield value
+        elif key == "function" and isinstance(value, Mapping):
+            yield from field_texts(value)
+        elif key in _LISTS and isinstance(value, list):
+            for item in value:
+                if isinstance(item, Mapping):
+                    yield from field_texts(item)
+                else:
+                    yield _json(item)
+        else:
+            yield _json(value)
+
+
+def _json(value: Any) -> str:
+    """`value` as compact JSON."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # an integer too large for orjson: the stdlib's encoder writes it
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)

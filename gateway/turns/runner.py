@@ -34,7 +34,7 @@ from gateway.tokenization.token_ids import first_outside
 from gateway.turns import choices as generating
 from gateway.turns.group import group_metadata
 from gateway.turns.prepared import Choice, ChoiceEvent, PreparedTurn
-from gateway.turns.prompts import PromptEncoder, message_texts
+from gateway.turns.prompts import PromptEncoder, conversation_texts, text_prompt
 from gateway.turns.request import Conversation, TextPrompt, TokenPrompt, TurnRequest, wrapped_seed
 
 __all__ = ["MAX_RANDOM_SEED", "PROMPT_TAIL_TOKENS", "TurnRunner"]
@@ -98,7 +98,7 @@ class TurnRunner:
             self.check_model(request.model)
         prompt = request.prompt
         if isinstance(prompt, Conversation):
-            await self.prompts.check_fits(message_texts(prompt.messages), "messages")
+            await self.prompts.check_fits(conversation_texts(prompt))
             kwargs = self.template_kwargs(prompt)
             if request.group:
                 ids = await self.tokenizer.render_async(prompt.messages, prompt.tools, chat_template_kwargs=kwargs)
@@ -115,7 +115,9 @@ class TurnRunner:
         return template_arguments(self.chat_template_kwargs, conversation.template_kwargs)
 
     async def render(self, conversation: Conversation) -> list[int]:
-        """The ids the chat template renders of `conversation` (with the generation prompt)."""
+        """The ids the chat template renders of `conversation` (with the generation prompt), once its texts are
+        checked against the context (`PromptEncoder.check_fits`): what is rendered is bounded by the context's size."""
+        await self.prompts.check_fits(conversation_texts(conversation))
         kwargs = self.template_kwargs(conversation)
         return await self.tokenizer.render_async(conversation.messages, conversation.tools, chat_template_kwargs=kwargs)
 
@@ -124,7 +126,7 @@ class TurnRunner:
         if isinstance(prompt, TokenPrompt) and prompt.checked:
             return prompt.ids
         if isinstance(prompt, TextPrompt):
-            await self.prompts.check_fits([prompt.text], "prompt")
+            await self.prompts.check_fits(text_prompt(prompt.text))
             ids = await self.prompts.encode(prompt.text, session_id)
         else:
             ids = list(prompt.ids)

@@ -1,8 +1,10 @@
 """Property tests (hypothesis): the token/expert merge of the resume loop, the Redis codecs of trajectories, the
-vocabulary check of token-id lists and the decoding of model-written JSON for answers."""
+vocabulary check of token-id lists, the decoding of model-written JSON for answers and the prompt bound over
+conversations with tools."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -15,11 +17,16 @@ from hypothesis import strategies as st
 from backends.base import ReplicaSpec, SamplingParams, VersionSpan, spans_to_versions
 from backends.factory import create_backend
 from gateway.api.json_answer import model_json
+from gateway.assets import TINY_TOKENIZER_DIR
+from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
 from gateway.generation.generator import _SegmentRun
 from gateway.routing import Replica, ReplicaPool
+from gateway.tokenization import ChatTokenizer
 from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
+from gateway.turns.prompts import PromptEncoder, conversation_texts
+from gateway.turns.request import Conversation
 from gateway.weights import WeightCoordinator, parse_version, version_label
 
 LAYERS, TOP_K = 2, 3
@@ -310,3 +317,67 @@ def test_model_json_answers_what_the_model_wrote(value: Any) -> None:
     same value, integers of any size included (they were a 500 on `/v1/messages`)."""
     written = json.dumps(value, ensure_ascii=False)
     assert json.loads(orjson.dumps(model_json(written))) == value
+
+
+# Texts of few characters a token ("----") and of many ("中", "\\"), JSON's own characters and a control token's text.
+PROMPT_TEXTS = st.lists(
+    st.sampled_from([*'ab -_{}":,\n\t.é中\\', "word ", "----", "    ", "<|im_end|>"]), max_size=120
+).map("".join)
+NAMES = st.from_regex(r"[a-z]{1,8}", fullmatch=True)
+SCHEMA_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | PROMPT_TEXTS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(PROMPT_TEXTS, inner, max_size=4),
+    max_leaves=12,
+)
+TOOLS = st.builds(
+    lambda name, description, properties: {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties},
+        },
+    },
+    NAMES,
+    PROMPT_TEXTS,
+    st.dictionaries(PROMPT_TEXTS, SCHEMA_VALUES, max_size=4),
+)
+CALLS = st.builds(
+    lambda name, arguments: {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}},
+    NAMES,
+    PROMPT_TEXTS | st.dictionaries(PROMPT_TEXTS, SCHEMA_VALUES, max_size=3),
+)
+PARTS = st.lists(st.builds(lambda text: {"type": "text", "text": text}, PROMPT_TEXTS), min_size=1, max_size=3)
+MESSAGES = st.one_of(
+    st.builds(lambda content: {"role": "user", "content": content}, PROMPT_TEXTS | PARTS),
+    st.builds(
+        lambda content, calls: {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}),
+        PROMPT_TEXTS,
+        st.lists(CALLS, max_size=2),
+    ),
+    st.builds(lambda content: {"role": "tool", "tool_call_id": "c1", "content": content}, PROMPT_TEXTS),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ChatTokenizer:
+    return ChatTokenizer.load(TINY_TOKENIZER_DIR)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(MESSAGES, min_size=1, max_size=5),
+    st.lists(TOOLS, max_size=4),
+    st.sampled_from([32, 48, 100]),
+)
+def test_the_prompt_bound_refuses_no_conversation_that_fits(
+    tiny: ChatTokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]], context: int
+) -> None:
+    """The bound over a conversation's texts (tools, schemas, calls' arguments, contents) refuses only what the chat
+    template renders to more tokens than the context: a lower bound, by length or counted in chunks."""
+    conversation = Conversation([*messages, {"role": "user", "content": "x"}], tools or None)
+    try:
+        asyncio.run(PromptEncoder(tiny, context, lambda: 0).check_fits(conversation_texts(conversation)))
+    except InvalidRequest as refused:
+        rendered = len(tiny.render(conversation.messages, conversation.tools))
+        assert rendered > context, refused.message
