@@ -17,7 +17,7 @@ from backends.factory import create_backend
 from gateway.api.json_answer import model_json
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
 from gateway.generation.generator import _SegmentRun
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, Replica, ReplicaPool
 from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
 from gateway.weights import WeightCoordinator, parse_version, version_label
@@ -33,7 +33,7 @@ def experts_of(position: int, segment: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def replica() -> Replica:
     backend = create_backend("sim", ReplicaSpec(id="r0", url="http://127.0.0.1:9"), "vllm")
-    return Replica(backend)
+    return Engine(backend).targets[0]
 
 
 @settings(max_examples=100, deadline=None)
