@@ -142,13 +142,15 @@ class Capabilities:
 class Load:
     """In-flight work the engine reports, the share of its KV cache in use (0 to 1; the fullest of its engines where
     it runs several), and its prefix cache's counters since it started: prompt tokens looked up, and those found
-    cached (None where it does not say)."""
+    cached (None where it does not say). `ranks`: the same, per data-parallel rank, for an engine that runs several
+    and labels its metrics by rank (empty otherwise)."""
 
     running: int | None = None
     waiting: int | None = None
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
     kv_usage: float | None = None
+    ranks: dict[int, Load] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +184,13 @@ class Timeouts:
 
 @runtime_checkable
 class EngineBackend(Protocol):
-    """One engine replica."""
+    """One engine replica. `data_parallel_size`: the data-parallel ranks it runs behind its one server (1: none),
+    each of which a generation request may be pinned to (`generate`'s `dp_rank`)."""
 
     id: str
     url: str
     capabilities: Capabilities
+    data_parallel_size: int
 
     @property
     def paced_reads(self) -> int:
@@ -204,6 +208,7 @@ class EngineBackend(Protocol):
         stream: bool = True,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        dp_rank: int | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request, as chunks. Ends with a chunk whose `finish_reason` is set; an engine-side
         abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure, and
@@ -219,7 +224,10 @@ class EngineBackend(Protocol):
         caller's own list (a first segment's prompt, uncopied): nothing of it is kept past the call.
 
         `cache_salt` partitions the engine's prefix cache (vLLM `cache_salt`, SGLang `extra_key`): a prefix cached
-        by a request with another salt (or none) is never reused by this one."""
+        by a request with another salt (or none) is never reused by this one.
+
+        `dp_rank` pins the request to that data-parallel rank of the engine (vLLM's `X-data-parallel-rank` header,
+        SGLang's `routed_dp_rank`); None: the engine's own balancer picks one."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -274,6 +282,7 @@ class ReplicaSpec:
     `scale_out` (vLLM): `/inference/v1/generate` is enabled, so routed experts can be streamed.
     `keep_mode` (SGLang): which pause mode implements the gateway's `keep` (retract recomputes KV; in_place
     keeps it but then the cache cannot be flushed until those requests finish).
+    `data_parallel_size`: the engine's data-parallel ranks (the gateway pins each request to one).
     """
 
     id: str
@@ -285,6 +294,7 @@ class ReplicaSpec:
     scale_out: bool = False
     keep_mode: Literal["retract", "in_place"] = "retract"
     new_requests_while_paused: NewRequestsWhilePaused = "unknown"
+    data_parallel_size: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_connections: int = 1024
     stream_pacing: StreamPacing = field(default_factory=StreamPacing)

@@ -1,16 +1,16 @@
 """How a replica's generation requests travel: `GenerationTransport`, and the plain one over aiohttp
 (`AiohttpTransport`). The gateway's fast path supplies its own pool instead (`ReplicaSpec.generation_transport`).
 
-A transport sends one POST of an encoded JSON body to a path of the replica and gives the answer whole (`post`) or
-as it streams (`stream`). Its failures are ones `translate_errors` maps: aiohttp's client errors, `OSError`,
-`TimeoutError`, `ValueError`. An answer not read to its end closes its connection, which the engines take as a client
-disconnect: they abort the request.
+A transport sends one POST of an encoded JSON body to a path of the replica, with any extra headers the request
+needs (vLLM's data-parallel rank), and gives the answer whole (`post`) or as it streams (`stream`). Its failures are
+ones `translate_errors` maps: aiohttp's client errors, `OSError`, `TimeoutError`, `ValueError`. An answer not read
+to its end closes its connection, which the engines take as a client disconnect: they abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Protocol
 
@@ -56,14 +56,16 @@ class StreamedReply(Protocol):
 
 
 class GenerationTransport(Protocol):
-    """Generation POSTs to one replica over pooled, kept-alive connections."""
+    """Generation POSTs to one replica over pooled, kept-alive connections; `headers`: extra request headers."""
 
-    async def post(self, path: str, body: bytes, deadline: float | None = None) -> tuple[int, bytes]:
+    async def post(
+        self, path: str, body: bytes, deadline: float | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
         """(status, body) of the whole answer, complete within the read timeout and, if given, by `deadline` (a
         loop time), else `TimeoutError`."""
         ...
 
-    def stream(self, path: str, body: bytes) -> StreamedReply:
+    def stream(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> StreamedReply:
         """The answer as it streams: `async with transport.stream(path, body) as answer`."""
         ...
 
@@ -76,12 +78,13 @@ idle_expiry_s)`."""
 
 
 class _AiohttpStreamed:
-    __slots__ = ("_body", "_owner", "_path", "_response", "status")
+    __slots__ = ("_body", "_headers", "_owner", "_path", "_response", "status")
 
-    def __init__(self, owner: AiohttpTransport, path: str, body: bytes) -> None:
+    def __init__(self, owner: AiohttpTransport, path: str, body: bytes, headers: Mapping[str, str]) -> None:
         self._owner = owner
         self._path = path
         self._body = body
+        self._headers = headers
         self._response: aiohttp.ClientResponse | None = None
         self.status = 0
 
@@ -105,7 +108,7 @@ class _AiohttpStreamed:
     async def __aenter__(self) -> _AiohttpStreamed:
         owner = self._owner
         self._response = await owner.session().post(
-            owner.prefix + self._path, data=self._body, headers=_EVENTS, timeout=owner.stream_timeout
+            owner.prefix + self._path, data=self._body, headers=self._headers, timeout=owner.stream_timeout
         )
         self.status = self._response.status
         owner.streaming.add(self._response)
@@ -162,7 +165,9 @@ class AiohttpTransport:
             )
         return self._session
 
-    async def post(self, path: str, body: bytes, deadline: float | None = None) -> tuple[int, bytes]:
+    async def post(
+        self, path: str, body: bytes, deadline: float | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
         total = self.read_timeout_s
         if deadline is not None:
             total = min(total, deadline - asyncio.get_running_loop().time())
@@ -170,7 +175,8 @@ class AiohttpTransport:
                 raise TimeoutError("the request's deadline passed before it was sent")
         timeout = aiohttp.ClientTimeout(total=total, connect=self._pool_timeout_s, sock_connect=self._connect_timeout_s)
         try:
-            async with self.session().post(self.prefix + path, data=body, headers=_JSON, timeout=timeout) as response:
+            sent = _JSON if headers is None else {**_JSON, **headers}
+            async with self.session().post(self.prefix + path, data=body, headers=sent, timeout=timeout) as response:
                 return response.status, await response.read()
         except aiohttp.ClientError as exc:
             self.raise_if_closed(exc)
@@ -181,8 +187,8 @@ class AiohttpTransport:
         if self._closed:
             raise ConnectionError("the replica's transport was closed") from exc
 
-    def stream(self, path: str, body: bytes) -> _AiohttpStreamed:
-        return _AiohttpStreamed(self, path, body)
+    def stream(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> _AiohttpStreamed:
+        return _AiohttpStreamed(self, path, body, _EVENTS if headers is None else {**_EVENTS, **headers})
 
     async def aclose(self) -> None:
         self._closed = True

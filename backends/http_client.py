@@ -35,6 +35,7 @@ __all__ = [
     "probe_timeout",
     "error_event_status",
     "parse_gauges",
+    "parse_gauges_by",
     "answer_batches",
     "post_for_whole_answer",
     "probe",
@@ -183,16 +184,18 @@ def answer_batches(
     deadline: float | None = None,
     latest_only: Callable[[], bool] | None = None,
     first_event: Callable[[bytes], bytes] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> AsyncGenerator[list[Any], None]:
     """POST a generation request and yield its answer's decoded events in batches, read as it streams (`stream`:
     `sse_batches`) or whole (`post_for_whole_answer`: one batch of the one decoded answer, read in one go). The one
     place that reads an answer one way or the other: the adapters above handle both alike.
 
     `deadline` (loop time) bounds the request in both modes, on the transport's own timer: passing it raises
-    `BackendTimeout`. `latest_only` applies to a stream only; `first_event` rewrites a whole answer's bytes too."""
+    `BackendTimeout`. `latest_only` applies to a stream only; `first_event` rewrites a whole answer's bytes too.
+    `headers`: extra request headers (vLLM's data-parallel rank)."""
     if stream:
-        return sse_batches(client, replica, path, body, latest_only, first_event, deadline)
-    return _whole_batch(client, replica, path, body, deadline, first_event)
+        return sse_batches(client, replica, path, body, latest_only, first_event, deadline, headers=headers)
+    return _whole_batch(client, replica, path, body, deadline, first_event, headers)
 
 
 async def _whole_batch(
@@ -202,8 +205,9 @@ async def _whole_batch(
     body: bytes,
     deadline: float | None,
     first_event: Callable[[bytes], bytes] | None,
+    headers: Mapping[str, str] | None,
 ) -> AsyncGenerator[list[Any], None]:
-    yield [await post_for_whole_answer(client, replica, path, body, deadline, first_event=first_event)]
+    yield [await post_for_whole_answer(client, replica, path, body, deadline, first_event=first_event, headers=headers)]
 
 
 async def post_for_whole_answer(
@@ -214,14 +218,15 @@ async def post_for_whole_answer(
     deadline: float | None = None,
     *,
     first_event: Callable[[bytes], bytes] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Any:
-    """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over
-    the replica's `GenerationTransport` (read timeout: `Timeouts.whole_answer`, else `read`; also `deadline`, a loop
-    time, if given). `first_event`, if given, rewrites the answer's bytes before they are decoded (as `sse_batches`
-    does a stream's first event). Failures and non-2xx answers raise the matching `BackendError` (`BackendTimeout`
-    for either limit); a cancelled caller closes the connection (the engine aborts)."""
+    """POST an encoded JSON `body` and decode the answer: a generation request that waits for its whole answer, over the
+    replica's `GenerationTransport` (read timeout: `Timeouts.whole_answer`, else `read`; also `deadline`, a loop time,
+    if given). `first_event`, if given, rewrites the answer's bytes before they are decoded (as `sse_batches` does a
+    stream's first event); `headers`, if given, go with the request. Failures and non-2xx answers raise the matching
+    `BackendError` (`BackendTimeout` for either limit); a cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
-        status, content = await client.generation_pool.post(path, body, deadline)
+        status, content = await client.generation_pool.post(path, body, deadline, headers)
         raise_for_status(replica, status, content)
         if first_event is not None:
             content = first_event(content)
@@ -322,13 +327,15 @@ async def sse_batches(
     latest_only: Callable[[], bool] | None = None,
     first_event: Callable[[bytes], bytes] | None = None,
     deadline: float | None = None,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> AsyncGenerator[list[Any], None]:
-    """POST `body` (encoded JSON) and yield the decoded `data:` payloads of the server-sent-event answer until
-    `[DONE]`, in batches: all the complete events one socket read delivered (a busy gateway reads several at once,
-    and the layers above handle them as one delta). While `latest_only()` is true, each batch holds only the last
-    of those events (`decode_latest`): for a stream whose every event repeats all the ones before it.
-    `first_event`, if given, rewrites the bytes that complete the first event (and hold what followed it in the
-    same read) before they are decoded: what an engine sends once per stream and the caller never reads.
+    """POST `body` (encoded JSON, with extra `headers` if given) and yield the decoded `data:` payloads of the
+    server-sent-event answer until `[DONE]`, in batches: all the complete events one socket read delivered (a busy
+    gateway reads several at once, and the layers above handle them as one delta). While `latest_only()` is true, each
+    batch holds only the last of those events (`decode_latest`): for a stream whose every event repeats all the ones
+    before it. `first_event`, if given, rewrites the bytes that complete the first event (and hold what followed it in
+    the same read) before they are decoded: what an engine sends once per stream and the caller never reads.
 
     A non-2xx answer, an in-band error event, a transport failure or undecodable data raise the matching
     `BackendError`, after the events that preceded it were yielded; so does a gap longer than the timeouts'
@@ -343,7 +350,7 @@ async def sse_batches(
     pacer = client.pacer
     try:
         with translate_errors(replica):
-            async with client.generation_pool.stream(path, body) as answer:
+            async with client.generation_pool.stream(path, body, headers) as answer:
                 if answer.status >= 300:
                     raise_for_status(replica, answer.status, await answer.read_all())
                 events = _EventDecoder(latest_only, first_event)
@@ -456,18 +463,29 @@ def parse_gauges(text: str, names: Iterable[str], peaks: Iterable[str] = ()) -> 
     Only the lines of the wanted samples go through prometheus_client's parser: a real engine's /metrics is
     tens of kilobytes of histograms, and parsing all of it on every load probe costs milliseconds.
     """
+    return parse_gauges_by(text, names, peaks).get(None, {})
+
+
+def parse_gauges_by(
+    text: str, names: Iterable[str], peaks: Iterable[str] = (), label: str | None = None
+) -> dict[str | None, dict[str, float]]:
+    """`parse_gauges` per value of `label` (an engine's data-parallel rank): each value's samples summed (or their
+    peak) apart, keyed by the value (None: the samples without the label). Without `label`, every sample under None."""
     largest = set(peaks)
     wanted = set(names) | largest
     lines = [line for line in text.splitlines() if _sample_name(line) in wanted]
-    totals: dict[str, float] = {}
+    groups: dict[str | None, dict[str, float]] = {}
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             name, value = sample.name, float(sample.value)
+            if name not in wanted:
+                continue
+            totals = groups.setdefault(sample.labels.get(label) if label is not None else None, {})
             if name in largest:
                 totals[name] = max(totals.get(name, value), value)
-            elif name in wanted:
+            else:
                 totals[name] = totals.get(name, 0.0) + value
-    return totals
+    return groups
 
 
 def _sample_name(line: str) -> str:
@@ -484,8 +502,8 @@ def _sample_name(line: str) -> str:
 class HttpEngineBackend:
     """What every HTTP engine adapter shares: the replica's pooled client, health, load and closing.
 
-    Subclasses name their engine's load gauges (`running_gauge`, `waiting_gauge`, `kv_usage_gauge`) and implement
-    the rest of `EngineBackend`.
+    Subclasses name their engine's load gauges (`running_gauge`, `waiting_gauge`, `kv_usage_gauge`), the label that
+    tells its data-parallel ranks' samples apart (`rank_label`), and implement the rest of `EngineBackend`.
     """
 
     running_gauge: str
@@ -493,11 +511,15 @@ class HttpEngineBackend:
     kv_usage_gauge: str  # the share of the KV cache in use, 0 to 1
     cache_queries_counter: str  # prompt tokens the prefix cache was asked for (a counter, `_total` included)
     cache_hits_counter: str  # of them, those it had
+    rank_label: str  # the label whose value is a sample's data-parallel rank
 
     def __init__(self, spec: ReplicaSpec) -> None:
+        if spec.data_parallel_size < 1:
+            raise ValueError(f"replica {spec.id}: data_parallel_size must be at least 1, not {spec.data_parallel_size}")
         self.spec = spec
         self.id = spec.id
         self.url = spec.url
+        self.data_parallel_size = spec.data_parallel_size
         self._client = ReplicaClient(spec)
         self._control = control_timeout(spec.timeouts)
         self._probe = probe_timeout(spec.timeouts)
@@ -516,11 +538,22 @@ class HttpEngineBackend:
 
     async def load(self) -> Load:
         """Running and waiting requests and the prefix cache's counters from `/metrics`, summed over label sets
-        (engines, models), and the KV cache's usage (the fullest engine's)."""
+        (engines, models), and the KV cache's usage (the fullest engine's); with several data-parallel ranks, each
+        rank's too (`Load.ranks`, from the samples labelled with it)."""
         response = await request(self._client, self.id, "GET", "/metrics", timeout=self._probe)
         names = (self.running_gauge, self.waiting_gauge, self.cache_queries_counter, self.cache_hits_counter)
+        peaks = (self.kv_usage_gauge,)
+        ranks: dict[int, Load] = {}
         with translate_errors(self.id):
-            gauges = parse_gauges(response.text, names, (self.kv_usage_gauge,))
+            text = response.text
+            gauges = parse_gauges(text, names, peaks)
+            if self.data_parallel_size > 1:
+                for rank, values in parse_gauges_by(text, names, peaks, self.rank_label).items():
+                    if rank is not None and rank.isdigit():
+                        ranks[int(rank)] = self._load(values)
+        return self._load(gauges, ranks)
+
+    def _load(self, gauges: dict[str, float], ranks: dict[int, Load] | None = None) -> Load:
         running, waiting = gauges.get(self.running_gauge), gauges.get(self.waiting_gauge)
         return Load(
             running=None if running is None else int(running),
@@ -528,6 +561,7 @@ class HttpEngineBackend:
             prefix_cache_queries=gauges.get(self.cache_queries_counter),
             prefix_cache_hits=gauges.get(self.cache_hits_counter),
             kv_usage=gauges.get(self.kv_usage_gauge),
+            ranks=ranks or {},
         )
 
     async def aclose(self) -> None:

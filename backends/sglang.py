@@ -68,6 +68,7 @@ class SglangBackend(HttpEngineBackend):
     kv_usage_gauge = "sglang:token_usage"
     cache_queries_counter = "sglang:prompt_tokens_total"
     cache_hits_counter = "sglang:cached_tokens_total"
+    rank_label = "dp_rank"  # SGLang labels each scheduler's samples with its rank where it runs several
 
     def __init__(self, spec: ReplicaSpec) -> None:
         if spec.routed_experts and spec.routed_experts_shape is None:
@@ -102,14 +103,18 @@ class SglangBackend(HttpEngineBackend):
         stream: bool = True,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        dp_rank: int | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`), streamed, or with `stream=False` one answer at
         the end; the last chunk carries the finish reason, version spans and (with R3) the routed experts of
         positions [experts_start, prompt + output - 1). The body is encoded here, before the first iteration sends
-        it. `cache_salt` goes as `extra_key`, which the radix cache keys prefixes by."""
+        it. `cache_salt` goes as `extra_key`, which the radix cache keys prefixes by; `dp_rank` as `routed_dp_rank`
+        (`data_parallel_rank` is its deprecated alias)."""
         body = self._body(token_ids, sampling, request_id, routed_experts, experts_start, stream)
         if cache_salt is not None:
             body["extra_key"] = cache_salt
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
         return self._chunks(orjson.dumps(body), sampling, len(token_ids), experts_start, stream, deadline)
 
     async def _chunks(

@@ -98,6 +98,8 @@ def without_prompt_echo(answer: bytes) -> bytes:
 
 COMPLETIONS = "/v1/completions"
 GENERATE = "/inference/v1/generate"
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""Pins a request to one data-parallel rank (vLLM's API server reads it on both generation routes)."""
 
 # vLLM's finish reasons (v1/engine/__init__.py). `repetition` ends a request like a stop condition; `error`
 # is a failed request and raises instead.
@@ -119,6 +121,7 @@ class _Answer:
     prompt_len: int
     experts_start: int
     streamed: bool
+    headers: dict[str, str] | None = None  # the data-parallel rank it is pinned to
 
 
 def completion_engine_id(request_id: str) -> str:
@@ -143,6 +146,7 @@ class VllmBackend(HttpEngineBackend):
     kv_usage_gauge = "vllm:kv_cache_usage_perc"
     cache_queries_counter = "vllm:prefix_cache_queries_total"
     cache_hits_counter = "vllm:prefix_cache_hits_total"
+    rank_label = "engine"  # vLLM labels each engine core's samples with its data-parallel rank
 
     def __init__(self, spec: ReplicaSpec) -> None:
         super().__init__(spec)
@@ -171,10 +175,11 @@ class VllmBackend(HttpEngineBackend):
         stream: bool = True,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        dp_rank: int | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`; see the module docstring for the transport),
         streamed where asked and possible, else one whole answer. The body is encoded here, before the first iteration
-        sends it."""
+        sends it. `dp_rank` goes as the `X-data-parallel-rank` header, which both transports read."""
         path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         if cache_salt is not None:
             body["cache_salt"] = cache_salt  # both transports take it (at most 128 characters)
@@ -182,7 +187,8 @@ class VllmBackend(HttpEngineBackend):
         if streamed:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        answer = _Answer(path, sampling, len(token_ids), experts_start, streamed)
+        headers = None if dp_rank is None else {DP_RANK_HEADER: str(dp_rank)}
+        answer = _Answer(path, sampling, len(token_ids), experts_start, streamed, headers)
         return self._chunks(answer, orjson.dumps(body), deadline)
 
     def _body(
@@ -285,6 +291,7 @@ class VllmBackend(HttpEngineBackend):
             stream=answer.streamed,
             deadline=deadline,
             first_event=without_prompt_echo,
+            headers=answer.headers,
         )
         async with contextlib.aclosing(batches):
             async for events in batches:

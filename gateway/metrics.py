@@ -151,7 +151,8 @@ class _LiveCollector:
         for replica in replicas:
             in_flight.add_metric([replica.id], replica.in_flight)
             healthy.add_metric([replica.id], 1.0 if replica.healthy else 0.0)
-            paced.add_metric([replica.id], replica.backend.paced_reads)
+        for engine in src.pool.engines():  # one client per engine, whatever its data-parallel ranks
+            paced.add_metric([engine.id], engine.backend.paced_reads)
         tokens = CounterMetricFamily(f"{PREFIX}_tokens", "Tokens by kind (prompt, completion).", labels=["kind"])
         tokens.add_metric(["prompt"], src.generator.prompt_tokens_total)
         tokens.add_metric(["completion"], src.generator.completion_tokens_total)

@@ -26,7 +26,7 @@ from gateway.generation.stale_cut import cut_behind
 from gateway.history import family_of, token_history_for
 from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
-from gateway.routing import LoadBound, Replica, ReplicaPool
+from gateway.routing import Engine, LoadBound, ReplicaPool
 from gateway.routing.discovery import Discovery, make_source
 from gateway.session.lifecycle import SessionLifecycle
 from gateway.session.quotas import SessionQuota
@@ -62,6 +62,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
         scale_out=replica.scale_out,
         keep_mode=replica.keep_mode,
         new_requests_while_paused=replica.new_requests_while_paused,
+        data_parallel_size=replica.data_parallel_size,
         timeouts=Timeouts(
             connect=g.connect_timeout_s,
             read=g.read_timeout_s,
@@ -106,9 +107,9 @@ class Services:
     def __post_init__(self) -> None:
         self.admission = ReplicaAdmission(self.pool, self.weights)
 
-    async def add_replica(self, config: ReplicaConfig) -> Replica:
+    async def add_replica(self, config: ReplicaConfig) -> Engine:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
-        if self.pool.get(config.id) is not None:
+        if self.pool.engine(config.id) is not None:
             raise Conflict(f"replica {config.id!r} is already in the pool", param="id")
         return await self._admit(config, self.backend_factory(config, self.settings))
 
@@ -116,24 +117,24 @@ class Services:
         """Admit a replica that discovery found, once it answers its health probe (False: not now; discovery tries
         again next round)."""
         backend = self.backend_factory(config, self.settings)
-        if self.pool.get(config.id) is not None or not await backend.health():
+        if self.pool.engine(config.id) is not None or not await backend.health():
             await backend.aclose()
             return False
         await self._admit(config, backend)
         return True
 
-    async def _admit(self, config: ReplicaConfig, backend: EngineBackend) -> Replica:
+    async def _admit(self, config: ReplicaConfig, backend: EngineBackend) -> Engine:
         replica = await self.admission.admit(backend)
         self.replica_configs[config.id] = config
         return replica
 
-    async def remove_replica(self, replica_id: str) -> Replica:
+    async def remove_replica(self, replica_id: str) -> Engine:
         self.replica_configs.pop(replica_id, None)
         return await self.pool.remove(replica_id)
 
     async def remove_discovered(self, replica_id: str) -> None:
         """Remove a replica its discovery source no longer lists: its streams go on elsewhere, tokens kept."""
-        if self.pool.get(replica_id) is not None:
+        if self.pool.engine(replica_id) is not None:
             await self.remove_replica(replica_id)
 
     def follow_discovery(self) -> Discovery | None:
@@ -146,7 +147,7 @@ class Services:
             self.settings.discovery.interval_s,
             admit=self.admit_discovered,
             remove=self.remove_discovered,
-            is_known=lambda replica_id: self.pool.get(replica_id) is not None,
+            is_known=lambda replica_id: self.pool.engine(replica_id) is not None,
         )
         discovery.start()
         return discovery

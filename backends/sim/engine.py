@@ -438,6 +438,7 @@ class SimEngine:
         keep/in_place: freeze them; retract: freeze and count a retraction (their KV is recomputed)."""
         self.paused = True
         self.pause_mode = mode
+        self.counters["pauses"] += 1
         self._unpaused.clear()
         if mode == "abort":
             self.abort_all("Abort in waiting queue")

@@ -9,7 +9,7 @@ from gateway.config import ReplicaConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.generation import Generator
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, ReplicaPool
 from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
 from gateway.store import OpenSessions, TrajectoryStore
@@ -60,8 +60,8 @@ class ApiServices(Protocol):
     @property
     def response_cache(self) -> ResponseCache: ...
 
-    async def add_replica(self, config: ReplicaConfig) -> Replica:
+    async def add_replica(self, config: ReplicaConfig) -> Engine:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
         ...
 
-    async def remove_replica(self, replica_id: str) -> Replica: ...
+    async def remove_replica(self, replica_id: str) -> Engine: ...

@@ -58,6 +58,12 @@ class ReplicaFields(Section):
     new_requests_while_paused: Literal["block", "reject", "unknown"] = Field(
         "unknown", description="How the engine treats new requests during an abort/wait pause."
     )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel ranks behind the engine's one server (its --data-parallel-size / --dp-size): each "
+        "is a routing target of its own, `<id>@dp<rank>`, its requests pinned to that rank.",
+    )
 
     @model_validator(mode="after")
     def _dialect_matches_backend(self) -> ReplicaFields:

@@ -38,7 +38,7 @@ from gateway.background import stop
 from gateway.dashboard.timeseries import LatencyHistogram, Point, Ring, empty_point
 from gateway.errors import StoreError
 from gateway.generation import GenerationRequest, Generator
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, ReplicaPool
 from gateway.store import Keys
 from gateway.store.keys import call, text
 from gateway.weights import BudgetCounts, UpdateReport, WeightCoordinator
@@ -162,7 +162,7 @@ class DashboardSampler:
     async def scrape_caches(self) -> None:
         """Read each replica's prefix cache counters (its /metrics) and add what they grew by since the last read;
         a replica that does not answer in its probe timeout is left out this time."""
-        replicas = self.pool.all()
+        replicas = self.pool.engines()  # one read per engine, whatever its data-parallel ranks
         async with asyncio.TaskGroup() as group:
             reads = [group.create_task(_load(replica)) for replica in replicas]
         for replica, read in zip(replicas, reads, strict=True):
@@ -419,7 +419,7 @@ class DashboardSampler:
         }
 
 
-async def _load(replica: Replica) -> Load | None:
+async def _load(replica: Engine) -> Load | None:
     try:
         return await replica.backend.load()
     except BackendError:

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import ssl
 import time
+from collections.abc import Mapping
 from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
@@ -41,6 +42,11 @@ STREAM_BUFFER_BYTES = 1 << 16
 
 _REQUEST = b"POST %s%s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
 _ACCEPT_EVENTS = b"Accept: text/event-stream\r\n"
+
+
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """Extra request headers as the lines of a request's head."""
+    return b"".join(f"{name}: {value}\r\n".encode() for name, value in headers.items())
 
 
 class _Connection(asyncio.Protocol):
@@ -252,12 +258,13 @@ class StreamedAnswer:
     then `status`, and `read` for the body in the pieces the socket delivered. Leaving the block before the answer
     ended closes the connection (the engine aborts the request); a connection read to the end is kept alive."""
 
-    __slots__ = ("_body", "_connection", "_path", "_pool", "status")
+    __slots__ = ("_body", "_connection", "_headers", "_path", "_pool", "status")
 
-    def __init__(self, pool: KeepAlivePool, path: str, body: bytes) -> None:
+    def __init__(self, pool: KeepAlivePool, path: str, body: bytes, headers: bytes = _ACCEPT_EVENTS) -> None:
         self._pool = pool
         self._path = path
         self._body = body
+        self._headers = headers
         self._connection: _Connection | None = None
         self.status = 0
 
@@ -281,7 +288,7 @@ class StreamedAnswer:
 
     async def __aenter__(self) -> StreamedAnswer:
         pool = self._pool
-        request = pool.request(self._path, self._body, _ACCEPT_EVENTS)
+        request = pool.request(self._path, self._body, self._headers)
         connection = self._connection = await pool.acquire()
         try:
             self.status = await connection.send_streamed(request)
@@ -348,10 +355,13 @@ class KeepAlivePool:
     def open_connections(self) -> int:
         return len(self._idle) + len(self._busy) + self._opening
 
-    async def post(self, path: str, body: bytes, deadline: float | None = None) -> tuple[int, bytes]:
-        """POST `body` (encoded JSON) to `path`; (status, body) of the whole answer. It must be complete within the
-        read timeout and, if given, by `deadline` (loop time), else `TimeoutError`."""
-        request = self.request(path, body)
+    async def post(
+        self, path: str, body: bytes, deadline: float | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """POST `body` (encoded JSON) to `path`, with `headers` besides the pool's own; (status, body) of the whole
+        answer. It must be complete within the read timeout and, if given, by `deadline` (loop time), else
+        `TimeoutError`."""
+        request = self.request(path, body) if headers is None else self.request(path, body, _header_lines(headers))
         connection = self._idle_connection()  # most requests find one idle: no coroutine of `acquire` for them
         if connection is None:
             connection = await self.acquire()
@@ -367,10 +377,12 @@ class KeepAlivePool:
         self.release(connection)
         return status, content
 
-    def stream(self, path: str, body: bytes) -> StreamedAnswer:
-        """POST `body` (encoded JSON) to `path`, for an answer read as it streams: `async with pool.stream(...) as
-        answer`."""
-        return StreamedAnswer(self, path, body)
+    def stream(self, path: str, body: bytes, headers: Mapping[str, str] | None = None) -> StreamedAnswer:
+        """POST `body` (encoded JSON) to `path`, with `headers` besides the pool's own, for an answer read as it
+        streams: `async with pool.stream(...) as answer`."""
+        if headers is None:
+            return StreamedAnswer(self, path, body)
+        return StreamedAnswer(self, path, body, _ACCEPT_EVENTS + _header_lines(headers))
 
     def request(self, path: str, body: bytes, extra_headers: bytes = b"") -> bytes:
         """The bytes of one POST."""

@@ -119,14 +119,13 @@ class _Resume:
 class Generator:
     """Runs completions over the pool, resuming across weight updates and replica failures.
 
-    The counters are plain integers that metrics read at scrape time (nothing is pushed per token); `on_resume`
-    gets the resume latency of each streamed continuation: seconds from the moment its predecessor segment broke
-    off (abort or failure) to the continuation's first token, waiting for a weight update included (a whole answer
-    brings its first token with its last, so it reports none). `on_dispatch`
-    gets, once per continuation of a preempted segment, the seconds from the coordinator's release of waiters
-    (or from the preemption, if that came later) to the continuation being sent to the engine. `on_finished` gets,
-    per completion that finished (not cancelled, not failed), its seconds to the first token handed to the caller
-    and its whole duration.
+    The counters are plain integers that metrics read at scrape time (nothing is pushed per token); `on_resume` gets the
+    resume latency of each streamed continuation: seconds from the moment its predecessor segment broke off (abort or
+    failure) to the continuation's first token, waiting for a weight update included (a whole answer brings its first
+    token with its last, so it reports none). `on_dispatch` gets, once per continuation of a preempted segment, the
+    seconds from the coordinator's release of waiters (or from the preemption, if that came later) to the continuation
+    being sent to the engine. `on_finished` gets, per completion that finished (not cancelled, not failed), its seconds
+    to the first token handed to the caller and its whole duration.
     """
 
     def __init__(
@@ -336,7 +335,15 @@ class Generator:
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
         salt = self._salt(replica, version)
         chunks = backend.generate(
-            prompt, sampling, request_id, replay, experts_start, stream=stream, deadline=deadline, cache_salt=salt
+            prompt,
+            sampling,
+            request_id,
+            replay,
+            experts_start,
+            stream=stream,
+            deadline=deadline,
+            cache_salt=salt,
+            dp_rank=replica.rank,  # a target that is one data-parallel rank pins its requests to it
         )
         return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream), salt)
 

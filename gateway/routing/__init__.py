@@ -1,6 +1,6 @@
-"""Routing: the replica pool (membership, health, load, placement, each replica's weight version), its placement
-policies (with the prefix trees of `cache_aware`, the engine load some read, GRPO groups placed together), replica
-discovery, and the watch on a request in flight on a replica."""
+"""Routing: the replica pool (membership, health, load, placement, each replica's weight version; a data-parallel
+replica's ranks as targets of their own), its placement policies (with the prefix trees of `cache_aware`, the engine
+load some read, GRPO groups placed together), replica discovery, and the watch on a request in flight on a replica."""
 
 from gateway.routing.load import LoadBound, LoadPoller
 from gateway.routing.policies import (
@@ -16,13 +16,14 @@ from gateway.routing.policies import (
 )
 from gateway.routing.pool import PROBES_TO_TAKE_OUT, AffinityStats, Lease, ReplicaPool
 from gateway.routing.prefix_tree import PrefixTree
-from gateway.routing.replica import EngineLoad, InFlight, Replica
+from gateway.routing.replica import Engine, EngineLoad, InFlight, Replica, rank_id
 
 __all__ = [
     "PROBES_TO_TAKE_OUT",
     "AffinityStats",
     "Ask",
     "CacheAwarePolicy",
+    "Engine",
     "EngineLoad",
     "InFlight",
     "LeastLoadedPolicy",
@@ -38,4 +39,5 @@ __all__ = [
     "StickyLeastLoadedPolicy",
     "StickyPolicy",
     "make_policy",
+    "rank_id",
 ]

@@ -1,11 +1,12 @@
 """Engine load, read in the background for the policies that weigh it (`cache_aware`, `sticky_least_loaded`).
 
-A `LoadPoller` reads each replica's `/metrics` (`EngineBackend.load`) every `routing.load_interval_s`: its running
-and waiting requests (every gateway process's) and the share of its KV cache in use, kept on the replica
-(`Replica.engine_load`). Between two reads the pool adds the requests this process began and ended since
-(`Replica.load`), so a burst of placements sees its own weight at once. A read that fails forgets the last one: the
-replica's load is then this process's in-flight count until a read succeeds. The default policy (`sticky`) reads
-nothing and starts no poller.
+A `LoadPoller` reads each engine's `/metrics` (`EngineBackend.load`) every `routing.load_interval_s`: its running and
+waiting requests (every gateway process's) and the share of its KV cache in use, kept on each of its routing targets
+(`Replica.engine_load`): the whole engine's for an engine that is one target, each rank's own for the ranks of a
+data-parallel one (a rank the read does not report counts as not read). Between two reads the pool adds the requests
+this process began and ended since (`Replica.load`), so a burst of placements sees its own weight at once. A read that
+fails forgets the last one: the replica's load is then this process's in-flight count until a read succeeds. The default
+policy (`sticky`) reads nothing and starts no poller.
 
 `LoadBound` says when a replica counts as loaded: more than `routing.load_bound` requests above the least loaded
 candidate, or its KV cache fuller than `routing.kv_usage_limit`.
@@ -22,7 +23,7 @@ from backends.base import Load
 from backends.errors import BackendError
 from common.hashing import mix64
 from gateway.background import background, stop
-from gateway.routing.replica import EngineLoad, Replica
+from gateway.routing.replica import Engine, EngineLoad, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -48,40 +49,44 @@ def least_loaded(candidates: list[Replica], key: int) -> Replica:
 
 
 class LoadPoller:
-    """Reads the engine load of every replica `replicas()` lists, every `interval_s`; `on_read` sees each read."""
+    """Reads the load of every engine `engines()` lists, one read each every `interval_s`, for its targets;
+    `on_read` sees each target's read."""
 
     def __init__(
         self,
-        replicas: Callable[[], list[Replica]],
+        engines: Callable[[], list[Engine]],
         interval_s: float,
         on_read: Callable[[Replica, Load], None] | None = None,
     ) -> None:
-        self._replicas = replicas
+        self._engines = engines
         self.interval_s = interval_s
         self._on_read = on_read
         self._task: asyncio.Task[None] | None = None
 
     async def poll(self) -> None:
-        """Read every replica's load once, concurrently."""
+        """Read every engine's load once, concurrently."""
         async with asyncio.TaskGroup() as group:
-            for replica in self._replicas():
-                group.create_task(self._read(replica))
+            for engine in self._engines():
+                group.create_task(self._read(engine))
 
-    async def _read(self, replica: Replica) -> None:
-        in_flight = replica.in_flight  # before the read: requests begun during it are the engine's or counted after
+    async def _read(self, engine: Engine) -> None:
+        # Before the read: requests begun during it are the engine's or counted after.
+        in_flight = [target.in_flight for target in engine.targets]
         try:
-            load = await replica.backend.load()
+            load = await engine.backend.load()
         except BackendError as exc:
-            logger.debug("replica %s: load not read: %s", replica.id, exc, extra={"replica": replica.id})
-            replica.engine_load = None
+            logger.debug("replica %s: load not read: %s", engine.id, exc, extra={"replica": engine.id})
+            for target in engine.targets:
+                target.engine_load = None
             return
-        if load.running is None and load.waiting is None:
-            replica.engine_load = None  # an engine that reports neither: count what this process sends it
-        else:
-            requests = (load.running or 0) + (load.waiting or 0)
-            replica.engine_load = EngineLoad(requests, load.kv_usage, in_flight)
-        if self._on_read is not None:
-            self._on_read(replica, load)
+        for target, before in zip(engine.targets, in_flight, strict=True):
+            read = load if target.rank is None else load.ranks.get(target.rank)
+            if read is None or (read.running is None and read.waiting is None):
+                target.engine_load = None  # nothing reported: count what this process sends it
+            else:
+                target.engine_load = EngineLoad((read.running or 0) + (read.waiting or 0), read.kv_usage, before)
+            if read is not None and self._on_read is not None:
+                self._on_read(target, read)
 
     def start(self) -> None:
         if self._task is None:

@@ -1,5 +1,9 @@
 """The replica pool: membership, health, circuit breaking, load, placement, and each replica's weight version.
 
+A replica is one engine server (`Engine`) and the routing targets it is (`Replica`): itself, or, with
+`data_parallel_size: N`, each of its N data-parallel ranks. Placement, load and circuit breaking work on targets;
+membership, health probes and weight versions on engines (one probe, one version for all of an engine's ranks).
+
 Placement goes through a policy (`gateway.routing.policies`); `sticky`, the default, keeps a session on its replica
 while that replica serves. A new member of a GRPO group goes with its group (`gateway.routing.groups`) under
 `routing.group_placement: together`. The policies that weigh engine load get a background reader of it
@@ -24,7 +28,7 @@ from gateway.background import stop
 from gateway.routing.groups import together
 from gateway.routing.load import LoadBound, LoadPoller
 from gateway.routing.policies import Ask, CacheAwarePolicy, RoutingPolicyName, make_policy
-from gateway.routing.replica import InFlight, Replica
+from gateway.routing.replica import Engine, InFlight, Replica
 
 logger = logging.getLogger(__name__)
 
@@ -105,61 +109,81 @@ class ReplicaPool:
         self.loads: LoadPoller | None = None
         if self.policy.reads_load:
             on_read = self.prefixes.on_read if self.prefixes is not None else None
-            self.loads = LoadPoller(self.all, load_interval_s, on_read)
+            self.loads = LoadPoller(self.engines, load_interval_s, on_read)
         self.failure_threshold = failure_threshold
         self.circuit_open_s = circuit_open_s
         self.health_interval_s = health_interval_s
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, Replica] = {}  # the routing targets, by id
+        self._engines: dict[str, Engine] = {}
         self.placements: OrderedDict[str, str] = OrderedDict()
         self.max_placements = max_placements
         self.affinity = AffinityStats()
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
-        # Runs after every successful probe, before a replica that was down serves again: it may have restarted
-        # (between two probes, unseen) on other weights than the pool runs; the hook holds such a replica out.
-        self.on_probe: Callable[[Replica], Awaitable[None]] | None = None
+        # Runs after every successful probe, before an engine that was down serves again: it may have restarted
+        # (between two probes, unseen) on other weights than the pool runs; the hook holds such an engine out.
+        self.on_probe: Callable[[Engine], Awaitable[None]] | None = None
 
     # -- membership ----------------------------------------------------------------------------
 
-    def add(self, backend: EngineBackend, *, version: int | None = None, stale: bool = False) -> Replica:
-        if backend.id in self.replicas:
-            raise ValueError(f"replica {backend.id!r} is already in the pool")
-        replica = Replica(backend)
-        replica._version, replica._stale = version, stale  # the pool owns both (see `Replica`)
-        self.replicas[backend.id] = replica
+    def add(self, backend: EngineBackend, *, version: int | None = None, stale: bool = False) -> Engine:
+        """Add the engine of `backend` and its routing targets (one per data-parallel rank)."""
+        engine = Engine(backend)
+        if engine.id in self._engines:
+            raise ValueError(f"replica {engine.id!r} is already in the pool")
+        taken = [target.id for target in engine.targets if target.id in self.replicas]
+        if taken:
+            raise ValueError(f"replica {engine.id!r}: the pool has a routing target named {taken[0]!r} already")
+        engine._version, engine._stale = version, stale  # the pool owns both (see `Engine`)
+        self._engines[engine.id] = engine
+        for target in engine.targets:
+            self.replicas[target.id] = target
         self.notify()
-        return replica
+        return engine
 
-    async def remove(self, replica_id: str) -> Replica:
-        replica = self.replicas.pop(replica_id)
-        if self.prefixes is not None:
-            self.prefixes.drop(replica_id)
+    async def remove(self, replica_id: str) -> Engine:
+        """Remove the engine `replica_id` (a configured replica's id) and its routing targets."""
+        engine = self._engines.pop(replica_id)
+        for target in engine.targets:
+            del self.replicas[target.id]
+            if self.prefixes is not None:
+                self.prefixes.drop(target.id)
         self.notify()
-        await replica.backend.aclose()
-        return replica
+        await engine.backend.aclose()
+        return engine
 
     def get(self, replica_id: str) -> Replica | None:
+        """The routing target `replica_id` (a replica's id, or `<id>@dp<rank>` for a rank of one)."""
         return self.replicas.get(replica_id)
 
+    def engine(self, replica_id: str) -> Engine | None:
+        """The engine of the configured replica `replica_id`."""
+        return self._engines.get(replica_id)
+
     def all(self) -> list[Replica]:
+        """Every routing target."""
         return list(self.replicas.values())
+
+    def engines(self) -> list[Engine]:
+        """Every engine: what health probes, load reads and weight updates go to, once each."""
+        return list(self._engines.values())
 
     # -- weight versions -----------------------------------------------------------------------
 
-    def set_version(self, replica: Replica, version: int) -> None:
-        """`replica` runs `version`, verified: it serves again if it was held out."""
-        changed = replica._version != version or replica._stale
-        replica._version, replica._stale = version, False
+    def set_version(self, engine: Engine, version: int) -> None:
+        """`engine` runs `version`, verified: its targets serve again if it was held out."""
+        changed = engine._version != version or engine._stale
+        engine._version, engine._stale = version, False
         if changed:
             self.notify()
 
-    def mark_stale(self, replica: Replica, *, runs: int | None = None) -> None:
-        """Hold `replica` out: its weights are not the pool's (a failed load, a restart on other weights) until a
-        later load succeeds on it (`set_version`). `runs`: the version it reports, where it was read."""
-        changed = not replica._stale or (runs is not None and replica._version != runs)
-        replica._stale = True
+    def mark_stale(self, engine: Engine, *, runs: int | None = None) -> None:
+        """Hold `engine` (every target of it) out: its weights are not the pool's (a failed load, a restart on other
+        weights) until a later load succeeds on it (`set_version`). `runs`: the version it reports, where read."""
+        changed = not engine._stale or (runs is not None and engine._version != runs)
+        engine._stale = True
         if runs is not None:
-            replica._version = runs
+            engine._version = runs
         if changed:
             self.notify()
 
@@ -261,8 +285,9 @@ class ReplicaPool:
                 raise BackendUnavailable("no replica can serve: all are down, stale or draining")
             await self.wait_for_change(remaining)
 
-    async def until_idle(self, replica: Replica) -> None:
-        """Return once no request of this process is in flight on `replica`."""
+    async def until_idle(self, replica: Replica | Engine) -> None:
+        """Return once no request of this process is in flight on `replica` (a target, or every target of an
+        engine)."""
         while replica.in_flight:
             await self.wait_for_change(1.0)
 
@@ -292,34 +317,41 @@ class ReplicaPool:
             self.notify()
 
     def mark_unreachable(self, replica: Replica) -> None:
-        """A connection-level failure: take it out at once; the health loop brings it back."""
-        replica.healthy = False
+        """A connection-level failure: take its engine out at once, every rank of it (one server); the health loop
+        brings it back."""
+        engine = replica.engine
+        engine.healthy = False
         self.report_failure(replica)
+        for target in engine.targets:
+            if target is not replica:
+                self.take_out(target, "its engine is unreachable")
 
     async def check_health(self) -> None:
-        """Probe every replica once, concurrently."""
+        """Probe every engine once, concurrently."""
         async with asyncio.TaskGroup() as group:
-            for replica in self.all():
-                group.create_task(self._probe(replica))
+            for engine in self.engines():
+                group.create_task(self._probe(engine))
 
-    async def _probe(self, replica: Replica) -> None:
-        """One failed probe stops new requests going to the replica; the second in a row also cuts its requests in
+    async def _probe(self, engine: Engine) -> None:
+        """One failed probe stops new requests going to the engine; the second in a row also cuts its requests in
         flight (`take_out`): an engine that is busy for a moment (a pause, a weight load, a long prefill) misses
         one probe, and its requests are not redone for that; a hung one misses every probe."""
-        ok = await replica.backend.health()
+        ok = await engine.backend.health()
         if ok and self.on_probe is not None:
-            await self.on_probe(replica)
-        replica.failed_probes = 0 if ok else replica.failed_probes + 1
-        if ok != replica.healthy:
+            await self.on_probe(engine)
+        engine.failed_probes = 0 if ok else engine.failed_probes + 1
+        if ok != engine.healthy:
             state = "healthy" if ok else "unhealthy"
-            logger.warning("replica %s is now %s", replica.id, state, extra={"replica": replica.id})
-            replica.healthy = ok
+            logger.warning("replica %s is now %s", engine.id, state, extra={"replica": engine.id})
+            engine.healthy = ok
             if ok:
-                replica.consecutive_failures = 0
-                replica.circuit_open_until = 0.0
+                for target in engine.targets:
+                    target.consecutive_failures = 0
+                    target.circuit_open_until = 0.0
             self.notify()
-        if replica.failed_probes == PROBES_TO_TAKE_OUT:
-            self.take_out(replica, f"{PROBES_TO_TAKE_OUT} health probes failed in a row")
+        if engine.failed_probes == PROBES_TO_TAKE_OUT:
+            for target in engine.targets:
+                self.take_out(target, f"{PROBES_TO_TAKE_OUT} health probes failed in a row")
 
     def take_out(self, replica: Replica, reason: str) -> None:
         """The replica stopped serving (health probe, circuit): interrupt every request in flight on it, which
@@ -339,7 +371,7 @@ class ReplicaPool:
             request.interrupt(reason)
 
     def start_health_checks(self) -> None:
-        """Probe every replica's health in the background, and read its engine load where the policy weighs it."""
+        """Probe every engine's health in the background, and read its load where the policy weighs it."""
         if self._health_task is None:
             # Hard reference: the loop keeps only weak references to tasks.
             self._health_task = asyncio.create_task(self._health_loop(), name="replica-health")
@@ -361,8 +393,8 @@ class ReplicaPool:
             await stop(self._health_task)
             self._health_task = None
         async with asyncio.TaskGroup() as group:
-            for replica in self.all():
-                group.create_task(replica.backend.aclose())
+            for engine in self.engines():
+                group.create_task(engine.backend.aclose())
 
     def notify(self) -> None:
         """Wake waiters: membership, health, load or draining changed."""

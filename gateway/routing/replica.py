@@ -1,5 +1,6 @@
-"""One engine replica as the gateway sees it (`Replica`), the last read of its engine's load (`EngineLoad`), and a
-request in flight on one (`InFlight`)."""
+"""One engine replica as the gateway sees it: its engine server (`Engine`: health, weights) and the routing targets
+it is (`Replica`: the engine, or each of its data-parallel ranks), the last read of a target's load (`EngineLoad`),
+and a request in flight on one (`InFlight`)."""
 
 from __future__ import annotations
 
@@ -18,47 +19,51 @@ class InFlight(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """One read of a replica's engine load (`gateway.routing.load.LoadPoller`): its requests running and waiting, the
-    share of its KV cache in use (None: not reported), and this process's in-flight count at the read."""
+    """One read of a target's engine load (`gateway.routing.load.LoadPoller`; its rank's, for a rank): its requests
+    running and waiting, the share of its KV cache in use (None: not reported), and this process's in-flight count at
+    the read."""
 
     requests: int
     kv_usage: float | None
     in_flight: int
 
 
+def rank_id(replica_id: str, rank: int) -> str:
+    """The routing target id of data-parallel rank `rank` of replica `replica_id`: `<id>@dp<rank>`."""
+    return f"{replica_id}@dp{rank}"
+
+
 @dataclass(eq=False)
-class Replica:
-    """One engine replica as the gateway sees it.
+class Engine:
+    """One engine server (a configured replica): what it has once whatever its data-parallel ranks. Its backend
+    (health, weight version, pause, load, flush: one call each for the whole engine), its health, draining, weight
+    version and stale mark, and its routing targets (`targets`): one `Replica`, or one per rank, each pinning its
+    requests to that rank.
 
     Its weight version and stale mark are read-only here: the pool owns them (`ReplicaPool.set_version`,
-    `ReplicaPool.mark_stale`), so that one place decides when a replica may serve under which weights."""
+    `ReplicaPool.mark_stale`), so that one place decides when an engine may serve under which weights."""
 
     backend: EngineBackend
     healthy: bool = True
     draining: bool = False  # finishing in-flight work before a cache flush; takes no new requests
-    in_flight: int = 0
-    tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
-    progressed_at: float = 0.0  # monotonic time it last sent tokens for any request (first-token timeouts)
-    consecutive_failures: int = 0
     failed_probes: int = 0  # health probes failed in a row
-    circuit_open_until: float = 0.0
-    # The last read of its engine's load; None where no policy reads it (`load` is then the in-flight count).
-    engine_load: EngineLoad | None = field(default=None, repr=False)
-    # Requests in flight that the pool interrupts when it takes the replica out (`ReplicaPool.lease`).
-    requests: set[InFlight] = field(default_factory=set, repr=False)
-    id: str = field(init=False)  # the backend's, kept here: read several times a request
-    key: int = field(init=False)
+    id: str = field(init=False)
+    targets: tuple[Replica, ...] = field(init=False, repr=False)
     # Written by the pool alone (see the class docstring).
     _version: int | None = field(default=None, init=False, repr=False)
     _stale: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.id = self.backend.id
-        self.key = string_key(self.backend.id)
+        size = self.backend.data_parallel_size
+        if size == 1:
+            self.targets = (Replica(self),)
+        else:
+            self.targets = tuple(Replica(self, rank) for rank in range(size))
 
     @property
     def version(self) -> int | None:
-        """The weight version the replica is known to run (None: it could not be read when it joined)."""
+        """The weight version the engine is known to run (None: it could not be read when it joined)."""
         return self._version
 
     @property
@@ -68,10 +73,60 @@ class Replica:
         return self._stale
 
     @property
+    def in_flight(self) -> int:
+        """This process's requests in flight on any of its targets."""
+        return sum(target.in_flight for target in self.targets)
+
+
+@dataclass(eq=False)
+class Replica:
+    """A routing target: an engine (`engine`) as a whole, or one of its data-parallel ranks (`rank`), whose requests
+    all go to that rank. Placement, load, circuit breaking and the requests in flight are per target; health, weights
+    and draining are the engine's (read here through it)."""
+
+    engine: Engine
+    rank: int | None = None  # the data-parallel rank its requests are pinned to; None: the engine's own choice
+    in_flight: int = 0
+    tokens_total: int = 0  # tokens it generated that were handed to callers (the dashboard's tokens/s)
+    progressed_at: float = 0.0  # monotonic time it last sent tokens for any request (first-token timeouts)
+    consecutive_failures: int = 0
+    circuit_open_until: float = 0.0
+    # The last read of its engine's load; None where no policy reads it (`load` is then the in-flight count).
+    engine_load: EngineLoad | None = field(default=None, repr=False)
+    # Requests in flight that the pool interrupts when it takes the replica out (`ReplicaPool.lease`).
+    requests: set[InFlight] = field(default_factory=set, repr=False)
+    backend: EngineBackend = field(init=False, repr=False)  # the engine's, kept here: read at every request
+    id: str = field(init=False)
+    key: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backend = self.engine.backend
+        self.id = self.engine.id if self.rank is None else rank_id(self.engine.id, self.rank)
+        self.key = string_key(self.id)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.healthy
+
+    @property
+    def draining(self) -> bool:
+        return self.engine.draining
+
+    @property
+    def version(self) -> int | None:
+        """The weight version its engine is known to run (`Engine.version`)."""
+        return self.engine._version
+
+    @property
+    def stale(self) -> bool:
+        """Its engine is held out (`Engine.stale`)."""
+        return self.engine._stale
+
+    @property
     def load(self) -> int:
-        """Requests on the replica: what its engine ran and queued at the last read (every gateway process's), plus
-        the requests this process began since, less those it ended; this process's in-flight count where the
-        engine's load is not read."""
+        """Requests on the target: what its engine (or rank) ran and queued at the last read (every gateway
+        process's), plus the requests this process began since, less those it ended; this process's in-flight count
+        where the engine's load is not read."""
         read = self.engine_load
         if read is None:
             return self.in_flight
@@ -84,4 +139,5 @@ class Replica:
         return None if read is None else read.kv_usage
 
     def serving(self, now: float) -> bool:
-        return self.healthy and not self._stale and not self.draining and now >= self.circuit_open_until
+        engine = self.engine
+        return engine.healthy and not engine._stale and not engine.draining and now >= self.circuit_open_until

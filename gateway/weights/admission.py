@@ -10,7 +10,7 @@ from backends.base import EngineBackend
 from backends.errors import BackendError
 from gateway.background import stop
 from gateway.errors import InvalidRequest
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, ReplicaPool
 from gateway.weights.coordinator import WeightCoordinator
 from gateway.weights.labels import parse_version
 
@@ -36,7 +36,7 @@ class ReplicaAdmission:
         self.weights = weights
         self._catching_up: dict[str, asyncio.Task[None]] = {}
 
-    async def admit(self, backend: EngineBackend) -> Replica:
+    async def admit(self, backend: EngineBackend) -> Engine:
         """Add `backend` to the pool; it serves only once it runs the current weight version."""
         version = await reported_version(backend)
         replica = self.pool.add(backend, version=version, stale=version != self.weights.version)
@@ -44,7 +44,7 @@ class ReplicaAdmission:
             await self.catch_up(replica)
         return replica
 
-    async def verify(self, replica: Replica) -> None:
+    async def verify(self, replica: Engine) -> None:
         """Run on every successful health probe. A restarted engine runs its initial weights, so a replica serves
         only while it reports the pool's version; otherwise it is held out (stale) and, where the weights came
         from a path, loaded with them — never left to sample under other weights than it is labelled with."""
@@ -83,7 +83,7 @@ class ReplicaAdmission:
         if weights.last_source is not None and version < weights.version:
             self._catch_up_in_background(replica)
 
-    async def catch_up(self, replica: Replica) -> None:
+    async def catch_up(self, replica: Engine) -> None:
         """Load the current weights onto a replica (only possible when they came from a path)."""
         try:
             await self.weights.load_current(replica)
@@ -96,7 +96,7 @@ class ReplicaAdmission:
                 extra={"replica": replica.id, "version": self.weights.version},
             )
 
-    def _catch_up_in_background(self, replica: Replica) -> None:
+    def _catch_up_in_background(self, replica: Engine) -> None:
         """The health loop must not wait for a weight load (it queues behind any update in progress)."""
         if replica.id in self._catching_up:
             return

@@ -28,7 +28,7 @@ from typing import Any
 from backends.base import PauseMode
 from gateway.background import stop
 from gateway.errors import Conflict, StoreError, WeightsNotUpdated, WeightsUpdateTimedOut
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, ReplicaPool
 from gateway.store import Serving, WeightsBus, WeightsRecord
 from gateway.weights.bracket import OutOfBandSync
 from gateway.weights.follower import Follower
@@ -268,7 +268,7 @@ class WeightCoordinator:
         if self.leader is not None:
             await self.leader.publish_result(report, self.version, self.last_source)
 
-    async def load_current(self, replica: Replica) -> bool:
+    async def load_current(self, replica: Engine) -> bool:
         """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
 
         Serialized with updates (the same lock): run concurrently, a catch-up and an update could interleave
@@ -435,7 +435,7 @@ class WeightCoordinator:
             self.version = version
             self.last_source = event.source if event.source is not None else self.last_source
             updated, stale = set(event.updated), set(event.stale)
-            for replica in self.pool.all():
+            for replica in self.pool.engines():
                 if replica.id in updated:
                     self.pool.set_version(replica, version)
                 elif replica.id in stale:

@@ -139,7 +139,7 @@ class Follower:
         pool, bus = self.weights.pool, self.bus
 
         async def drain() -> None:
-            for replica in pool.all():
+            for replica in pool.engines():
                 if "wait" not in replica.backend.capabilities.pause_modes:
                     await pool.until_idle(replica)
             attempt = 0

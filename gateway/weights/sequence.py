@@ -1,5 +1,8 @@
 """THE update sequence, over every replica at once: pause → load → settle → resume.
 
+It works on engines (`ReplicaPool.engines`): a replica with several data-parallel ranks is paused, loaded, verified
+and resumed once, and its ranks share its version and stale mark.
+
 Every way the replicas change weights runs it: an update (`POST /admin/weights`) from end to end; the out-of-band
 sync (`POST /admin/pause` … `/admin/resume`) in two halves, the sync between them, its load a relabel; the recovery
 from an update whose coordinator died, its load a restore. What the load step does is a `Plan`.
@@ -20,7 +23,7 @@ from typing import Literal
 
 from backends.base import PauseMode
 from backends.errors import BackendError, WeightsNotLoaded
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, ReplicaPool
 from gateway.weights.labels import version_label, version_labels
 from gateway.weights.report import UpdateReport
 from gateway.weights.state import State, StateMachine
@@ -90,7 +93,7 @@ class UpdateSequence:
     async def pause(self, mode: PauseMode, report: UpdateReport) -> None:
         """Pause every replica concurrently."""
         async with asyncio.TaskGroup() as group:
-            for replica in self.pool.all():
+            for replica in self.pool.engines():
                 group.create_task(self._pause_one(replica, mode, report))
         report.paused_at = time.time()
 
@@ -98,22 +101,22 @@ class UpdateSequence:
         """Load every paused replica as `plan` says, settle the refusals, resume every replica."""
         self.machine.to(State.UPDATING)
         if plan.kind == "none":
-            report.refused.extend(r.id for r in self.pool.all() if r.id not in report.stale)
+            report.refused.extend(r.id for r in self.pool.engines() if r.id not in report.stale)
         else:
             async with asyncio.TaskGroup() as group:
-                for replica in self.pool.all():
+                for replica in self.pool.engines():
                     if replica.id not in report.stale:
                         group.create_task(self._load_one(replica, plan, report))
         await self._settle_refusals(plan, report)
         report.loaded_at = time.time()
         self.machine.to(State.RESUMING)
         async with asyncio.TaskGroup() as group:
-            for replica in self.pool.all():
+            for replica in self.pool.engines():
                 group.create_task(self._resume_one(replica, report))
 
     # -- one replica --------------------------------------------------------------------------------------------
 
-    async def _pause_one(self, replica: Replica, mode: PauseMode, report: UpdateReport) -> None:
+    async def _pause_one(self, replica: Engine, mode: PauseMode, report: UpdateReport) -> None:
         try:
             if mode == "wait" and "wait" not in replica.backend.capabilities.pause_modes:
                 await self.pool.until_idle(replica)  # no native wait: our own in-flight finish, then nothing to abort
@@ -124,7 +127,7 @@ class UpdateSequence:
             report.note(replica.id, f"pause failed: {exc}")
             self.mark_stale(replica, report, f"pause failed: {exc}")
 
-    async def _load_one(self, replica: Replica, plan: Plan, report: UpdateReport) -> None:
+    async def _load_one(self, replica: Engine, plan: Plan, report: UpdateReport) -> None:
         if plan.kind == "load":
             await self.update_one(replica, plan.version, plan.source, report)
             return
@@ -141,7 +144,7 @@ class UpdateSequence:
             report.note(replica.id, why)
             self.mark_stale(replica, report, why)
 
-    async def update_one(self, replica: Replica, version: int, source: str | None, report: UpdateReport) -> None:
+    async def update_one(self, replica: Engine, version: int, source: str | None, report: UpdateReport) -> None:
         """Load (or relabel) one paused replica and read its label back."""
         label = version_label(version)
         try:
@@ -176,7 +179,7 @@ class UpdateSequence:
         one that reports anything else is stale, since nobody can tell which weights it runs. Without a rollback
         (weights synced out of band are in the engines already), they are stale."""
         previous = plan.previous
-        replicas = [r for r in self.pool.all() if r.id in report.refused]
+        replicas = [r for r in self.pool.engines() if r.id in report.refused]
         if report.updated or not plan.rollback:
             for replica in replicas:
                 self.mark_stale(replica, report, f"did not load version {report.version}; runs {previous} still")
@@ -195,7 +198,7 @@ class UpdateSequence:
             else:
                 report.kept.append(replica.id)
 
-    async def label_of(self, replica: Replica) -> str | None:
+    async def label_of(self, replica: Engine) -> str | None:
         """The replica's version label; None where it cannot be read."""
         try:
             return await replica.backend.weight_version()
@@ -205,7 +208,7 @@ class UpdateSequence:
             )
             return None
 
-    async def _resume_one(self, replica: Replica, report: UpdateReport) -> None:
+    async def _resume_one(self, replica: Engine, report: UpdateReport) -> None:
         try:
             if replica.id in report.stale:
                 # Never let a stale replica continue frozen requests under old weights: end them; the gateway
@@ -218,7 +221,7 @@ class UpdateSequence:
             if replica.id in report.kept:
                 report.kept.remove(replica.id)
 
-    def mark_stale(self, replica: Replica, report: UpdateReport, why: str) -> None:
+    def mark_stale(self, replica: Engine, report: UpdateReport, why: str) -> None:
         """Hold `replica` out, and say so in `report`."""
         logger.error(
             "replica %s marked stale: %s", replica.id, why, extra={"replica": replica.id, "version": report.version}
@@ -229,7 +232,7 @@ class UpdateSequence:
         if replica.id in report.updated:
             report.updated.remove(replica.id)
 
-    def flush_when_idle(self, replica: Replica) -> None:
+    def flush_when_idle(self, replica: Engine) -> None:
         """The engine switched weights but kept old KV for requests still running (SGLang in_place): take the
         replica out of rotation until they finish, flush its prefix cache, then let new work in."""
         replica.draining = True

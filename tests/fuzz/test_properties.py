@@ -21,7 +21,7 @@ from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.errors import InvalidRequest
 from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
 from gateway.generation.generator import _SegmentRun
-from gateway.routing import Replica, ReplicaPool
+from gateway.routing import Engine, Replica, ReplicaPool
 from gateway.tokenization import ChatTokenizer
 from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
@@ -40,7 +40,7 @@ def experts_of(position: int, segment: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def replica() -> Replica:
     backend = create_backend("sim", ReplicaSpec(id="r0", url="http://127.0.0.1:9"), "vllm")
-    return Replica(backend)
+    return Engine(backend).targets[0]
 
 
 @settings(max_examples=100, deadline=None)

@@ -293,6 +293,10 @@ def test_every_bad_key_is_listed(tmp_path: Path) -> None:
             {"url": "http://h:1", "backend": "sim", "routed_experts_shape": [0, 8]},
             "replicas[0].routed_experts_shape[0]: Input should be greater",
         ),
+        (
+            {"url": "http://h:1", "backend": "vllm", "data_parallel_size": 0},
+            "replicas[0].data_parallel_size: Input should be greater than or equal to 1 (got 0)",
+        ),
     ],
 )
 def test_bad_replica(replica: dict[str, object], expected: str) -> None:

@@ -351,7 +351,7 @@ async def test_a_preempted_stream_whose_replica_left_the_pool_continues_on_anoth
     pool = gw.services.pool
     async with streams_under_way(gw, prompts, total, "m") as tasks:
         assert all(r.in_flight for r in pool.all())  # both replicas hold some
-        out = pool.get(bad_id)
+        out = pool.engine(bad_id)
         assert out is not None
         out.draining = True  # takes no new request; its streams go on
         await wait_for(lambda: len(pool.candidates()) == 1, what="ejection")

@@ -13,7 +13,7 @@ from backends.base import PauseMode
 from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig, without_credentials
 from gateway.errors import InvalidRequest, NotFound
-from gateway.routing import Replica
+from gateway.routing import Engine, Replica
 from gateway.trajectory import MAX_VERSION
 from gateway.weights import UpdateReport
 
@@ -78,15 +78,31 @@ def _report(report: UpdateReport) -> dict[str, Any]:
 
 
 def replica_status(replica: Replica) -> dict[str, Any]:
+    """One routing target: a replica, or one data-parallel rank of it (`rank`; None for a whole replica)."""
     return {
         "id": replica.id,
         "url": replica.backend.url,
+        "rank": replica.rank,
         "healthy": replica.healthy,
         "stale": replica.stale,
         "draining": replica.draining,
         "in_flight": replica.in_flight,
         "version": replica.version,
         "consecutive_failures": replica.consecutive_failures,
+    }
+
+
+def engine_status(engine: Engine) -> dict[str, Any]:
+    """One replica as added: its engine, and the ids of the routing targets it is."""
+    return {
+        "id": engine.id,
+        "url": engine.backend.url,
+        "targets": [target.id for target in engine.targets],
+        "healthy": engine.healthy,
+        "stale": engine.stale,
+        "draining": engine.draining,
+        "in_flight": engine.in_flight,
+        "version": engine.version,
     }
 
 
@@ -139,12 +155,12 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
 
 @router.post("/replicas", status_code=201)
 async def add_replica(body: ReplicaConfig, svc: ServicesDep) -> dict[str, Any]:
-    return replica_status(await svc.add_replica(body))
+    return engine_status(await svc.add_replica(body))
 
 
 @router.delete("/replicas/{replica_id}", status_code=204)
 async def remove_replica(replica_id: str, svc: ServicesDep) -> Response:
-    if svc.pool.get(replica_id) is None:
+    if svc.pool.engine(replica_id) is None:
         raise NotFound(f"no replica {replica_id!r}", param="replica_id")
     await svc.remove_replica(replica_id)
     return Response(status_code=204)
