@@ -158,6 +158,8 @@ async def open_services(
     settings: Settings, backend_factory: BackendFactory = default_backend_factory
 ) -> AsyncIterator[Services]:
     """Start everything the gateway needs and close it all on exit, in reverse order."""
+    if (open_to_anyone := settings.server.open_to_anyone()) is not None:
+        logger.warning(open_to_anyone)
     async with contextlib.AsyncExitStack() as stack:
         redis_url = settings.redis.url
         if not redis_url:
@@ -262,7 +264,7 @@ async def open_services(
             replay_match=settings.sessions.replay_match,
         )
         open_sessions = OpenSessions(
-            redis, Keys(s.prefix), settings.server.max_open_sessions_per_key, s.session_idle_ttl_s
+            redis, Keys(s.prefix), settings.server.max_open_sessions_per_key or 0, s.session_idle_ttl_s
         )
         quota = SessionQuota(settings.server.max_sessions_per_key)
         lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions, quota)

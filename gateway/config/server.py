@@ -10,6 +10,8 @@ from gateway.config.api_keys import ApiKeys
 from gateway.config.section import Seconds, Section
 
 DEFAULT_ADMIN_TOKEN = "change-me"
+# Above the capacity target of one process (docs/reliability.md): a bound an open gateway has by default.
+DEFAULT_MAX_OPEN_SESSIONS = 20_000
 
 
 def _loopback(host: str) -> bool:
@@ -42,8 +44,13 @@ class ServerConfig(Section):
     max_sessions_per_key: int = Field(
         0, ge=0, description="Sessions with a request in flight per API key (per process); 0 = no limit."
     )
-    max_open_sessions_per_key: int = Field(
-        0, ge=0, description="Sessions created and not finished per API key, across processes (Redis); 0 = no limit."
+    max_open_sessions_per_key: int | None = Field(
+        DEFAULT_MAX_OPEN_SESSIONS,
+        ge=0,
+        description=(
+            "Sessions created and not finished per API key, across processes (Redis); without API keys, of all "
+            "sessions together. 0 or null: no limit."
+        ),
     )
     shutdown_timeout_s: Seconds = Field(
         30.0, description="On SIGTERM, how long in-flight requests may run before they are cut, seconds."
@@ -74,6 +81,17 @@ class ServerConfig(Section):
     max_connections: int | None = Field(
         None, ge=1, description="Client connections per process; then idle ones close, else 503; None: by fd limit."
     )
+
+    def open_to_anyone(self) -> str | None:
+        """A warning where anyone who reaches the gateway may fill its Redis with sessions: it listens beyond
+        loopback, with neither API keys nor a bound on open sessions. None otherwise."""
+        if _loopback(self.host) or self.api_keys or self.max_open_sessions_per_key:
+            return None
+        return (
+            f"host {self.host!r} lets other hosts in, with no server.api_keys and server.max_open_sessions_per_key "
+            "off: anyone who reaches the gateway may create sessions without bound (their metadata kept in Redis). "
+            f"Set server.api_keys, or server.max_open_sessions_per_key (default {DEFAULT_MAX_OPEN_SESSIONS})"
+        )
 
     @model_validator(mode="after")
     def _no_default_admin_token_beyond_loopback(self) -> ServerConfig:

@@ -81,7 +81,8 @@ class TrajectoryStore:
         max_session_metadata_bytes: int = 64 * 1024,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
-        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s=None`: no sweeper;
+        finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s`: the repair sweep's
+        period, and the idle sweep's unless half `session_idle_ttl_s` is shorter (`sweep_period_s`); None: no sweeper;
         `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`); `locks`: the
         process's session locks (`locks`, shared with the session lifecycle), new ones if None;
         `max_session_metadata_bytes`: the most a session's metadata may take as JSON (a 400 past it)."""
@@ -352,6 +353,6 @@ class TrajectoryStore:
         """Deliver sessions finished but not confirmed in the stream; see `Delivery.repair_undelivered`."""
         return await self._delivery.repair_undelivered(older_than_s)
 
-    async def abandon_idle(self, now: float | None = None, limit: int = 1_000) -> list[str]:
-        """Close idle active sessions as `abandoned`; see `IdleSweeper.abandon_idle`."""
-        return await self._idle.abandon_idle(now, limit)
+    async def abandon_idle(self, now: float | None = None) -> list[str]:
+        """Close every idle active session as `abandoned`; see `IdleSweeper.abandon_idle`."""
+        return await self._idle.abandon_idle(now)

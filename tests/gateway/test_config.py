@@ -20,6 +20,7 @@ from gateway.config import (
     without_credentials,
 )
 from gateway.config.redis import cluster_nodes
+from gateway.config.server import DEFAULT_MAX_OPEN_SESSIONS, ServerConfig
 from gateway.errors import ConfigError
 from gateway.services import replica_spec
 from tests import REPO
@@ -77,6 +78,28 @@ def test_repo_config_has_the_documented_values() -> None:
     assert (settings.weights.pause_mode, settings.weights.max_staleness) == ("abort", 4)
     assert settings.weights.update_timeout_s == 600
     assert (settings.store.prefix, settings.store.max_pending, settings.store.ttl_s) == ("rg:", 10000, 86400)
+    assert settings.server.max_open_sessions_per_key == 20000
+
+
+def test_open_sessions_are_bounded_by_default_above_the_capacity_target() -> None:
+    """One process is sized for 10,000 open sessions (docs/reliability.md); without API keys they share the bound."""
+    assert Settings().server.max_open_sessions_per_key == DEFAULT_MAX_OPEN_SESSIONS > 10_000
+    for off in (0, None):
+        assert not Settings(server={"max_open_sessions_per_key": off}).server.max_open_sessions_per_key
+    with pytest.raises(ValidationError):
+        Settings(server={"max_open_sessions_per_key": -1})
+
+
+def test_a_server_open_to_anyone_is_named_only_beyond_loopback_without_keys_or_bound() -> None:
+    beyond = {"host": "0.0.0.0", "admin_token": "s3cret"}
+    warning = ServerConfig(**beyond, max_open_sessions_per_key=None).open_to_anyone()
+    assert warning is not None
+    assert "server.api_keys" in warning and "server.max_open_sessions_per_key" in warning and "'0.0.0.0'" in warning
+    assert ServerConfig(**beyond, max_open_sessions_per_key=0, api_keys=["k"]).open_to_anyone() is None
+    assert ServerConfig(**beyond).open_to_anyone() is None  # the default bound
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert ServerConfig(host=host, max_open_sessions_per_key=0).open_to_anyone() is None
+    assert ServerConfig(host="gateway.internal", admin_token="s3cret", max_open_sessions_per_key=0).open_to_anyone()
 
 
 def test_repo_config_documents_every_key() -> None:

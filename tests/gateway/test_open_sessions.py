@@ -1,14 +1,22 @@
 """Open sessions per API key, across gateway processes (`server.max_open_sessions_per_key`, issue 38 §7): counted in
-Redis, freed by a finish or once the session expires idle; distinct from the per-process in-flight limit."""
+Redis, freed by a finish or once the session expires idle; distinct from the per-process in-flight limit. On by
+default, sessions without a key sharing one count, and a warning where a gateway open to other hosts has neither
+keys nor the bound (issue 52 §7)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import httpx
+import pytest
+from redis.asyncio import Redis
 
+from gateway.config.server import DEFAULT_MAX_OPEN_SESSIONS
 from gateway.server import RunningGateway
-from gateway.session.quotas import key_id
+from gateway.session.quotas import ANONYMOUS, key_id
+from gateway.store import Keys, OpenSessions
 from tests.conftest import GatewayFactory, SimFactory
 from tests.sim_helpers import wait_for
 
@@ -80,3 +88,82 @@ async def test_an_abandoned_session_frees_its_slot_once_it_expires_idle(
     await wait_for(expired, timeout=10, what="the abandoned sessions leave the count")
     assert (await create(http, b, "new-1", K1)).status_code == 201
     assert (await create(http, a, "new-2", K1)).status_code == 201
+
+
+async def test_a_gateway_without_api_keys_bounds_its_open_sessions_by_default(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await make_gateway([await make_sim("vllm")])
+    opened = gw.services.open_sessions
+    assert opened is not None and opened.limit == DEFAULT_MAX_OPEN_SESSIONS
+    assert (await http.post(f"{gw.url}/v1/sessions", json={"session_id": "kept"})).status_code == 201
+    assert (await chat(http, gw, "chatty", {})).status_code == 200
+    assert await opened.count(ANONYMOUS) == 2  # every session without a key in the one count
+
+
+async def test_sessions_without_api_keys_share_one_bound_across_gateways(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")
+    a, b = [await make_gateway([sim], server={"max_open_sessions_per_key": 2}) for _ in range(2)]
+    assert (await create(http, a, "s1", {})).status_code == 201
+    assert (await chat(http, b, "s2", {})).status_code == 200
+    for response in (await create(http, b, "s3", {}), await chat(http, a, "s3", {})):
+        assert refused(response)
+        message = response.json()["error"]["message"]
+        assert "server.max_open_sessions_per_key (2)" in message and "without an API key" in message
+    assert (await http.get(f"{a.url}/v1/sessions/s3")).status_code == 404  # nothing stored
+    # Nothing open is lost: both sessions go on, and a finish frees a slot for a new one.
+    assert (await chat(http, a, "s1", {})).status_code == 200
+    assert (await chat(http, b, "s2", {})).status_code == 200
+    assert (await http.get(f"{b.url}/v1/sessions/s1")).json()["status"] == "active"
+    assert (await http.post(f"{b.url}/v1/sessions/s1/finish", json={"reward": 1.0})).status_code == 200
+    assert (await create(http, a, "s3", {})).status_code == 201
+
+
+OPEN_TO_ANYONE = "server.max_open_sessions_per_key off"
+
+
+@pytest.mark.parametrize(
+    ("server", "warned"),
+    [
+        ({"host": "0.0.0.0", "max_open_sessions_per_key": 0}, True),
+        ({"host": "0.0.0.0", "max_open_sessions_per_key": None}, True),
+        ({"host": "0.0.0.0"}, False),  # the default bound
+        ({"host": "0.0.0.0", "max_open_sessions_per_key": 0, "api_keys": ["key-one"]}, False),
+        ({"host": "127.0.0.1", "max_open_sessions_per_key": 0}, False),
+    ],
+)
+async def test_a_gateway_open_to_other_hosts_without_limits_warns_once_at_start(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    server: dict[str, Any],
+    warned: bool,
+) -> None:
+    """The warning reads the configured `server.host` (the test gateway itself listens on loopback)."""
+    with caplog.at_level(logging.WARNING, logger="gateway.services"):
+        await make_gateway([await make_sim("vllm")], server=server)
+    warnings = [r.getMessage() for r in caplog.records if OPEN_TO_ANYONE in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert "server.api_keys" in warnings[0] and "'0.0.0.0'" in warnings[0]
+
+
+async def test_a_process_pushes_a_sessions_expiry_on_once_per_margin_and_keeps_it_counted(redis: Redis) -> None:
+    """Turns within an eighth of the idle TTL of this process's last push cost no round trip; the score stays more
+    than the idle TTL ahead of every turn, so a session in use is never trimmed before the sweeper abandons it."""
+    opened = OpenSessions(redis, Keys(), limit=5, idle_ttl_s=8)
+    key = Keys().open_sessions(ANONYMOUS)
+    await opened.claim(ANONYMOUS, "s")
+    claimed = await redis.zscore(key, "s")
+    now = await redis.time()
+    assert claimed is not None and claimed >= now[0] + now[1] / 1e6 + 8  # the idle TTL and the margin ahead
+    await opened.touch(ANONYMOUS, "s")
+    assert await redis.zscore(key, "s") == claimed  # within the margin: not sent
+    await asyncio.sleep(1.1)
+    await opened.touch(ANONYMOUS, "s")
+    pushed = await redis.zscore(key, "s")
+    assert pushed is not None and pushed > claimed
+    await opened.release(ANONYMOUS, "s")
+    assert await opened.count(ANONYMOUS) == 0
