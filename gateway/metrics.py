@@ -27,6 +27,8 @@ Names are a contract (a Grafana dashboard is built against them); never rename o
 | `rollout_gateway_budget_sessions_total`  | counter   | outcome       | read at scrape from `StalenessBudget`     |
 | `rollout_gateway_budget_stale_cuts_total`| counter   |               | read at scrape from `StalenessBudget`     |
 | `rollout_gateway_delivered_staleness`    | histogram |               | versions behind, per delivered sample     |
+| `rollout_gateway_stream_queued_bytes`    | gauge     |               | read at scrape from `StreamBuffers`       |
+| `rollout_gateway_slow_clients_cut_total` | counter   | cause         | read at scrape from `StreamBuffers`       |
 
 Most values already live in the objects that own them (in-flight counts, health, the generator's counters, the
 version, affinity), so a custom collector reads them when Prometheus scrapes and the request path updates
@@ -61,6 +63,12 @@ counts the turns cut for staleness (a resume not made; a later turn on such a sa
 `delivered_staleness` is the dashboard's staleness of delivered samples (how many versions each one's oldest
 token lags the version serving at delivery); the dashboard shows it per version too.
 
+`stream_queued_bytes` is what streamed answers hold for their clients in this process (queued chunks, and messages
+waiting for a socket to drain), bounded by `server.stream_buffer_budget_bytes`; `slow_clients_cut_total{cause}`
+counts the streaming clients cut for reading too slowly: `buffer` (`server.stream_buffer_bytes` queued for one),
+`stalled` (a send without progress for `server.slow_client_timeout_s`), `budget` (the process's budget passed, the
+client holding the most cut; docs/reliability.md).
+
 Store pending is read from Redis (`SCARD rg:pending:sessions`) by `refresh()` before each scrape, bounded by a short
 timeout, rather than cached by a background task: a scrape every ~15 s costs one GET per process, the value is
 exact when read (no refresh lag to explain), and there is no task to start, stop and keep alive. If Redis does
@@ -74,8 +82,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -108,6 +116,17 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 LOG_FIELDS = ("session_id", "replica", "version")
 
 
+class StreamCounts(Protocol):
+    """What streamed answers hold for their clients, and the clients cut (`gateway.api.client_writer.StreamBuffers`:
+    the domain imports no HTTP layer)."""
+
+    @property
+    def queued_bytes(self) -> int: ...
+
+    @property
+    def cuts(self) -> Mapping[str, int]: ...
+
+
 class _Sources:
     """The live objects the scrape-time collector reads."""
 
@@ -125,6 +144,7 @@ class _Sources:
         self.store = store
         self.sessions = sessions
         self.budget: BudgetCounts | None = None
+        self.streams: StreamCounts | None = None
 
 
 class _LiveCollector:
@@ -214,6 +234,18 @@ class _LiveCollector:
             yield CounterMetricFamily(
                 f"{PREFIX}_budget_stale_cuts", "Turns cut for staleness by the staleness budget.", src.budget.cut
             )
+        if src.streams is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_stream_queued_bytes",
+                "Bytes of streamed answers held for their clients (server.stream_buffer_budget_bytes).",
+                src.streams.queued_bytes,
+            )
+            slow = CounterMetricFamily(
+                f"{PREFIX}_slow_clients_cut", "Streaming clients cut for reading slowly, by cause.", labels=["cause"]
+            )
+            for cause, count in src.streams.cuts.items():
+                slow.add_metric([cause], count)
+            yield slow
         if self.pending is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_store_pending", "Finished trajectories not yet consumed by a trainer.", self.pending
@@ -279,12 +311,14 @@ class GatewayMetrics:
         store: TrajectoryStore,
         sessions: SessionManager,
         budget: BudgetCounts | None = None,
+        streams: StreamCounts | None = None,
     ) -> None:
         """Read these objects at scrape time and subscribe to their events (once, at startup)."""
         if self._live is not None:
             raise RuntimeError("GatewayMetrics is already bound")
         self._live = _LiveCollector(_Sources(pool, weights, generator, store, sessions))
         self._live.sources.budget = budget
+        self._live.sources.streams = streams
         self.registry.register(self._live)
         generator.on_resume = self.observe_resume
         generator.on_dispatch = self.observe_dispatch
@@ -343,4 +377,4 @@ class ContextFormatter(logging.Formatter):
         return f"{text} {' '.join(fields)}" if fields else text
 
 
-__all__ = ["CONTENT_TYPE", "UNMATCHED_ROUTE", "ContextFormatter", "GatewayMetrics"]
+__all__ = ["CONTENT_TYPE", "UNMATCHED_ROUTE", "ContextFormatter", "GatewayMetrics", "StreamCounts"]

@@ -14,8 +14,9 @@ from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
+from gateway.api.client_writer import StreamBuffers
 from gateway.background import background, stop
-from gateway.config import FastPathConfig, ReplicaConfig, Settings
+from gateway.config import FastPathConfig, ReplicaConfig, ServerConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict
@@ -102,6 +103,9 @@ class Services:
     open_sessions: OpenSessions | None = None  # `server.max_open_sessions_per_key`, across processes
     dashboard: DashboardSampler | None = None
     response_cache: ResponseCache = field(default_factory=lambda: ResponseCache(0, 0.0))  # the Responses API's
+    stream_buffers: StreamBuffers = field(
+        default_factory=lambda: StreamBuffers(ServerConfig().stream_buffer_budget_bytes)
+    )
     admission: ReplicaAdmission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -297,7 +301,10 @@ async def open_services(
         )
         stack.push_async_callback(lifecycle.drain, SHUTDOWN_RECORD_TIMEOUT_S)  # before the store and Redis close
         metrics = GatewayMetrics()
-        metrics.bind(pool, weights, generator, trajectories, sessions, budget.counts if budget else None)
+        stream_buffers = StreamBuffers(settings.server.stream_buffer_budget_bytes)
+        metrics.bind(
+            pool, weights, generator, trajectories, sessions, budget.counts if budget else None, stream_buffers
+        )
         dashboard = DashboardSampler(pool, weights, generator, redis, Keys(s.prefix, s.stream_partitions))
         dashboard.budget = budget.counts if budget else None
         dashboard.on_staleness = metrics.delivered_staleness.observe
@@ -320,6 +327,7 @@ async def open_services(
             open_sessions=open_sessions,
             dashboard=dashboard,
             response_cache=ResponseCache(s.response_cache_size, trajectories.responses.ttl_s),
+            stream_buffers=stream_buffers,
         )
         pool.on_probe = services.admission.verify
         stack.push_async_callback(services.admission.aclose)  # catch-ups end before the pool and Redis close

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from gateway.api.client_writer import StreamBuffers
 from gateway.config import ReplicaConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.generation import Generator
@@ -59,6 +60,11 @@ class ApiServices(Protocol):
 
     @property
     def response_cache(self) -> ResponseCache: ...
+
+    @property
+    def stream_buffers(self) -> StreamBuffers:
+        """What streamed answers hold for their clients in this process (`server.stream_buffer_budget_bytes`)."""
+        ...
 
     async def add_replica(self, config: ReplicaConfig) -> Engine:
         """Admit a replica at run time; it serves only once it runs the current weight version."""

@@ -5,7 +5,8 @@ With the fast path's `server_send` part (`gateway.fastpath.server_send`, set as 
 chunks go straight to the server's own `send`, which `GatewayApp` then puts in the scope, once the head went through
 the middlewares; a client cut for reading too slowly has its connection aborted. Without it, chunks pass through
 every middleware. Flow control is the server's (uvicorn waits for the socket to drain inside its `send`), in a writer
-task of the response's own (`gateway.api.client_writer`): the generation never waits for the client.
+task of the response's own (`gateway.api.client_writer`): the generation never waits for the client. The writers of
+an app count what they hold in its services' `stream_buffers`, against `server.stream_buffer_budget_bytes`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.asgi import ClientDisconnected, unless_disconnected
-from gateway.api.client_writer import ClientWriter, SlowClient
+from gateway.api.client_writer import ClientWriter, SlowClient, StreamBuffers
 from gateway.api.context import ApiServices
 from gateway.config import ServerConfig
 
@@ -140,12 +141,14 @@ class GuardedStreamingResponse(StreamingResponse):
             app = scope.get("app")
             gateway = app if isinstance(app, GatewayApp) else None
             server_send = scope.get(SERVER_SEND)  # there only when the app has an `abort_client`
-            limits = _limits(gateway)
-            writer = ClientWriter(server_send or send, limits.stream_buffer_bytes, limits.slow_client_timeout_s)
+            limits, buffers = _limits(gateway)
+            writer = ClientWriter(
+                server_send or send, limits.stream_buffer_bytes, limits.slow_client_timeout_s, buffers
+            )
             try:
                 await self._relay(writer, send)
             except SlowClient as exc:
-                logger.warning("streamed answer cut: %s", exc)
+                logger.warning("streamed answer cut: %s", str(exc))  # the text: a record keeps no frame
                 if server_send is not None and gateway is not None and gateway.abort_client is not None:
                     gateway.abort_client(server_send)
                 # else the response returns without its end, and the server closes the connection
@@ -183,13 +186,17 @@ class GuardedStreamingResponse(StreamingResponse):
         await writer.finish(last, send)
 
 
-def _limits(app: GatewayApp | None) -> ServerConfig:
-    """The server settings of `app` (the defaults for an app without services: tests' own)."""
+def _limits(app: GatewayApp | None) -> tuple[ServerConfig, StreamBuffers]:
+    """The server settings of `app` and its process's stream buffers (the defaults for an app without services:
+    tests' own)."""
     services = app.services if app is not None else None
-    return services.settings.server if services is not None else _DEFAULT_LIMITS
+    if services is None:
+        return _DEFAULT_LIMITS, _DEFAULT_BUFFERS
+    return services.settings.server, services.stream_buffers
 
 
 _DEFAULT_LIMITS = ServerConfig()
+_DEFAULT_BUFFERS = StreamBuffers(_DEFAULT_LIMITS.stream_buffer_budget_bytes)
 
 
 def _nothing() -> None:

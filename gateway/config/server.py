@@ -58,6 +58,12 @@ class ServerConfig(Section):
     stream_buffer_bytes: int = Field(
         16 * 1024 * 1024, ge=1, description="Most bytes of a streamed answer queued for one client before it is cut."
     )
+    stream_buffer_budget_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1,
+        description="Most bytes of streamed answers queued for their clients in this process, all streams together; "
+        "past it the streams holding the most are cut.",
+    )
     slow_client_timeout_s: Seconds = Field(
         60.0, description="How long one send to a streaming client may make no progress before it is cut, seconds."
     )
