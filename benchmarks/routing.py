@@ -10,9 +10,10 @@ What runs where (2 cores): `--replicas` simulator replicas (vLLM dialect) in one
 and the load generator (`benchmarks.loadgen`, a process a run) on core 0; every target on core 1, all started once
 and up for the whole run: this gateway once per policy (`rollout-gateway serve`, `routing.policy: <policy>`, its
 embedded Redis; `rg-<policy>` rows: sticky, cache_aware, sticky_least_loaded, least_loaded, round_robin; GRPO groups
-`together`, the default), sglang-router 0.3.2 (`cache_aware`, `manual` (its hash of `X-SMG-Routing-Key`: this
-version has no `consistent_hash`), `round_robin`) and vllm-router 0.1.17 (`consistent_hash`, `sticky_least_loaded`,
-keyed on `X-Session-ID`); a router whose package is not installed is left out with a note.
+`together`, the default), sglang-router 0.3.2 (`cache_aware`; `manual`, its sticky policy in place of a
+`consistent_hash` this version lacks: a new `X-SMG-Routing-Key` goes to a random worker, then stays there;
+`round_robin`) and vllm-router 0.1.17 (`consistent_hash`, `sticky_least_loaded`, keyed on `X-Session-ID`), each with
+its defaults; a router whose package is not installed is left out with a note.
 
 The replicas' capacity is small, so that placement matters (`Capacity`): 8 requests decoded a step, 768 KV blocks
 of 16 tokens (prefix cache included: a full cache evicts, a full batch preempts), a decode step of 4 ms + 0.5 ms a
@@ -325,7 +326,8 @@ async def run_all(options: Options, console: Console) -> Results:
                 pin_process(pid, shared)
         with targets_up(options, sims.urls, proxy, console) as targets:
             names = ", ".join(t.name for t in targets)
-            console.print(f"{options.replicas} replicas up (core {shared}), targets (core {proxy}): {names}")
+            where = f" (CPUs {sorted(shared)}; targets on {sorted(proxy)})" if shared and proxy else ""
+            console.print(f"{options.replicas} replicas up{where}, targets: {names}")
             fleet = Fleet(sims.urls, sims.pids)
             tags = itertools.count(2, 2)  # the load generator uses tag + 1 for its warm-up
             try:
