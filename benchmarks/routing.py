@@ -16,8 +16,9 @@ embedded Redis; `rg-<policy>` rows: sticky, cache_aware, sticky_least_loaded, le
 its defaults; a router whose package is not installed is left out with a note.
 
 The replicas' capacity is small, so that placement matters (`Capacity`): 8 requests decoded a step, 768 KV blocks
-of 16 tokens (prefix cache included: a full cache evicts, a full batch preempts), a decode step of 4 ms + 0.5 ms a
-running request, 20 µs a prefilled (uncached) prompt token, which stalls the batch. Workloads:
+of 16 tokens (prefix cache included: a full cache evicts, a full batch preempts), a decode step of 4 ms + 0.1 ms a
+running request (decode is bound by memory: a batch of 8 steps 1.2× slower than a request alone), 20 µs a prefilled
+(uncached) prompt token, which stalls the batch (2,800 tokens: 14 steps). Workloads:
 
 * `agentic`: agents, each one session after another of 10-30 turns (a random length); every session opens with the
   run's one system prompt (650 words, about 2,000 tokens) and its first message; each turn's prompt is the
@@ -104,10 +105,12 @@ ROUTERS = (
 )
 WORKLOADS = ("agentic", "grpo")
 LOADS = ("low", "moderate", "high")
-AGENTS = {"low": 1, "moderate": 4, "high": 8}
-"""Agentic load: agents a replica (each in a turn or a tool call at any time)."""
-GROUPS = {"low": 0.25, "moderate": 0.5, "high": 1.0}
-"""GRPO load: groups a replica a burst (at least one a burst)."""
+AGENTS = {"low": 1, "moderate": 4, "high": 10}
+"""Agentic load: agents a replica (each in a turn or a tool call at any time). At `high`, the replicas' KV no longer
+holds every conversation (about 80 blocks of its own each, beside the system prompt's 125)."""
+GROUPS = {"low": 0.25, "moderate": 0.75, "high": 1.5}
+"""GRPO load: groups a replica a burst (at least one a burst). A group's members hold about 5 of a replica's 8 batch
+slots for a second: `high` offers about 90 % of the batch slots, in bursts."""
 BASELINE = "rg-sticky"
 METRICS = {
     "queries": "vllm:prefix_cache_queries_total",
@@ -125,7 +128,7 @@ class Capacity:
     num_gpu_blocks: int = 768
     block_size: int = 16
     token_delay_s: float = 0.004
-    per_seq_delay_s: float = 0.0005
+    per_seq_delay_s: float = 0.0001
     prefill_delay_s: float = 0.00002
     max_model_len: int = 8192
 
@@ -237,6 +240,15 @@ class Fleet:
     def cpu(self) -> float:
         return sum(cpu_seconds(pid) or 0.0 for pid in self.pids)
 
+    async def describe(self) -> str:
+        """Each replica's batch, queue and KV now (the simulator's `/sim/state`): what a cut-off run left behind."""
+        states = []
+        for index, url in enumerate(self.urls):
+            state = (await self.http.get(f"{url}/sim/state")).json()
+            kv = max((rank["kv_usage"] for rank in state["ranks"]), default=0.0)
+            states.append(f"replica {index}: {state['running']} running, {state['waiting']} waiting, KV {kv:.0%}")
+        return "; ".join(states)
+
     async def counters(self) -> list[dict[str, float]]:
         out = []
         for url in self.urls:
@@ -280,9 +292,12 @@ async def run_once(fleet: Fleet, target: Target, run_spec: dict[str, Any], loadg
 
 
 @contextlib.contextmanager
-def targets_up(options: Options, urls: list[str], cpus: set[int] | None, console: Console) -> Iterator[list[Target]]:
+def targets_up(
+    options: Options, urls: list[str], cpus: set[int] | None, console: Console
+) -> Iterator[dict[str, tuple[Target, GatewayProcess | RouterProcess]]]:
     """Start every requested target in front of `urls`, pinned to `cpus`, all at once (a gateway takes seconds to
-    import); a router not installed is left out with a note. All stopped on exit."""
+    import); a router not installed is left out with a note. Yields each target and its process (for its log); all
+    stopped on exit."""
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rg-routing-")))
         processes: dict[str, GatewayProcess | RouterProcess] = {}
@@ -311,7 +326,7 @@ def targets_up(options: Options, urls: list[str], cpus: set[int] | None, console
         with ThreadPoolExecutor(max_workers=max(1, len(processes))) as pool:
             for future in [pool.submit(start, process) for process in processes.values()]:
                 future.result()  # the first failure raises, once every start has ended (all stopped on exit)
-        yield [Target(name, process.url, process.pid) for name, process in processes.items()]
+        yield {name: (Target(name, process.url, process.pid), process) for name, process in processes.items()}
 
 
 Results = dict[tuple[str, str], dict[str, Run]]
@@ -324,7 +339,8 @@ async def run_all(options: Options, console: Console) -> Results:
         for pid in sims.pids:
             if shared:
                 pin_process(pid, shared)
-        with targets_up(options, sims.urls, proxy, console) as targets:
+        with targets_up(options, sims.urls, proxy, console) as up:
+            targets = [target for target, _ in up.values()]
             names = ", ".join(t.name for t in targets)
             where = f" (CPUs {sorted(shared)}; targets on {sorted(proxy)})" if shared and proxy else ""
             console.print(f"{options.replicas} replicas up{where}, targets: {names}")
@@ -340,6 +356,9 @@ async def run_all(options: Options, console: Console) -> Results:
                             seed = 1 + cell * 1000 + round_number
                             run_spec = spec(options, workload, load, target, next(tags), seed)
                             run = await run_once(fleet, target, run_spec, shared)
+                            if any(sample.startswith("deadline") for sample in run.error_samples):
+                                console.print(f"[red]{target.name} cut off;[/] {await fleet.describe()}")
+                                console.print(f"[red]{target.name}'s log:[/]\n{up[target.name][1].log_tail()}")
                             runs[target.name].add(run)
                             console.print(
                                 f"  {workload:<8} {load:<9} round {round_number + 1}  {target.name:<25} "
