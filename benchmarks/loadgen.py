@@ -29,6 +29,14 @@ gateway makes each request a one-turn session and delivers it as a trajectory). 
 workloads), a `completions` turn's prompt also carries the previous reply, so a relay sees the same growing
 conversation as the agent protocols.
 
+Shapes for `benchmarks.routing`: an agent's sessions can open with one system prompt shared by the run
+(`system_words`), last a random number of turns (`episode_turns` to `episode_turns_max`), start part-way (`aged`: the
+first session joins at a random turn, the earlier turns already in its prompt), wait between turns (`think_s`, a tool
+call) and start spread out (`start_spread_s`). With `group_size`, the process sends GRPO groups instead of sessions
+(`LoadGen.run_groups`): bursts of `sessions` groups, each `group_size` requests with one prompt, all at once, each
+group named by the path (this gateway) or by the session headers (the routers; `group_route`); every group's time,
+its burst to its last answer, is in the result's `group_times`. `warmup: 0` skips the warm-up.
+
 The HTTP client is a minimal HTTP/1.1 keep-alive client over asyncio streams (content-length and chunked bodies):
 on a 2-core machine the load generator shares a core with the simulator replicas, and httpx costs several
 times more CPU per request, which would cap every target at the load generator's speed.
@@ -103,6 +111,18 @@ class Spec:
     chained: bool = False  # `responses`: a turn sends only its new message and the previous response's id
     episode_turns: int = 0  # > 0 (with `turns == 0`): an agent's session ends after this many turns and a new one
     # (another session number, a new conversation) goes on: an RL rollout's episodes, a context that stays bounded
+    episode_turns_max: int = 0  # > episode_turns: each episode's length is drawn in [episode_turns, this]
+    aged: bool = False  # an agent's first episode starts at a random turn of its length, the earlier turns' history
+    # (filler words for the replies) already in its prompt: the run sees the mix of a steady state from its start
+    system_words: int = 0  # every session's conversation opens with one system prompt of this many words (per run)
+    think_s: tuple[float, float] = (0.0, 0.0)  # an agent's wait between its turns (a tool call), drawn in this range
+    start_spread_s: float = 0.0  # each agent starts after a random delay in [0, this)
+    group_size: int = 0  # > 0: GRPO groups instead of sessions (`LoadGen.run_groups`)
+    bursts: int = 1  # groups: how many bursts of `sessions` groups, ...
+    burst_interval_s: float = 1.0  # ... one this long after the other (open loop: none waits for the previous)
+    group_route: str = "path"  # how a group member names its group: "path" (this gateway: `/sessions/grp-<group>-
+    # <i>of<n>/v1/completions`, each member a session of the group) or "key" (the routers: the group id as the
+    # session headers, `X-Session-ID` and `X-SMG-Routing-Key`; they see no groups)
 
     def __post_init__(self) -> None:
         if self.api not in ("completions", "generate", *AGENT_APIS):
@@ -111,6 +131,9 @@ class Spec:
             raise ValueError("echo needs a text route (generate sends token ids)")
         if self.chained and self.api != "responses":
             raise ValueError("chained turns are the Responses API's (previous_response_id)")
+        if self.group_size and (self.api != "completions" or self.group_route not in ("path", "key")):
+            raise ValueError("groups are sent on /v1/completions, named by the path or by the session headers")
+        self.think_s = (float(self.think_s[0]), float(self.think_s[1]))
 
 
 @dataclass
@@ -122,6 +145,7 @@ class Result:
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    group_times: list[float] = field(default_factory=list)  # groups: each group's burst → its last member's answer
 
     def error(self, message: str) -> None:
         self.errors += 1
@@ -299,12 +323,17 @@ class LoadGen:
         budget: int,
         result: Result,
         previous: str | None = None,
+        path: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Reply | None:
-        """One request, counted in `result`: the reply, or None where it failed."""
+        """One request, counted in `result`: the reply, or None where it failed. `path` and `headers` replace the
+        route's and the session's (a group member's)."""
         started = time.perf_counter()
         try:
             body = self.body(session, conversation, budget, previous)
-            status, pieces = await conn.post(self.path, body, self.headers(session))
+            status, pieces = await conn.post(
+                path or self.path, body, self.headers(session) if headers is None else headers
+            )
             reply = check_answer(status, pieces, self.spec.stream, budget, self.spec.api)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, KeyError) as exc:
             conn.close()
@@ -323,6 +352,13 @@ class LoadGen:
     def budget(self) -> int:
         return self.rng.randint(self.spec.min_tokens, self.spec.max_tokens)
 
+    def words(self, start: int, count: int) -> str:
+        return " ".join(self.filler[(start + i) % len(self.filler)] for i in range(count))
+
+    def episode_length(self) -> int:
+        low, high = self.spec.episode_turns, self.spec.episode_turns_max
+        return self.rng.randint(low, high) if high > low else low
+
     async def agent(
         self, tag: int, number: int, turns: int, remaining: list[int], result: Result, until: float
     ) -> None:
@@ -333,21 +369,37 @@ class LoadGen:
         session = session_name(tag, number)
         conn = Connection(self.url_of(session))
         offset = (number * 7919) % 2048
+        system = [("system", f"system {tag} " + self.words(0, spec.system_words))] if spec.system_words else []
 
         def opening(session: str) -> Conversation:
-            return [("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))]
+            return [*system, ("user", f"{session} " + " ".join(self.filler[offset : offset + spec.prompt_words]))]
 
         conversation = opening(session)
         with_replies = spec.api in AGENT_APIS or spec.echo
         previous: str | None = None  # the response a chained turn follows
+        episode, ends = 0, self.episode_length()
+        if spec.aged and ends > 1:  # the first episode joins at a random turn, its history so far in the prompt
+            done = self.rng.randrange(ends)
+            for step in range(done):
+                conversation.append(("assistant", self.words(offset + 97 * step, spec.max_tokens // 3)))
+                conversation.append(("user", self.words(offset + 89 * step, spec.append_words)))
+            ends -= done
+        if spec.start_spread_s > 0:
+            await asyncio.sleep(self.rng.uniform(0, spec.start_spread_s))
         try:
             turn = 0
             while ((turns and turn < turns) or (not turns and remaining[0] > 0)) and time.perf_counter() < until:
+                if turn and spec.think_s[1] > 0:  # the agent's tool call between two turns
+                    await asyncio.sleep(self.rng.uniform(*spec.think_s))
+                    if time.perf_counter() >= until:
+                        break
                 if not turns:
                     remaining[0] -= 1
-                    if spec.episode_turns and turn and turn % spec.episode_turns == 0:  # the next episode
-                        session = session_name(tag, number + turn // spec.episode_turns * spec.sessions)
+                    if spec.episode_turns and turn and turn == ends:  # the next episode
+                        episode += 1
+                        session = session_name(tag, number + episode * spec.sessions)
                         conversation, previous = opening(session), None
+                        ends = turn + self.episode_length()
                 reply = await self.one(conn, session, conversation, self.budget(), result, previous)
                 turn += 1
                 if reply is None and with_replies:
@@ -376,18 +428,69 @@ class LoadGen:
         result.wall_s = time.perf_counter() - started
         return result
 
+    async def run_groups(self, tag: int, bursts: int, groups: int) -> Result:
+        """GRPO-shaped load: `bursts` bursts of `groups` groups, `burst_interval_s` apart; each group is
+        `group_size` requests with one prompt (`prompt_words` words, its own per group), all sent at its burst.
+        Each group's time (its burst → its last member's answer) goes to `group_times` where every member answered."""
+        spec = self.spec
+        result = Result()
+        started = time.perf_counter()
+
+        async def member(group: str, prompt: Conversation, index: int) -> bool:
+            session = f"grp-{group}-{index}of{spec.group_size}"
+            if spec.group_route == "path":
+                url, path, headers = spec.urls[0], f"/sessions/{session}/v1/completions", {}
+            else:
+                key = f"grp-{group}"
+                url, path, headers = self.url_of(key), None, {"X-Session-ID": key, "X-SMG-Routing-Key": key}
+            conn = Connection(url)
+            try:
+                return (
+                    await self.one(conn, session, prompt, self.budget(), result, path=path, headers=headers) is not None
+                )
+            finally:
+                conn.close()
+
+        async def group(number: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            name = f"{tag}x{number}"
+            prompt: Conversation = [("user", f"group {name} " + self.words(number * 7919, spec.prompt_words))]
+            sent = time.perf_counter()
+            answered = await asyncio.gather(*(member(name, prompt, i) for i in range(spec.group_size)))
+            if all(answered):
+                result.group_times.append(time.perf_counter() - sent)
+
+        try:
+            async with asyncio.timeout(spec.timeout_s), asyncio.TaskGroup() as tasks:
+                for burst in range(bursts):
+                    at = started + burst * spec.burst_interval_s
+                    for index in range(groups):
+                        tasks.create_task(group(burst * groups + index, at))
+        except TimeoutError:
+            result.error(f"deadline: the run passed {spec.timeout_s:g} s and was cut off")
+        result.wall_s = time.perf_counter() - started
+        return result
+
 
 async def main_async() -> int:
     spec = Spec(**orjson.loads(sys.stdin.readline()))
     gen = LoadGen(spec)
     loop = asyncio.get_running_loop()
-    warm = await gen.run(spec.tag + 1, spec.warmup, 0)  # other sessions, so the timed turns start fresh
+    if not spec.warmup:
+        warm = Result()
+    elif spec.group_size:  # one group (its own prompt) opens the way
+        warm = await gen.run_groups(spec.tag + 1, 1, 1)
+    else:
+        warm = await gen.run(spec.tag + 1, spec.warmup, 0)  # other sessions, so the timed turns start fresh
     print(orjson.dumps({"event": "warm", "errors": warm.errors, "error_samples": warm.error_samples}).decode())
     sys.stdout.flush()
     if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
         return 1
     cpu0 = time.process_time()
-    result = await gen.run(spec.tag, spec.turns, spec.requests, spec.duration_s)
+    if spec.group_size:
+        result = await gen.run_groups(spec.tag, spec.bursts, spec.sessions)
+    else:
+        result = await gen.run(spec.tag, spec.turns, spec.requests, spec.duration_s)
     # Its own CPU time of the timed part (all threads): read from /proc by the parent, it would race this exit.
     out = {"event": "result", **result.__dict__, "cpu_loadgen_s": time.process_time() - cpu0}
     sys.stdout.write(orjson.dumps(out).decode() + "\n")

@@ -262,7 +262,8 @@ class Rank:
             pinning = sum(1 for key in keys if key not in self.pins)
             if not self.room(blocks - len(keys), pinning):
                 return None
-        if request.preempted:
+        recompute = request.preempted
+        if recompute:
             request.preempted = False
             tokens = self.engine.forget_kv(request)  # recomputed under the weights loaded now
         else:
@@ -271,8 +272,27 @@ class Rank:
             tokens = len(request.prompt) - cached
         if self.kv:
             self.hold(request, keys, blocks)
+            if not recompute:
+                self.publish(request)
         self.running[request.engine_id] = request
         return tokens
+
+    def publish(self, request: SimRequest) -> None:
+        """Cache the full prompt blocks a request prefills once they are allocated, as vLLM does (it hashes a block
+        when it allocates it; the KV is written before any attention reads it in the step): a request admitted
+        after it, in the same step too, shares them instead of prefilling them again (GRPO siblings sent at once).
+        They move from the request's private blocks to the cache, held (pinned) by it while it runs."""
+        size = self.engine.settings.block_size
+        shared = request.shared_blocks
+        for block in range(len(shared), len(request.prompt) // size):
+            end = (block + 1) * size - 1
+            key = cache_key(request, end)
+            if key in self.cache:
+                continue  # cached after a gap: this request's copy stays private
+            self.cache[key] = request.forward_wkeys[end]
+            self.pins[key] = 1
+            shared.append(key)
+            self.private_blocks -= 1
 
     def preempt(self, request: SimRequest) -> None:
         """Drop the request's KV and put it back at the head of the queue (recomputed when admitted again)."""

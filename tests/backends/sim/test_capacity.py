@@ -190,6 +190,22 @@ async def test_kv_pressure_evicts_the_prefix_cache(make_sim: SimFactory, http: h
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_siblings_admitted_in_one_step_share_the_prompt_blocks(
+    make_sim: SimFactory, http: httpx.AsyncClient, dialect: str
+) -> None:
+    """A GRPO group sent at once: the first member's full prompt blocks are cached as it is admitted, so the others,
+    admitted in the same step, hit them (and hold them with it) instead of prefilling the prompt again."""
+    sim = await make_sim(dialect, engine=EngineSettings(block_size=4, num_gpu_blocks=200, max_model_len=64))
+    prompt = prompt_of(41, 5)  # 10 whole blocks; a hit covers 40 tokens (the last one is always recomputed)
+    tasks = await stalled_batch(http, sim, [prompt] * 4, 6)
+    assert [await task for task in tasks] == [reference(prompt, 6)] * 4
+    [rank] = sim.engine.ranks
+    assert await metric(http, sim.url, HITS[dialect]) == 3 * 40
+    assert rank.counters["prefill_tokens"] == 41 + 3 * 1
+    assert (rank.private_blocks, rank.pins) == (0, {})  # every block given back: cached, held by nobody
+
+
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
 async def test_kv_usage_counts_the_blocks_running_requests_hold(
     make_sim: SimFactory, http: httpx.AsyncClient, dialect: str
 ) -> None:
