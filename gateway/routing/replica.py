@@ -115,12 +115,12 @@ class Replica:
     @property
     def version(self) -> int | None:
         """The weight version its engine is known to run (`Engine.version`)."""
-        return self.engine._version
+        return self.engine.version
 
     @property
     def stale(self) -> bool:
         """Its engine is held out (`Engine.stale`)."""
-        return self.engine._stale
+        return self.engine.stale
 
     @property
     def load(self) -> int:
@@ -140,4 +140,4 @@ class Replica:
 
     def serving(self, now: float) -> bool:
         engine = self.engine
-        return engine.healthy and not engine._stale and not engine.draining and now >= self.circuit_open_until
+        return engine.healthy and not engine.stale and not engine.draining and now >= self.circuit_open_until
