@@ -23,6 +23,8 @@ GatewayError                      base of every error the gateway raises on purp
 │   └── BackendRejected           400: the replica refused the request itself (not retryable)
 ├── WeightsNotUpdated             502: a weight update loaded on no replica; the previous version still serves
 ├── StoreError                    503: Redis unreachable past the retry budget
+│   └── WeightsNotRecorded        503: a weight update ran, but its record (`rg:weights`) did not reach Redis's
+│                                      replicas (`redis.durable_replicas`) or Redis at all (code `weights_not_recorded`)
 └── EngineLaunchError             a local engine server could not be started (backends/launcher.py)
     └── EngineNotInstalled        its python or model is missing (scripts/engines/setup.sh)
 ```
@@ -169,6 +171,18 @@ class StoreError(GatewayError):
         self.message = "the trajectory store (Redis) is unavailable; retry shortly"
 
 
+class WeightsNotRecorded(StoreError):
+    """A weight update (or out-of-band resume) ran and its version serves, but its record in `rg:weights` is not
+    durable: Redis did not take it within the retries, or fewer replicas than `redis.durable_replicas` acknowledged
+    it, so a failover could lose it (another process would then adopt, and a recovery restore, the version before).
+    The answer says so without Redis's address; `details` carries the version and the replicas serving it."""
+
+    def __init__(self, message: str, details: dict[str, object]) -> None:
+        super().__init__(message, code="weights_not_recorded")
+        self.message = message
+        self.details = details
+
+
 __all__ = [
     "BackendError",
     "BackendProtocolError",
@@ -193,5 +207,6 @@ __all__ = [
     "StoreError",
     "Unauthorized",
     "WeightsNotLoaded",
+    "WeightsNotRecorded",
     "WeightsNotUpdated",
 ]

@@ -33,7 +33,7 @@ from gateway.session.lifecycle import SessionLifecycle
 from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
 from gateway.session.samples import SessionManager
-from gateway.store import Keys, OpenSessions, TrajectoryStore, WeightsBus
+from gateway.store import Durability, Keys, OpenSessions, TrajectoryStore, WeightsBus
 from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns.runner import TurnRunner
 from gateway.weights import ReplicaAdmission, StalenessBudget, WeightCoordinator, reported_version
@@ -173,7 +173,14 @@ async def open_services(
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
         fastpath = settings.fastpath
         stack.push_async_callback(redis.aclose)
-        bus = WeightsBus(redis, Keys(settings.store.prefix), origin=uuid.uuid4().hex)
+        bus = WeightsBus(
+            redis,
+            Keys(settings.store.prefix),
+            origin=uuid.uuid4().hex,
+            durability=Durability(redis, settings.redis.durable_replicas, settings.redis.wait_timeout_ms),
+            retry_budget_s=settings.redis.retry_budget_s,
+        )
+        stack.push_async_callback(bus.aclose)
         r = settings.routing
         pool = ReplicaPool(
             r.policy,
@@ -248,6 +255,8 @@ async def open_services(
             retry_budget_s=settings.redis.retry_budget_s,
             pipelines=PipelineBatcher(redis) if fastpath.on("redis_batching") else None,
             max_session_metadata_bytes=s.max_session_metadata_bytes,
+            durable_replicas=settings.redis.durable_replicas,
+            wait_timeout_ms=settings.redis.wait_timeout_ms,
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)

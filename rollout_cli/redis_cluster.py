@@ -6,7 +6,9 @@ replicas of each, every one an `EmbeddedRedis` (the same binary, data directory 
 
 `url` is the gateway's cluster URL, `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node a startup node).
 `kill_master(i)` SIGKILLs a master; with a replica the cluster promotes it after `node_timeout_ms`
-(`wait_for_failover`).
+(`wait_for_failover`). `revive(node)` starts a killed node again, as an operator's supervisor would: it rejoins as
+a replica of the master that took its slots over, so that its shard has a replica again (writes that wait for one,
+`redis.durable_replicas`, go on).
 
 ```python
 with LocalRedisCluster() as cluster:
@@ -106,6 +108,27 @@ class LocalRedisCluster:
         victim = self.masters()[index]
         victim.kill()
         return victim
+
+    def revive(self, node: EmbeddedRedis, timeout_s: float = 30.0) -> None:
+        """Start the killed `node` again (its port, data and nodes.conf) and return once it is a replica in sync
+        with a master: the cluster tells it that its slots have a newer owner, and it replicates that one."""
+        node.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                role = _command(node, "ROLE")
+                if _text(role[0]) == "slave" and _text(role[3]) == "connected":
+                    return
+            except redis.RedisError:
+                pass  # still loading, or settling: ask again
+            if time.monotonic() > deadline:
+                raise StoreError(f"the revived node did not replicate a master within {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def replicas_of(self, master: EmbeddedRedis) -> list[EmbeddedRedis]:
+        """The live nodes replicating `master` now (as its ROLE lists them)."""
+        ports = {int(port) for _, port, _ in _command(master, "ROLE")[2]}
+        return [node for node in self._alive() if node.port in ports]
 
     def wait_for_failover(self, timeout_s: float = 30.0) -> None:
         """Until every slot is served again by a live master (a replica promoted) and the live nodes agree."""

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
 from gateway.config.section import Seconds, Section
 
@@ -75,3 +75,28 @@ class RedisConfig(Section):
     max_connections: int = Field(
         512, ge=1, description="Size of the Redis connection pool; when all are busy, commands wait for one."
     )
+    durable_replicas: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Replicas that must hold a session's finish and the weight version record (rg:weights) before either is "
+            "acknowledged (WAIT on the connection that wrote, on the master that owns the key); fewer: the finish is "
+            "retried for retry_budget_s, then a 503, and a weight update a 503 weights_not_recorded. 0: no WAIT "
+            "(asynchronous replication: a failover may lose the last writes). null: 1 on a Redis Cluster whose "
+            "layout lists a replica, else 0 (a single server, a cluster of masters only)."
+        ),
+    )
+    wait_timeout_ms: int = Field(
+        1000,
+        ge=1,
+        description="How long one WAIT waits for durable_replicas replicas, milliseconds (below socket_timeout_s).",
+    )
+
+    @model_validator(mode="after")
+    def _wait_within_socket_timeout(self) -> RedisConfig:
+        if self.wait_timeout_ms >= self.socket_timeout_s * 1000:
+            raise ValueError(
+                f"wait_timeout_ms ({self.wait_timeout_ms}) must be below socket_timeout_s "
+                f"({self.socket_timeout_s:g} s): the connection would time out before WAIT answers"
+            )
+        return self

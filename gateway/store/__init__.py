@@ -10,6 +10,8 @@ One module per concept:
 - `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
 - `locks`: `SessionLocks`, the per-session locks of this process (a session's turns; its sample writes);
 - `open_sessions`: `OpenSessions`, the open sessions of each API key (`server.max_open_sessions_per_key`);
+- `slot_clients`: where a key's writes run: a session's transaction, and writes acknowledged once replicas hold
+  them (`Durability`: `WAIT` on the connection that wrote);
 - `finish`: the idempotent finish; `delivery`: to the stream, and the repair sweeper; `sweepers`: idle sessions;
 - `responses`: the Responses API's stored responses, and a sample's conversation read without its arrays;
 - `weights_bus`: `WeightsBus` (weight version, update lock, control channel); `weights_events`: its typed events;
@@ -26,6 +28,7 @@ from gateway.store.locks import SessionLocks
 from gateway.store.open_sessions import OpenSessions
 from gateway.store.records import metadata_additions
 from gateway.store.samples import SampleWrite
+from gateway.store.slot_clients import Durability, NotReplicated
 from gateway.store.trajectory_store import TrajectoryStore
 from gateway.store.weights_bus import WeightsBus, WeightsRecord
 from gateway.store.weights_events import Drained, Pausing, Serving, Subscribed, WeightsEvent
@@ -34,7 +37,9 @@ _SampleWrite = SampleWrite  # its name before the store was split in modules (te
 
 __all__ = [
     "Drained",
+    "Durability",
     "Keys",
+    "NotReplicated",
     "OpenSessions",
     "Pausing",
     "Serving",

@@ -19,7 +19,7 @@ from gateway.errors import InvalidRequest, StoreError
 from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.pipelines import Build, OwnPipelines, Pipelines
 from gateway.store.scripts import Scripts
-from gateway.store.slot_clients import SlotClients
+from gateway.store.slot_clients import Durability, SlotClients
 from gateway.trajectory import SessionMeta
 
 __all__ = ["Fields", "StoreCore", "StoreStats", "Writes", "backoff_s", "meta_of"]
@@ -54,7 +54,8 @@ class StoreCore:
     """The client, its batcher and scripts, the counters and the session lifetimes, shared by the store's parts.
 
     `ttl_s`: a finished or abandoned session's lifetime; an active one's is `active_ttl_s` from its last write.
-    `max_metadata_bytes`: the most a session's metadata may take as JSON (`check_metadata`).
+    `max_metadata_bytes`: the most a session's metadata may take as JSON (`check_metadata`). `durability`: how a
+    finish's writes wait for replicas (none by default).
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class StoreCore:
         session_idle_ttl_s: int,
         pipelines: Pipelines | None = None,
         max_metadata_bytes: int = 64 * 1024,
+        durability: Durability | None = None,
     ) -> None:
         self.client = client
         self.max_metadata_bytes = max_metadata_bytes
@@ -77,6 +79,8 @@ class StoreCore:
         # concurrent turns (the fast path's batcher).
         self.batcher: Pipelines = pipelines or OwnPipelines(client)
         self.slots = SlotClients(client)
+        # A finish's writes that a failover must not lose wait for replicas (`redis.durable_replicas`).
+        self.durability = durability or Durability(client)
         self.stats = StoreStats()
 
     @property

@@ -14,6 +14,11 @@ is complete only with it), its stale sample marked.
 
 Consumers (the trainer): an entry is real iff its id equals its session meta's `stream_id`; skip (ack) any
 other; an entry whose meta has no `stream_id` yet is not arbitrated yet: leave it pending and look again.
+
+With `redis.durable_replicas` > 0 (gateway/store/slot_clients.py), (3) and (4) each wait for the replicas of the
+master that took them: the entry before it is claimed (a claimed entry a failover lost would be a delivered
+trajectory no consumer ever reads), the claim before the finish answers (it covers the session's finish and its
+samples, written to the same master before it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from gateway.errors import SessionNotFound, StoreError
 from gateway.store.backpressure import Backpressure, StartedSamples
 from gateway.store.core import StoreCore
 from gateway.store.keys import call, optional_text, text
-from gateway.store.scripts import queue, rerun_unknown
+from gateway.store.scripts import CLAIM_STREAM_ID, queue, rerun_unknown
 from gateway.trajectory import SessionMeta
 
 __all__ = ["Delivery"]
@@ -119,31 +124,33 @@ class Delivery:
         stream = self.stream_of(meta)
         announce = not self._announced
 
-        def build(pipe: Pipeline) -> None:
+        durability = self._core.durability
+
+        def announcing(pipe: Pipeline) -> None:
             if announce:  # consumers read this many partitions (idempotent, once per process)
                 pipe.set(keys.stream_partitions, keys.partitions)
+
+        def append(pipe: Pipeline) -> None:
             pipe.xadd(stream, entry)  # type: ignore[arg-type]
 
-        *_, entry_id = await self._core.batched(build, "append trajectory")  # with the other callers' commands
+        def build(pipe: Pipeline) -> None:
+            announcing(pipe)
+            append(pipe)
+
+        if durability.replicas:
+            if announce:
+                await self._core.batched(announcing, "announce partitions")
+            (entry_id,) = await durability.write(stream, append, "append trajectory")
+        else:
+            *_, entry_id = await self._core.batched(build, "append trajectory")  # with the other callers' commands
         self._announced = True
         return text(entry_id)
 
     async def claim_entry(self, meta: SessionMeta, entry_id: str) -> str:
         """Steps (4) and (5): the first entry id recorded as `stream_id` is the real one; it alone is counted."""
         session_id = meta.id
-        keys, claim = self._core.keys, self._core.scripts.claim_stream_id
-        script_keys = [keys.meta(session_id)]
-
-        def build(pipe: Pipeline) -> None:
-            queue(pipe, claim, script_keys, [entry_id])
-
-        (reply,) = await call(self._core.batcher.execute(build), "claim stream entry")
-        stored = await call(rerun_unknown(reply, claim, script_keys, [entry_id]), "claim stream entry")
-        if isinstance(stored, Exception):
-            raise StoreError(f"redis: claim stream entry failed: {stored}") from stored
-        winner = optional_text(stored)
-        if winner is None:
-            raise SessionNotFound(f"session {session_id} expired while being finished", param="session_id")
+        keys = self._core.keys
+        winner = await self._claim(meta, entry_id)
         if winner == entry_id:
             await self._backpressure.count_delivery(session_id)
             self._core.stats.delivered += 1
@@ -159,6 +166,37 @@ class Delivery:
 
         await self._core.batched(confirm, "confirm delivery")
         return winner
+
+    async def _claim(self, meta: SessionMeta, entry_id: str) -> str:
+        """The `stream_id` claim script: the id stored now (the first one given)."""
+        script_keys = [self._core.keys.meta(meta.id)]
+        claim, durability = self._core.scripts.claim_stream_id, self._core.durability
+        if durability.replicas:
+
+            def claiming(pipe: Pipeline) -> None:
+                # By its source: the master the claim goes to may not know the script's SHA.
+                pipe.eval(CLAIM_STREAM_ID, 1, *script_keys, entry_id)
+
+            (stored,) = await durability.write(script_keys[0], claiming, "claim stream entry")
+        else:
+
+            def build(pipe: Pipeline) -> None:
+                queue(pipe, claim, script_keys, [entry_id])
+
+            (reply,) = await call(self._core.batcher.execute(build), "claim stream entry")
+            stored = await call(rerun_unknown(reply, claim, script_keys, [entry_id]), "claim stream entry")
+        if isinstance(stored, Exception):
+            raise StoreError(f"redis: claim stream entry failed: {stored}") from stored
+        winner = optional_text(stored)
+        if winner is None:
+            raise SessionNotFound(f"session {meta.id} expired while being finished", param="session_id")
+        return winner
+
+    async def confirm_durable(self, meta: SessionMeta) -> None:
+        """A session found delivered (its `stream_id` set, by an earlier attempt or another process) is answered
+        only once its master's replicas hold it, where `redis.durable_replicas` asks for any: the claim again."""
+        if meta.stream_id is not None and self._core.durability.replicas:
+            await self._claim(meta, meta.stream_id)
 
     async def repair_undelivered(self, older_than_s: float = 0.0) -> int:
         """Deliver sessions finished but not confirmed in the stream (a finish that crashed or gave up midway).

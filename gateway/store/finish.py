@@ -6,7 +6,9 @@ Its steps, each idempotent, so a crash between any two is repaired by re-running
 session slot: status finished, reward, metadata, finished_at, EXPIRE ttl_s on meta and samples; ZREM
 `rg:sessions:active` (a finish with no metadata to merge, every one-turn session's, sends the SADD, a script
 doing (2) on an active session, and the ZREM as one pipeline; a session that is not active goes the way just
-described); (3)-(5) deliver it to the stream (gateway/store/delivery.py).
+described); (3)-(5) deliver it to the stream (gateway/store/delivery.py). Where `redis.durable_replicas` asks for
+replicas, the finish is answered only once they hold it (gateway/store/slot_clients.py); until then it is retried, as
+a finish Redis did not take is.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class Finisher:
         if meta.stream_id is not None:  # delivered before: make sure the repair set forgets it, answer the same id
             await call(client.srem(keys.undelivered, session_id), "confirm delivery")
             _check_same_rewards(meta, reward, rewards)
+            await self._delivery.confirm_durable(meta)
             return meta.stream_id
         if meta.status == "finished":  # not delivered yet: it stays in the repair set, which delivers it
             _check_same_rewards(meta, reward, rewards)

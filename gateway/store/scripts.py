@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError
 
 from gateway.trajectory import CHUNKED
 
-__all__ = ["FINISH_ACTIVE", "Scripts", "queue", "rerun_unknown"]
+__all__ = ["CLAIM_STREAM_ID", "FINISH_ACTIVE", "Scripts", "queue", "rerun_unknown"]
 
 # One atomic write per sample on the session's slot. A script rather than MULTI or WATCH: the write must be
 # refused when the session is no longer active (a finished trajectory never changes after delivery) and
@@ -85,14 +85,22 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-# Step (4) of finish: HSETNX `stream_id`, but only on an existing meta (a plain HSETNX on an expired or deleted
-# meta would create a stub hash without TTL). Answers the id now stored, i.e. the winner (nil where the meta is
-# gone). Re-running it after a lost reply answers the same winner, so the client's own retries are harmless.
+# Step (4) of finish: set `stream_id` where it is not set, but only on an existing meta (a plain HSETNX on an
+# expired or deleted meta would create a stub hash without TTL). Answers the id now stored, i.e. the winner (nil
+# where the meta is gone). Re-running it after a lost reply answers the same winner, so the client's own retries
+# are harmless. The winner is written again where it was stored already: every run is then a write Redis
+# replicates, so a WAIT after it on the same connection covers the session's earlier writes too, whoever made
+# them (gateway/store/slot_clients.py; a run that wrote nothing would leave WAIT counting an older write).
+# A meta that is not finished answers an error, NOTFINISHED, and is left as it is: its finish was lost (a
+# failover promoted a replica that never had it), and the finish, retried, finishes it again before any claim.
 # KEYS: meta. ARGV: the entry id just added.
 CLAIM_STREAM_ID = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-redis.call('HSETNX', KEYS[1], 'stream_id', ARGV[1])
-return redis.call('HGET', KEYS[1], 'stream_id')
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+if status ~= 'finished' then return redis.error_reply('NOTFINISHED the session is ' .. status) end
+local stored = redis.call('HGET', KEYS[1], 'stream_id') or ARGV[1]
+redis.call('HSET', KEYS[1], 'stream_id', stored)
+return stored
 """
 
 # A named session's creation, unless its meta exists: one script instead of a WATCHed read and transaction (three

@@ -27,6 +27,7 @@ from gateway.store.pipelines import Pipelines
 from gateway.store.records import Admission, Sessions
 from gateway.store.responses import ResponseKeys
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
+from gateway.store.slot_clients import Durability
 from gateway.store.sweepers import IdleSweeper, sweep_forever
 from gateway.trajectory import Sample, SampleSaved, SessionMeta, StoredChunks
 
@@ -79,13 +80,17 @@ class TrajectoryStore:
         pipelines: Pipelines | None = None,
         locks: SessionLocks | None = None,
         max_session_metadata_bytes: int = 64 * 1024,
+        durable_replicas: int | None = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         """`repair_grace_s`: the periodic sweeper leaves sessions finished more recently than this to their own
         finish; `retry_after_s`: the Retry-After of a backpressure 429; `sweep_interval_s`: the repair sweep's
         period, and the idle sweep's unless half `session_idle_ttl_s` is shorter (`sweep_period_s`); None: no sweeper;
         `pipelines`: how the per-turn round trips are sent (default: a pipeline each, `OwnPipelines`); `locks`: the
         process's session locks (`locks`, shared with the session lifecycle), new ones if None;
-        `max_session_metadata_bytes`: the most a session's metadata may take as JSON (a 400 past it)."""
+        `max_session_metadata_bytes`: the most a session's metadata may take as JSON (a 400 past it);
+        `durable_replicas`, `wait_timeout_ms`: the replicas a finish's writes must reach before it is acknowledged,
+        and how long one WAIT waits for them (`redis.durable_replicas`; None: auto, gateway/store/slot_clients.py)."""
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
@@ -104,6 +109,7 @@ class TrajectoryStore:
             session_idle_ttl_s=session_idle_ttl_s,
             pipelines=pipelines,
             max_metadata_bytes=max_session_metadata_bytes,
+            durability=Durability(client, durable_replicas, wait_timeout_ms),
         )
         self.stats = core.stats
         self.batcher = core.batcher
@@ -141,6 +147,8 @@ class TrajectoryStore:
             session_idle_ttl_s=store.session_idle_ttl_s,
             retry_budget_s=redis.retry_budget_s,
             max_session_metadata_bytes=store.max_session_metadata_bytes,
+            durable_replicas=redis.durable_replicas,
+            wait_timeout_ms=redis.wait_timeout_ms,
             **options,
         )
 
@@ -170,6 +178,7 @@ class TrajectoryStore:
         await self._buffer.aclose(drain_timeout_s)
         await self.batcher.aclose()
         await self._core.slots.aclose()
+        await self._core.durability.aclose()
 
     # -- sessions -------------------------------------------------------------------------------------------
 

@@ -14,12 +14,14 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.errors import StoreError
 from gateway.store.cluster_client import FailoverAwareCluster
 from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
+from gateway.store.slot_clients import Durability
 from gateway.store.weights_events import Drained, Serving, Subscribed, WeightsEvent, parse_event
 
 __all__ = ["WeightsBus", "WeightsRecord"]
@@ -81,10 +83,22 @@ class WeightsBus:
     works and adopt the new version when it is done.
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, origin: str) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        origin: str,
+        *,
+        durability: Durability | None = None,
+        retry_budget_s: float = 10.0,
+    ) -> None:
+        """`durability`: the replicas `record` waits for (none by default); `retry_budget_s`: how long `record` is
+        retried while Redis is away or too few replicas acknowledge it."""
         self.client = client
         self.keys = keys
         self.origin = origin
+        self.durability = durability or Durability(client)
+        self.retry_budget_s = retry_budget_s
         self._acquire_lock = client.register_script(_ACQUIRE_LOCK)
         self._take_over_lock = client.register_script(_TAKE_OVER_LOCK)
         self._release_lock = client.register_script(_RELEASE_LOCK)
@@ -170,6 +184,10 @@ class WeightsBus:
         updated: list[str] | None = None,
         stale: list[str] | None = None,
     ) -> None:
+        """Write `rg:weights`; it returns once the record is on the master and on the replicas
+        `redis.durable_replicas` asks for (a failover that lost it would have other processes adopt, a recovery
+        restore and the trainer judge staleness by an older version). Retried for `retry_budget_s`; then the last
+        `StoreError` (`NotReplicated`: the record is on the master alone)."""
         mapping = {
             "version": version,
             "state": state,
@@ -178,7 +196,29 @@ class WeightsBus:
             "stale": orjson.dumps(stale or []),
             "updated_at": time.time(),
         }
-        await call(self.client.hset(self.keys.weights, mapping=mapping), "record weights")  # type: ignore[arg-type]
+
+        def write(pipe: Pipeline) -> None:
+            pipe.hset(self.keys.weights, mapping=mapping)  # type: ignore[arg-type]
+
+        deadline = time.monotonic() + self.retry_budget_s
+        attempt = 0
+        while True:
+            try:
+                if self.durability.replicas:
+                    await self.durability.write(self.keys.weights, write, "record weights")
+                else:
+                    await call(self.client.hset(self.keys.weights, mapping=mapping), "record weights")  # type: ignore[arg-type]
+                return
+            except StoreError as exc:
+                attempt += 1
+                delay = backoff_s(attempt)
+                if time.monotonic() + delay > deadline:
+                    raise
+                logger.warning("weights: recording version %d failed (%s); retrying", version, exc)
+                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+
+    async def aclose(self) -> None:
+        await self.durability.aclose()
 
     async def join(self, ttl_s: float) -> None:
         """Say this process is on the bus for `ttl_s` more seconds (a heartbeat); forget members long expired."""

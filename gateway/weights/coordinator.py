@@ -27,7 +27,7 @@ from typing import Any
 
 from backends.base import PauseMode
 from gateway.background import stop
-from gateway.errors import Conflict, StoreError, WeightsNotUpdated, WeightsUpdateTimedOut
+from gateway.errors import Conflict, StoreError, WeightsNotRecorded, WeightsNotUpdated, WeightsUpdateTimedOut
 from gateway.routing import Engine, ReplicaPool
 from gateway.store import Serving, WeightsBus, WeightsRecord
 from gateway.weights.bracket import OutOfBandSync
@@ -89,6 +89,9 @@ class WeightCoordinator:
         self._expired: OutOfBandSync | None = None  # the last one that ended at its deadline (a later resume's 409)
         # The version an update of this process is loading (None: none, or an out-of-band sync's, not known yet).
         self.upcoming_version: int | None = None
+        # The last update whose version serves but whose record is not durable (`WeightsNotRecorded`): the same
+        # request again records it (`_record_again`) instead of a 409 for a version not newer.
+        self._unrecorded: UpdateReport | None = None
         # Called with the report of every update this process ran, a failed one included (`report.status`).
         self.on_update: list[Callable[[UpdateReport], Awaitable[None] | None]] = []
 
@@ -154,6 +157,8 @@ class WeightCoordinator:
         relabel), verify, resume. Some replicas failing is a `partial` report (they are stale); all of them
         failing raises `WeightsNotUpdated` after the rollback (see the module docstring)."""
         mode = mode or self.default_mode
+        if (again := await self._record_again(version)) is not None:
+            return again
         async with self.lock, self._leading(version, mode) as token:
             self._expired = None
             started = time.monotonic()
@@ -162,6 +167,7 @@ class WeightCoordinator:
             self.upcoming_version = version
             self.begin()
             timed_out = False
+            unrecorded: StoreError | None = None
             try:
                 async with asyncio.timeout(self.update_timeout_s):
                     await self._followers_drained(mode, token, version)
@@ -172,7 +178,7 @@ class WeightCoordinator:
                 self.upcoming_version = None
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
-                await self._publish_result(report)
+                unrecorded = await self._publish_result(report)
                 self.end()
                 report.finished_at = time.time()
             report.duration_s = time.monotonic() - started
@@ -192,7 +198,44 @@ class WeightCoordinator:
                 extra={"version": version},
             )
             await self._announce(report)
+            if unrecorded is not None:
+                raise self._not_recorded(report, unrecorded)
             return report
+
+    async def _record_again(self, version: int) -> UpdateReport | None:
+        """A request for the version that serves here unrecorded (`WeightsNotRecorded`), sent again: its record
+        written again under the bus lock; the report, or `WeightsNotRecorded` once more. None for any other
+        request (it goes its own way: a version not newer is a 409)."""
+        report = self._unrecorded
+        if report is None or version != self.version or self.leader is None:
+            return None
+        async with self.lock:
+            if self._unrecorded is not report or version != self.version:
+                return None  # recorded, or overtaken, meanwhile
+            unrecorded = await self.leader.record_again(report, self.version, self.last_source)
+            if unrecorded is not None:
+                raise self._not_recorded(report, unrecorded)
+            self._unrecorded = None
+            logger.info("weights: version %d recorded", version, extra={"version": version})
+            return report
+
+    def _not_recorded(self, report: UpdateReport, cause: StoreError) -> WeightsNotRecorded:
+        """The error for an update whose version serves but whose record in `rg:weights` is not durable; the same
+        request again records it (`_record_again`)."""
+        self._unrecorded = report
+        message = (
+            f"weight version {report.version} serves on {report.updated} (stale: {report.stale}), but its record "
+            "(rg:weights) did not reach the Redis replicas redis.durable_replicas asks for, or Redis at all: a Redis "
+            "failover could lose it; the same request again records it"
+        )
+        logger.error("weights: %s (%s)", message, cause, extra={"version": report.version})
+        details: dict[str, object] = {
+            "version": self.version,
+            "status": report.status,
+            "updated": report.updated,
+            "stale": report.stale,
+        }
+        return WeightsNotRecorded(message, details)
 
     def _failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated:
         """The error for an update that loaded nowhere, naming each replica's failure."""
@@ -264,9 +307,11 @@ class WeightCoordinator:
         if self.leader is not None and token is not None:
             await self.leader.followers_drained(mode, token, version)
 
-    async def _publish_result(self, report: UpdateReport) -> None:
-        if self.leader is not None:
-            await self.leader.publish_result(report, self.version, self.last_source)
+    async def _publish_result(self, report: UpdateReport) -> StoreError | None:
+        """Record and announce the result (`Leadership.publish_result`); the error where the record is not durable."""
+        if self.leader is None:
+            return None
+        return await self.leader.publish_result(report, self.version, self.last_source)
 
     async def load_current(self, replica: Engine) -> bool:
         """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
@@ -330,6 +375,8 @@ class WeightCoordinator:
 
     async def resume(self, version: int) -> UpdateReport:
         """Label the out-of-band weights `version` on every replica, verify, resume."""
+        if (again := await self._record_again(version)) is not None:
+            return again
         bracket = self._bracket
         if bracket is None:
             raise self._not_paused()
@@ -338,15 +385,18 @@ class WeightCoordinator:
         bracket.disarm()
         report = bracket.report
         report.version = version
+        unrecorded: StoreError | None = None
         async with self.lock:
             try:
                 await self.sequence.finish(Plan.relabel_synced(version, self.version), report)
                 self.version = version
             finally:
-                await self._close(bracket)
+                unrecorded = await self._close(bracket)
         report.duration_s = time.monotonic() - bracket.paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
         await self._announce(report)
+        if unrecorded is not None:
+            raise self._not_recorded(report, unrecorded)
         return report
 
     def _not_paused(self) -> Conflict:
@@ -359,13 +409,15 @@ class WeightCoordinator:
             f"(kept: {expired.report.kept}; stale: {expired.report.stale}); POST /admin/pause to sync again"
         )
 
-    async def _close(self, bracket: OutOfBandSync) -> None:
-        """The end of an out-of-band sync, however it ended: the result published, the bus lock given back, serving."""
-        await self._publish_result(bracket.report)
+    async def _close(self, bracket: OutOfBandSync) -> StoreError | None:
+        """The end of an out-of-band sync, however it ended: the result published, the bus lock given back, serving.
+        The error where the result's record is not durable (`_publish_result`)."""
+        unrecorded = await self._publish_result(bracket.report)
         if self.leader is not None and bracket.token is not None:
             await self.leader.give_back(bracket.token)
         self.end()
         bracket.report.finished_at = time.time()
+        return unrecorded
 
     async def _end_at_deadline(self, bracket: OutOfBandSync) -> None:
         """The out-of-band sync was not resumed in time (the trainer died, or forgot): end it as a failed update.

@@ -90,12 +90,39 @@ class Leadership:
             except TimeoutError:
                 await self.bus.announce(Pausing(version, mode, token))
 
-    async def publish_result(self, report: UpdateReport, version: int, source: str | None) -> None:
+    async def publish_result(self, report: UpdateReport, version: int, source: str | None) -> StoreError | None:
         """Record in `rg:weights` and announce the version the pool serves after `report` (the previous one after a
-        failed update: the followers keep it)."""
+        failed update: the followers keep it). The engines run it whatever happens here: a record Redis did not
+        take, or took on fewer replicas than `redis.durable_replicas` (`WeightsBus.record`, retried), is logged
+        and returned, for the update to answer `WeightsNotRecorded`; the announcement goes out all the same."""
         event = Serving(version, source, report.status, tuple(report.updated), tuple(report.stale))
+        unrecorded: StoreError | None = None
         try:
             await self.bus.record(version, "serving", source, report.updated, report.stale)
+        except StoreError as exc:
+            logger.error("weights: version %d not recorded: %s", version, exc, extra={"version": version})
+            unrecorded = exc
+        try:
             await self.bus.announce(event)
-        except StoreError as exc:  # the engines are updated; the followers time out and re-read
+        except StoreError as exc:  # the followers time out and re-read
             logger.error("weights: could not announce version %d: %s", version, exc, extra={"version": version})
+        return unrecorded
+
+    async def record_again(self, report: UpdateReport, version: int, source: str | None) -> StoreError | None:
+        """Record `report`'s result again (its first record was not durable: `publish_result`), under the update
+        lock, so that no other process's newer record is overwritten: a newer version recorded meanwhile is a 409.
+        Nothing is announced (the first time was). The error where it is still not durable."""
+        token = self.bus.new_token()
+        if not await self.bus.acquire(token, self.update_timeout_s + 30, self.member_ttl_s):
+            raise Conflict("another gateway process is applying a weight update", param="version")
+        try:
+            record = await self.bus.read()
+            if record is not None and record.version > version:
+                raise Conflict(f"weight version {record.version} is recorded since; {version} is not newer")
+            await self.bus.record(version, "serving", source, report.updated, report.stale)
+        except StoreError as exc:
+            logger.error("weights: version %d not recorded: %s", version, exc, extra={"version": version})
+            return exc
+        finally:
+            await self.give_back(token)
+        return None

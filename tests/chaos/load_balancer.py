@@ -418,11 +418,14 @@ class LoadBalancerSoak:
         self.report.restart_s = time.monotonic() - killed
 
     async def _master_kill(self) -> None:
-        """On a cluster: SIGKILL one master (inside an update or not), its replica takes over. Turns wait it out."""
+        """On a cluster: SIGKILL one master (inside an update or not), its replica takes over. Turns wait it out.
+        The killed node is started again and rejoins as the new master's replica: finishes and weight records on
+        that shard wait for one (`redis.durable_replicas`)."""
         if self.cluster is None or not self.kill_a_master or not await self._pause(self.o.master_kill_at_s):
             return
-        await asyncio.to_thread(self.cluster.kill_master, self.rng.randrange(3))
+        victim = await asyncio.to_thread(self.cluster.kill_master, self.rng.randrange(3))
         await asyncio.to_thread(self.cluster.wait_for_failover)
+        await asyncio.to_thread(self.cluster.revive, victim)
         self.report.redis_restarts += 1
 
     async def _watch_rotation(self, haproxy: HAProxy, victim: int) -> None:

@@ -389,12 +389,15 @@ class Soak:
                     os.kill(pid, signal.SIGCONT)
 
     async def _redis_restart(self) -> None:
-        """A restart of the one server; on a cluster, a master SIGKILLed and its replica promoted."""
+        """A restart of the one server; on a cluster, a master SIGKILLed, its replica promoted, and the killed node
+        started again (it rejoins as the new master's replica: until then, finishes and weight records on that
+        shard wait for a replica, `redis.durable_replicas`)."""
         if await self._pause((3.0, 6.0)):
             self.kill_times.append(time.monotonic())
             if self.cluster is not None:
-                await asyncio.to_thread(self.cluster.kill_master, 0)
+                victim = await asyncio.to_thread(self.cluster.kill_master, 0)
                 await asyncio.to_thread(self.cluster.wait_for_failover)
+                await asyncio.to_thread(self.cluster.revive, victim)
             else:
                 await self.redis.arestart()
             self.report.redis_restarts += 1

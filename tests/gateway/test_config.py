@@ -348,6 +348,9 @@ def test_bad_replica(replica: dict[str, object], expected: str) -> None:
         ({"generation": {"keepalive_expiry_s": 0}}, "generation.keepalive_expiry_s"),
         ({"generation": {"stream_pacing_min_streams": 0}}, "generation.stream_pacing_min_streams"),
         ({"generation": {"stream_pacing_s": 0.5, "read_timeout_s": 0.5}}, "generation"),
+        ({"redis": {"durable_replicas": -1}}, "redis.durable_replicas"),
+        ({"redis": {"wait_timeout_ms": 0}}, "redis.wait_timeout_ms"),
+        ({"redis": {"wait_timeout_ms": 5000, "socket_timeout_s": 5}}, "redis"),
         ({"model": {"tool_parser": "no-such-format"}}, "model.tool_parser"),
     ],
 )

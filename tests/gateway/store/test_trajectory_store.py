@@ -105,6 +105,7 @@ def make_store(client: Redis, **options: Any) -> TrajectoryStore:
         "max_pending": 100,
         "retry_budget_s": 20.0,
         "sweep_interval_s": None,
+        "durable_replicas": None,  # the gateway's default: WAIT for a replica on the cluster, none on one server
     }
     return TrajectoryStore(client, KEYS, **(settings | options))
 
@@ -417,6 +418,23 @@ async def test_a_duplicate_entry_loses_the_claim_and_is_deleted(store: Trajector
     assert [e for e, _ in await entries(redis)] == [entry_id]
     assert await store.pending() == 1
     assert store.stats.duplicate_entries == 1
+
+
+async def test_a_claim_on_a_session_a_failover_took_back_to_active_is_refused_and_the_finish_redone(
+    store: TrajectoryStore, redis: Redis
+) -> None:
+    """A failover can lose a finish's step (2) (the session active again on the promoted replica) while its entry
+    and claim go to the new master: the claim must not make an active session's entry real (its reward and status
+    lost); it is refused, and the finish, retried, finishes the session again before it claims."""
+    meta = await with_a_sample(store)
+    entry_id = await store._append_entry(meta)  # as if step (2) had been written, then lost
+    with pytest.raises(StoreError, match="NOTFINISHED"):
+        await store._claim_entry(meta, entry_id)
+    assert (await store.get_session(meta.id)).stream_id is None  # type: ignore[union-attr]
+    real = await store.finish(meta.id, 0.25)
+    finished = await store.get_session(meta.id)
+    assert finished is not None and finished.status == "finished" and finished.reward == 0.25
+    assert finished.stream_id == real != entry_id
 
 
 async def test_repair_confirms_or_forgets_what_the_undelivered_set_holds(store: TrajectoryStore, redis: Redis) -> None:
