@@ -139,7 +139,9 @@ async def test_a_weight_version_written_as_a_float_is_that_version(
     assert update.status_code == 200, update.text
     assert update.json()["version"] == 650644 and gw.services.weights.version == 650644
     assert type(gw.services.weights.version) is int
-    fraction = await http.post(f"{gw.url}/admin/weights", json={"version": 650645.5, "source": "external"}, headers=ADMIN)
+    fraction = await http.post(
+        f"{gw.url}/admin/weights", json={"version": 650645.5, "source": "external"}, headers=ADMIN
+    )
     assert fraction.status_code == 400 and fraction.json()["error"]["param"] == "version"
 
 
