@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import PauseMode
+from gateway.api.bounds import INTEGRAL
 from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig, without_credentials
 from gateway.errors import InvalidRequest, NotFound
@@ -26,8 +27,8 @@ class WeightsUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    version: int = Field(
-        ge=0, le=MAX_VERSION, description="The new weight version (the trainer's step); must increase."
+    version: Annotated[int, Field(ge=0, le=MAX_VERSION), INTEGRAL] = Field(
+        description="The new weight version (the trainer's step); must increase."
     )
     path: str | None = Field(None, min_length=1, description="Checkpoint path every engine can read and loads.")
     source: Literal["external"] | None = Field(
@@ -61,7 +62,9 @@ class PauseRequest(BaseModel):
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    version: int = Field(ge=0, le=MAX_VERSION, description="The version the out-of-band sync loaded; must increase.")
+    version: Annotated[int, Field(ge=0, le=MAX_VERSION), INTEGRAL] = Field(
+        description="The version the out-of-band sync loaded; must increase."
+    )
 
 
 def _report(report: UpdateReport) -> dict[str, Any]:

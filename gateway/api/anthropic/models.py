@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from gateway.api.bounds import INT32_MAX, Seed, TopK
+from gateway.api.bounds import Budget, Seed, TopK
 from gateway.api.openai.models import _storable
 from gateway.session.identity import SESSION_ID_PATTERN
 
@@ -187,7 +187,7 @@ class Thinking(_Body):
     `enabled` leaves the template's default (`budget_tokens` is not enforced: the model reasons as it samples)."""
 
     type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: Budget | None = None
 
 
 class CountTokensRequest(_Body):
@@ -214,7 +214,7 @@ class CountTokensRequest(_Body):
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages`, plus the gateway's vendor fields (`session_id`, `seed`, `ignore_eos`)."""
 
-    max_tokens: int = Field(ge=1, le=INT32_MAX)
+    max_tokens: Budget
     stop_sequences: list[str] | None = Field(None, max_length=8)
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

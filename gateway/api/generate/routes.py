@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import orjson
@@ -33,7 +33,7 @@ from backends.base import SamplingParams
 from backends.routed_experts import ExpertArray, encode_npy_b64
 from common.asgi import ClientDisconnected, relay_until_disconnected, unless_disconnected
 from common.errors import GatewayError
-from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
+from gateway.api.bounds import Budget, Count, IntegralItems, Seed, TopK, TopLogprobs
 from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, require_agent
 from gateway.api.errors import stream_error
@@ -55,15 +55,15 @@ from gateway.turns.request import Sampling, TokenPrompt, TurnRequest
 class GenerateSampling(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    max_tokens: int = Field(ge=1, le=INT32_MAX, description="Budget of the whole completion, across resumes.")
+    max_tokens: Budget = Field(description="Budget of the whole completion, across resumes.")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: TopK | None = None
     seed: Seed | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024), IntegralItems()] = Field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: Count = 0
-    top_logprobs: int = Field(0, ge=0, le=20)
+    top_logprobs: TopLogprobs = 0
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -73,7 +73,7 @@ class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    input_ids: list[TokenId] = Field(min_length=1)
+    input_ids: Annotated[list[TokenId], Field(min_length=1), IntegralItems()]
     sampling_params: GenerateSampling
     stream: bool = False
     return_routed_experts: bool = False

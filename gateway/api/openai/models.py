@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Self
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
+from gateway.api.bounds import INTEGRAL, Budget, Count, IntegralItems, Seed, TopK, TopLogprobs
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.tokenization.token_ids import TokenId
 
@@ -160,15 +160,15 @@ class Sampled(_Body):
     """What chat and completion requests share: the model, how to sample, the session."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: Budget | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: Seed | None = None
     stop: Stop = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=1024)
-    n: int = Field(1, ge=1, le=64)
+    stop_token_ids: list[Count] | None = Field(None, max_length=1024)
+    n: Annotated[int, Field(ge=1, le=64), INTEGRAL] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -197,9 +197,9 @@ class Sampled(_Body):
 class ChatSettings(Sampled):
     """A chat request but its conversation: what a chat turn samples with, and its tools."""
 
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Budget | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -230,9 +230,12 @@ class ChatCompletionRequest(ChatSettings):
 
 class CompletionRequest(Sampled):
     # Ids checked against the vocabulary by the route. Each branch bounded apart: a length on the union would say
-    # `minLength` in the schema, which holds strings only.
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # `minLength` in the schema, which holds strings only. Integral floats as ids around the union (`IntegralItems`),
+    # which keeps the branches' names in errors.
+    prompt: Annotated[
+        Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)], IntegralItems()
+    ]
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: None = None
 

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.api.bounds import INT32_MAX, Count, Seed, TopK
+from gateway.api.bounds import Budget, Count, Seed, TopK
 from gateway.api.openai.models import Stop, TextMetadata, _storable
 
 
@@ -216,7 +216,7 @@ class ResponseRequest(_Body):
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_output_tokens: Budget | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
@@ -244,7 +244,7 @@ class ResponseRequest(_Body):
     top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     stop: Stop = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(None, max_length=1024)
+    stop_token_ids: list[Count] | None = Field(None, max_length=1024)
     ignore_eos: bool = False
     min_tokens: Count = 0
 

@@ -69,7 +69,7 @@ async def get_response(response_id: str, raw: Request, svc: ServicesDep) -> Resp
 
 
 def _records(svc: ApiServices) -> ResponseRecords:
-    return ResponseRecords(svc.store.responses, svc.response_cache)
+    return ResponseRecords(svc.store.responses, svc.response_cache, max_links=svc.settings.server.max_messages)
 
 
 async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep) -> Response:
@@ -90,7 +90,7 @@ async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep)
     request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, RESPONSES_FIELDS, budget)
 
     def answer(prepared: PreparedTurn) -> TurnAnswer:
-        return _Answer(body, runner, prepared, records, owner).answer()
+        return _Answer(body, runner, prepared, records, owner, len(history)).answer()
 
     return await serve_turn(raw, runner, request, session, answer)
 
@@ -152,9 +152,11 @@ class _Answer:
         prepared: PreparedTurn,
         records: ResponseRecords,
         owner: str | None,
+        continued: int,
     ) -> None:
         self.body = body
         self.owner = owner
+        self.continued = continued  # how many messages of the previous response's conversation this turn's has
         self.runner = runner
         self.prepared = prepared
         self.records = records
@@ -233,16 +235,26 @@ class _Answer:
             return
         one_turn = self.prepared.one_turn
         conversation = [*choice.turn.messages, assistant_message(choice)]
+        instructions = self.body.instructions is not None
+        history = conversation[1:] if instructions else conversation  # what a request continuing this one starts from
+        previous = self.body.previous_response_id if one_turn else None
+        if not one_turn:  # the sample holds the messages
+            kept = None
+        elif previous is None:  # the first of a chain: whole
+            kept = conversation
+        else:  # the chain holds the messages before its own (`ResponseRecords.conversation`)
+            kept, instructions = history[self.continued :], False
         record = ResponseRecord(
             answer=final,
             session_id=None if one_turn else choice.turn.session_id,
             sample=choice.turn.stored_index,
             messages=len(conversation),
-            instructions=self.body.instructions is not None,
-            conversation=conversation if one_turn else None,
+            instructions=instructions,
+            conversation=kept,
             owner=self.owner,
+            previous=previous,
         )
-        await self.records.save(self.response_id, record, conversation)
+        await self.records.save(self.response_id, record, history)
 
     def answer(self) -> TurnAnswer:
         return TurnAnswer(self.whole, self.events, self.last, self.error_event)

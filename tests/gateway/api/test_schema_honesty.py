@@ -1,7 +1,9 @@
 """The published OpenAPI schema and the validation agree (issue 38 §15: schemathesis found `return_routed_experts: 0`,
 `reward: false`, `max_tokens: "10"` / `true` and token ids `true` / `"1"` / `1.0` accepted by lax coercion, while
 `prompt: []` and a tool message without content were refused though the schema allowed them). Request bodies are
-strict: a JSON value of another type is a 400 naming the field."""
+strict: a JSON value of another type is a 400 naming the field. One exception, which the schema states: an integral
+float is an integer (JSON Schema's `type: integer` holds `1.0`), taken as the integer it is (issue 52 §12;
+tests/gateway/api/test_integral_floats.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ COERCED: list[tuple[str, str, dict[str, Any], str]] = [
     ("/generate", "max_tokens bool", {**GENERATE, "sampling_params": {"max_tokens": True}}, "max_tokens"),
     ("/generate", "token id bool", {**GENERATE, "input_ids": [1, True]}, "input_ids"),
     ("/generate", "token id string", {**GENERATE, "input_ids": [1, "1"]}, "input_ids"),
-    ("/generate", "token id float", {**GENERATE, "input_ids": [1, 1.0]}, "input_ids"),
+    # `1.0` was here too, refused as lax coercion; but JSON Schema calls it the integer 1, as the published schema's
+    # `type: integer` does, so it is now taken as 1 (issue 52 §12). A fraction is no integer in either.
+    ("/generate", "token id fraction", {**GENERATE, "input_ids": [1, 1.5]}, "input_ids"),
     ("/v1/chat/completions", "max_tokens string", {**CHAT, "max_tokens": "10"}, "max_tokens"),
     ("/v1/chat/completions", "stream int", {**CHAT, "stream": 1}, "stream"),
     ("/v1/completions", "prompt id bool", {"model": "tiny", "prompt": [1, False]}, "prompt"),
@@ -84,3 +88,19 @@ async def test_integer_bounds_are_published_as_the_integers_the_validation_takes
     assert bounds and all(type(value) is int for _, value in bounds), [b for b in bounds if type(b[1]) is not int]
     over = await http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "seed": 2**63})
     assert over.status_code == 400 and over.json()["error"]["param"] == "seed"
+
+
+async def test_an_integral_float_the_schema_calls_an_integer_is_one(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Issue 52 §12: the schema says `type: integer` (with its bounds) for token ids, a weight version, a budget; JSON
+    Schema holds `1.0` and `650644.0` to be such integers, and so does the validation now (it refused them)."""
+    gw = await make_gateway([await make_sim("vllm")])
+    schemas = (await http.get(f"{gw.url}/openapi.json")).json()["components"]["schemas"]
+    assert schemas["GenerateBody"]["properties"]["input_ids"]["items"] == {"type": "integer", "minimum": 0}
+    assert schemas["WeightsUpdate"]["properties"]["version"]["type"] == "integer"
+    assert schemas["GenerateSampling"]["properties"]["max_tokens"]["type"] == "integer"
+    body = {**GENERATE, "input_ids": [1, 1.0], "sampling_params": {"max_tokens": 2.0}}
+    assert (await http.post(f"{gw.url}/generate", json=body)).status_code == 200
+    update = {"version": 650644.0, "source": "external"}
+    assert (await http.post(f"{gw.url}/admin/weights", json=update, headers=ADMIN)).status_code == 200
