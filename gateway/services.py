@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.parsers import resolve_reasoning_parser, resolve_tool_parser
 from gateway.routing import Engine, LoadBound, ReplicaPool
 from gateway.routing.discovery import Discovery, make_source
+from gateway.routing.groups import GROUP_TTL_S
 from gateway.session.lifecycle import SessionLifecycle
 from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
@@ -281,6 +282,9 @@ async def open_services(
         )
         quota = SessionQuota(settings.server.max_sessions_per_key)
         lifecycle = SessionLifecycle(sessions, trajectories, pool, open_sessions, quota)
+        if pool.groups is not None:  # a GRPO group meets on one replica whichever process its members reach
+            groups = trajectories.groups
+            pool.groups.share = lambda group, replica: groups.claim(group, replica, GROUP_TTL_S)
         w = settings.weights
         budget: StalenessBudget | None = None
         if w.max_staleness is not None:  # null: no budget (nothing counted, held or cut)

@@ -19,7 +19,11 @@ class RoutingConfig(Section):
         "sticky",
         description="sticky (HRW + bounded load) | cache_aware | sticky_least_loaded | least_loaded | round_robin.",
     )
-    balance_factor: float = Field(0.25, ge=0, description="ε: skip replicas above (1+ε)×mean in-flight.")
+    balance_factor: float = Field(
+        0.25,
+        ge=0,
+        description="ε: new sessions skip replicas above (1+ε)×mean load (sticky: in-flight; cache_aware).",
+    )
     group_placement: GroupPlacement = Field(
         "together", description="together: a GRPO group's members on one replica while it has room | hash."
     )

@@ -8,8 +8,11 @@ is asked again at every segment whether the session stays (`rebalances`).
   serve, with a bounded-load rule for NEW sessions: a replica whose in-flight count is above `(1 + balance_factor)
   × mean` is skipped. HRW needs no shared state, so every gateway process agrees on placement. Reads no engine load.
 - `cache_aware`: a new session goes to the replica whose prefix tree (`gateway.routing.prefix_tree`) holds the
-  longest prefix of its prompt, unless that replica is loaded (`LoadBound`), else to the least loaded one
-  (SGLang router's `cache_aware`, with exact token ids instead of text).
+  longest prefix of its prompt among those within the bounded load (a load not above `(1 + balance_factor) × mean`,
+  or the least plus one where that is more; not loaded by `LoadBound`); equal prefixes (none included) go to the
+  least loaded of them (SGLang router's `cache_aware`, with exact token ids instead of text). The bound is
+  relative: under an absolute one, every session sharing a long system prompt piled onto the first replica that
+  held it until that replica was far above the others (`benchmarks/routing.py`: 2-4× the turn latency).
 - `sticky_least_loaded`: a new or moved session goes to the least loaded replica; a placed one stays while its
   replica is not loaded (`LoadBound`), else moves (vLLM router's sticky least-loaded).
 - `least_loaded`, `round_robin`: for comparison.
@@ -122,14 +125,15 @@ class StickyLeastLoadedPolicy:
 
 
 class CacheAwarePolicy(_Placed):
-    """The replica holding the longest prefix of the prompt unless it is loaded, else the least loaded. Keeps a
-    `PrefixTree` per replica, fed by `sent` (every engine request the gateway sends) and calibrated by `on_read`
-    (every engine load read)."""
+    """The replica holding the longest prefix of the prompt among those within the bounded load, equal prefixes to
+    the least loaded; the least loaded if none is within it. Keeps a `PrefixTree` per replica, fed by `sent` (every
+    engine request the gateway sends) and calibrated by `on_read` (every engine load read)."""
 
     reads_load = True
 
-    def __init__(self, bound: LoadBound, block_tokens: int, max_blocks: int) -> None:
+    def __init__(self, bound: LoadBound, balance_factor: float, block_tokens: int, max_blocks: int) -> None:
         self.bound = bound
+        self.balance_factor = balance_factor
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks
         self.trees: dict[str, PrefixTree] = {}
@@ -141,17 +145,19 @@ class CacheAwarePolicy(_Placed):
         prompt = ask.prompt
         if prompt is None or len(candidates) == 1:
             return least_loaded(candidates, ask.key)
-        best, depth = None, 0
+        loads = [r.load for r in candidates]
+        least = min(loads)
+        limit = max(least + 1, (1 + self.balance_factor) * sum(loads) / len(loads))
+        key, best, best_rank = ask.key, None, (-1, 0, 0)
         for replica in candidates:
-            tree = self.trees.get(replica.id)
-            if tree is None:
+            if replica.load > limit or self.bound.loaded(replica, least):
                 continue
-            found = tree.depth(self._keys(prompt, replica.version))
-            if found > depth or (found == depth and found and best is not None and _ahead(ask.key, replica, best)):
-                best, depth = replica, found
-        if best is not None and not self.bound.loaded(best, min(r.load for r in candidates)):
-            return best
-        return least_loaded(candidates, ask.key)
+            tree = self.trees.get(replica.id)
+            depth = tree.depth(self._keys(prompt, replica.version)) if tree is not None else 0
+            rank = (depth, -replica.load, mix64(key ^ replica.key))
+            if rank > best_rank:
+                best, best_rank = replica, rank
+        return best if best is not None else least_loaded(candidates, key)
 
     def sent(self, replica: Replica, prompt: Sequence[int]) -> None:
         """An engine request with `prompt` went to `replica`, in the cache partition of the version it runs."""
@@ -183,11 +189,6 @@ class CacheAwarePolicy(_Placed):
         return keys[:blocks]
 
 
-def _ahead(key: int, replica: Replica, other: Replica) -> bool:
-    """Whether `replica` ranks before `other` in the rendezvous order of `key` (ties between equal matches)."""
-    return mix64(key ^ replica.key) > mix64(key ^ other.key)
-
-
 def make_policy(
     name: RoutingPolicyName,
     balance_factor: float,
@@ -199,7 +200,7 @@ def make_policy(
     if name == "sticky":
         return StickyPolicy(balance_factor)
     if name == "cache_aware":
-        return CacheAwarePolicy(bound, block_tokens, max_blocks)
+        return CacheAwarePolicy(bound, balance_factor, block_tokens, max_blocks)
     if name == "sticky_least_loaded":
         return StickyLeastLoadedPolicy(bound)
     if name == "least_loaded":

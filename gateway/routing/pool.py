@@ -25,7 +25,7 @@ from backends.base import EngineBackend
 from backends.errors import BackendUnavailable
 from common.hashing import mix64, string_key
 from gateway.background import stop
-from gateway.routing.groups import together
+from gateway.routing.groups import GroupPlacements
 from gateway.routing.load import LoadBound, LoadPoller
 from gateway.routing.policies import Ask, CacheAwarePolicy, RoutingPolicyName, make_policy
 from gateway.routing.replica import Engine, InFlight, Replica
@@ -103,7 +103,8 @@ class ReplicaPool:
     ) -> None:
         self.bound = bound if bound is not None else LoadBound()
         self.policy = make_policy(policy, balance_factor, self.bound, prefix_block_tokens, prefix_max_blocks)
-        self.groups_together = group_placement == "together"
+        # GRPO groups placed as a whole (`gateway.routing.groups`); None under `group_placement: hash`.
+        self.groups = GroupPlacements(self.bound) if group_placement == "together" else None
         # The prefix trees of `cache_aware`, fed by every engine request sent (`sent`); None under other policies.
         self.prefixes = self.policy if isinstance(self.policy, CacheAwarePolicy) else None
         self.loads: LoadPoller | None = None
@@ -221,14 +222,19 @@ class ReplicaPool:
             if not candidates:
                 return None
         key = string_key(session_id) if session_id else mix64(time.monotonic_ns())
-        chosen = None
-        if group is not None and previous is None and self.groups_together:
-            chosen = together(string_key(group), candidates, self.bound)
-        if chosen is None:
+        if group is not None and previous is None and self.groups is not None:
+            chosen = self.groups.place(group, candidates)
+        else:
             chosen = policy.choose(Ask(key, previous is None, prompt), candidates)
         if session_id:
             self._place(session_id, chosen, moved=previous is not None)
         return chosen
+
+    async def agree_group(self, group: str, size: int | None) -> None:
+        """Before the first turn of a new member of `group` (`size` members, where known): agree with every gateway
+        process on the group's replica (`GroupPlacements.agree`); nothing under `group_placement: hash`."""
+        if self.groups is not None:
+            await self.groups.agree(group, size, self.candidates)
 
     def sent(self, replica: Replica, prompt: Sequence[int]) -> None:
         """An engine request with `prompt` goes to `replica` (what `cache_aware` expects its prefix cache to hold)."""

@@ -174,6 +174,14 @@ class SessionLifecycle:
         if meta.replica:  # placed by an earlier turn, maybe in another gateway process: follow it
             self.pool.remember(session_id, meta.replica)
 
+    async def join_group(self, turn: OpenTurn, group: str, metadata: dict[str, str] | None) -> None:
+        """The turn is a member of GRPO group `group`: if its session is not placed yet (a new member), agree on the
+        group's replica with every gateway process before it is placed (`ReplicaPool.agree_group`)."""
+        if (turn.meta is not None and turn.meta.replica) or turn.session_id in self.pool.placements:
+            return
+        size = (metadata or {}).get("group_size") or (turn.meta.metadata.get("group_size") if turn.meta else None)
+        await self.pool.agree_group(group, _group_size(size))
+
     async def create_group(self, turn: OpenTurn, members: list[str], metadata: dict[str, Any]) -> None:
         """Record the member sessions of a group in Redis, member i with `group_index` i; each one counts as an open
         session of the key (none is made if they do not all fit)."""
@@ -238,6 +246,16 @@ class SessionLifecycle:
         cancelled turn still records its tokens so far (a checkpoint the next process continues from)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
+
+
+def _group_size(value: object) -> int | None:
+    """A group's size as its metadata gives it (a string from a session name, an int from a `group: true` request),
+    or None where it says none."""
+    try:
+        size = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+    return size if size > 0 else None
 
 
 def new_session_id(kind: str) -> str:

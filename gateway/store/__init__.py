@@ -5,8 +5,8 @@ One module per concept:
 - `keys`: the schema (every key, its type and lifetime), `Keys`, `connect`, the redis error boundary;
 - `scripts`: the Lua scripts, each atomic on one session's slot, as redis-py script objects;
 - `core`: what the parts share (client, batcher, scripts, counters, the session-slot transaction);
-- `records`: session metas (create, read, activity, metadata); `backpressure`: `rg:pending:sessions` and the
-  staleness budget's count;
+- `records`: session metas (create, read, activity, metadata), and each GRPO group's replica (`GroupRecords`);
+  `backpressure`: `rg:pending:sessions` and the staleness budget's count;
 - `samples`: sample writes and reads; `buffer`: the write buffer and its flusher (Redis outages);
 - `locks`: `SessionLocks`, the per-session locks of this process (a session's turns; its sample writes);
 - `open_sessions`: `OpenSessions`, the open sessions of each API key (`server.max_open_sessions_per_key`);

@@ -14,6 +14,8 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   (`previous_response_id`), and the answer itself (`GET /v1/responses/{id}`):
   `gateway.session.response_records`. Its own slot, looked up by the response id alone; written once, never changed.
   A one-turn session's response names the response it continues (`previous`), whose key holds the messages before.
+- `rg:group:{group id}` (string, EX `GROUP_TTL_S`): the replica a GRPO group's members go to, set (`SET NX`) by the
+  process that placed its first member (`gateway.routing.groups`, `GroupRecords`). Its own slot; never changed.
 - `rg:trajectories` (stream): one entry per finished session: `session_id`, `group_id`, `reward`, `samples`.
   With `store.stream_partitions` n > 1, partitions 1..n-1 are `rg:trajectories:{p}` (`Keys.stream`), a session's
   partition chosen by its group id (else its id); `rg:trajectories:partitions` (string) holds n for consumers.
@@ -91,6 +93,9 @@ class Keys:
 
     def response(self, response_id: str) -> str:
         return f"{self.prefix}response:{response_id}"
+
+    def group(self, group_id: str) -> str:
+        return f"{self.prefix}group:{group_id}"
 
     @property
     def trajectories(self) -> str:

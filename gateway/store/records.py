@@ -1,4 +1,5 @@
-"""Session records: creating a session's meta, reading it, recording activity on it, adding to its metadata.
+"""Session records: creating a session's meta, reading it, recording activity on it, adding to its metadata; and
+the record of a GRPO group's replica, shared by every gateway process (`GroupRecords`, `gateway.routing.groups`).
 
 A session is indexed in `rg:sessions:active` before its meta is written (a crash in between leaves an id without
 meta, which the idle sweeper drops), and every turn's activity raises its score there, never lowers it.
@@ -22,7 +23,7 @@ from gateway.store.keys import REDIS_ERRORS, call, text
 from gateway.store.scripts import queue, rerun_unknown
 from gateway.trajectory import SessionMeta
 
-__all__ = ["Admission", "Sessions", "check_session_id", "metadata_additions"]
+__all__ = ["Admission", "GroupRecords", "Sessions", "check_session_id", "metadata_additions"]
 
 _SESSION_ID_MAX_LEN = 256
 
@@ -226,3 +227,21 @@ class Sessions:
             if isinstance(reply, Exception):
                 raise StoreError(f"redis: create session failed: {reply}") from reply
         return meta_of(meta.id, outcome[1]) if text(outcome[0]) == "exists" else None
+
+
+class GroupRecords:
+    """Records the replica of each GRPO group once: the first process to place a member of it decides."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
+    async def claim(self, group_id: str, replica_id: str, ttl_s: int) -> str:
+        """Record `replica_id` as `group_id`'s replica for `ttl_s` unless one is recorded; the recorded one."""
+        client, key = self._core.client, self._core.keys.group(group_id)
+        for _ in range(2):  # the record may expire between the two commands: then ours is set on the second try
+            if await call(client.set(key, replica_id, nx=True, ex=ttl_s), "record group placement"):
+                return replica_id
+            found = await call(client.get(key), "read group placement")
+            if found is not None:
+                return text(found)
+        return replica_id

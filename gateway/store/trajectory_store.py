@@ -24,7 +24,7 @@ from gateway.store.finish import Finisher
 from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.locks import SessionLocks
 from gateway.store.pipelines import Pipelines
-from gateway.store.records import Admission, Sessions
+from gateway.store.records import Admission, GroupRecords, Sessions
 from gateway.store.responses import ResponseKeys
 from gateway.store.samples import SampleWrite, SampleWriter, read_samples
 from gateway.store.slot_clients import Durability
@@ -126,6 +126,7 @@ class TrajectoryStore:
         self._finisher = Finisher(core, self._buffer, self._delivery, self._finishing, retry_budget_s=retry_budget_s)
         self._idle = IdleSweeper(core, self._finishing, self.started)
         self.responses = ResponseKeys(core)  # the Responses API's stored responses
+        self.groups = GroupRecords(core)  # each GRPO group's replica, as the first process to place it chose
         self._sweeper: asyncio.Task[None] | None = None  # a hard reference: the event loop keeps only weak ones
         # The steps of a finish and of a buffered write, reachable here as before the store was split in parts
         # (tests drive them one by one).

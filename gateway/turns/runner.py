@@ -161,6 +161,8 @@ class TurnRunner:
             group = (request.metadata or {}).get("group_id") or (handle.meta.group_id if handle.meta else None)
             prepared = self._prepare(handle, turns, request, group)
             await self.lifecycle.create(handle, request.metadata)
+            if group is not None:
+                await self.lifecycle.join_group(handle, group, request.metadata)
             handle.adopt(prepared)
         return prepared
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -119,6 +120,30 @@ async def test_cache_aware_skips_a_replica_loaded_by_another_gateway(
         assert await turn(http, gw, "newcomer", prompt_of(1, suffix=3)) == other.id
 
 
+async def test_cache_aware_spreads_sessions_that_share_a_system_prompt(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Eight sessions opening with one long prefix (a system prompt), each sent while the ones before are in flight:
+    the prefix draws a session to a replica holding it only within the bounded load, so they spread over both
+    replicas (an absolute bound of 32 requests above the least loaded piled all eight onto the first one)."""
+    sims = [await make_sim(*slow("vllm", 0.02)) for _ in range(2)]
+    gw = await make_gateway(sims, routing={"policy": "cache_aware"} | LOAD_READS)
+    pool = gw.services.pool
+    async with httpx.AsyncClient(timeout=60) as client:
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            for i in range(8):
+                body = generate_body(prompt_of(5, length=96, suffix=i), 400, session_id=f"agent{i}")
+                tasks.append(asyncio.create_task(stream_generate(client, gw.url, body)))
+                await wait_for(lambda n=i + 1: sum(r.in_flight for r in pool.all()) == n, what="the sessions so far")
+            placed = Counter(pool.placements[f"agent{i}"] for i in range(8))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(placed) == 2 and min(placed.values()) >= 3, placed
+
+
 # -- sticky_least_loaded -------------------------------------------------------------------------------------
 
 
@@ -159,7 +184,7 @@ async def members_at_once(
 
     async def member(group: int, index: int) -> tuple[str, list[str]]:
         body = generate_body(prompt_of(group), max_tokens, session_id=f"grp-g{group}-{index}of{size}")
-        body["metadata"] = {"group_id": f"g{group}"}
+        body["metadata"] = {"group_id": f"g{group}", "group_size": str(size)}
         response = await http.post(f"{gw.url}/generate", json=body)
         assert response.status_code == 200, response.text
         return f"g{group}", response.json()["replicas"]
@@ -199,6 +224,20 @@ async def test_a_group_spreads_where_its_replica_has_no_room(
     gw = await make_gateway(sims, routing={"load_bound": 2})
     placed = await members_at_once(http, gw, groups=1, size=8, max_tokens=200)
     assert len(placed["g0"]) == 2
+
+
+async def test_a_burst_of_groups_takes_the_replicas_evenly(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Eight groups of 8 members, every member sent at once, over 4 replicas: each group on one replica, and two
+    groups on each replica. A group's first member takes the least loaded replica, counting the members still to
+    come of the groups placed before it (placed by a hash of the group id, 8 groups fall 2-2-2-2 once in 26 runs)."""
+    sims = [await make_sim(*slow("vllm", 0.01)) for _ in range(4)]
+    gw = await make_gateway(sims)
+    placed = await members_at_once(http, gw, groups=8, size=8, max_tokens=100)
+    assert all(len(replicas) == 1 for replicas in placed.values()), placed
+    per_replica = Counter(next(iter(replicas)) for replicas in placed.values())
+    assert sorted(per_replica.values()) == [2, 2, 2, 2], per_replica
 
 
 # -- release at finish ---------------------------------------------------------------------------------------
@@ -258,3 +297,23 @@ async def test_two_gateways_put_a_group_on_one_replica(
             body = {"metadata": {"group_id": f"g{group}"}}
             replicas.add(await turn(http, gateways[index % 2], f"grp-g{group}-{index}", prompt_of(group), **body))
         assert len(replicas) == 1
+
+
+async def test_a_group_follows_its_first_member_placed_by_another_gateway(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """A group's first member goes through one gateway; the others through a second gateway whose own loads would
+    place the group elsewhere (its requests in flight load the first member's replica): they follow the group's
+    replica as recorded in Redis."""
+    sims = [await make_sim(*slow("vllm", 0.01)) for _ in range(2)]
+    first, second = [await make_gateway(sims) for _ in range(2)]
+    metadata = {"metadata": {"group_id": "g"}}
+    home = await turn(http, first, "grp-g-0of4", prompt_of(7), **metadata)
+    busy_sessions = ["load0", "load1"]
+    for session in busy_sessions:
+        second.services.pool.remember(session, home)
+    async with busy(second, busy_sessions):
+        (other,) = (r.id for r in second.services.pool.all() if r.id != home)
+        assert second.services.pool.get(home).load > second.services.pool.get(other).load  # type: ignore[union-attr]
+        for index in range(1, 4):
+            assert await turn(http, second, f"grp-g-{index}of4", prompt_of(7), **metadata) == home
