@@ -160,8 +160,12 @@ class AiohttpTransport:
             raise ConnectionError("the replica's transport was closed")
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=self._idle_expiry_s)
-            self._session = aiohttp.ClientSession(
-                base_url=self._origin, connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            self._session = aiohttp.ClientSession(  # bodies read raw: ask for no compressed answer
+                base_url=self._origin,
+                connector=connector,
+                auto_decompress=False,
+                headers={"accept-encoding": "identity"},
+                skip_auto_headers=("User-Agent",),
             )
         return self._session
 

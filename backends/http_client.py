@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _JSON_HEADERS = {"content-type": "application/json"}
+_IDENTITY = {"accept-encoding": "identity"}  # no compressed answers (see `ReplicaClient.session`)
 
 
 def control_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
@@ -113,11 +114,14 @@ class ReplicaClient:
                 ttl_dns_cache=300,
                 keepalive_timeout=self._spec.timeouts.keepalive,  # aiohttp's own default, 15 s, outlasts the engines'
             )
+            # Bodies are read as they come, never decompressed: so the client asks for none (aiohttp would offer
+            # gzip, and SGLang's /metrics, prometheus_client's ASGI app, takes the offer).
             self._session = aiohttp.ClientSession(
                 base_url=self._origin,
                 connector=connector,
                 timeout=self.timeout,
                 auto_decompress=False,
+                headers=_IDENTITY,
                 skip_auto_headers=("User-Agent",),
             )
         return self._session

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gzip
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -500,7 +501,11 @@ async def loads(
 
 @router.get("/metrics")
 async def metrics(raw: Request) -> Response:
-    return Response(generate_latest(raw.app.state.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+    """Gzipped where the client accepts gzip, as SGLang's (prometheus_client's ASGI app) answers."""
+    body, headers = generate_latest(raw.app.state.registry), {}
+    if "gzip" in raw.headers.get("accept-encoding", ""):
+        body, headers = gzip.compress(body), {"content-encoding": "gzip"}
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8", headers=headers)
 
 
 async def _on_validation(_: Request, exc: Exception) -> Response:

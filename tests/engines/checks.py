@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from backends.routed_experts import decode_npy_b64
 from backends.sim.common import SimServerSettings
 from backends.sim.engine import EngineSettings
 from backends.sim.server import serve_in_process
+from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN, ADMIN_TOKEN
 from tests.engines.direct import flush, greedy, metric, prompt_of, wait_metric
@@ -545,7 +547,70 @@ async def load_reports_mean_what_the_simulator_says(http: httpx.AsyncClient, ser
     assert set((*LOAD_GAUGES[kind], *LOAD_COUNTERS[kind])) <= await _simulator_names(kind)
 
 
-async def _long_stream(http: httpx.AsyncClient, server: EngineServer, n: int) -> None:
+async def placement_reads_the_engine_load(
+    http: httpx.AsyncClient, make_gateway: Any, make_sim: Any, server: EngineServer
+) -> None:
+    """Issue 51 §3 on the CPU tier: a gateway over the real engine and a simulator replica beside it, placing by
+    engine load (`sticky_least_loaded`), reads the real engine's load as it reports it (a request another client sent
+    running, KV in use) and places new sessions on the simulator replica meanwhile; then the other way round: the
+    simulator replica busy with a request sent around the gateway, new sessions go to the engine."""
+    kind = server.kind
+    sim = await make_sim(kind, EngineSettings(block_size=16 if kind == "vllm" else 1))
+    routing = {"policy": "sticky_least_loaded", "load_interval_s": 0.1, "load_bound": 0}
+    gw = await make_gateway(
+        [ReplicaConfig(url=server.url, backend=kind), sim],  # type: ignore[arg-type]
+        model={"tokenizer": str(server.model_path), "max_model_len": 4096},
+        generation={"request_timeout_s": 300},
+        routing=routing,
+    )
+    pool = gw.services.pool
+    engine = pool.get(server.url.removeprefix("http://"))
+    beside = pool.get(sim.url.removeprefix("http://"))
+    assert engine is not None and beside is not None
+
+    async def placed(session: str) -> str:
+        body = generate_body(prompt_of(16, seed=len(session)), 2, session_id=session)
+        response = await http.post(f"{gw.url}/generate", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        replicas: list[str] = response.json()["replicas"]
+        return replicas[0]
+
+    task = asyncio.create_task(_long_stream(http, server, LOAD_TOKENS[kind]))  # sent to the engine, not the gateway
+    try:
+        await wait_for(  # its gauges lag the scheduler (published each logging interval)
+            lambda: engine.engine_load is not None and engine.engine_load.requests >= 1 and bool(engine.kv_usage),
+            timeout=60,
+            what="the engine's own report of a request the gateway never saw, holding KV",
+        )
+        assert engine.in_flight == 0
+        assert [await placed(f"busy{i}") for i in range(3)] == [beside.id] * 3
+    finally:
+        task.cancel()  # the client goes away: the engine aborts the request
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await wait_for(
+        lambda: engine.engine_load is not None and engine.engine_load.requests == 0,
+        timeout=60,
+        what="the engine's report of its request aborted",
+    )
+    await http.post(f"{sim.url}/sim/speed", json={"token_delay": 0.05})  # its request stays in flight
+    task = asyncio.create_task(_long_stream(http, SimpleNamespace(url=sim.url, kind=kind), 2000))
+    try:
+        await wait_for(
+            lambda: beside.engine_load is not None and beside.engine_load.requests >= 1,
+            timeout=60,
+            what="the simulator replica's report of a request the gateway never saw",
+        )
+        assert [await placed(f"idle{i}") for i in range(3)] == [engine.id] * 3
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert pool.affinity.moved == 0
+
+
+async def _long_stream(http: httpx.AsyncClient, server: EngineServer | Any, n: int) -> None:
+    """A streamed request of `n` tokens sent straight to `server` (an engine, or a simulator replica of its kind)."""
     if server.kind == "vllm":
         url = f"{server.url}/v1/completions"
         body: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": n, "ignore_eos": True, "stream": True}

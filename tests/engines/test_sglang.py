@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.server import RunningGateway
-from tests.conftest import GatewayFactory
+from tests.conftest import GatewayFactory, SimFactory
 from tests.engines import agent_checks, checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import greedy, restore
@@ -178,3 +178,10 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
 async def test_load_reports_mean_what_the_simulator_says(sglang_server: EngineServer, http: httpx.AsyncClient) -> None:
     await restore(http, sglang_server)
     await checks.load_reports_mean_what_the_simulator_says(http, sglang_server)
+
+
+async def test_placement_reads_the_engine_load(
+    sglang_server: EngineServer, make_gateway: GatewayFactory, make_sim: SimFactory, http: httpx.AsyncClient
+) -> None:
+    await restore(http, sglang_server)
+    await checks.placement_reads_the_engine_load(http, make_gateway, make_sim, sglang_server)

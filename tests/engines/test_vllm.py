@@ -15,7 +15,7 @@ import pytest
 from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
-from tests.conftest import GatewayFactory
+from tests.conftest import GatewayFactory, SimFactory
 from tests.engines import agent_checks, checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import prompt_of, restore
@@ -163,3 +163,10 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
 async def test_load_reports_mean_what_the_simulator_says(vllm_server: EngineServer, http: httpx.AsyncClient) -> None:
     await restore(http, vllm_server)
     await checks.load_reports_mean_what_the_simulator_says(http, vllm_server)
+
+
+async def test_placement_reads_the_engine_load(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, make_sim: SimFactory, http: httpx.AsyncClient
+) -> None:
+    await restore(http, vllm_server)
+    await checks.placement_reads_the_engine_load(http, make_gateway, make_sim, vllm_server)

@@ -537,6 +537,17 @@ async def test_metrics_and_prefix_cache_hits(make_sim: SimFactory, http: httpx.A
     assert samples[f"sglang:cache_hit_rate{label}"] == pytest.approx((len(PROMPT) - 1) / (2 * len(PROMPT)))
 
 
+async def test_metrics_are_gzipped_for_a_client_that_accepts_gzip(make_sim: SimFactory) -> None:
+    """As SGLang's /metrics (prometheus_client's ASGI app): gzip where the client offers it, plain text otherwise."""
+    sim = await make_sim("sglang", engine=sg())
+    async with httpx.AsyncClient(timeout=10) as client:  # decodes gzip itself, as it says it can
+        offered = await client.get(f"{sim.url}/metrics", headers={"accept-encoding": "gzip"})
+        plain = await client.get(f"{sim.url}/metrics", headers={"accept-encoding": "identity"})
+    assert offered.headers["content-encoding"] == "gzip"
+    assert "content-encoding" not in plain.headers
+    assert "sglang:num_running_reqs" in offered.text and "sglang:num_running_reqs" in plain.text
+
+
 async def test_info_and_health_endpoints(make_sim: SimFactory, http: httpx.AsyncClient) -> None:
     sim = await make_sim("sglang", engine=sg(token_delay_s=0.002))
     for path in ("/model_info", "/get_model_info"):
