@@ -40,6 +40,10 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   the weight version the pool serves, as the update that made it announced it.
 - `rg:weights:lock` (string, PX TTL): held by the one gateway process that coordinates an update; its token is
   `<process>.<uuid>`, so that a process whose heartbeat stopped can be told from a live holder (`WeightsBus.acquire`).
+- `{rg:weights:lock}:update` (string, JSON, PX TTL): the `pausing` event of the update that holds the lock (version,
+  mode, token), written and deleted with the lock by one script, so that a process that missed the event (started
+  or resubscribed mid-update) follows the update as if it had heard it. Tagged with the lock's name: the lock's own
+  slot (`Keys.weights_update`). Read only where its token is the lock's (an older gateway leaves the lock bare).
 - `rg:weights:members` (sorted set): the gateway processes on the bus, each scored with the time its heartbeat
   expires; a `wait` update waits for every live one to drain its own requests (`rg:weights:drained:{token}`).
 - `rg:weights:drained:{token}` (set, TTL): the processes that drained their requests for the update `token`.
@@ -171,6 +175,16 @@ class Keys:
     @property
     def weights_lock(self) -> str:
         return f"{self.prefix}weights:lock"
+
+    @property
+    def weights_update(self) -> str:
+        """The lock's companion record (its update's `pausing`), in the lock's cluster slot: scripts write both."""
+        lock = self.weights_lock
+        start = lock.find("{")
+        end = lock.find("}", start + 1) if start >= 0 else -1
+        if end > start + 1:  # the prefix carries a hash tag already: the lock's slot is the tag's
+            return f"{lock}:update"
+        return f"{{{lock}}}:update"  # a key without a tag hashes whole: tagged with that whole name, the same slot
 
     @property
     def weights_members(self) -> str:

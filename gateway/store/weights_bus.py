@@ -22,40 +22,54 @@ from gateway.store.cluster_client import FailoverAwareCluster
 from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
 from gateway.store.slot_clients import Durability
-from gateway.store.weights_events import Drained, Serving, Subscribed, WeightsEvent, parse_event
+from gateway.store.weights_events import Drained, Pausing, Serving, Subscribed, WeightsEvent, parse_event
 
 __all__ = ["WeightsBus", "WeightsRecord"]
 
 logger = logging.getLogger(__name__)
 
-# Compare-and-delete: release the lock only if we still own it (it may have expired and been taken). Answers 1
-# where it released the lock, 0 where another process holds it (or nobody).
-# KEYS: the lock. ARGV: our token.
+# The lock's companion record (`Keys.weights_update`, the lock's slot) goes with it: the `pausing` event of the update
+# that holds it (ARGV[n], JSON), or nothing (an empty string: deleted). Both scripts below write it as they take the
+# lock, so that no reader finds the lock of one update beside the record of another.
+_WRITE_UPDATE = """
+local function take(lock, update, token, ttl, pausing)
+  redis.call('SET', lock, token, 'PX', ttl)
+  if pausing == '' then redis.call('DEL', update) else redis.call('SET', update, pausing, 'PX', ttl) end
+  return 1
+end
+"""
+
 # Take the lock for `token`, or keep it where `token` holds it already: a client that resends the command after a
 # lost reply (a failover, a dropped connection) must not find its own lock taken. Answers 1 where `token` holds it.
-# KEYS: the lock. ARGV: our token, the TTL in milliseconds.
-_ACQUIRE_LOCK = """
+# KEYS: the lock, its record. ARGV: our token, the TTL in milliseconds, our `pausing` (or '').
+_ACQUIRE_LOCK = (
+    _WRITE_UPDATE
+    + """
 local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-if holder then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+if holder and holder ~= ARGV[1] then return 0 end
+return take(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
 """
+)
 
 # Take over the lock of a process that died holding it: only where `dead` holds it still (of two processes taking
 # over, one wins), or where `token` holds it already (a resent command). Answers 1 where `token` holds it.
-# KEYS: the lock. ARGV: the dead holder's token, our token, the TTL in milliseconds.
-_TAKE_OVER_LOCK = """
+# KEYS: the lock, its record. ARGV: the dead holder's token, our token, the TTL in milliseconds, our `pausing` (or '').
+_TAKE_OVER_LOCK = (
+    _WRITE_UPDATE
+    + """
 local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[2] then redis.call('PEXPIRE', KEYS[1], ARGV[3]) return 1 end
-if holder ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
+if holder ~= ARGV[2] and holder ~= ARGV[1] then return 0 end
+return take(KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4])
 """
+)
 
+# Compare-and-delete: release the lock (and its record) only if we still own it (it may have expired and been
+# taken). Answers 1 where it released the lock, 0 where another process holds it (or nobody).
+# KEYS: the lock, its record. ARGV: our token.
 _RELEASE_LOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
 """
 
 
@@ -114,33 +128,59 @@ class WeightsBus:
         origin, dot, _ = token.partition(".")
         return origin if dot else None
 
-    async def acquire(self, token: str, ttl_s: float, grace_s: float = 10.0) -> bool:
-        """Take `rg:weights:lock` for `token` for `ttl_s`; False where another process holds it. The lock of a
-        process whose membership expired `grace_s` ago or more (`join`: it died, or has not reached Redis for that
-        long) is taken over: it would otherwise refuse every update until its TTL."""
-        args: list[str | int] = [token, max(1, int(ttl_s * 1000))]
-        if await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"):
+    @property
+    def _lock_keys(self) -> list[str]:
+        return [self.keys.weights_lock, self.keys.weights_update]
+
+    @staticmethod
+    def _update_arg(update: Pausing | None) -> bytes:
+        return orjson.dumps(update.to_wire()) if update is not None else b""
+
+    async def acquire(self, token: str, ttl_s: float, grace_s: float = 10.0, update: Pausing | None = None) -> bool:
+        """Take `rg:weights:lock` for `token` for `ttl_s`; False where another process holds it. `update`: the
+        `pausing` event of the update the lock is taken for, kept beside it for the processes that miss the event
+        (`update_under_way`). The lock of a process whose membership expired `grace_s` ago or more (`join`: it
+        died, or has not reached Redis for that long) is taken over: it would otherwise refuse every update until its
+        TTL."""
+        args: list[str | int | bytes] = [token, max(1, int(ttl_s * 1000)), self._update_arg(update)]
+        if await call(self._acquire_lock(keys=self._lock_keys, args=args), "lock"):
             return True
         holder = await self.holder()
         if holder is None:  # released meanwhile
-            return bool(await call(self._acquire_lock(keys=[self.keys.weights_lock], args=args), "lock"))
+            return bool(await call(self._acquire_lock(keys=self._lock_keys, args=args), "lock"))
         origin = self.holder_of(holder)
         if origin is None or await self.alive(origin, grace_s):
             return False
-        if not await self.take_over(holder, token, ttl_s):
+        if not await self.take_over(holder, token, ttl_s, update):
             return False
         logger.warning("weights: took over the update lock of process %s, whose heartbeat expired", holder)
         return True
 
-    async def take_over(self, dead: str, token: str, ttl_s: float) -> bool:
-        """Replace the lock `dead` holds by `token` (for `ttl_s`); False where `dead` no longer holds it."""
-        args: list[str | int] = [dead, token, max(1, int(ttl_s * 1000))]
-        return bool(await call(self._take_over_lock(keys=[self.keys.weights_lock], args=args), "take over the lock"))
+    async def take_over(self, dead: str, token: str, ttl_s: float, update: Pausing | None = None) -> bool:
+        """Replace the lock `dead` holds by `token` (for `ttl_s`, with `update` beside it as in `acquire`); False
+        where `dead` no longer holds it."""
+        args: list[str | int | bytes] = [dead, token, max(1, int(ttl_s * 1000)), self._update_arg(update)]
+        return bool(await call(self._take_over_lock(keys=self._lock_keys, args=args), "take over the lock"))
 
     async def holder(self) -> str | None:
         """The token that holds `rg:weights:lock` now; None where nobody does."""
         found = await call(self.client.get(self.keys.weights_lock), "read the lock")
         return None if found is None else text(found)
+
+    async def update_under_way(self) -> Pausing | None:
+        """The update that holds `rg:weights:lock` now, as the `pausing` event that announced it (None: nobody holds
+        the lock). A lock without its record (taken by a gateway of an older release, or to record a result again)
+        reads as an out-of-band pause, version unknown: followed to its end, not recovered from its holder's death
+        (docs/architecture.md §5)."""
+        # One slot (`Keys.weights_update`): one MGET reads both as they stand together.
+        lock, update = await call(self.client.mget(self._lock_keys), "read the lock")
+        if lock is None:
+            return None
+        token = text(lock)
+        event = _pausing(update)
+        if event is not None and event.token == token:
+            return event
+        return Pausing(None, "abort", token)
 
     async def alive(self, origin: str, grace_s: float = 0.0) -> bool:
         """Whether the process `origin` is on the bus: its last heartbeat (`join`) has not expired, or expired less
@@ -155,7 +195,7 @@ class WeightsBus:
         attempt = 0
         while True:
             try:
-                await call(self._release_lock(keys=[self.keys.weights_lock], args=[token]), "unlock")
+                await call(self._release_lock(keys=self._lock_keys, args=[token]), "unlock")
                 return
             except StoreError:
                 attempt += 1
@@ -305,3 +345,13 @@ class WeightsBus:
             finally:
                 with contextlib.suppress(RedisError, RedisClusterException, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _pausing(raw: bytes | str | None) -> Pausing | None:
+    """The `pausing` event a lock's record holds; None for none, or for what does not read as one."""
+    try:
+        wire = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return None
+    event = parse_event(wire) if isinstance(wire, dict) else None
+    return event if isinstance(event, Pausing) else None

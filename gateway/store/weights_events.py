@@ -18,7 +18,8 @@ __all__ = ["Drained", "Pausing", "Serving", "Subscribed", "WeightsEvent", "parse
 class Pausing:
     """The update `token` begins: stop dispatching. `version` None: an out-of-band pause. In `wait` mode, each other
     process drains its own requests and reports it (`Drained`). Re-sent every heartbeat while drain reports are
-    missing. `token` None: sent by a gateway older than update tokens."""
+    missing. `token` None: sent by a gateway older than update tokens. The same JSON is kept beside the update's lock
+    (`Keys.weights_update`) for the processes that miss the event."""
 
     version: int | None
     mode: str

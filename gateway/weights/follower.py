@@ -3,11 +3,12 @@
 On `pausing` this process stops dispatching (`FOLLOWING`) until the result (`serving`), and in `wait` mode drains
 its own requests and reports it. It stays on the bus with a heartbeat. What it missed while its subscription was
 down (a Redis restart or failover, this process starting mid-update) is read back as soon as the subscription is
-in place again: an update that holds the lock is followed as if its `pausing` had arrived, a result recorded in
-`rg:weights` adopted as if its `serving` had. Serving on meanwhile would label tokens with one version and salt the
-engines' caches with another (a `keep` update flushes nothing). A result missed while following is made up for from
-`rg:weights` once the lock no longer names the update; an update whose coordinator died, or that outlasts
-`weights.update_timeout_s`, is recovered (`Recovery`).
+in place again: an update that holds the lock is followed as if its `pausing` had arrived (the lock keeps that
+event beside it: version, mode, token; `WeightsBus.update_under_way`), a result recorded in `rg:weights` adopted as
+if its `serving` had. Serving on meanwhile would label tokens with one version and salt the engines' caches with
+another (a `keep` update flushes nothing). A result missed while following is made up for from `rg:weights` once the
+lock no longer names the update; an update whose coordinator died, or that outlasts `weights.update_timeout_s`, is
+recovered (`Recovery`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Follower:
     async def _follow(self) -> None:
         async for event in self.bus.events():
             if isinstance(event, Pausing):
-                self._on_pausing(event)
+                self.follow(event)
             elif isinstance(event, Serving):
                 self.followed = None
                 self.weights.adopt(event)
@@ -99,27 +100,30 @@ class Follower:
         if weights.lock.locked() or weights.machine.state not in (State.SERVING, State.FOLLOWING):
             return
         try:
-            lock = await self.bus.holder()
-            record = await self.bus.read() if lock is None else None
+            update = await self.bus.update_under_way()
+            record = await self.bus.read() if update is None else None
         except StoreError:
             return
         if weights.lock.locked():
             return  # this process began an update meanwhile
-        if lock is not None:
-            if not self.following(lock):
-                logger.warning("weights: an update began unannounced here (lock %s): following it", lock)
-                if weights.machine.state is State.SERVING:
-                    weights.gate.close()
-                    weights.machine.to(State.FOLLOWING)
-                self.followed = lock
-                self.watch(lock, None)  # what it is, out of band or not, was in the missed `pausing`
+        if update is not None:
+            if not self.following(update.token):
+                logger.warning(
+                    "weights: an update (version %s, %s) began unannounced here (lock %s): following it",
+                    update.version,
+                    update.mode,
+                    update.token,
+                )
+            self.follow(update)  # the lock says what the missed `pausing` did (`WeightsBus.update_under_way`)
             return
         if weights.machine.state is State.FOLLOWING or (record is not None and record.version > weights.version):
             logger.warning("weights: version %s, recorded, was not announced here", record.version if record else None)
             self.followed = None
             weights.adopt_record(record)
 
-    def _on_pausing(self, event: Pausing) -> None:
+    def follow(self, event: Pausing) -> None:
+        """Follow the update `event` announces (or its lock says, for a process that missed the event): stop
+        dispatching until its result; in `wait` mode, drain and report."""
         machine = self.weights.machine
         if machine.state not in (State.SERVING, State.FOLLOWING):
             return  # not while it coordinates one itself
@@ -167,7 +171,8 @@ class Follower:
             while self.following(token):
                 await asyncio.sleep(weights.heartbeat_s)  # the heartbeat's own period: a death shows no sooner
                 try:
-                    lock = await bus.holder() if token is not None else token
+                    update = await bus.update_under_way() if token is not None else None
+                    lock = update.token if update is not None else None
                     # An out-of-band pause (no version) is not recovered from a death: the trainer may be writing
                     # weights into the engines, which must not serve until it says they are whole.
                     died = (
@@ -182,12 +187,11 @@ class Follower:
                     # The update ended, or another took the lock over, and the event saying so did not reach this
                     # process (its subscription was down: a Redis failover, a restart): as if it had.
                     logger.warning("weights: the update to version %s ended unannounced here", version)
-                    if lock is None:
+                    if update is None:
                         self.followed = None
                         weights.adopt_record(record)
                     else:
-                        self.followed = lock
-                        self.watch(lock, None)  # what it is, out of band or not, was in the missed `pausing`
+                        self.follow(update)  # what it is was in the missed `pausing`, and is in its lock
                     return
                 if died or time.monotonic() > deadline:
                     why = "its coordinating process died" if died else "no result within weights.update_timeout_s"

@@ -35,15 +35,18 @@ class Leadership:
         (and, in `wait` mode, to drain their own requests: `followers_drained`). The lock's token; a 409 where
         another process holds the lock or recorded `version` already."""
         token = self.bus.new_token()
+        pausing = Pausing(version, mode, token)
         # On the bus before the lock: a holder whose heartbeat is not there counts as dead (`WeightsBus.acquire`).
         await self.bus.join(self.member_ttl_s)
-        if not await self.bus.acquire(token, self.update_timeout_s + 30, self.member_ttl_s):
+        # The lock says what the update is: a process that misses `pausing` (it starts, or its subscription is
+        # down) follows it from the lock as if it had heard it (`Follower._catch_up`).
+        if not await self.bus.acquire(token, self.update_timeout_s + 30, self.member_ttl_s, update=pausing):
             raise Conflict("another gateway process is applying a weight update", param="version")
         try:
             record = await self.bus.read()
             if version is not None and record is not None and record.version >= version:
                 raise Conflict(f"weight version {version} is not newer than {record.version}", param="version")
-            await self.bus.announce(Pausing(version, mode, token))
+            await self.bus.announce(pausing)
         except BaseException:
             await self.give_back(token)
             raise

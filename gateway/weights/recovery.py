@@ -28,6 +28,8 @@ class Watcher(Protocol):
 
     def watch(self, token: str | None, version: int | None) -> None: ...
 
+    def follow(self, event: Pausing) -> None: ...
+
 
 class Recovery:
     """A follower's way out of an update that hangs (docs/architecture.md §5)."""
@@ -52,18 +54,19 @@ class Recovery:
                 return
             token, ttl_s = bus.new_token(), weights.update_timeout_s + 30
             try:
-                taken = died and dead is not None and await bus.take_over(dead, token, ttl_s)
-                holder = None if taken else await bus.holder()
                 record = await bus.read()
+                # The recovery is an update of the recorded version: its lock says so, as its `pausing` will.
+                restoring = Pausing(record.version if record else weights.version, "abort", token)
+                taken = died and dead is not None and await bus.take_over(dead, token, ttl_s, update=restoring)
+                holder = None if taken else await bus.update_under_way()
             except StoreError as exc:
                 logger.error("weights: cannot recover from the update to version %s yet: %s", version, exc)
                 follower.watch(dead, version)  # again, a heartbeat later
                 return
             if taken:
                 await self._restore(token, record)
-            elif holder is not None and holder != dead:
-                follower.followed = holder
-                follower.watch(holder, None)  # its own `pausing` says what it is (if it was missed: no recovery)
+            elif holder is not None and holder.token != dead:
+                follower.follow(holder)  # what its lock says it is, as if its `pausing` had arrived
             else:
                 weights.adopt_record(record)
 

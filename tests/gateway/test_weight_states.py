@@ -316,11 +316,82 @@ async def test_an_update_that_began_while_a_process_was_not_subscribed_is_follow
     assert weights.machine.taken == SCENARIOS["following another process's update"]
 
 
+async def test_a_wait_update_that_began_while_a_process_was_not_subscribed_has_it_drain_and_report(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """The lock says what the missed `pausing` said, `wait` mode included: the process reports its requests drained
+    as soon as it subscribes again (here `pausing` never goes out again)."""
+    sim = await make_sim("vllm")
+    follower = await make_gateway([sim], routing={"health_interval_s": 60.0})
+    weights = follower.services.weights
+    assert weights.bus is not None
+    client = connect(redis_server.url)
+    try:
+        bus = WeightsBus(client, Keys(), origin="a-coordinator")
+        await bus.join(ttl_s=30.0)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60, update=Pausing(1, "wait", token))  # its `pausing` never heard here
+        await drop_subscriptions(redis_server)
+        await wait_for(lambda: weights.state is State.FOLLOWING, what="the follower following the unheard update")
+
+        async def reported() -> bool:
+            return weights.bus is not None and weights.bus.origin in await bus.drained(token)
+
+        await wait_for(reported, what="the follower reporting its requests drained")
+        await bus.release(token)
+        await wait_for(lambda: weights.state is State.SERVING, what="the follower serving again")
+    finally:
+        await client.aclose()
+    assert weights.machine.taken == SCENARIOS["following another process's update"]
+
+
+async def test_a_process_started_while_an_update_runs_recovers_from_its_coordinators_death_as_a_follower_does(
+    make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
+) -> None:
+    """The lock says which version the update loads: a process started mid-update follows it as if it had heard its
+    `pausing`, and once the coordinator died (its last heartbeat two TTLs ago) takes the lock over and recovers,
+    rather than waiting `weights.update_timeout_s` (600 s). The coordinator here loaded version 1 and recorded it,
+    then died without announcing it or letting the lock go: the new process serves version 1 and labels its tokens
+    with it."""
+    ttl_s = 1.0
+    sim = await make_sim("vllm")
+    loader = await make_gateway([sim], store={"prefix": "elsewhere"})  # the coordinator's load, unheard here
+    client = connect(redis_server.url)
+    try:
+        bus = WeightsBus(client, Keys(), origin="doomed-coordinator")
+        await bus.join(ttl_s=30.0)
+        token = bus.new_token()
+        assert await bus.acquire(token, ttl_s=60, update=Pausing(1, "abort", token))
+        started = await make_gateway([sim], routing={"health_interval_s": 60.0}, weights={"member_ttl_s": ttl_s})
+        weights = started.services.weights
+        assert weights.state is State.FOLLOWING  # from its start on
+        assert (await publish(http, loader.url, 1)).status_code == 200
+        await bus.record(1, "serving", weights_of(1)[0], [replica_id(sim.url)], [])
+        await bus.join(ttl_s=ttl_s)  # its last heartbeat: it dies
+        died = time.monotonic()
+        heartbeat_s = weights.heartbeat_s
+        await wait_for(
+            lambda: weights.state is State.SERVING, timeout=2 * ttl_s + 3 * heartbeat_s + 3, what="it recovering"
+        )
+        recovered_s = time.monotonic() - died
+        assert 2 * ttl_s - heartbeat_s - 0.5 < recovered_s, recovered_s  # not before the coordinator counts as dead
+        assert await bus.holder() is None  # the lock it took over, given back
+        record = await bus.read()
+    finally:
+        await client.aclose()
+    assert record is not None and (record.version, record.updated) == (1, (replica_id(sim.url),))
+    assert weights.machine.taken == SCENARIOS["recovering from an update whose coordinator died"]
+    assert weights.version == 1
+    body = (await http.post(f"{started.url}/generate", json=generate_body(PROMPT, 3))).json()
+    assert (body["output_ids"], body["versions"]) == (expected_tokens(PROMPT, [1] * 3, 3), [1] * 3)
+
+
 async def test_a_process_started_while_an_update_runs_serves_only_after_it(
     make_sim: SimFactory, make_gateway: GatewayFactory, redis_server: EmbeddedRedis, http: httpx.AsyncClient
 ) -> None:
     """A process (re)started mid-update missed its `pausing`: it reads the engines' versions from before the load,
-    and must not dispatch with them while the update runs."""
+    and must not dispatch with them while the update runs. The lock here is bare, as a gateway of an older release
+    takes it: the update is followed all the same, its version unknown."""
     sim = await make_sim("vllm")
     client = connect(redis_server.url)
     try:

@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from redis.asyncio import Redis
+from redis.crc import key_slot
 
 from gateway.errors import Conflict
-from gateway.store import Keys, TrajectoryStore, WeightsBus, connect
+from gateway.store import Keys, Pausing, TrajectoryStore, WeightsBus, connect
 from gateway.trainer import TrajectoryConsumer
 from gateway.trajectory import F32, I32, U8, Sample
 
@@ -106,6 +107,33 @@ async def test_the_weights_lock_of_a_process_whose_heartbeat_expired_is_taken_ov
     await first.release(winner)
     await second.release(winner)
     assert await first.holder() is None
+
+
+async def test_the_weights_lock_says_which_update_holds_it(client: Redis, redis: Redis) -> None:
+    """A process that missed an update's `pausing` (it started, or resubscribed, mid-update) reads it beside the lock:
+    written, taken over and released with it by one script, in the lock's slot on a cluster. A lock taken bare (by
+    an older gateway, whose release left this release's record behind) reads as an out-of-band pause."""
+    for prefix in ("rg:", "elsewhere", "{app}rg:"):
+        keys = Keys(prefix)
+        assert key_slot(keys.weights_lock.encode()) == key_slot(keys.weights_update.encode()), prefix
+    bus, other = WeightsBus(client, KEYS, origin="here"), WeightsBus(client, KEYS, origin="there")
+    assert await bus.update_under_way() is None
+    token = bus.new_token()
+    assert await bus.acquire(token, ttl_s=10, update=Pausing(3, "wait", token))
+    assert await other.update_under_way() == Pausing(3, "wait", token)
+    assert await redis.pttl(KEYS.weights_update) > 0  # it expires with the lock
+    taken = other.new_token()
+    assert await other.take_over(token, taken, ttl_s=10, update=Pausing(2, "abort", taken))
+    assert await bus.update_under_way() == Pausing(2, "abort", taken)
+    await other.release(taken)
+    assert await bus.update_under_way() is None and not await redis.exists(KEYS.weights_update)
+    assert await bus.acquire(token, ttl_s=10)  # taken with nothing to say: no record
+    assert await bus.update_under_way() == Pausing(None, "abort", token)
+    await bus.release(token)
+    assert await bus.acquire(token, ttl_s=10, update=Pausing(3, "wait", token))
+    await redis.delete(KEYS.weights_lock)  # an older gateway's release, and its lock
+    await redis.set(KEYS.weights_lock, "old.gateway", px=10_000)
+    assert await bus.update_under_way() == Pausing(None, "abort", "old.gateway")
 
 
 async def test_the_weights_lock_and_the_trainer_touch_after_a_flush(
