@@ -178,7 +178,7 @@ async def open_services(
             redis,
             Keys(settings.store.prefix),
             origin=uuid.uuid4().hex,
-            durability=Durability(redis, settings.redis.durable_replicas, settings.redis.wait_timeout_ms),
+            durability=Durability(redis, settings.redis.durable_replicas, settings.redis.wait_timeout_effective_ms),
             retry_budget_s=settings.redis.retry_budget_s,
         )
         stack.push_async_callback(bus.aclose)
@@ -257,7 +257,7 @@ async def open_services(
             pipelines=PipelineBatcher(redis) if fastpath.on("redis_batching") else None,
             max_session_metadata_bytes=s.max_session_metadata_bytes,
             durable_replicas=settings.redis.durable_replicas,
-            wait_timeout_ms=settings.redis.wait_timeout_ms,
+            wait_timeout_ms=settings.redis.wait_timeout_effective_ms,
         )
         trajectories.start()
         stack.push_async_callback(trajectories.aclose)

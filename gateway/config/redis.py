@@ -89,14 +89,26 @@ class RedisConfig(Section):
     wait_timeout_ms: int = Field(
         1000,
         ge=1,
-        description="How long one WAIT waits for durable_replicas replicas, milliseconds (below socket_timeout_s).",
+        description=(
+            "How long one WAIT waits for durable_replicas replicas, milliseconds; below socket_timeout_s (left at its "
+            "default, at most half socket_timeout_s)."
+        ),
     )
 
     @model_validator(mode="after")
     def _wait_within_socket_timeout(self) -> RedisConfig:
-        if self.wait_timeout_ms >= self.socket_timeout_s * 1000:
+        chosen = self.model_fields_set & {"wait_timeout_ms", "durable_replicas"}
+        if chosen and self.durable_replicas != 0 and self.wait_timeout_ms >= self.socket_timeout_s * 1000:
             raise ValueError(
                 f"wait_timeout_ms ({self.wait_timeout_ms}) must be below socket_timeout_s "
                 f"({self.socket_timeout_s:g} s): the connection would time out before WAIT answers"
             )
         return self
+
+    @property
+    def wait_timeout_effective_ms(self) -> int:
+        """The WAIT timeout sent: `wait_timeout_ms`, or, where neither it nor `durable_replicas` was set (a short
+        `socket_timeout_s` alone must not refuse the configuration), at most half `socket_timeout_s`."""
+        if self.model_fields_set & {"wait_timeout_ms", "durable_replicas"}:
+            return self.wait_timeout_ms
+        return min(self.wait_timeout_ms, max(1, int(self.socket_timeout_s * 500)))

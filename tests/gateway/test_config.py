@@ -358,6 +358,16 @@ def test_bad_values_name_their_key(overrides: dict[str, object], key: str) -> No
     assert f"\n  {key}: " in config_error(**overrides)
 
 
+def test_a_short_socket_timeout_alone_shortens_the_wait_rather_than_refusing_the_config() -> None:
+    """WAIT must answer within the socket timeout; set neither WAIT setting and a short socket timeout is a valid
+    configuration whose WAIT timeout is half of it (set either, and a WAIT timeout past it is a config error)."""
+    short = Settings(redis={"socket_timeout_s": 0.5})
+    assert short.redis.wait_timeout_effective_ms == 250
+    assert Settings().redis.wait_timeout_effective_ms == 1000
+    assert Settings(redis={"socket_timeout_s": 0.5, "durable_replicas": 0}).redis.wait_timeout_effective_ms == 1000
+    assert "\n  redis: " in config_error(redis={"socket_timeout_s": 0.5, "durable_replicas": 1})
+
+
 def test_secret_values_are_not_echoed_in_errors(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, {"server": {"admin_token": 123456789}, "redis": {"url": "http://:hunter2pw@r"}})
     message = config_error(path)
