@@ -101,7 +101,11 @@ async def test_a_trickled_body_the_app_answered_without_reading_closes_its_conne
         try:
             async with asyncio.timeout(10):
                 assert (await answer(reader))[0] == 405
-                assert await reader.read() == b""
+                try:
+                    rest = await reader.read()
+                except ConnectionResetError:  # closed while the trickle still came: reset by the kernel, no answer
+                    rest = b""
+                assert rest == b""
         finally:
             sending.cancel()
 
@@ -110,10 +114,12 @@ async def test_a_trickled_body_the_app_answered_without_reading_closes_its_conne
 async def test_a_slow_but_steady_upload_is_served_and_its_connection_kept_alive(
     make_gateway: GatewayFactory, chunked: bool
 ) -> None:
-    """Longer than body_timeout_s in all, with a pause shorter than it, at a rate over the floor."""
-    gw = await make_gateway([], fastpath=PART_ON, server=BODY_LIMITS)
+    """Longer than body_timeout_s in all, with a pause shorter than it, at a rate over the floor. The timeout is 1 s
+    here, not 0.5: the client shares the gateway's loop, and a loaded host stretched its 0.05 s gaps past 0.5 s."""
+    limits = BODY_LIMITS | {"body_timeout_s": 1.0}
+    gw = await make_gateway([], fastpath=PART_ON, server=limits)
     body = b'{"metadata": {"note": "steady"}' + b" " * (48 * 1024) + b"}"
-    pieces = [body[i : i + 2048] for i in range(0, len(body), 2048)]
+    pieces = [body[i : i + 1024] for i in range(0, len(body), 1024)]
     framed = [chunk(piece) for piece in pieces] + [b"0\r\n\r\n"] if chunked else pieces
     start = time.monotonic()
     async with connected(gw) as (reader, writer), asyncio.timeout(20):
@@ -125,8 +131,8 @@ async def test_a_slow_but_steady_upload_is_served_and_its_connection_kept_alive(
         status, _, answered = await answer(reader)
         assert status == 201, answered
         assert json.loads(answered)["metadata"] == {"note": "steady"}
-        assert time.monotonic() - start > 2 * BODY_LIMITS["body_timeout_s"]
-        await asyncio.sleep(2 * BODY_LIMITS["body_timeout_s"])  # idle between requests: keep-alive's, not a body's
+        assert time.monotonic() - start > 2 * limits["body_timeout_s"]
+        await asyncio.sleep(2 * limits["body_timeout_s"])  # idle between requests: keep-alive's, not a body's
         writer.write(get("/health"))
         assert (await answer(reader))[0] == 200
 
