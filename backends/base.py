@@ -28,6 +28,11 @@ from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep", "wait"]
 NewRequestsWhilePaused = Literal["block", "reject", "unknown"]
+TransferBackend = Literal["nccl", "tensor"]
+"""How an in-memory weight transfer reaches an engine. `nccl`: a process group per engine, the trainer its rank 0
+(vLLM `/init_weight_transfer_engine` with its `--weight-transfer-config` backend, SGLang `/init_weights_update_group`),
+the tensors broadcast over it; `tensor`: the tensors sent inline in the update call (SGLang
+`/update_weights_from_tensor`), no group."""
 
 
 @dataclass(slots=True)
@@ -131,11 +136,23 @@ class Capabilities:
     version_spans: bool = True
     token_endpoint: str = "/v1/completions"
     new_requests_while_paused: NewRequestsWhilePaused = "unknown"
+    transfer_backends: frozenset[TransferBackend] = frozenset()  # the in-memory weight transfers it takes
 
     def streams(self, wanted: bool) -> bool:
         """Whether a request that `wanted` a stream gets one: an engine that sends routed experts only in whole
         answers (vLLM's completions transport) answers whole whenever it sends them."""
         return wanted and (self.streams_routed_experts or not self.routed_experts_out)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferGroup:
+    """An engine's process group with the trainer for an in-memory weight transfer: the trainer is rank 0 and hosts
+    the rendezvous at `master_address:master_port`; the engine's workers are ranks `rank_offset` … `world_size - 1`."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +270,27 @@ class EngineBackend(Protocol):
 
     async def weight_version(self) -> str: ...
 
+    async def transfer_workers(self) -> int:
+        """The engine's worker processes that join a transfer's process group (its world size without the trainer)."""
+        ...
+
+    async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
+        """Open the engine's side of an in-memory weight transfer: join `group` (`nccl`; the call blocks until the
+        trainer joins as rank 0; a group formed by an earlier transfer with the same rendezvous is kept, not formed
+        again), then open an update session (vLLM `/start_weight_update`, SGLang `/begin_weight_update`). Returns
+        whether a group was formed now (the trainer must join it). From here the engine's weights change as the
+        trainer pushes tensors: the caller keeps it paused until `finish_transfer` (or `abort_transfer`)."""
+        ...
+
+    async def finish_transfer(self, version: str, *, flush: bool = True) -> bool:
+        """Close the update session and label the weights `version`; `flush` and the answer as `update_weights`."""
+        ...
+
+    async def abort_transfer(self) -> None:
+        """Close an update session the trainer never committed. The engine's weights are unknown (some tensors may
+        have landed): the caller reloads them or holds the replica out."""
+        ...
+
     async def flush_cache(self) -> bool:
         """Drop the prefix cache (stale after a weight update); False if the engine refused."""
         ...
@@ -295,6 +333,7 @@ class ReplicaSpec:
     keep_mode: Literal["retract", "in_place"] = "retract"
     new_requests_while_paused: NewRequestsWhilePaused = "unknown"
     data_parallel_size: int = 1
+    weight_transfer: TransferBackend | None = None  # vLLM: its `--weight-transfer-config` backend (None: none)
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_connections: int = 1024
     stream_pacing: StreamPacing = field(default_factory=StreamPacing)

@@ -30,6 +30,8 @@ from backends.base import (
     PauseMode,
     ReplicaSpec,
     SamplingParams,
+    TransferBackend,
+    TransferGroup,
     VersionSpan,
     add_optional_sampling,
     encodable_ids,
@@ -41,6 +43,7 @@ from backends.base import (
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, WeightsNotLoaded
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
+from backends.weight_transfer import SglangTransfer
 
 __all__ = ["SglangBackend"]
 
@@ -86,7 +89,9 @@ class SglangBackend(HttpEngineBackend):
             token_endpoint=GENERATE,
             # SGLang always holds new requests while paused (tokenizer manager `is_pause_cond`).
             new_requests_while_paused="block",
+            transfer_backends=frozenset({"nccl", "tensor"}),
         )
+        self._transfer = SglangTransfer(self._client, self.id, self._control, self._long, spec.data_parallel_size)
         self._experts_shape = spec.routed_experts_shape if spec.routed_experts else None
         self.cumulative_streams = False
 
@@ -373,6 +378,21 @@ class SglangBackend(HttpEngineBackend):
         answer = await self._call("GET", "/model_info")
         with translate_errors(self.id):
             return str(answer["weight_version"])
+
+    # -- in-memory weight transfer (backends.weight_transfer) ------------------------------------------------
+
+    async def transfer_workers(self) -> int:
+        return await self._transfer.workers()
+
+    async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
+        return await self._transfer.open(backend, group)
+
+    async def finish_transfer(self, version: str, *, flush: bool = True) -> bool:
+        await self._transfer.finish(version)
+        return await self.flush_cache() if flush else True
+
+    async def abort_transfer(self) -> None:
+        await self._transfer.abort()
 
     async def flush_cache(self) -> bool:
         """`POST /flush_cache`: False (400) while requests are running or waiting."""

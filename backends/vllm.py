@@ -46,6 +46,8 @@ from backends.base import (
     PauseMode,
     ReplicaSpec,
     SamplingParams,
+    TransferBackend,
+    TransferGroup,
     VersionSpan,
     add_optional_sampling,
     encodable_ids,
@@ -58,6 +60,7 @@ from backends.base import (
 from backends.errors import BackendError, BackendProtocolError
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
+from backends.weight_transfer import VllmTransfer
 
 __all__ = ["VllmBackend", "without_prompt_echo"]
 
@@ -160,7 +163,9 @@ class VllmBackend(HttpEngineBackend):
             version_spans=spec.scale_out,
             token_endpoint=GENERATE if self._generate_endpoint else COMPLETIONS,
             new_requests_while_paused=spec.new_requests_while_paused,
+            transfer_backends=frozenset({spec.weight_transfer} if spec.weight_transfer else ()),
         )
+        self._transfer = VllmTransfer(self._client, self.id, self._control, self._long)
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -465,6 +470,21 @@ class VllmBackend(HttpEngineBackend):
         answer = await self._call("GET", "/weight_info")
         with translate_errors(self.id):
             return str(answer["weight_version"])
+
+    # -- in-memory weight transfer (backends.weight_transfer) ------------------------------------------------
+
+    async def transfer_workers(self) -> int:
+        return await self._transfer.workers()
+
+    async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
+        return await self._transfer.open(group)
+
+    async def finish_transfer(self, version: str, *, flush: bool = True) -> bool:
+        await self._transfer.finish(version)
+        return await self.flush_cache() if flush else True
+
+    async def abort_transfer(self) -> None:
+        await self._transfer.abort()
 
     async def flush_cache(self) -> bool:
         """`POST /reset_prefix_cache?reset_running_requests=true`: running (or keep-paused) requests are preempted

@@ -65,6 +65,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
         keep_mode=replica.keep_mode,
         new_requests_while_paused=replica.new_requests_while_paused,
         data_parallel_size=replica.data_parallel_size,
+        weight_transfer=replica.weight_transfer,
         timeouts=Timeouts(
             connect=g.connect_timeout_s,
             read=g.read_timeout_s,
@@ -217,6 +218,7 @@ async def open_services(
             initial_version=current,
             default_mode=settings.weights.pause_mode,
             update_timeout_s=settings.weights.update_timeout_s,
+            transfer_commit_timeout_s=settings.weights.transfer_deadline_s,
             bus=bus,
             member_ttl_s=settings.weights.member_ttl_s,
             flush_caches=settings.weights.flushes_caches,

@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.sim.engine import EngineSettings, SimEngine
+from backends.sim.transfer import TransferSide
 from common.asgi import ClientDisconnected, disconnected_response, unless_disconnected, watch_disconnect
 
 Dialect = Literal["vllm", "sglang"]
@@ -53,6 +54,10 @@ class SimServerSettings:
     # A weight load from a path that is not on disk fails as on a real engine (vLLM answers 500, SGLang 400 and
     # rolls back), keeping the weights and the label. Off by default: tests and the demo load made-up paths.
     weights_must_exist: bool = False
+    # vLLM: the backend of `--weight-transfer-config` (None: none, and every transfer route is refused).
+    weight_transfer: str | None = None
+    # How long an engine's side of a transfer waits for the trainer to join its rendezvous, seconds.
+    transfer_join_timeout_s: float = 30.0
 
 
 class FaultState:
@@ -330,15 +335,19 @@ def build_app(
 
     Dialects register their own exception handlers on the returned app."""
 
+    transfer = TransferSide(engine, settings.transfer_join_timeout_s)  # the weight-transfer routes' state
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
             yield
         finally:
+            await transfer.aclose()
             await engine.stop()
 
     app = FastAPI(lifespan=lifespan, title=title)
+    app.state.transfer = transfer
     faults = FaultState(settings, engine)
     app.state.dialect = dialect
     app.state.faults = faults

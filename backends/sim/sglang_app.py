@@ -54,6 +54,7 @@ from backends.sim.sglang_models import (
     check_known_fields,
     validation_message,
 )
+from backends.sim.transfer_routes import install, sglang_router
 
 T = TypeVar("T")
 
@@ -541,6 +542,7 @@ def create_sglang_app(settings: SimServerSettings) -> FastAPI:
     app.add_exception_handler(ValidationError, _on_validation)
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(StarletteHTTPException, _on_http)
+    install(app, sglang_router)
     return app
 
 

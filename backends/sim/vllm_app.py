@@ -42,6 +42,7 @@ from backends.sim.engine import (
     SimRequest,
     SimRequestError,
 )
+from backends.sim.transfer_routes import install, vllm_errors, vllm_router
 from backends.sim.vllm_metrics import VllmMetrics
 from backends.sim.vllm_models import (
     AbortRequests,
@@ -581,4 +582,7 @@ def create_vllm_app(settings: SimServerSettings) -> FastAPI:
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(EnginePaused, _on_paused)
     app.add_exception_handler(StarletteHTTPException, _on_http)
+    if settings.dev_mode:
+        install(app, vllm_router)
+        vllm_errors(app, error_body, settings.weight_transfer)
     return app

@@ -48,6 +48,12 @@ class WeightsConfig(Section):
         "stale, or is recorded in rg:abandoned instead (a GRPO group's member is delivered either way).",
     )
     update_timeout_s: Seconds = Field(600.0, description="Deadline of pause → update → resume, seconds.")
+    transfer_commit_timeout_s: Seconds = Field(
+        300.0,
+        description="An in-memory transfer (POST /admin/weights with transfer) not committed this long after it "
+        "began ends as a failed update: the replicas it opened are reloaded from the last checkpoint path, or held "
+        "out as stale, seconds; update_timeout_s where that is shorter (the other processes follow it that long).",
+    )
     control_timeout_s: Seconds = Field(
         30.0, description="Timeout of one pause, resume, abort or version call to a replica, seconds."
     )
@@ -56,6 +62,12 @@ class WeightsConfig(Section):
         description="A gateway process is on the weights bus this long after its heartbeat (every fifth of it); "
         "one coordinating an update is taken for dead after twice this without one, seconds.",
     )
+
+    @property
+    def transfer_deadline_s(self) -> float:
+        """An in-memory transfer's deadline: `transfer_commit_timeout_s`, within `update_timeout_s` (the other gateway
+        processes follow an update that long)."""
+        return min(self.transfer_commit_timeout_s, self.update_timeout_s)
 
     @property
     def flushes_caches(self) -> bool:

@@ -6,6 +6,7 @@
 - `sequence`: THE update sequence (pause → load → settle → resume) that every weight change runs;
 - `coordinator`: `WeightCoordinator`, the facade: updates, the out-of-band sync, catch-ups, adopting results;
 - `bracket`: the out-of-band sync held between `POST /admin/pause` and `POST /admin/resume`, with its deadline;
+- `transfer`: the two-phase in-memory update (`POST /admin/weights` with `transfer`, then its commit);
 - `leader`, `follower`, `recovery`: the processes sharing one Redis (leading an update, following another's,
   recovering from one whose coordinator died);
 - `gate`, `gc_deferral`: what generation waits on, and the GC kept out of the release burst;

@@ -38,6 +38,7 @@ from gateway.weights.leader import Leadership
 from gateway.weights.report import UpdateReport
 from gateway.weights.sequence import Plan, UpdateSequence
 from gateway.weights.state import State, StateMachine
+from gateway.weights.transfer import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class WeightCoordinator:
         initial_version: int = 0,
         default_mode: PauseMode = "abort",
         update_timeout_s: float = 600.0,
+        transfer_commit_timeout_s: float = 300.0,
         bus: WeightsBus | None = None,
         member_ttl_s: float = MEMBER_TTL_S,
         flush_caches: bool = True,
@@ -85,6 +87,7 @@ class WeightCoordinator:
             Leadership(bus, member_ttl_s=member_ttl_s, update_timeout_s=update_timeout_s) if bus is not None else None
         )
         self._follower: Follower | None = None
+        self.transfers = Transfers(self, transfer_commit_timeout_s)  # the two-phase in-memory updates
         self._bracket: OutOfBandSync | None = None  # the out-of-band sync held now
         self._expired: OutOfBandSync | None = None  # the last one that ended at its deadline (a later resume's 409)
         # The version an update of this process is loading (None: none, or an out-of-band sync's, not known yet).
@@ -170,7 +173,7 @@ class WeightCoordinator:
             unrecorded: StoreError | None = None
             try:
                 async with asyncio.timeout(self.update_timeout_s):
-                    await self._followers_drained(mode, token, version)
+                    await self.followers_drained(mode, token, version)
                     await self.sequence.run(mode, Plan.update(version, source, previous), report)
             except TimeoutError:
                 timed_out = True
@@ -178,16 +181,16 @@ class WeightCoordinator:
                 self.upcoming_version = None
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
-                unrecorded = await self._publish_result(report)
+                unrecorded = await self.publish_result(report)
                 self.end()
                 report.finished_at = time.time()
             report.duration_s = time.monotonic() - started
             if timed_out:
-                await self._announce(report)
+                await self.announce(report)
                 raise self._timed_out(previous, report)
             if not report.updated:
-                await self._announce(report)  # a failed update is announced too (status "failed")
-                raise self._failed(previous, report)
+                await self.announce(report)  # a failed update is announced too (status "failed")
+                raise self.failed(previous, report)
             self.updates += 1
             logger.info(
                 "weights: version %d (%s) on %s; stale: %s",
@@ -197,9 +200,9 @@ class WeightCoordinator:
                 report.stale,
                 extra={"version": version},
             )
-            await self._announce(report)
+            await self.announce(report)
             if unrecorded is not None:
-                raise self._not_recorded(report, unrecorded)
+                raise self.not_recorded(report, unrecorded)
             return report
 
     async def _record_again(self, version: int) -> UpdateReport | None:
@@ -214,12 +217,12 @@ class WeightCoordinator:
                 return None  # recorded, or overtaken, meanwhile
             unrecorded = await self.leader.record_again(report, self.version, self.last_source)
             if unrecorded is not None:
-                raise self._not_recorded(report, unrecorded)
+                raise self.not_recorded(report, unrecorded)
             self._unrecorded = None
             logger.info("weights: version %d recorded", version, extra={"version": version})
             return report
 
-    def _not_recorded(self, report: UpdateReport, cause: StoreError) -> WeightsNotRecorded:
+    def not_recorded(self, report: UpdateReport, cause: StoreError) -> WeightsNotRecorded:
         """The error for an update whose version serves but whose record in `rg:weights` is not durable; the same
         request again records it (`_record_again`)."""
         self._unrecorded = report
@@ -237,7 +240,7 @@ class WeightCoordinator:
         }
         return WeightsNotRecorded(message, details)
 
-    def _failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated:
+    def failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated:
         """The error for an update that loaded nowhere, naming each replica's failure."""
         why = "; ".join(f"{replica}: {error}" for replica, error in report.errors.items()) or "no replica in the pool"
         serving = f"replicas {report.kept} serve version {previous} as before" if report.kept else "no replica serves"
@@ -280,12 +283,19 @@ class WeightCoordinator:
         }
         return WeightsUpdateTimedOut(message, details)
 
-    def _check_newer(self, version: int) -> None:
+    def check_newer(self, version: int) -> None:
         if version <= self.version:
             raise Conflict(f"weight version {version} is not newer than {self.version}", param="version")
 
-    def _check_idle(self) -> None:
-        """Under `lock`: nothing but an out-of-band sync can hold the replicas now; while one does, a 409."""
+    def check_idle(self) -> None:
+        """Under `lock`: nothing but an out-of-band sync or an in-memory transfer can hold the replicas now; while
+        one does, a 409."""
+        if (held := self.transfers.held) is not None:
+            raise Conflict(
+                f"an in-memory transfer of version {held.version} is under way "
+                f"(POST /admin/weights/{held.version}/commit ends it)",
+                param="version",
+            )
         if self.machine.state is State.PAUSED:
             raise Conflict(
                 "the gateway is paused for an out-of-band weight sync (POST /admin/resume ends it)", param="version"
@@ -295,19 +305,19 @@ class WeightCoordinator:
     async def _leading(self, version: int, mode: PauseMode) -> AsyncIterator[str | None]:
         """This process as the one that updates the shared replicas for the length of a block (`Leadership`; the
         lock's token, None without a bus)."""
-        self._check_idle()
-        self._check_newer(version)
+        self.check_idle()
+        self.check_newer(version)
         if self.leader is None:
             yield None
             return
         async with self.leader.held(version, mode) as token:
             yield token
 
-    async def _followers_drained(self, mode: PauseMode, token: str | None, version: int | None) -> None:
+    async def followers_drained(self, mode: PauseMode, token: str | None, version: int | None) -> None:
         if self.leader is not None and token is not None:
             await self.leader.followers_drained(mode, token, version)
 
-    async def _publish_result(self, report: UpdateReport) -> StoreError | None:
+    async def publish_result(self, report: UpdateReport) -> StoreError | None:
         """Record and announce the result (`Leadership.publish_result`); the error where the record is not durable."""
         if self.leader is None:
             return None
@@ -323,7 +333,7 @@ class WeightCoordinator:
         version by now (the catch-up was decided before an update this process has not heard of yet: loading
         would take the replica back to older weights)."""
         async with self.lock:
-            if self.last_source is None or self.machine.state is State.PAUSED:
+            if self.last_source is None or self.machine.state is State.PAUSED or self.transfers.held is not None:
                 return False
             label = version_label(self.version)
             found = await replica.backend.weight_version()
@@ -351,14 +361,14 @@ class WeightCoordinator:
         now it ends as a failed update instead (`_end_at_deadline`)."""
         mode = mode or self.default_mode
         async with self.lock:
-            self._check_idle()
+            self.check_idle()
             started = time.monotonic()
             token = await self.leader.take(None, mode) if self.leader is not None else None
             report = UpdateReport(self.version, mode, started_at=time.time())
             self.begin()
             try:
                 async with asyncio.timeout(self.update_timeout_s):
-                    await self._followers_drained(mode, token, None)
+                    await self.followers_drained(mode, token, None)
                 await self.sequence.pause(mode, report)
             except BaseException:
                 self.machine.to(State.SERVING)
@@ -380,7 +390,7 @@ class WeightCoordinator:
         bracket = self._bracket
         if bracket is None:
             raise self._not_paused()
-        self._check_newer(version)  # a 409 here leaves the gateway paused: resume again with a newer version
+        self.check_newer(version)  # a 409 here leaves the gateway paused: resume again with a newer version
         self._bracket = None
         bracket.disarm()
         report = bracket.report
@@ -394,9 +404,9 @@ class WeightCoordinator:
                 unrecorded = await self._close(bracket)
         report.duration_s = time.monotonic() - bracket.paused_at  # pause → resume: the whole out-of-band sync
         self.updates += 1
-        await self._announce(report)
+        await self.announce(report)
         if unrecorded is not None:
-            raise self._not_recorded(report, unrecorded)
+            raise self.not_recorded(report, unrecorded)
         return report
 
     def _not_paused(self) -> Conflict:
@@ -411,8 +421,8 @@ class WeightCoordinator:
 
     async def _close(self, bracket: OutOfBandSync) -> StoreError | None:
         """The end of an out-of-band sync, however it ended: the result published, the bus lock given back, serving.
-        The error where the result's record is not durable (`_publish_result`)."""
-        unrecorded = await self._publish_result(bracket.report)
+        The error where the result's record is not durable (`publish_result`)."""
+        unrecorded = await self.publish_result(bracket.report)
         if self.leader is not None and bracket.token is not None:
             await self.leader.give_back(bracket.token)
         self.end()
@@ -441,7 +451,7 @@ class WeightCoordinator:
             report.stale,
             extra={"version": self.version},
         )
-        await self._announce(report)
+        await self.announce(report)
 
     # -- several gateway processes on one Redis ----------------------------------------------------
 
@@ -497,7 +507,7 @@ class WeightCoordinator:
             self.machine.to(State.SERVING)
         self.gate.release()
 
-    async def _announce(self, report: UpdateReport) -> None:
+    async def announce(self, report: UpdateReport) -> None:
         for callback in self.on_update:
             result = callback(report)
             if result is not None:
@@ -507,6 +517,7 @@ class WeightCoordinator:
         self.gate.aclose()
         if self._follower is not None:
             await self._follower.aclose()
+        await self.transfers.aclose()
         for bracket in (self._bracket, self._expired):  # a deadline may be ending one now
             if bracket is not None:
                 await bracket.aclose()

@@ -30,7 +30,7 @@ from gateway.weights.state import State, StateMachine
 
 logger = logging.getLogger(__name__)
 
-LoadKind = Literal["load", "restore", "none"]
+LoadKind = Literal["load", "restore", "none", "transfer", "reload"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,10 @@ class Plan:
 
     `load`: load `version` from `source` (None: relabel the weights the engines hold already). `restore`: keep a
     replica that reports `version` as it is; load the others from `source`, or hold them out where there is none.
-    `none`: load nothing; every replica counts as having refused, so the rollback settles each one."""
+    `none`: load nothing; every replica counts as having refused, so the rollback settles each one. `transfer`: the
+    trainer pushed `version` into the engines; finish each one's transfer with the label. `reload`: an in-memory
+    transfer was never committed: each replica may hold mixed weights whatever its label says, so it is loaded again
+    from `source` (the last checkpoint path) on `version`, or held out where there is none."""
 
     kind: LoadKind
     version: int
@@ -61,6 +64,16 @@ class Plan:
     def restore(cls, version: int, source: str | None) -> Plan:
         """The recovery: every replica back to the recorded `version` (from its `source` where needed)."""
         return cls("restore", version, version, source, rollback=False)
+
+    @classmethod
+    def transfer(cls, version: int, previous: int) -> Plan:
+        """A committed in-memory transfer: the weights are in the engines; a replica that fails to finish is stale."""
+        return cls("transfer", version, previous, None, rollback=False)
+
+    @classmethod
+    def reload(cls, previous: int, source: str | None) -> Plan:
+        """An in-memory transfer not committed in time: back to `previous` from `source`, or held out."""
+        return cls("reload", previous, previous, source, rollback=False)
 
     @classmethod
     def abandon(cls, previous: int) -> Plan:
@@ -128,8 +141,11 @@ class UpdateSequence:
             self.mark_stale(replica, report, f"pause failed: {exc}")
 
     async def _load_one(self, replica: Engine, plan: Plan, report: UpdateReport) -> None:
-        if plan.kind == "load":
-            await self.update_one(replica, plan.version, plan.source, report)
+        if plan.kind in ("load", "transfer"):
+            await self.update_one(replica, plan.version, plan.source, report, transferred=plan.kind == "transfer")
+            return
+        if plan.kind == "reload":
+            await self._reload_one(replica, plan, report)
             return
         # restore: as it is where it reports the version, loaded from the path where it reports another, stale
         # where there is no path to load it from.
@@ -144,12 +160,17 @@ class UpdateSequence:
             report.note(replica.id, why)
             self.mark_stale(replica, report, why)
 
-    async def update_one(self, replica: Engine, version: int, source: str | None, report: UpdateReport) -> None:
-        """Load (or relabel) one paused replica and read its label back."""
+    async def update_one(
+        self, replica: Engine, version: int, source: str | None, report: UpdateReport, *, transferred: bool = False
+    ) -> None:
+        """Load (or relabel, or finish the transfer into) one paused replica and read its label back."""
         label = version_label(version)
         try:
             flush = self.flush_caches or report.mode != "keep"
-            cache_clean = await replica.backend.update_weights(label, source, flush=flush)
+            if transferred:
+                cache_clean = await replica.backend.finish_transfer(label, flush=flush)
+            else:
+                cache_clean = await replica.backend.update_weights(label, source, flush=flush)
             reported = await replica.backend.weight_version()
         except WeightsNotLoaded as exc:
             # Not stale yet: if no replica loads `version`, this one may serve on (`_settle_refusals`).
@@ -171,6 +192,31 @@ class UpdateSequence:
         if not cache_clean:
             report.flush_pending.append(replica.id)
             self.flush_when_idle(replica)
+
+    async def _reload_one(self, replica: Engine, plan: Plan, report: UpdateReport) -> None:
+        """After an uncommitted transfer: its update session closed, the replica loaded again from the last
+        checkpoint path on the previous version (`kept`), or held out (no path, or the load failed)."""
+        try:
+            await replica.backend.abort_transfer()
+        except BackendError as exc:
+            report.note(replica.id, f"closing the transfer failed: {exc}")
+        if plan.source is None:
+            why = "may hold mixed weights from an uncommitted transfer, and no checkpoint path is known to reload"
+            self.mark_stale(replica, report, why)
+            return
+        label = version_label(plan.version)
+        try:
+            await replica.backend.update_weights(label, plan.source, flush=True)
+            reported = await replica.backend.weight_version()
+        except BackendError as exc:
+            report.note(replica.id, f"reload after the uncommitted transfer failed: {exc}")
+            self.mark_stale(replica, report, f"reload after the uncommitted transfer failed: {exc}")
+            return
+        if reported != label:
+            self.mark_stale(replica, report, f"reports version {reported!r} after the reload, not {label!r}")
+            return
+        self.pool.set_version(replica, plan.version)
+        report.kept.append(replica.id)
 
     async def _settle_refusals(self, plan: Plan, report: UpdateReport) -> None:
         """The replicas whose engine refused the load kept the previous weights. If another replica loaded the new

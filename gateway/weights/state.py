@@ -2,7 +2,7 @@
 
 A transition the table does not list raises `IllegalTransition` (a bug in the coordinator, never a request's
 fault). The machine records every transition it took (`taken`): the tests prove each one in the table is reached.
-A later state (a held in-memory transfer, an adapter update) is added to this table, not beside it.
+A later state (an adapter update) is added to this table, not beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ class State(enum.StrEnum):
     SERVING = "serving"  # requests dispatch
     PAUSING = "pausing"  # this process coordinates an update: other processes drain, then every replica pauses
     PAUSED = "paused"  # an out-of-band sync holds the replicas paused (`POST /admin/pause` … `/admin/resume`)
+    # An in-memory transfer (`POST /admin/weights` with `transfer`): every replica paused, the engines' transfer sides
+    # open, the trainer pushing tensors into them until it commits (`POST /admin/weights/{version}/commit`).
+    TRANSFERRING = "transferring"
     UPDATING = "updating"  # loading or relabelling the paused replicas, and reading their labels back
     RESUMING = "resuming"  # resuming every replica
     FOLLOWING = "following"  # another process coordinates an update: no request dispatches until its result
@@ -26,8 +29,10 @@ TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.SERVING: frozenset({State.PAUSING, State.FOLLOWING}),
     # PAUSING → SERVING: the pause (or the wait for the other processes' drain) failed or outlasted
     # `weights.update_timeout_s`; the update ends with no replica loaded.
-    State.PAUSING: frozenset({State.UPDATING, State.PAUSED, State.SERVING}),
+    State.PAUSING: frozenset({State.UPDATING, State.PAUSED, State.TRANSFERRING, State.SERVING}),
     State.PAUSED: frozenset({State.UPDATING}),  # the out-of-band sync resumed, or ended at its deadline
+    # The transfer committed (finish every engine with the label), or ended at its deadline (reload or hold out).
+    State.TRANSFERRING: frozenset({State.UPDATING}),
     # UPDATING → SERVING: the load outlasted `weights.update_timeout_s`.
     State.UPDATING: frozenset({State.RESUMING, State.SERVING}),
     State.RESUMING: frozenset({State.SERVING}),

@@ -29,6 +29,7 @@ from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publis
 from tests.sim_helpers import sim_state, wait_for
 
 S, PG, PD, U, R, F = State.SERVING, State.PAUSING, State.PAUSED, State.UPDATING, State.RESUMING, State.FOLLOWING
+T = State.TRANSFERRING
 
 UPDATE = {(S, PG), (PG, U), (U, R), (R, S)}
 OUT_OF_BAND = {(S, PG), (PG, PD), (PD, U), (U, R), (R, S)}
@@ -36,6 +37,8 @@ OUT_OF_BAND = {(S, PG), (PG, PD), (PD, U), (U, R), (R, S)}
 SCENARIOS: dict[str, set[tuple[State, State]]] = {
     "an update (updated, partial or failed)": UPDATE,
     "an out-of-band sync, resumed or ended at its deadline": OUT_OF_BAND,
+    # tests/gateway/test_weight_transfer.py
+    "an in-memory transfer, committed or ended at its deadline": {(S, PG), (PG, T), (T, U), (U, R), (R, S)},
     "an update whose pause outlasts weights.update_timeout_s": {(S, PG), (PG, S)},
     "an update whose load outlasts weights.update_timeout_s": {(S, PG), (PG, U), (U, S)},
     "following another process's update": {(S, F), (F, S)},

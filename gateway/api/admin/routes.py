@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.base import PauseMode
+from backends.base import PauseMode, TransferBackend
 from gateway.api.bounds import INTEGRAL
 from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig, without_credentials
@@ -17,13 +17,35 @@ from gateway.errors import InvalidRequest, NotFound
 from gateway.routing import Engine, Replica
 from gateway.trajectory import MAX_VERSION
 from gateway.weights import UpdateReport
+from gateway.weights.transfer import TransferSpec
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
+class TransferRequest(BaseModel):
+    """An in-memory transfer: the trainer pushes the tensors into the engines itself. `nccl`: one process group per
+    engine, the trainer its rank 0, hosting engine i's rendezvous at `master_address:(master_port + i)`; `tensor`:
+    the tensors go inline in SGLang's `/update_weights_from_tensor` (no group)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    backend: TransferBackend = Field(description="nccl | tensor")
+    master_address: str | None = Field(None, min_length=1, description="nccl: the trainer's rendezvous host.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="nccl: engine 0's rendezvous port.")
+
+    def spec(self) -> TransferSpec:
+        if self.backend == "nccl" and (self.master_address is None or self.master_port is None):
+            raise InvalidRequest(
+                'a "nccl" transfer needs "master_address" and "master_port" (the rendezvous the trainer hosts)',
+                param="transfer",
+            )
+        return TransferSpec(self.backend, self.master_address, self.master_port)
+
+
 class WeightsUpdate(BaseModel):
-    """Exactly one of `path` (the engines load that checkpoint) and `source: "external"` (the weights were synced
-    into the engines out of band; they are only relabelled `version`): a relabel must never happen by omission."""
+    """Exactly one of `path` (the engines load that checkpoint), `source: "external"` (the weights were synced into
+    the engines out of band; they are only relabelled `version`) and `transfer` (the two-phase in-memory update,
+    committed by `POST /admin/weights/{version}/commit`): a relabel must never happen by omission."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -35,20 +57,25 @@ class WeightsUpdate(BaseModel):
         None,
         description='"external": the weights are in the engines already (NCCL, checkpoint engine); only relabel them.',
     )
+    transfer: TransferRequest | None = Field(
+        None, description="An in-memory transfer the trainer pushes, then commits (answered 202 with the layout)."
+    )
     mode: PauseMode | None = Field(None, description="abort | keep | wait; default weights.pause_mode.")
 
     def checked_path(self) -> str | None:
-        """The path to load, or None to relabel only; a body with neither or both is a 400 saying which to give."""
-        if self.path is None and self.source is None:
+        """The path to load, or None to relabel or transfer; a body with none or several is a 400 saying which."""
+        given = [name for name in ("path", "source", "transfer") if getattr(self, name) is not None]
+        if not given:
             raise InvalidRequest(
-                'give "path" (a checkpoint the engines load) or "source": "external" (the weights were synced into '
-                "the engines out of band; they are only relabelled)",
+                'give "path" (a checkpoint the engines load), "source": "external" (the weights were synced into '
+                'the engines out of band; they are only relabelled) or "transfer" (an in-memory transfer)',
                 param="path",
             )
-        if self.path is not None and self.source is not None:
+        if len(given) > 1:
             raise InvalidRequest(
-                'give either "path" (the engines load it) or "source": "external" (relabel only), not both',
-                param="source",
+                'give exactly one of "path" (the engines load it), "source": "external" (relabel only) and '
+                f'"transfer" (in memory), not both {given[0]!r} and {given[1]!r}',
+                param=given[1],
             )
         return self.path
 
@@ -121,9 +148,33 @@ def engine_status(engine: Engine) -> dict[str, Any]:
 )
 async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> Response:
     """Pause, load `path` on every replica (or relabel, with `source: external`), verify, resume. 200 `updated`;
-    207 `partial`; 502 when it loaded nowhere (raised by the coordinator after its rollback)."""
-    report = await svc.weights.update(body.version, body.checked_path(), body.mode)
+    207 `partial`; 502 when it loaded nowhere (raised by the coordinator after its rollback). With `transfer`: 202
+    at once with the layout; the pause and the engines' sides follow (`GET /admin/weights/{version}` says when
+    they are open), the commit ends it."""
+    path = body.checked_path()
+    if body.transfer is not None:
+        held = await svc.weights.transfers.begin(body.version, body.transfer.spec(), body.mode)
+        return JSONResponse(held.layout(), status_code=202)
+    return _answer(await svc.weights.update(body.version, path, body.mode))
+
+
+def _answer(report: UpdateReport) -> Response:
     return JSONResponse(_report(report), status_code=207 if report.status == "partial" else 200)
+
+
+@router.get("/weights/{version}")
+async def transfer_status(
+    version: int, svc: ServicesDep, wait_s: Annotated[float, Query(ge=0, le=600)] = 0.0
+) -> dict[str, Any]:
+    """An in-memory transfer's layout and state; with `wait_s`, once every engine's side is open (or failed)."""
+    return (await svc.weights.transfers.until_open(version, wait_s)).layout()
+
+
+@router.post("/weights/{version}/commit")
+async def commit_transfer(version: int, svc: ServicesDep) -> Response:
+    """The trainer pushed the tensors: finish every engine's transfer with `version`, verify, resume. 200 / 207 /
+    502 as a path update."""
+    return _answer(await svc.weights.transfers.commit(version))
 
 
 @router.post("/pause")

@@ -1,0 +1,127 @@
+"""The engines' side of an in-memory weight transfer (issue 53 §1), one class per dialect; each adapter holds one
+and delegates the `EngineBackend` transfer methods to it.
+
+The trainer pushes the tensors straight into the engines (never through the gateway); the gateway only opens each
+engine's side (its process group with the trainer, then an update session) and finishes it with the version label.
+
+- vLLM (dev mode, launched with `--weight-transfer-config`): `/init_weight_transfer_engine {init_info: {master_address,
+  master_port, rank_offset, world_size}}` (blocks until the trainer joins), `/start_weight_update`; the trainer's
+  `/update_weights` calls; `/finish_weight_update {weight_version}`. vLLM has no abort of an update: an abandoned one
+  is finished unlabelled, which closes the session and leaves the weights to be reloaded.
+- SGLang: `nccl`: `/init_weights_update_group` (blocks until the trainer joins), then `/begin_weight_update`; `tensor`:
+  `/begin_weight_update` only (the trainer's `/update_weights_from_tensor` carries the tensors inline). The end is
+  `/end_weight_update` (required around every update), then `/update_weight_version`: the label is the gateway's to
+  give, whatever the trainer's updates said.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from backends.base import TransferBackend, TransferGroup
+from backends.errors import BackendError, BackendRejected
+from backends.http_client import ReplicaClient, request_json
+
+GROUP_NAME = "rg-weights"
+"""The name of the gateway's weight-update group on SGLang (one per engine)."""
+
+
+class _TransferSide:
+    def __init__(
+        self, client: ReplicaClient, replica: str, control: aiohttp.ClientTimeout, long: aiohttp.ClientTimeout
+    ) -> None:
+        self._client, self.replica = client, replica
+        self._control, self._long = control, long
+        self.group: TransferGroup | None = None  # the group formed with the trainer, kept across updates
+
+    async def _call(self, path: str, json: Any = None, *, long: bool = False, method: str = "POST") -> Any:
+        timeout = self._long if long else self._control
+        return await request_json(self._client, self.replica, method, path, json=json, timeout=timeout)
+
+    def _refused(self, what: str, answer: Any) -> None:
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise BackendError(f"replica {self.replica}: {what} failed: {answer.get('message')}", replica=self.replica)
+
+
+class VllmTransfer(_TransferSide):
+    """vLLM's routes; `backend` is the one of its `--weight-transfer-config` (None: it takes no transfer)."""
+
+    async def workers(self) -> int:
+        answer = await self._call("/get_world_size", method="GET")
+        try:
+            return int(answer["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BackendError(f"replica {self.replica}: unexpected /get_world_size answer {answer!r}") from exc
+
+    async def open(self, group: TransferGroup | None) -> bool:
+        formed = False
+        if group is not None and group != self.group:
+            self.group = None
+            info = {
+                "master_address": group.master_address,
+                "master_port": group.master_port,
+                "rank_offset": group.rank_offset,
+                "world_size": group.world_size,
+            }
+            await self._call("/init_weight_transfer_engine", {"init_info": info}, long=True)
+            self.group, formed = group, True
+        await self._call("/start_weight_update")
+        return formed
+
+    async def finish(self, version: str) -> None:
+        await self._call("/finish_weight_update", {"weight_version": version}, long=True)
+
+    async def abort(self) -> None:
+        try:
+            await self._call("/finish_weight_update", {})  # closes the session; no label: nothing vouches for it
+        except BackendRejected:
+            pass  # no session open (it never started, or a failed chunk reset it): nothing to close
+
+
+class SglangTransfer(_TransferSide):
+    """SGLang's routes: `nccl` over a weight-update group, `tensor` inline."""
+
+    def __init__(
+        self,
+        client: ReplicaClient,
+        replica: str,
+        control: aiohttp.ClientTimeout,
+        long: aiohttp.ClientTimeout,
+        workers: int,
+    ) -> None:
+        super().__init__(client, replica, control, long)
+        self._workers = workers
+
+    async def workers(self) -> int:
+        """Its schedulers: one per data-parallel rank (tensor parallelism is not counted: a later step)."""
+        return self._workers
+
+    async def open(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
+        formed = False
+        if backend == "nccl" and group is not None and group != self.group:
+            self.group = None
+            body = {
+                "master_address": group.master_address,
+                "master_port": group.master_port,
+                "rank_offset": group.rank_offset,
+                "world_size": group.world_size,
+                "group_name": GROUP_NAME,
+                "backend": "nccl",
+            }
+            self._refused("init_weights_update_group", await self._call("/init_weights_update_group", body, long=True))
+            self.group, formed = group, True
+        self._refused("begin_weight_update", await self._call("/begin_weight_update", {}))
+        return formed
+
+    async def finish(self, version: str) -> None:
+        self._refused("end_weight_update", await self._call("/end_weight_update", {}))
+        body = {"new_version": version, "abort_all_requests": False}
+        self._refused("update_weight_version", await self._call("/update_weight_version", body))
+
+    async def abort(self) -> None:
+        try:
+            await self._call("/end_weight_update", {})
+        except BackendRejected:
+            pass  # no session open: nothing to close

@@ -1,0 +1,224 @@
+"""The two-phase in-memory weight update (issue 53 §1) over real simulator replicas, real sockets and Redis: the
+trainer (this test) hosts the rendezvous, pushes the tensors straight into the engines, and commits; or never does.
+
+The simulated model's one parameter is its weights' identity, so a transfer of `ckpt-N` must sample exactly as a load
+of the path `ckpt-N` (`expected_tokens`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from gateway.config import ReplicaConfig
+from gateway.weights import State
+from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.gateway.test_weight_states import SCENARIOS
+from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish
+from tests.sim_helpers import sim_state
+
+TRANSFER = SCENARIOS["an in-memory transfer, committed or ended at its deadline"]
+
+
+def replica_id(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+def inline(identity: str) -> str:
+    """The simulator's stand-in for SGLang's serialized named tensors."""
+    return base64.b64encode(orjson.dumps({"weights": identity})).decode()
+
+
+@pytest.fixture
+async def rendezvous() -> AsyncIterator[tuple[int, asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]]:
+    """The trainer as rank 0: it hosts the rendezvous; each engine that joins is a connection."""
+    joined: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+
+    async def on_join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await joined.put((reader, writer))
+
+    server = await asyncio.start_server(on_join, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], joined
+    finally:
+        while not joined.empty():
+            joined.get_nowait()[1].close()
+        server.close()
+        await server.wait_closed()
+
+
+async def generate(http: httpx.AsyncClient, url: str, n: int, session: str) -> dict[str, object]:
+    response = await http.post(f"{url}/generate", json=generate_body(PROMPT, n, session_id=session))
+    assert response.status_code == 200, response.text
+    answer: dict[str, object] = response.json()
+    return answer
+
+
+async def test_a_vllm_nccl_transfer_committed_serves_the_new_weights_exactly(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, rendezvous: tuple[int, asyncio.Queue]
+) -> None:
+    port, joined = rendezvous
+    sim = await make_sim("vllm", weight_transfer="nccl")
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", weight_transfer="nccl")])
+    body = {"version": 1, "transfer": {"backend": "nccl", "master_address": "127.0.0.1", "master_port": port}}
+
+    begun = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
+    assert begun.status_code == 202, begun.text
+    layout = begun.json()
+    assert (layout["version"], layout["backend"], layout["commit"]) == (1, "nccl", "/admin/weights/1/commit")
+    [engine] = layout["engines"]
+    assert (engine["url"], engine["master_port"], engine["rank_offset"], engine["world_size"]) == (sim.url, port, 1, 2)
+
+    joiner = await asyncio.wait_for(joined.get(), 10)  # the engine joined the trainer's group
+    await joined.put(joiner)  # closed by the fixture
+    channel = joiner[1]
+    opened = (await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 10}, headers=ADMIN)).json()
+    assert opened["status"] == "open" and opened["engines"][0]["state"] == "open"
+    assert opened["engines"][0]["rendezvous"] is True
+    assert gw.services.weights.state is State.TRANSFERRING
+    other = await publish(http, gw.url, 2)
+    assert other.status_code == 409 and "transfer of version 1" in other.json()["error"]["message"]
+
+    # The trainer broadcasts the tensors straight into the engine: the update's metadata, then the bytes.
+    data = b"ckpt-1"
+    channel.write(data)
+    await channel.drain()
+    info = {"names": ["weights"], "dtype_names": ["uint8"], "shapes": [[len(data)]]}
+    pushed = await http.post(f"{sim.url}/update_weights", json={"update_info": info})
+    assert pushed.status_code == 200, pushed.text
+
+    committed = await http.post(f"{gw.url}/admin/weights/1/commit", headers=ADMIN)
+    assert committed.status_code == 200, committed.text
+    assert committed.json()["status"] == "updated" and committed.json()["updated"] == [replica_id(sim.url)]
+    assert gw.services.weights.machine.taken == TRANSFER
+    state = await sim_state(http, sim.url)
+    assert (state["weights"], state["version"]) == ("ckpt-1", "1")
+    after = await generate(http, gw.url, 8, "after")
+    assert after["versions"] == [1] * 8
+    assert after["output_ids"] == expected_tokens(PROMPT, [1] * 8, 8)  # exactly as a load of the path ckpt-1
+    again = await http.post(f"{gw.url}/admin/weights/1/commit", headers=ADMIN)
+    assert again.status_code == 409
+
+
+async def test_a_transfer_never_committed_is_reloaded_from_the_last_path_and_serves_no_mixed_weights(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sims = [await make_sim("sglang") for _ in range(2)]
+    gw = await make_gateway(sims, weights={"transfer_commit_timeout_s": 1.0})
+    assert (await publish(http, gw.url, 1)).status_code == 200  # ckpt-1, a path the gateway knows
+    before = await generate(http, gw.url, 8, "before")
+
+    begun = await http.post(
+        f"{gw.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
+    )
+    assert begun.status_code == 202, begun.text
+    opened = (await http.get(f"{gw.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).json()
+    assert [e["state"] for e in opened["engines"]] == ["open", "open"]
+    # Half the tensors land: one engine runs ckpt-2 under the label 1 (mixed weights), and then the trainer dies.
+    pushed = await http.post(
+        f"{sims[0].url}/update_weights_from_tensor", json={"serialized_named_tensors": [inline("ckpt-2")]}
+    )
+    assert pushed.status_code == 200 and pushed.json()["success"] is True, pushed.text
+    assert (await sim_state(http, sims[0].url))["weights"] == "ckpt-2"
+    waiting = asyncio.create_task(generate(http, gw.url, 8, "during"))  # held until the update ends
+
+    during = await waiting
+    assert during["versions"] == [1] * 8 and during["output_ids"] == before["output_ids"]  # no token on mixed weights
+    status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+    assert (status["version"], status["state"]) == (1, "serving")
+    assert [(r["stale"], r["version"]) for r in status["replicas"]] == [(False, 1), (False, 1)]
+    for sim in sims:
+        state = await sim_state(http, sim.url)
+        assert (state["weights"], state["version"]) == ("ckpt-1", "1")  # reloaded from the last path
+    assert (
+        gw.services.weights.machine.taken
+        == {
+            (State.SERVING, State.PAUSING),
+            (State.PAUSING, State.UPDATING),
+            (State.UPDATING, State.RESUMING),
+            (State.RESUMING, State.SERVING),
+        }
+        | TRANSFER
+    )
+    late = await http.post(f"{gw.url}/admin/weights/2/commit", headers=ADMIN)
+    assert late.status_code == 409 and "ended as a failed update" in late.json()["error"]["message"]
+    assert (await publish(http, gw.url, 2)).status_code == 200  # the next update goes as usual
+
+
+async def test_a_transfer_never_committed_without_a_known_path_holds_the_replicas_out(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("sglang")
+    gw = await make_gateway([sim], weights={"transfer_commit_timeout_s": 0.5})
+    begun = await http.post(
+        f"{gw.url}/admin/weights", json={"version": 1, "transfer": {"backend": "tensor"}}, headers=ADMIN
+    )
+    assert begun.status_code == 202
+    await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 10}, headers=ADMIN)
+    await http.post(f"{sim.url}/update_weights_from_tensor", json={"serialized_named_tensors": [inline("ckpt-1")]})
+
+    ended = (await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 10}, headers=ADMIN)).json()
+    while ended["status"] not in ("failed", "committed"):
+        await gw.services.weights.version_after(0, 0.2)
+        ended = (await http.get(f"{gw.url}/admin/weights/1", headers=ADMIN)).json()
+    assert ended["status"] == "failed"
+    status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+    assert status["version"] == 0 and [r["stale"] for r in status["replicas"]] == [True]  # never served silently
+    assert (await publish(http, gw.url, 2)).status_code == 200  # a later load brings it back
+    after = await generate(http, gw.url, 6, "after")
+    assert after["output_ids"] == expected_tokens(PROMPT, [2] * 6, 6)
+
+
+async def test_a_transfer_request_is_validated(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("vllm")  # no --weight-transfer-config
+    gw = await make_gateway([sim])
+    url = f"{gw.url}/admin/weights"
+    tensor = {"backend": "tensor"}
+
+    for extra, param in (({"path": "ckpt-1"}, "transfer"), ({"source": "external"}, "transfer")):
+        both = await http.post(url, json={"version": 1, "transfer": tensor} | extra, headers=ADMIN)
+        assert both.status_code == 400, both.text
+        error = both.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param) and "exactly one" in error["message"]
+    nccl = await http.post(url, json={"version": 1, "transfer": {"backend": "nccl"}}, headers=ADMIN)
+    assert nccl.status_code == 400 and "master_address" in nccl.json()["error"]["message"]
+    unknown = await http.post(url, json={"version": 1, "transfer": {"backend": "carrier-pigeon"}}, headers=ADMIN)
+    assert unknown.status_code == 400 and "error" in unknown.json()
+    unable = await http.post(url, json={"version": 1, "transfer": tensor}, headers=ADMIN)
+    assert unable.status_code == 400 and "take no 'tensor'" in unable.json()["error"]["message"]
+    nothing = await http.post(f"{gw.url}/admin/weights/1/commit", headers=ADMIN)
+    assert nothing.status_code == 409
+    assert gw.services.weights.state is State.SERVING and (await sim_state(http, sim.url))["paused"] is False
+
+
+async def test_the_simulator_keeps_the_engines_transfer_rules(make_sim: SimFactory, http: httpx.AsyncClient) -> None:
+    sglang, vllm, bare = (
+        await make_sim("sglang"),
+        await make_sim("vllm", weight_transfer="nccl"),
+        await make_sim("vllm"),
+    )
+    tensors = {"serialized_named_tensors": [inline("ckpt-9")]}
+    outside = await http.post(f"{sglang.url}/update_weights_from_tensor", json=tensors)
+    assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
+    assert (await http.post(f"{sglang.url}/end_weight_update", json={})).status_code == 400
+    assert (await http.post(f"{sglang.url}/begin_weight_update", json={})).status_code == 200
+    assert (await http.post(f"{sglang.url}/begin_weight_update", json={})).status_code == 400  # one at a time
+    unknown = {"serialized_named_tensors": [base64.b64encode(b'{"lm_head": "x"}').decode()]}
+    assert (await http.post(f"{sglang.url}/update_weights_from_tensor", json=unknown)).status_code == 400
+    labelled = await http.post(f"{sglang.url}/update_weights_from_tensor", json=tensors | {"weight_version": "9"})
+    assert labelled.status_code == 200
+    assert (await http.get(f"{sglang.url}/model_info")).json()["weight_version"] == "9"
+    assert (await http.post(f"{sglang.url}/end_weight_update", json={})).status_code == 200
+
+    info = {"update_info": {"names": ["weights"], "dtype_names": ["uint8"], "shapes": [[1]]}}
+    assert (await http.post(f"{vllm.url}/update_weights", json=info)).status_code == 500  # start first
+    assert (await http.post(f"{vllm.url}/finish_weight_update", json={})).status_code == 500
+    assert (await http.get(f"{vllm.url}/get_world_size")).json() == {"world_size": 1}
+    refused = await http.post(f"{bare.url}/start_weight_update")
+    assert refused.status_code == 500 and "--weight-transfer-config" in refused.json()["error"]["message"]
