@@ -2,8 +2,10 @@
 gateways on one Redis (one in this process, one a `rollout-gateway serve` child), while weight updates fire every
 1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, or hang a few seconds
 (SIGSTOP, then SIGCONT), Redis restarts once, the child gateway is SIGKILLed once and restarted on its port, and
-clients disconnect mid-turn. An agent whose gateway cannot be reached retries its turn on the other one, as behind
-a load balancer. The verdict is read from the trainer side.
+clients disconnect mid-turn; meanwhile hostile clients never read their streams (past the process-wide budget of
+queued bytes), send 1 MiB headers, trickle a body a byte at a time, and send tools of megabytes. An agent whose
+gateway cannot be reached retries its turn on the other one, as behind a load balancer. The verdict is read from the
+trainer side.
 
 Everything is on loopback, every loop is bounded in count and time, and one seed drives every random choice
 (printed, so a failure can be replayed: `RG_CHAOS_SEED=<seed> python -m pytest tests/chaos`).
@@ -31,6 +33,7 @@ import numpy as np
 import openai
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 from backends.sim.server import SimProcess
@@ -49,6 +52,22 @@ SHAPE = ModelShape()
 DIALECTS = ("vllm", "sglang", "vllm")
 EXPERTS_SHAPE = (2, 2)  # the simulator's default (layers, top_k)
 FAULT_REACH_S = 6.0  # how long before a turn a fault may still cut it (a hang: its length, then the probe's)
+# The hostile clients' limits, set small in the soak's gateways so that each is met within seconds: a body with no
+# byte for BODY_TIMEOUT_S, or slower than 1 KiB/s past it, is a 408; what streamed answers hold for their clients,
+# all together, is bounded by STREAM_BUDGET_BYTES per process (a never-read stream passes it about a second after
+# the kernel's buffers filled, before its stalled send is cut at `server.slow_client_timeout_s`, 2 s). With
+# BODY_TIMEOUT_S at 2 s, 2 of 300 agents got the 408 in a soak: under the soak's load the test process's loop (its
+# agents and a gateway) can go seconds between a request's head and its body (the client writes them apart).
+BODY_TIMEOUT_S = 5.0
+STREAM_BUDGET_BYTES = 1024 * 1024
+TRICKLE_BOUND_S = 30.0  # a trickled body not answered within this is a violation (the 408 is due after ~5 s)
+# A tool flood refused later than this is a violation, by gateway. Alone, a gateway refuses one in 0.05-0.08 s (by
+# length, before rendering; rendered, 128 tools of 96 KB took 7.3 s and 1.1 GB). Under the soak's load the child (a
+# process of its own) took up to 1.2 s; the in-process gateway shares the test process's event loop with 300 agents
+# and reads the 4 MB a turn of that loop at a time: 17 s in one soak (22 s when they were sent from that loop too;
+# they now leave from a thread). Its bound is loose: it says how busy the test's loop is more than the gateway.
+TOOL_FLOOD_BOUND_S = {"in-process": 60.0, "child": 10.0}
+TOOL_FLOOD = (64, 64 * 1024)  # tools, and characters of description (or of parameters schema) each
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,16 @@ class SoakOptions:
     # 1 MiB header.
     slow_reader_every_s: tuple[float, float] = (1.0, 3.0)
     oversized_header_every_s: tuple[float, float] = (1.0, 3.0)
+    # A client that sends a complete head with a Content-Length, then its body a byte every 0.25 s (it must get
+    # 408 `request_body_timeout`), and a request whose tools carry megabytes of text (`TOOL_FLOOD`: it must get
+    # 400 `context_length_exceeded` within TOOL_FLOOD_BOUND_S), every so often (seconds).
+    trickle_every_s: tuple[float, float] = (1.0, 3.0)
+    tool_flood_every_s: tuple[float, float] = (2.0, 4.0)
+    # The least of them a soak must see (agents go on until then, as for `min_updates`): 408s to trickled bodies,
+    # refused tool floods, and never-read streams cut by the in-process gateway's budget (`STREAM_BUDGET_BYTES`).
+    min_trickled: int = 3
+    min_tool_floods: int = 3
+    min_budget_cuts: int = 1
     # When the child gateway is SIGKILLed (once) and restarted, in seconds after the agents start.
     gateway_kill_at_s: tuple[float, float] = (4.0, 8.0)
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
@@ -101,6 +130,10 @@ class SoakReport:
     gateway_kills: int = 0
     slow_readers: int = 0
     oversized_headers: int = 0
+    trickled_bodies: Counter[str] = field(default_factory=Counter)  # by outcome: 408, or closed (its gateway killed)
+    tool_floods: int = 0
+    tool_flood_slowest_s: dict[str, float] = field(default_factory=dict)  # by gateway: in-process, child
+    slow_clients_cut: Counter[str] = field(default_factory=Counter)  # both gateways' /metrics at the end, by cause
     turns_spanning_updates: int = 0  # replies whose tokens span an update with no kill during the turn
     disconnects: int = 0
     resumes: int = 0
@@ -123,7 +156,10 @@ class SoakReport:
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
             f"{self.kills}, replica hangs {self.hangs}, redis restarts {self.redis_restarts}, "
             f"gateway kills {self.gateway_kills}, client disconnects {self.disconnects}, slow readers "
-            f"{self.slow_readers}, 1 MiB headers {self.oversized_headers}, "
+            f"{self.slow_readers}, 1 MiB headers {self.oversized_headers}, trickled bodies "
+            f"{dict(self.trickled_bodies)}, tool floods {self.tool_floods} (slowest refusal "
+            f"{ {k: round(v, 2) for k, v in self.tool_flood_slowest_s.items()} } s), slow clients cut "
+            f"{dict(self.slow_clients_cut)}, "
             f"resumes {self.resumes} (segments cut {dict(self.segments_cut)}), replies spanning an update without "
             f"a kill {self.turns_spanning_updates}, delivered {self.delivered}, "
             f"lost {self.lost}, duplicated {self.duplicated}, "
@@ -155,6 +191,7 @@ class Soak:
         self.kill_times: list[float] = []
         self.agents_done = asyncio.Event()
         self.trainer_errors: Counter[str] = Counter()  # what the trainer's reads failed on, for a failure's report
+        self.budget_cuts: dict[str, int] = {}  # the in-process gateway's slow-client cuts by cause, live
         self.deadline = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
@@ -165,7 +202,15 @@ class Soak:
 
     def settings(self, port: int = 0) -> dict[str, Any]:
         """The gateways' configuration, as the keyword arguments of `Settings` (the child's YAML file too)."""
-        return gateway_settings(self.sims, self.redis_url, port, stream_partitions=3 if self.cluster is not None else 1)
+        settings = gateway_settings(
+            self.sims, self.redis_url, port, stream_partitions=3 if self.cluster is not None else 1
+        )
+        settings["server"] |= {
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "min_body_rate_bytes_s": 1024,
+            "stream_buffer_budget_bytes": STREAM_BUDGET_BYTES,
+        }
+        return settings
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
@@ -194,6 +239,7 @@ class Soak:
 
     async def _run(self, gw: RunningGateway, child: GatewayChild) -> None:
         self.deadline = time.monotonic() + self.o.duration_s
+        self.budget_cuts = gw.services.stream_buffers.cuts
         limits = httpx.Limits(max_connections=2 * self.o.sessions, max_keepalive_connections=2 * self.o.sessions)
         fronts = [Front.to(url, limits) for url in (gw.url, child.url)]
         # The trainer's calls go through a client of their own, as a trainer's would. Sent on the agents' shared
@@ -218,6 +264,8 @@ class Soak:
                 asyncio.create_task(self._gateway_kill(child)),
                 asyncio.create_task(self._slow_readers([gw.url, child.url])),
                 asyncio.create_task(self._oversized_headers([gw.url, child.url])),
+                asyncio.create_task(self._trickled_bodies([gw.url, child.url])),
+                asyncio.create_task(self._tool_floods([gw.url, child.url])),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
             await asyncio.gather(*(self._session(Route(fronts, i), i, seeds[i]) for i in range(self.o.sessions)))
@@ -227,6 +275,8 @@ class Soak:
             await asyncio.wait_for(trainer, timeout=120)
             for sock in self._stalled:
                 sock.close()
+            for url in (gw.url, child.url):
+                await self._read_cuts(trainer_http, url)
             generator = gw.services.generator
             self.report.resumes = generator.resumes_total
             self.report.segments_cut.update(replica_out=generator.interrupted_total, stalled=generator.stalled_total)
@@ -297,6 +347,9 @@ class Soak:
             and r.hangs >= self.o.min_hangs
             and r.redis_restarts >= 1
             and r.gateway_kills >= 1
+            and r.trickled_bodies["408"] >= self.o.min_trickled
+            and r.tool_floods >= self.o.min_tool_floods
+            and self.budget_cuts.get("budget", 0) >= self.o.min_budget_cuts
         )
         return not done and time.monotonic() < self.deadline - self.o.duration_s / 5
 
@@ -420,6 +473,7 @@ class Soak:
                     "model": "tiny",
                     "messages": [{"role": "user", "content": f"slow {index}"}],
                     "max_tokens": 2500,  # with 20 top logprobs a token: ~5 MB, past what the kernel buffers
+                    "ignore_eos": True,  # all of them (the simulator's EOS ended most before the kernel's buffers)
                     "stream": True,
                     "logprobs": True,
                     "top_logprobs": 20,  # big events: the answer outgrows the socket buffers
@@ -456,6 +510,82 @@ class Soak:
                 self.report.oversized_headers += 1
                 if answer.status_code != 431:
                     self.report.violations.append(f"a 1 MiB header answered {answer.status_code}, not 431")
+
+    async def _trickled_bodies(self, urls: list[str]) -> None:
+        """Clients that send a complete head with a Content-Length, then the body a byte at a time: each must be
+        answered 408 `request_body_timeout` (and its connection closed) while the agents go on."""
+        index = 0
+        while await self._pause(self.o.trickle_every_s):
+            url = urlsplit(urls[index % len(urls)])
+            index += 1
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {url.netloc}\r\ncontent-type: application/json\r\n"
+                "content-length: 100000\r\n\r\n"
+            ).encode()
+            try:
+                async with asyncio.timeout(TRICKLE_BOUND_S):
+                    answer = await trickled_answer(url.hostname or "", url.port or 80, head)
+            except TimeoutError:
+                self.report.violations.append(f"a trickled body was not answered within {TRICKLE_BOUND_S:g} s")
+                continue
+            except OSError:
+                continue  # its gateway is down (the kill): refused before the head
+            head, _, body = answer.partition(b"\r\n\r\n")
+            if not answer:
+                self.report.trickled_bodies["closed"] += 1  # closed without an answer (its gateway killed)
+            elif head.startswith(b"HTTP/1.1 408 ") and (not body or b"request_body_timeout" in body):
+                self.report.trickled_bodies["408"] += 1
+            else:
+                self.report.violations.append(f"a trickled body answered {answer[:200]!r}, not 408")
+
+    async def _tool_floods(self, urls: list[str]) -> None:
+        """Requests whose tools carry megabytes of text (descriptions, or parameter schemas, in turn): each must be
+        refused 400 `context_length_exceeded` within its gateway's TOOL_FLOOD_BOUND_S while the agents go on."""
+        count, size = TOOL_FLOOD
+        bodies = [
+            orjson.dumps({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tools": t})
+            for t in (described_tools(count, size), schema_tools(count, size))
+        ]
+        # A thread's client: the 4 MB leave at the socket's pace, not a write per turn of this busy loop.
+        with httpx.Client(timeout=60) as client:
+            index = 0
+            while await self._pause(self.o.tool_flood_every_s):
+                url, which = urls[index % len(urls)], ("in-process", "child")[index % len(urls)]
+                body = bodies[index % len(bodies)]
+                index += 1
+                began = time.monotonic()
+                try:
+                    answer = await asyncio.to_thread(
+                        client.post,
+                        f"{url}/v1/chat/completions",
+                        content=body,
+                        headers={"content-type": "application/json"},
+                    )
+                except httpx.TransportError:
+                    continue  # its gateway is down (the kill)
+                took = time.monotonic() - began
+                self.report.tool_floods += 1
+                slowest = self.report.tool_flood_slowest_s
+                slowest[which] = max(slowest.get(which, 0.0), took)
+                code = answer.json().get("error", {}).get("code") if answer.status_code == 400 else None
+                if code != "context_length_exceeded":
+                    self.report.violations.append(f"a tool flood answered {answer.status_code}: {answer.text[:200]}")
+                elif took > TOOL_FLOOD_BOUND_S[which]:
+                    self.report.violations.append(f"a tool flood was refused after {took:.1f} s ({which})")
+
+    async def _read_cuts(self, http: httpx.AsyncClient, url: str) -> None:
+        """Add a gateway's `slow_clients_cut_total` (by cause, from its /metrics) to the report. The child's counts
+        since its restart only (its kill reset them)."""
+        try:
+            answer = await http.get(f"{url}/metrics")
+        except httpx.TransportError as exc:
+            self.report.violations.append(f"{url}/metrics: {type(exc).__name__}")
+            return
+        for family in text_string_to_metric_families(answer.text):
+            if family.name == "rollout_gateway_slow_clients_cut":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        self.report.slow_clients_cut[sample.labels["cause"]] += int(sample.value)
 
     # -- the trainer ---------------------------------------------------------------------------
 
@@ -553,6 +683,56 @@ async def create_turn(
                 finish = choice.finish_reason or finish
             versions = reply_versions(chunk) or versions
     return text, finish, versions
+
+
+async def trickled_answer(host: str, port: int, head: bytes) -> bytes:
+    """Send `head`, then its body a byte every 0.25 s until the gateway answers; what it sent until it closed the
+    connection (empty if it closed it without an answer, or reset it)."""
+    reader, writer = await asyncio.open_connection(host, port)
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):  # the gateway closed the connection: the answer says why
+            writer.write(head)
+            while True:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.25)  # the trickle's pace, not synchronisation
+
+    sending = asyncio.create_task(trickle())
+    try:
+        try:
+            answer = await reader.readuntil(b"\r\n\r\n")  # the answer's head
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial
+        except ConnectionResetError:
+            return b""
+        sending.cancel()  # no byte more: what follows the head arrives before any reset our bytes could cause
+        with contextlib.suppress(OSError):
+            answer += await reader.read(-1)  # its body, until the gateway closes the connection
+        return answer
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+def described_tools(count: int, size: int) -> list[dict[str, Any]]:
+    """`count` tools of `size` characters of description each."""
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "description": "word " * (size // 5)}} for i in range(count)
+    ]
+
+
+def schema_tools(count: int, size: int) -> list[dict[str, Any]]:
+    """`count` tools whose parameter schema holds about `size` characters."""
+    properties = {f"p{j}": {"type": "string", "description": "word " * 100} for j in range(size // 540)}
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": properties}}}
+        for i in range(count)
+    ]
 
 
 def check_wait_span(
