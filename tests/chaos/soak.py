@@ -2,8 +2,10 @@
 gateways on one Redis (one in this process, one a `rollout-gateway serve` child), while weight updates fire every
 1-2 s (random modes), simulator replicas (real processes) are SIGKILLed and restarted, or hang a few seconds
 (SIGSTOP, then SIGCONT), Redis restarts once, the child gateway is SIGKILLed once and restarted on its port, and
-clients disconnect mid-turn. An agent whose gateway cannot be reached retries its turn on the other one, as behind
-a load balancer. The verdict is read from the trainer side.
+clients disconnect mid-turn; meanwhile hostile clients never read their streams (past the process-wide budget of
+queued bytes), send 1 MiB headers, trickle a body a byte at a time, and send tools of megabytes. An agent whose
+gateway cannot be reached retries its turn on the other one, as behind a load balancer. The verdict is read from the
+trainer side.
 
 Everything is on loopback, every loop is bounded in count and time, and one seed drives every random choice
 (printed, so a failure can be replayed: `RG_CHAOS_SEED=<seed> python -m pytest tests/chaos`).
@@ -31,6 +33,7 @@ import numpy as np
 import openai
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 from backends.sim.server import SimProcess
@@ -49,6 +52,22 @@ SHAPE = ModelShape()
 DIALECTS = ("vllm", "sglang", "vllm")
 EXPERTS_SHAPE = (2, 2)  # the simulator's default (layers, top_k)
 FAULT_REACH_S = 6.0  # how long before a turn a fault may still cut it (a hang: its length, then the probe's)
+# The hostile clients' limits, set small in the soak's gateways so that each is met within seconds: a body with no
+# byte for BODY_TIMEOUT_S, or slower than 1 KiB/s past it, is a 408; what streamed answers hold for their clients,
+# all together, is bounded by STREAM_BUDGET_BYTES per process (a never-read stream passes it about a second after
+# the kernel's buffers filled, before its stalled send is cut at `server.slow_client_timeout_s`, 2 s). With
+# BODY_TIMEOUT_S at 2 s, 2 of 300 agents got the 408 in a soak: under the soak's load the test process's loop (its
+# agents and a gateway) can go seconds between a request's head and its body (the client writes them apart).
+BODY_TIMEOUT_S = 5.0
+STREAM_BUDGET_BYTES = 1024 * 1024
+TRICKLE_BOUND_S = 30.0  # a trickled body not answered within this is a violation (the 408 is due after ~5 s)
+# A tool flood refused later than this is a violation. Alone, a gateway refuses one in 0.05-0.08 s (by length,
+# before rendering; rendered, 128 tools of 96 KB took 7.3 s and 1.1 GB); under the soak's load the child took up to
+# 2.7 s. The floods and the heavy never-read streams go to the child only (a process of its own): sent to the
+# in-process gateway too, they loaded the test process's event loop (300 agents and a gateway) so that a refusal
+# took up to 22 s there, the soak 127-146 s against 72 s, and once a trainer's request met a closed connection.
+TOOL_FLOOD_BOUND_S = 10.0
+TOOL_FLOOD = (64, 64 * 1024)  # tools, and characters of description (or of parameters schema) each
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,16 @@ class SoakOptions:
     # 1 MiB header.
     slow_reader_every_s: tuple[float, float] = (1.0, 3.0)
     oversized_header_every_s: tuple[float, float] = (1.0, 3.0)
+    # A client that sends a complete head with a Content-Length, then its body a byte every 0.25 s (it must get
+    # 408 `request_body_timeout`), and a request whose tools carry megabytes of text (`TOOL_FLOOD`: it must get
+    # 400 `context_length_exceeded` within TOOL_FLOOD_BOUND_S), every so often (seconds).
+    trickle_every_s: tuple[float, float] = (1.0, 3.0)
+    tool_flood_every_s: tuple[float, float] = (2.0, 4.0)
+    # The least of them a soak must see (agents go on until then, as for `min_updates`): 408s to trickled bodies,
+    # refused tool floods, and never-read streams cut by the in-process gateway's budget (`STREAM_BUDGET_BYTES`).
+    min_trickled: int = 3
+    min_tool_floods: int = 3
+    min_budget_cuts: int = 1
     # When the child gateway is SIGKILLed (once) and restarted, in seconds after the agents start.
     gateway_kill_at_s: tuple[float, float] = (4.0, 8.0)
     # The simulators' prefix cache, so that a request admitted after an update onto KV of older weights shows up as
@@ -101,6 +130,11 @@ class SoakReport:
     gateway_kills: int = 0
     slow_readers: int = 0
     oversized_headers: int = 0
+    trickled_bodies: Counter[str] = field(default_factory=Counter)  # by outcome: 408, or closed (its gateway killed)
+    tool_floods: int = 0
+    tool_flood_slowest_s: float = 0.0
+    slow_clients_cut: Counter[str] = field(default_factory=Counter)  # both gateways' /metrics at the end, by cause
+    least_chaos_at: dict[str, int] = field(default_factory=dict)  # seconds into the agents' phase each was reached
     turns_spanning_updates: int = 0  # replies whose tokens span an update with no kill during the turn
     disconnects: int = 0
     resumes: int = 0
@@ -123,14 +157,18 @@ class SoakReport:
             f"turns {self.turns}, weight updates {self.updates} {dict(self.update_modes)}, replica kills "
             f"{self.kills}, replica hangs {self.hangs}, redis restarts {self.redis_restarts}, "
             f"gateway kills {self.gateway_kills}, client disconnects {self.disconnects}, slow readers "
-            f"{self.slow_readers}, 1 MiB headers {self.oversized_headers}, "
+            f"{self.slow_readers}, 1 MiB headers {self.oversized_headers}, trickled bodies "
+            f"{dict(self.trickled_bodies)}, tool floods {self.tool_floods} (slowest refusal "
+            f"{self.tool_flood_slowest_s:.2f} s), slow clients cut "
+            f"{dict(self.slow_clients_cut)}, "
             f"resumes {self.resumes} (segments cut {dict(self.segments_cut)}), replies spanning an update without "
             f"a kill {self.turns_spanning_updates}, delivered {self.delivered}, "
             f"lost {self.lost}, duplicated {self.duplicated}, "
             f"samples checked {self.samples_checked} ({self.tokens_checked} sampled tokens, "
             f"{self.samples_spanning_updates} spanning an update, {self.samples_without_experts} without routed "
             f"experts), documented 503s {self.documented_503}, "
-            f"client retries {dict(self.retries)}, violations {len(self.violations)}, {self.elapsed_s:.0f}s"
+            f"client retries {dict(self.retries)}, least chaos reached at (s) {self.least_chaos_at}, "
+            f"violations {len(self.violations)}, {self.elapsed_s:.0f}s"
         )
 
 
@@ -155,6 +193,10 @@ class Soak:
         self.kill_times: list[float] = []
         self.agents_done = asyncio.Event()
         self.trainer_errors: Counter[str] = Counter()  # what the trainer's reads failed on, for a failure's report
+        self.budget_cuts: dict[str, int] = {}  # the in-process gateway's slow-client cuts by cause, live
+        # The child's, from its /metrics: what it counted before its restart (its kill resets them), and since.
+        self._child_cuts_before: Counter[str] = Counter()
+        self._child_cuts: Counter[str] = Counter()
         self.deadline = 0.0
 
     # -- setup ---------------------------------------------------------------------------------
@@ -165,7 +207,15 @@ class Soak:
 
     def settings(self, port: int = 0) -> dict[str, Any]:
         """The gateways' configuration, as the keyword arguments of `Settings` (the child's YAML file too)."""
-        return gateway_settings(self.sims, self.redis_url, port, stream_partitions=3 if self.cluster is not None else 1)
+        settings = gateway_settings(
+            self.sims, self.redis_url, port, stream_partitions=3 if self.cluster is not None else 1
+        )
+        settings["server"] |= {
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "min_body_rate_bytes_s": 1024,
+            "stream_buffer_budget_bytes": STREAM_BUDGET_BYTES,
+        }
+        return settings
 
     async def run(self) -> SoakReport:
         started = time.monotonic()
@@ -194,6 +244,7 @@ class Soak:
 
     async def _run(self, gw: RunningGateway, child: GatewayChild) -> None:
         self.deadline = time.monotonic() + self.o.duration_s
+        self.budget_cuts = gw.services.stream_buffers.cuts
         limits = httpx.Limits(max_connections=2 * self.o.sessions, max_keepalive_connections=2 * self.o.sessions)
         fronts = [Front.to(url, limits) for url in (gw.url, child.url)]
         # The trainer's calls go through a client of their own, as a trainer's would. Sent on the agents' shared
@@ -216,8 +267,10 @@ class Soak:
                 asyncio.create_task(self._hangs()),
                 asyncio.create_task(self._redis_restart()),
                 asyncio.create_task(self._gateway_kill(child)),
-                asyncio.create_task(self._slow_readers([gw.url, child.url])),
+                asyncio.create_task(self._slow_readers([gw.url, child.url], trainer_http)),
                 asyncio.create_task(self._oversized_headers([gw.url, child.url])),
+                asyncio.create_task(self._trickled_bodies([gw.url, child.url])),
+                asyncio.create_task(self._tool_floods(child.url)),
             ]
             seeds = [self.rng.getrandbits(32) for _ in range(self.o.sessions)]
             await asyncio.gather(*(self._session(Route(fronts, i), i, seeds[i]) for i in range(self.o.sessions)))
@@ -227,6 +280,11 @@ class Soak:
             await asyncio.wait_for(trainer, timeout=120)
             for sock in self._stalled:
                 sock.close()
+            await self._scrape_child_cuts(trainer_http, child.url)
+            in_process = await scrape_cuts(trainer_http, gw.url)
+            if in_process is None:
+                self.report.violations.append("the in-process gateway's /metrics did not answer")
+            self.report.slow_clients_cut = (in_process or Counter()) + self._child_cuts_before + self._child_cuts
             generator = gw.services.generator
             self.report.resumes = generator.resumes_total
             self.report.segments_cut.update(replica_out=generator.interrupted_total, stalled=generator.stalled_total)
@@ -290,15 +348,24 @@ class Soak:
     def _chaos_pending(self) -> bool:
         """Whether the soak's least chaos (`min_updates`, `min_kills`, the Redis restart) is still to come while
         there is time for it: the agents keep the gateway busy until then."""
-        r = self.report
-        done = (
-            r.updates >= self.o.min_updates
-            and r.kills >= self.o.min_kills
-            and r.hangs >= self.o.min_hangs
-            and r.redis_restarts >= 1
-            and r.gateway_kills >= 1
-        )
-        return not done and time.monotonic() < self.deadline - self.o.duration_s / 5
+        r, o = self.report, self.o
+        reached = {
+            "updates": r.updates >= o.min_updates,
+            "kills": r.kills >= o.min_kills,
+            "hangs": r.hangs >= o.min_hangs,
+            "redis restart": r.redis_restarts >= 1,
+            "gateway kill": r.gateway_kills >= 1,
+            "trickled 408s": r.trickled_bodies["408"] >= o.min_trickled,
+            "tool floods": r.tool_floods >= o.min_tool_floods,
+            "budget cuts": self.budget_cuts.get("budget", 0)
+            + self._child_cuts_before["budget"]
+            + self._child_cuts["budget"]
+            >= o.min_budget_cuts,
+        }
+        since = time.monotonic() - (self.deadline - o.duration_s)
+        for what in (what for what, done in reached.items() if done and what not in r.least_chaos_at):
+            r.least_chaos_at[what] = round(since)  # when each was first seen reached: what made the soak long
+        return not all(reached.values()) and time.monotonic() < self.deadline - o.duration_s / 5
 
     def _retryable_status(self, exc: openai.APIStatusError) -> bool:
         if exc.status_code == 503 and "no replica can serve" in exc.message:
@@ -409,17 +476,26 @@ class Soak:
             self.report.gateway_kills += 1
             await asyncio.to_thread(child.start)  # the same port, the same Redis
 
-    async def _slow_readers(self, urls: list[str]) -> None:
+    async def _slow_readers(self, urls: list[str], http: httpx.AsyncClient) -> None:
         """Clients that start a streamed turn and stop reading (a tiny receive buffer, nothing read past the
-        head): the gateway must go on at engine speed (a `wait` update never waits for them) and cut them."""
+        head): the gateway must go on at engine speed (a `wait` update never waits for them) and cut them, past
+        `server.stream_buffer_budget_bytes` (STREAM_BUDGET_BYTES, all streams together) or a stalled send. Those
+        to the child (every other one) ask `ignore_eos`; its cuts are read from its /metrics (`http`) as they come."""
         index = 0
         while await self._pause(self.o.slow_reader_every_s):
+            await self._scrape_child_cuts(http, urls[1])
+            heavy = index % len(urls) == 1  # to the child
             url = urlsplit(urls[index % len(urls)])
             body = orjson.dumps(
                 {
                     "model": "tiny",
                     "messages": [{"role": "user", "content": f"slow {index}"}],
                     "max_tokens": 2500,  # with 20 top logprobs a token: ~5 MB, past what the kernel buffers
+                    # To the child all of them, past the kernel's buffers and the budget (the simulator's EOS ended
+                    # most answers before). Not to the in-process gateway: each such answer costs ~3 s of generation
+                    # at full speed (an engine and a gateway encoding 20 top logprobs a token) before its cut, which
+                    # there loaded the test's own event loop.
+                    "ignore_eos": heavy,
                     "stream": True,
                     "logprobs": True,
                     "top_logprobs": 20,  # big events: the answer outgrows the socket buffers
@@ -456,6 +532,76 @@ class Soak:
                 self.report.oversized_headers += 1
                 if answer.status_code != 431:
                     self.report.violations.append(f"a 1 MiB header answered {answer.status_code}, not 431")
+
+    async def _trickled_bodies(self, urls: list[str]) -> None:
+        """Clients that send a complete head with a Content-Length, then the body a byte at a time: each must be
+        answered 408 `request_body_timeout` (and its connection closed) while the agents go on."""
+        index = 0
+        while await self._pause(self.o.trickle_every_s):
+            url = urlsplit(urls[index % len(urls)])
+            index += 1
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nhost: {url.netloc}\r\ncontent-type: application/json\r\n"
+                "content-length: 100000\r\n\r\n"
+            ).encode()
+            try:
+                async with asyncio.timeout(TRICKLE_BOUND_S):
+                    answer = await trickled_answer(url.hostname or "", url.port or 80, head)
+            except TimeoutError:
+                self.report.violations.append(f"a trickled body was not answered within {TRICKLE_BOUND_S:g} s")
+                continue
+            except OSError:
+                continue  # its gateway is down (the kill): refused before the head
+            head, _, body = answer.partition(b"\r\n\r\n")
+            if not answer:
+                self.report.trickled_bodies["closed"] += 1  # closed without an answer (its gateway killed)
+            elif head.startswith(b"HTTP/1.1 408 ") and (not body or b"request_body_timeout" in body):
+                self.report.trickled_bodies["408"] += 1
+            else:
+                self.report.violations.append(f"a trickled body answered {answer[:200]!r}, not 408")
+
+    async def _tool_floods(self, url: str) -> None:
+        """Requests whose tools carry megabytes of text (descriptions, or parameter schemas, in turn) to the gateway
+        at `url`: each must be refused 400 `context_length_exceeded` within TOOL_FLOOD_BOUND_S while the agents go
+        on."""
+        count, size = TOOL_FLOOD
+        bodies = [
+            orjson.dumps({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tools": t})
+            for t in (described_tools(count, size), schema_tools(count, size))
+        ]
+        # A thread's client: the 4 MB leave at the socket's pace, not a write per turn of this busy loop.
+        with httpx.Client(timeout=60) as client:
+            index = 0
+            while await self._pause(self.o.tool_flood_every_s):
+                body = bodies[index % len(bodies)]
+                index += 1
+                began = time.monotonic()
+                try:
+                    answer = await asyncio.to_thread(
+                        client.post,
+                        f"{url}/v1/chat/completions",
+                        content=body,
+                        headers={"content-type": "application/json"},
+                    )
+                except httpx.TransportError:
+                    continue  # its gateway is down (the kill)
+                took = time.monotonic() - began
+                self.report.tool_floods += 1
+                self.report.tool_flood_slowest_s = max(self.report.tool_flood_slowest_s, took)
+                code = answer.json().get("error", {}).get("code") if answer.status_code == 400 else None
+                if code != "context_length_exceeded":
+                    self.report.violations.append(f"a tool flood answered {answer.status_code}: {answer.text[:200]}")
+                elif took > TOOL_FLOOD_BOUND_S:
+                    self.report.violations.append(f"a tool flood was refused after {took:.1f} s")
+
+    async def _scrape_child_cuts(self, http: httpx.AsyncClient, url: str) -> None:
+        """Read the child's slow-client cuts; a count lower than the last read means it restarted (its kill)."""
+        cuts = await scrape_cuts(http, url)
+        if cuts is None:
+            return  # down (the kill): read next time
+        if any(cuts[cause] < count for cause, count in self._child_cuts.items()):
+            self._child_cuts_before += self._child_cuts
+        self._child_cuts = cuts
 
     # -- the trainer ---------------------------------------------------------------------------
 
@@ -553,6 +699,71 @@ async def create_turn(
                 finish = choice.finish_reason or finish
             versions = reply_versions(chunk) or versions
     return text, finish, versions
+
+
+async def scrape_cuts(http: httpx.AsyncClient, url: str) -> Counter[str] | None:
+    """A gateway's `rollout_gateway_slow_clients_cut_total` by cause, from its /metrics; None if it did not answer."""
+    try:
+        answer = await http.get(f"{url}/metrics")
+    except httpx.TransportError:
+        return None
+    cuts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(answer.text):
+        if family.name == "rollout_gateway_slow_clients_cut":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    cuts[sample.labels["cause"]] += int(sample.value)
+    return cuts
+
+
+async def trickled_answer(host: str, port: int, head: bytes) -> bytes:
+    """Send `head`, then its body a byte every 0.25 s until the gateway answers; what it sent until it closed the
+    connection (empty if it closed it without an answer, or reset it)."""
+    reader, writer = await asyncio.open_connection(host, port)
+
+    async def trickle() -> None:
+        with contextlib.suppress(OSError):  # the gateway closed the connection: the answer says why
+            writer.write(head)
+            while True:
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.25)  # the trickle's pace, not synchronisation
+
+    sending = asyncio.create_task(trickle())
+    try:
+        try:
+            answer = await reader.readuntil(b"\r\n\r\n")  # the answer's head
+        except asyncio.IncompleteReadError as exc:
+            return exc.partial
+        except ConnectionResetError:
+            return b""
+        sending.cancel()  # no byte more: what follows the head arrives before any reset our bytes could cause
+        with contextlib.suppress(OSError):
+            answer += await reader.read(-1)  # its body, until the gateway closes the connection
+        return answer
+    finally:
+        sending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sending
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+def described_tools(count: int, size: int) -> list[dict[str, Any]]:
+    """`count` tools of `size` characters of description each."""
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "description": "word " * (size // 5)}} for i in range(count)
+    ]
+
+
+def schema_tools(count: int, size: int) -> list[dict[str, Any]]:
+    """`count` tools whose parameter schema holds about `size` characters."""
+    properties = {f"p{j}": {"type": "string", "description": "word " * 100} for j in range(size // 540)}
+    return [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": properties}}}
+        for i in range(count)
+    ]
 
 
 def check_wait_span(

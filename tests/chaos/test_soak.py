@@ -54,3 +54,7 @@ async def test_chaos_soak(tmp_path: Path, redis: str) -> None:
     assert report.hangs >= options.min_hangs and report.slow_readers >= 1 and report.oversized_headers >= 1
     assert report.redis_restarts == 1 and report.gateway_kills == 1 and report.disconnects >= 1
     assert report.resumes >= 1 and report.samples_spanning_updates >= 1
+    # The hostile clients met their limits: trickled bodies got 408, tool floods 400 (else a violation above), and
+    # never-read streams passed the process-wide budget (the gateways' counts, from their /metrics).
+    assert report.trickled_bodies["408"] >= options.min_trickled and report.tool_floods >= options.min_tool_floods
+    assert report.slow_clients_cut["budget"] >= options.min_budget_cuts

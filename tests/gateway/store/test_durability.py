@@ -4,7 +4,9 @@ wrote), so a failover right after never loses them. A replica made to stall (SIG
 acknowledgements stop, as a replica far behind) is what makes a write unacknowledged here; without the WAIT the master
 acknowledged at once, and a failover to that replica lost the write.
 
-One cluster for the module (its own: these tests stop replicas and kill a master, and revive what they kill)."""
+On the session's cluster (`redis_cluster`, tests/conftest.py): these tests stop replicas and kill a master, but each
+stalled replica goes on and the killed master is revived (a replica in sync) before the test ends, so the cluster
+is left whole for the tests after (a master and its replica may have swapped roles, which they look up live)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -34,10 +35,9 @@ from tests.gateway_helpers import publish
 KEYS = Keys()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    with LocalRedisCluster(data_dir=Path(tmp_path_factory.mktemp("durability"))) as running:
-        yield running
+@pytest.fixture
+def cluster(redis_cluster: LocalRedisCluster) -> LocalRedisCluster:
+    return redis_cluster
 
 
 @pytest.fixture
