@@ -103,11 +103,12 @@ class Turn:
 _UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a stored revision)
 
 # What a cached session costs this process, estimated from its token counts: per prompt token, its typed array's
-# item (`WorkingSample`) and its rendering's (`Rendering`: ids and the text the template wrote); per response token,
-# the items of ids, loss mask, logprobs and versions and the rendering's; per session, the entry's objects (its
-# conversation, the lock-free bookkeeping). The routed experts' array is counted as it is.
-# `benchmarks/session_memory.py` measures what a session really holds (docs/scaling.md).
-PROMPT_TOKEN_BYTES = 16
+# item (`WorkingSample`: 4 bytes), its rendering's (`Rendering`: 4 bytes of ids and the text the template wrote) and
+# its conversation's text (a few characters a token each); per response token, the items of ids, loss mask, logprobs
+# and versions (13 bytes) and the same; per session, the entry's objects (messages, segments, the sample itself).
+# The routed experts' array is counted as it is. `benchmarks/session_memory.py` measures what a session really
+# holds (docs/scaling.md).
+PROMPT_TOKEN_BYTES = 24
 RESPONSE_TOKEN_BYTES = 32
 SESSION_BYTES = 2048
 
