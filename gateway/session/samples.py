@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -536,12 +535,7 @@ def _turn_segments(turn: Turn, state: GenerationState, response_tokens: int) -> 
     mode `keep`) is split where the version changes; one that produced no token is left out."""
     offset = response_tokens + len(turn.env_ids)
     versions = state.versions
-    used: Mapping[str, Any] = sampling_used(state.request)
-    earlier = turn.sample.segments
-    if earlier and earlier[-1].sampling == used:
-        # One mapping for a sample's segments sampled alike (most turns of a session are): each is held until
-        # the session ends (segments are read-only: `SampleSegment.sampling`).
-        used = earlier[-1].sampling
+    used = sampling_used(state.request)
     out: list[SampleSegment] = []
     for segment in state.segments:
         start, end = segment.start, min(segment.end, len(versions))

@@ -19,7 +19,7 @@ from tokenizers.normalizers import NFC
 
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
-from gateway.generation import GenerationRequest, GenerationState
+from gateway.generation import GenerationRequest, GenerationState, sampling_used
 from gateway.session.samples import SessionManager, Turn
 from gateway.session.working_sample import WorkingSample
 from gateway.store import Keys, TrajectoryStore
@@ -411,3 +411,16 @@ async def test_a_growing_sample_writes_what_it_holds(redis: Redis) -> None:
     assert not turn.new_sample
     (stored,) = await store.load_samples("grow")
     assert arrays_of(stored) == lists_of(turn) == arrays_of(turn.sample.arrays())
+
+
+def test_segments_sampled_alike_share_one_mapping() -> None:
+    """A segment keeps what it was sampled with until its session ends: equal settings are one mapping for the whole
+    process (not a dict a turn), different ones stay apart, and 1 stays apart from 1.0 (stored as given)."""
+
+    def used(**sampling: Any) -> Any:
+        return sampling_used(GenerationRequest("r", [1, 2], SamplingParams(max_tokens=8, **sampling)))
+
+    assert used(temperature=0.5) is used(temperature=0.5)
+    assert used(temperature=0.5)["temperature"] == 0.5 and used(temperature=0.7)["temperature"] == 0.7
+    assert used(top_k=20)["top_k"] == 20 and used()["top_k"] is None
+    assert type(used(temperature=1)["temperature"]) is int and type(used(temperature=1.0)["temperature"]) is float
