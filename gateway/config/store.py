@@ -22,7 +22,9 @@ class StoreConfig(Section):
         1, ge=1, le=1024, description="Partitions of the trajectory stream (spread over a Redis Cluster's masters)."
     )
     session_cache_size: int = Field(
-        10000, ge=1, description="Sessions whose samples this process keeps between turns (LRU); others: from Redis."
+        100_000,
+        ge=1,
+        description="Sessions whose samples this process keeps between turns (LRU; the byte bound binds first).",
     )
     session_cache_bytes: int = Field(
         256 * 1024 * 1024, ge=0, description="Estimated bytes of the sessions this process keeps (LRU beyond it)."

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,25 +64,61 @@ STALE = "stale"
 `weights.max_staleness` versions behind (docs/architecture.md §5). Its tokens are kept; its sample is marked stale."""
 
 
-def sampling_used(request: GenerationRequest) -> dict[str, Any]:
+def sampling_used(request: GenerationRequest) -> Mapping[str, Any]:
     """What `request` is sampled with, as stored with the tokens it produced (`SampleSegment.sampling`): the engine
     request's sampling (the whole completion's budget; a resumed segment asks the engine for what is left of it)
-    and the stop strings the gateway watches for."""
+    and the stop strings the gateway watches for. One mapping per distinct settings, shared by every segment sampled
+    with them (`_shared_sampling`): never change it."""
     s = request.sampling
+    return _shared_sampling(
+        s.temperature,
+        s.top_p,
+        s.top_k,
+        s.seed,
+        s.max_tokens,
+        tuple(request.stop_strings),
+        tuple(s.stop_token_ids),
+        s.min_tokens,
+        s.ignore_eos,
+        s.top_logprobs,
+        s.min_p,
+        s.presence_penalty,
+        s.frequency_penalty,
+    )
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: 1 and 1.0 are stored as the caller gave them
+def _shared_sampling(
+    temperature: float,
+    top_p: float,
+    top_k: int | None,
+    seed: int | None,
+    max_tokens: int,
+    stop: tuple[str, ...],
+    stop_token_ids: tuple[int, ...],
+    min_tokens: int,
+    ignore_eos: bool,
+    top_logprobs: int,
+    min_p: float | None,
+    presence_penalty: float | None,
+    frequency_penalty: float | None,
+) -> Mapping[str, Any]:
+    # A segment keeps its settings until its session ends: a dict (and two lists) a turn was the largest part of an
+    # open session after its tokens (docs/scaling.md). Agents sample with a few settings, so a few mappings serve all.
     return {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "seed": s.seed,
-        "max_tokens": s.max_tokens,
-        "stop": list(request.stop_strings),
-        "stop_token_ids": list(s.stop_token_ids),
-        "min_tokens": s.min_tokens,
-        "ignore_eos": s.ignore_eos,
-        "top_logprobs": s.top_logprobs,
-        "min_p": s.min_p,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "stop": list(stop),
+        "stop_token_ids": list(stop_token_ids),
+        "min_tokens": min_tokens,
+        "ignore_eos": ignore_eos,
+        "top_logprobs": top_logprobs,
+        "min_p": min_p,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
     }
 
 

@@ -31,7 +31,7 @@ from gateway.generation import STALE, GenerationState, sampling_used
 from gateway.history import ReplayMatch, TokenHistory, replayed
 from gateway.request_ids import new_name
 from gateway.session.forks import branch_of, last_turn_start, retried, rewritten_from
-from gateway.session.working_sample import Branch, WorkingSample
+from gateway.session.working_sample import Branch, WorkingSample, ids_array
 from gateway.store.locks import SessionLocks
 from gateway.tokenization import ChatTokenizer, ConversationMatch, NotAPrefix, Rendering, TextCheck
 from gateway.trajectory import (
@@ -101,13 +101,14 @@ class Turn:
 
 _UNKNOWN = -1  # the revision of a cache entry that must not be trusted (never a stored revision)
 
-# What a cached session costs this process, estimated from its token counts: per prompt token, the python list of
-# ids (pointers and int objects), its array (`WorkingSample.arrays`) and the text the template rendered; per response
-# token, the lists of ids, loss mask, logprobs (float objects) and versions, and their arrays; per session, the
-# entry's objects. The routed experts' array is counted as it is. `benchmarks/session_memory.py` measures what a
-# session really holds (50 bytes a prompt token, 3,785-token prompts, 2026-11-28).
-PROMPT_TOKEN_BYTES = 56
-RESPONSE_TOKEN_BYTES = 128
+# What a cached session costs this process, estimated from its token counts: per prompt token, its typed array's
+# item (`WorkingSample`: 4 bytes), its rendering's (`Rendering`: 4 bytes of ids and the text the template wrote) and
+# its conversation's text (a few characters a token each); per response token, the items of ids, loss mask, logprobs
+# and versions (13 bytes) and the same; per session, the entry's objects (messages, segments, the sample itself).
+# The routed experts' array is counted as it is. `benchmarks/session_memory.py` measures what a session really
+# holds (docs/scaling.md).
+PROMPT_TOKEN_BYTES = 24
+RESPONSE_TOKEN_BYTES = 32
 SESSION_BYTES = 2048
 
 
@@ -188,7 +189,7 @@ def _end(sample: WorkingSample) -> tuple[int, int]:
 def _repeats(prompt_ids: list[int], sample: WorkingSample) -> bool:
     """Whether `prompt_ids` begins with every id of `sample` (compared in place, without building its ids)."""
     start, end = len(sample.prompt_ids), sample.length
-    return prompt_ids[:start] == sample.prompt_ids and prompt_ids[start:end] == sample.response_ids
+    return prompt_ids[:start] == sample.prompt_ids.tolist() and prompt_ids[start:end] == sample.response_ids.tolist()
 
 
 class SessionManager:
@@ -199,7 +200,7 @@ class SessionManager:
         tokenizer: ChatTokenizer,
         store: SampleStore,
         *,
-        cache_size: int = 10_000,
+        cache_size: int = 100_000,
         cache_bytes: int = 256 * 1024 * 1024,
         locks: SessionLocks | None = None,
         token_history: TokenHistory | None = None,
@@ -404,12 +405,14 @@ class SessionManager:
         if asked_again is not None:
             prompt = asked_again.ids[: last_turn_start(asked_again)]
             branch = Branch(asked_again.index, len(prompt), retry=True)
-            fresh = WorkingSample(len(samples), prompt, tools=tools, template_kwargs=template_kwargs, branch=branch)
+            fresh = WorkingSample(
+                len(samples), ids_array(prompt), tools=tools, template_kwargs=template_kwargs, branch=branch
+            )
             return Turn(session_id, fresh, prompt, [], messages, new_sample=True)
         prompt = await self.tokenizer.render_async(messages, tools, chat_template_kwargs=template_kwargs)
         fresh = WorkingSample(
             len(samples),
-            prompt,
+            ids_array(prompt),
             tools=tools,
             template_kwargs=template_kwargs,
             rewritten_from=rewritten_from(samples, messages, tools, self.replay_match),
@@ -435,7 +438,7 @@ class SessionManager:
         if sample is not None:
             env = prompt_ids[sample.length :]
             return Turn(session_id, sample, list(prompt_ids), env, [], False, sample.stored, sample.writer)
-        fresh = WorkingSample(index=len(known.samples), prompt_ids=list(prompt_ids))
+        fresh = WorkingSample(index=len(known.samples), prompt_ids=ids_array(prompt_ids))
         return Turn(session_id, fresh, list(prompt_ids), [], [], new_sample=True)
 
     def branch(self, turn: Turn, count: int) -> list[Turn]:
@@ -456,10 +459,10 @@ class SessionManager:
         sample.segments += _turn_segments(turn, state, len(sample.response_ids))
         sample.num_resumes += state.num_resumes
         ids, mask, logprobs, versions = _turn_entries(turn, state)
-        sample.response_ids += ids
-        sample.loss_mask += mask
-        sample.logprobs += logprobs
-        sample.versions += versions
+        sample.response_ids.extend(ids)
+        sample.loss_mask.extend(mask)
+        sample.logprobs.extend(logprobs)
+        sample.versions.extend(versions)
         sample.routed_experts = self._merge_experts(sample, turn, state)
         sample.num_turns += 1
         sample.cancelled = not state.finished  # the client left, or an error ended it: its tokens kept, not extended

@@ -1,9 +1,13 @@
-"""A session's sample while this process serves it: python lists, cheap to extend turn after turn, and the
-read-only arrays of a `Sample` made from them once per entry (`WorkingSample.arrays`)."""
+"""A session's sample while this process serves it: compact typed arrays (`array.array`), cheap to extend turn after
+turn, and the read-only numpy arrays of a `Sample` copied from them at each write (`WorkingSample.arrays`).
+
+Typed arrays, not python lists: a list of token ids costs a pointer and an int object a token (about 40 bytes), a
+typed array 4, and this process holds every open session's samples between its turns (docs/scaling.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -106,33 +110,50 @@ class Branch:
     retry: bool = False
 
 
-def _frozen(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    array.flags.writeable = False
-    return array
+def _frozen(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    values.flags.writeable = False
+    return values
 
 
-def _read_only(array: npt.NDArray[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    """`array` itself when it is read-only already (a sample read from Redis), else a read-only copy."""
-    if array.dtype == dtype and not array.flags.writeable:
-        return array
-    return _frozen(array.astype(dtype))
+def _appended(values: npt.NDArray[Any], tail: Sequence[Any]) -> npt.NDArray[Any]:
+    return _frozen(np.concatenate([values, np.asarray(tail, values.dtype)]))
 
 
-def _appended(array: npt.NDArray[Any], tail: Sequence[Any]) -> npt.NDArray[Any]:
-    return _frozen(np.concatenate([array, np.asarray(tail, array.dtype)]))
+# The typed arrays' codes, each the item of its `Sample` array's dtype: ids and versions int32, the loss mask a byte,
+# logprobs float32 (what a `Sample` stores them as: nothing is lost that a write would keep).
+IDS, MASK, LOGPROBS = "i", "B", "f"
+assert array(IDS).itemsize == I32.itemsize and array(LOGPROBS).itemsize == F32.itemsize
 
 
-@dataclass
+def ids_array(ids: Iterable[int] = ()) -> array[int]:
+    """Token ids (or versions) as a typed array."""
+    return array(IDS, ids)
+
+
+def _typed(values: Iterable[Any], code: str) -> array[Any]:
+    return values if isinstance(values, array) and values.typecode == code else array(code, values)
+
+
+def _from_numpy(values: npt.NDArray[Any], dtype: np.dtype[Any], code: str) -> array[Any]:
+    return array(code, np.ascontiguousarray(values, dtype).tobytes())
+
+
+def _to_numpy(values: array[Any], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """A read-only copy (never a view: a view would pin the typed array's buffer, and it grows in place)."""
+    return _frozen(np.array(values, dtype))
+
+
+@dataclass(slots=True)
 class WorkingSample:
-    """A sample as python lists, cheap to extend turn after turn. The lists only ever grow at their end (`record`),
-    so their arrays are converted once per entry (`arrays`), not at every write of the sample."""
+    """A sample as typed arrays (`IDS`...), cheap to extend turn after turn: they only ever grow at their end
+    (`record`). Lists given to the constructor are converted."""
 
     index: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    prompt_ids: array[int]
+    response_ids: array[int] = field(default_factory=ids_array)
+    loss_mask: array[int] = field(default_factory=lambda: array(MASK))
+    logprobs: array[float] = field(default_factory=lambda: array(LOGPROBS))
+    versions: array[int] = field(default_factory=ids_array)
     routed_experts: ExpertArray | None = None
     conversation: list[Message] = field(default_factory=list)
     tools: list[Tool] | None = None
@@ -151,12 +172,18 @@ class WorkingSample:
     stored: StoredChunks | None = field(default=None, repr=False, compare=False)
     # The turn that wrote it last, as far as this process knows (None: a new sample, or written without one).
     writer: str | None = field(default=None, repr=False, compare=False)
-    # The lists as arrays, up to the length they had when last converted (`arrays`).
-    converted: SampleArrays | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _typed(self.prompt_ids, IDS)
+        self.response_ids = _typed(self.response_ids, IDS)
+        self.loss_mask = _typed(self.loss_mask, MASK)
+        self.logprobs = _typed(self.logprobs, LOGPROBS)
+        self.versions = _typed(self.versions, IDS)
 
     @property
     def ids(self) -> list[int]:
-        return self.prompt_ids + self.response_ids
+        """The sample's ids (prompt, then response) as a list: what a turn's prompt is made of."""
+        return self.prompt_ids.tolist() + self.response_ids.tolist()
 
     @property
     def length(self) -> int:
@@ -164,17 +191,15 @@ class WorkingSample:
         return len(self.prompt_ids) + len(self.response_ids)
 
     def arrays(self) -> SampleArrays:
-        """The lists as arrays, converting only what was appended since the last call."""
-        done, size = self.converted, len(self.response_ids)
-        if done is None or len(done.prompt_ids) != len(self.prompt_ids) or len(done.response_ids) > size:
-            done = SampleArrays.of(self.prompt_ids, self.response_ids, self.loss_mask, self.logprobs, self.versions)
-        elif len(done.response_ids) < size:
-            start = len(done.response_ids)
-            done = done.extended(
-                self.response_ids[start:], self.loss_mask[start:], self.logprobs[start:], self.versions[start:]
-            )
-        self.converted = done
-        return done
+        """The typed arrays as read-only numpy copies (a copy of a few bytes a token, made at each write: keeping
+        them would hold every token twice)."""
+        return SampleArrays(
+            _to_numpy(self.prompt_ids, I32),
+            _to_numpy(self.response_ids, I32),
+            _to_numpy(self.loss_mask, U8),
+            _to_numpy(self.logprobs, F32),
+            _to_numpy(self.versions, I32),
+        )
 
     def to_sample(self) -> Sample:
         return self.arrays().sample(
@@ -204,11 +229,11 @@ class WorkingSample:
     def from_sample(cls, index: int, sample: Sample) -> WorkingSample:
         return cls(
             index=index,
-            prompt_ids=sample.prompt_ids.tolist(),
-            response_ids=sample.response_ids.tolist(),
-            loss_mask=sample.loss_mask.tolist(),
-            logprobs=sample.logprobs.tolist(),
-            versions=sample.versions.tolist(),
+            prompt_ids=_from_numpy(sample.prompt_ids, I32, IDS),
+            response_ids=_from_numpy(sample.response_ids, I32, IDS),
+            loss_mask=_from_numpy(sample.loss_mask, U8, MASK),
+            logprobs=_from_numpy(sample.logprobs, F32, LOGPROBS),
+            versions=_from_numpy(sample.versions, I32, IDS),
             routed_experts=sample.routed_experts,
             conversation=list(sample.conversation or []),
             tools=sample.tools,
@@ -221,13 +246,6 @@ class WorkingSample:
             rewritten_from=sample.rewritten_from,
             branch=Branch(sample.parent, sample.branch_point, sample.retry) if sample.parent is not None else None,
             writer=sample.writer,
-            converted=SampleArrays(
-                _read_only(sample.prompt_ids, I32),
-                _read_only(sample.response_ids, I32),
-                _read_only(sample.loss_mask, U8),
-                _read_only(sample.logprobs, F32),
-                _read_only(sample.versions, I32),
-            ),
         )
 
     def copy_as(self, index: int) -> WorkingSample:
@@ -235,11 +253,11 @@ class WorkingSample:
         return replace(
             self,
             index=index,
-            prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.response_ids),
-            loss_mask=list(self.loss_mask),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
+            prompt_ids=self.prompt_ids[:],
+            response_ids=self.response_ids[:],
+            loss_mask=self.loss_mask[:],
+            logprobs=self.logprobs[:],
+            versions=self.versions[:],
             conversation=list(self.conversation),
             segments=list(self.segments),
             rendering=Rendering(),

@@ -27,7 +27,7 @@ from gateway.request_ids import new_name
 from gateway.session.lifecycle import SessionLifecycle, group_members, new_session_id
 from gateway.session.open_turn import OpenTurn
 from gateway.session.samples import Turn
-from gateway.session.working_sample import WorkingSample
+from gateway.session.working_sample import WorkingSample, ids_array
 from gateway.tokenization import ChatTokenizer, IncrementalDetokenizer, make_stop_checker
 from gateway.tokenization.chat_template import template_arguments
 from gateway.tokenization.token_ids import first_outside
@@ -187,7 +187,7 @@ class TurnRunner:
             turns = [
                 Turn(
                     member,
-                    WorkingSample(0, list(ids), tools=tools, template_kwargs=template_kwargs),
+                    WorkingSample(0, ids_array(ids), tools=tools, template_kwargs=template_kwargs),
                     list(ids),
                     [],
                     messages,

@@ -3,11 +3,18 @@ used out first, a finished session out at once; an evicted session's next turn r
 
 from __future__ import annotations
 
+import gc
+import random
+import tracemalloc
+
 import httpx
+from redis.asyncio import Redis
 
 from gateway.server import RunningGateway
-from gateway.session.samples import PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES, SESSION_BYTES
+from gateway.session.samples import PROMPT_TOKEN_BYTES, RESPONSE_TOKEN_BYTES, SESSION_BYTES, SessionManager
+from gateway.store import Keys, TrajectoryStore
 from tests.conftest import GatewayFactory, SimFactory
+from tests.gateway.test_session_samples import SYSTEM, TOKENIZER, record_reply, user
 from tests.gateway_helpers import generate_body
 
 PROMPT_TOKENS, OUT = 100, 4
@@ -59,3 +66,41 @@ async def test_the_byte_bound_evicts_the_least_recently_used_session_which_still
     assert [s["num_turns"] for s in stored["samples"]] == [2]
     assert stored["samples"][0]["prompt_tokens"] + stored["samples"][0]["response_tokens"] == len(ids["b"])
     assert sessions.cached("b") and sessions.cached_bytes <= bound
+
+
+async def test_the_estimate_bounds_what_cached_chat_sessions_hold(redis: Redis) -> None:
+    """`store.session_cache_bytes` bounds memory only if the estimate (`_footprint`) is at least what a cached session
+    really holds: chat sessions of a few turns (ids above the small ints python shares), their conversation, its
+    rendering, measured by tracemalloc, take no more than the estimate, and not so much less that the bound would
+    keep a fraction of the sessions it could (token ids held as python lists cost about 40 bytes a token)."""
+    store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
+    sessions = SessionManager(TOKENIZER, store)
+    rng = random.Random(7)
+    vocabulary = ["alpha", "gamma", "kettle", "window", "seventeen", "orbit", "lantern", "quiet", "marble", "river"]
+
+    def words(count: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(count))
+
+    async def chat(session_id: str) -> None:
+        messages = [SYSTEM, user(f"{session_id} {words(64)}")]
+        for _ in range(4):
+            turn = await sessions.begin_chat_turn(session_id, messages, None)
+            reply = words(24)
+            record_reply(sessions, turn, reply)
+            messages = [*messages, {"role": "assistant", "content": reply}, user(words(32))]
+
+    await chat("warm")  # the tokenizer's and template's own caches, before the count
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, estimated = tracemalloc.get_traced_memory()[0], sessions.cached_bytes
+        for number in range(100):
+            await chat(f"held-{number}")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    estimated = sessions.cached_bytes - estimated
+    assert sessions.cached_sessions == 101
+    assert held <= estimated, f"a session holds {held / 100:.0f} bytes, estimated {estimated / 100:.0f}"
+    assert held >= estimated / 3, f"a session holds {held / 100:.0f} bytes, estimated {estimated / 100:.0f}"

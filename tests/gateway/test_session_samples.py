@@ -19,7 +19,7 @@ from tokenizers.normalizers import NFC
 
 from backends.base import SamplingParams
 from gateway.config import DEFAULT_TOKENIZER
-from gateway.generation import GenerationRequest, GenerationState
+from gateway.generation import GenerationRequest, GenerationState, sampling_used
 from gateway.session.samples import SessionManager, Turn
 from gateway.session.working_sample import WorkingSample
 from gateway.store import Keys, TrajectoryStore
@@ -91,7 +91,7 @@ def scanned(samples: list[WorkingSample], prompt: list[int]) -> WorkingSample | 
     """What a raw completion extends, by the definition: a scan from the most recent sample for one with turns, not
     cancelled, whose ids are a proper prefix of the prompt."""
     for sample in reversed(samples):
-        ids = sample.prompt_ids + sample.response_ids
+        ids = sample.ids
         if sample.num_turns and not sample.cancelled and len(ids) < len(prompt) and prompt[: len(ids)] == ids:
             return sample
     return None
@@ -109,7 +109,7 @@ async def test_raw_completions_find_their_sample_as_a_scan_of_every_sample_would
     for step in range(400):
         samples = await sessions.samples("many")
         base = rng.choice(samples) if samples and rng.random() < 0.6 else None
-        ids = base.prompt_ids + base.response_ids if base is not None else []
+        ids = base.ids if base is not None else []
         if ids and rng.random() < 0.2:
             ids = ids[: rng.randrange(len(ids))]  # a prefix of a sample: may extend an older, shorter one
         prompt = ids + [rng.randrange(3, 40) for _ in range(rng.randrange(1, 4))]
@@ -366,7 +366,10 @@ async def test_a_conversation_whose_text_differs_but_whose_ids_extend_a_sample_e
 
 def lists_of(turn: Turn) -> list[list[Any]]:
     sample = turn.sample
-    return [sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.logprobs, sample.versions]
+    return [
+        values.tolist()
+        for values in (sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.logprobs, sample.versions)
+    ]
 
 
 def arrays_of(stored: Any) -> list[list[Any]]:
@@ -374,20 +377,21 @@ def arrays_of(stored: Any) -> list[list[Any]]:
     return [getattr(stored, name).tolist() for name in fields]
 
 
-async def test_a_growing_sample_converts_only_what_each_turn_appends(redis: Redis) -> None:
-    """A sample's arrays are converted once per entry, not at every write: each turn's write holds exactly the
-    sample's lists, whether this process made the sample or read it back, and a partial write (a segment
-    boundary) changes nothing of the sample."""
+async def test_a_growing_sample_writes_what_it_holds(redis: Redis) -> None:
+    """Each turn's write holds exactly the sample's typed arrays, whether this process made the sample or read it
+    back; the arrays written are read-only copies (the sample grows in place after them); a partial write (a
+    segment boundary) changes nothing of the sample."""
     store = TrajectoryStore(redis, Keys(), sweep_interval_s=None)
     sessions = SessionManager(TOKENIZER, store)
-    prompt, prompt_array = [1, 2, 3], None
+    prompt = [1, 2, 3]
     for turn_no in range(3):
         turn = await served_turn(sessions, "grow", prompt, [40 + turn_no, 50 + turn_no])
-        converted = turn.sample.converted
-        assert converted is not None and arrays_of(converted) == lists_of(turn)
-        assert not converted.response_ids.flags.writeable  # shared by the samples written: never changed in place
-        assert prompt_array is None or converted.prompt_ids is prompt_array  # the prompt was converted once
-        prompt_array = converted.prompt_ids
+        written = turn.sample.arrays()
+        assert arrays_of(written) == lists_of(turn)
+        assert not written.response_ids.flags.writeable  # shared by the samples written: never changed in place
+        turn.sample.response_ids.append(99)  # not a view: the sample's array may grow while a write holds a copy
+        assert arrays_of(written) != lists_of(turn)
+        turn.sample.response_ids.pop()
         prompt = turn.sample.ids + [60 + turn_no]
     (stored,) = await store.load_samples("grow")
     assert arrays_of(stored) == lists_of(turn)
@@ -400,10 +404,23 @@ async def test_a_growing_sample_converts_only_what_each_turn_appends(redis: Redi
         assert partial.conversation_stored  # its last write stored the conversation: this one leaves it out
         assert arrays_of(partial)[1] == before[1] + turn.env_ids + [70, 71]
         assert arrays_of(partial)[2] == before[2] + [0] * len(turn.env_ids) + [1, 1]
-        assert lists_of(turn) == before and arrays_of(turn.sample.converted) == before  # the sample is untouched
+        assert lists_of(turn) == before and arrays_of(turn.sample.arrays()) == before  # the sample is untouched
 
     elsewhere = SessionManager(TOKENIZER, store)  # another process: reads the sample back, then extends it
     turn = await served_turn(elsewhere, "grow", prompt, [80])
     assert not turn.new_sample
     (stored,) = await store.load_samples("grow")
-    assert arrays_of(stored) == lists_of(turn) == arrays_of(turn.sample.converted)
+    assert arrays_of(stored) == lists_of(turn) == arrays_of(turn.sample.arrays())
+
+
+def test_segments_sampled_alike_share_one_mapping() -> None:
+    """A segment keeps what it was sampled with until its session ends: equal settings are one mapping for the whole
+    process (not a dict a turn), different ones stay apart, and 1 stays apart from 1.0 (stored as given)."""
+
+    def used(**sampling: Any) -> Any:
+        return sampling_used(GenerationRequest("r", [1, 2], SamplingParams(max_tokens=8, **sampling)))
+
+    assert used(temperature=0.5) is used(temperature=0.5)
+    assert used(temperature=0.5)["temperature"] == 0.5 and used(temperature=0.7)["temperature"] == 0.7
+    assert used(top_k=20)["top_k"] == 20 and used()["top_k"] is None
+    assert type(used(temperature=1)["temperature"]) is int and type(used(temperature=1.0)["temperature"]) is float
