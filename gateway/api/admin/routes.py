@@ -31,7 +31,9 @@ class TransferRequest(BaseModel):
 
     backend: TransferBackend = Field(description="nccl | tensor")
     master_address: str | None = Field(None, min_length=1, description="nccl: the trainer's rendezvous host.")
-    master_port: int | None = Field(None, ge=1, le=65535, description="nccl: engine 0's rendezvous port.")
+    master_port: Annotated[int, Field(ge=1, le=65535), INTEGRAL] | None = Field(
+        None, description="nccl: engine 0's rendezvous port."
+    )
 
     def spec(self) -> TransferSpec:
         if self.backend == "nccl" and (self.master_address is None or self.master_port is None):
