@@ -16,6 +16,7 @@ engine's side (its process group with the trainer, then an update session) and f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import aiohttp
@@ -59,12 +60,7 @@ class VllmTransfer(_TransferSide):
         formed = False
         if group is not None and group != self.group:
             self.group = None
-            info = {
-                "master_address": group.master_address,
-                "master_port": group.master_port,
-                "rank_offset": group.rank_offset,
-                "world_size": group.world_size,
-            }
+            info = dataclasses.asdict(group)  # master_address, master_port, rank_offset, world_size
             await self._call("/init_weight_transfer_engine", {"init_info": info}, long=True)
             self.group, formed = group, True
         await self._call("/start_weight_update")
@@ -102,14 +98,7 @@ class SglangTransfer(_TransferSide):
         formed = False
         if backend == "nccl" and group is not None and group != self.group:
             self.group = None
-            body = {
-                "master_address": group.master_address,
-                "master_port": group.master_port,
-                "rank_offset": group.rank_offset,
-                "world_size": group.world_size,
-                "group_name": GROUP_NAME,
-                "backend": "nccl",
-            }
+            body = dataclasses.asdict(group) | {"group_name": GROUP_NAME, "backend": "nccl"}
             self._refused("init_weights_update_group", await self._call("/init_weights_update_group", body, long=True))
             self.group, formed = group, True
         self._refused("begin_weight_update", await self._call("/begin_weight_update", {}))
