@@ -21,7 +21,7 @@ from gateway.errors import StoreError
 from gateway.store.cluster_client import FailoverAwareCluster
 from gateway.store.core import backoff_s
 from gateway.store.keys import Keys, call, text
-from gateway.store.slot_clients import Durability
+from gateway.store.slot_clients import Durability, NotReplicated
 from gateway.store.weights_events import Drained, Pausing, Serving, Subscribed, WeightsEvent, parse_event
 
 __all__ = ["WeightsBus", "WeightsRecord"]
@@ -113,9 +113,8 @@ class WeightsBus:
         self.origin = origin
         self.durability = durability or Durability(client)
         self.retry_budget_s = retry_budget_s
-        self._acquire_lock = client.register_script(_ACQUIRE_LOCK)
-        self._take_over_lock = client.register_script(_TAKE_OVER_LOCK)
-        self._release_lock = client.register_script(_RELEASE_LOCK)
+        lock_scripts = (_ACQUIRE_LOCK, _TAKE_OVER_LOCK, _RELEASE_LOCK)
+        self._scripts = {source: client.register_script(source) for source in lock_scripts}
 
     def new_token(self) -> str:
         """A token for one update, naming this process as its holder (`holder_of`)."""
@@ -143,11 +142,11 @@ class WeightsBus:
         died, or has not reached Redis for that long) is taken over: it would otherwise refuse every update until its
         TTL."""
         args: list[str | int | bytes] = [token, max(1, int(ttl_s * 1000)), self._update_arg(update)]
-        if await call(self._acquire_lock(keys=self._lock_keys, args=args), "lock"):
+        if await self._lock_script(_ACQUIRE_LOCK, args, "lock", taking=token):
             return True
         holder = await self.holder()
         if holder is None:  # released meanwhile
-            return bool(await call(self._acquire_lock(keys=self._lock_keys, args=args), "lock"))
+            return bool(await self._lock_script(_ACQUIRE_LOCK, args, "lock", taking=token))
         origin = self.holder_of(holder)
         if origin is None or await self.alive(origin, grace_s):
             return False
@@ -160,7 +159,32 @@ class WeightsBus:
         """Replace the lock `dead` holds by `token` (for `ttl_s`, with `update` beside it as in `acquire`); False
         where `dead` no longer holds it."""
         args: list[str | int | bytes] = [dead, token, max(1, int(ttl_s * 1000)), self._update_arg(update)]
-        return bool(await call(self._take_over_lock(keys=self._lock_keys, args=args), "take over the lock"))
+        return bool(await self._lock_script(_TAKE_OVER_LOCK, args, "take over the lock", taking=token))
+
+    async def _lock_script(
+        self, source: str, args: list[str | int | bytes], what: str, taking: str | None = None
+    ) -> Any:
+        """The answer of the lock script `source`. Where `redis.durable_replicas` asks for replicas it is acknowledged
+        only once they have it (WAIT, as `record`): a lock taken, or let go, on a master that dies before its replica
+        has it would come back from the failover otherwise, the update it belongs to gone from the others' view (they
+        would dispatch while it runs), or a lock nobody holds refusing every update. A lock taken for `taking` that
+        too few replicas acknowledge is let go again and `NotReplicated` raised: the update is a 503 the trainer
+        retries."""
+        keys = self._lock_keys
+        if not self.durability.replicas:
+            return await call(self._scripts[source](keys=keys, args=args), what)
+
+        def run(pipe: Pipeline) -> None:
+            pipe.eval(source, len(keys), *keys, *args)  # the text, not its digest: no NOSCRIPT to recover from
+
+        try:
+            (answer,) = await self.durability.write(keys[0], run, what)
+        except NotReplicated:
+            if taking is not None:
+                with contextlib.suppress(StoreError):
+                    await call(self._scripts[_RELEASE_LOCK](keys=keys, args=[taking]), "unlock")
+            raise
+        return answer
 
     async def holder(self) -> str | None:
         """The token that holds `rg:weights:lock` now; None where nobody does."""
@@ -195,7 +219,7 @@ class WeightsBus:
         attempt = 0
         while True:
             try:
-                await call(self._release_lock(keys=self._lock_keys, args=[token]), "unlock")
+                await self._lock_script(_RELEASE_LOCK, [token], "unlock")
                 return
             except StoreError:
                 attempt += 1

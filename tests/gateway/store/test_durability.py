@@ -151,6 +151,27 @@ async def test_a_weight_record_is_not_acknowledged_while_its_replica_stalls(
         await bus.aclose()
 
 
+async def test_the_update_lock_is_taken_and_let_go_only_once_its_replica_has_it(
+    cluster: LocalRedisCluster, client: Redis
+) -> None:
+    """A lock taken on the master alone would be gone after a failover while its update runs (the other gateways
+    would dispatch meanwhile), a release on the master alone would bring the lock back (every update refused until
+    its TTL). Not acknowledged, the lock is let go again: the update is a 503 the trainer retries."""
+    bus = WeightsBus(client, KEYS, "test", durability=Durability(client, None, 100))
+    try:
+        (replica,) = cluster.replicas_of(master_of_key(cluster, client, KEYS.weights_lock))
+        with stalled(replica), pytest.raises(NotReplicated, match="0 of 1 replicas"):
+            await bus.acquire("test.stalled", 60)
+        assert await bus.holder() is None
+        assert await bus.acquire("test.taken", 60)
+        with stalled(replica), pytest.raises(NotReplicated, match="0 of 1 replicas"):
+            await bus.release("test.taken", budget_s=0.3)
+        await bus.release("test.taken")  # again once the replica is back: nothing left to let go, acknowledged
+        assert await bus.holder() is None
+    finally:
+        await bus.aclose()
+
+
 async def test_a_weight_update_whose_record_reaches_no_replica_answers_weights_not_recorded(
     cluster: LocalRedisCluster, client: Redis, make_sim: SimFactory
 ) -> None:
