@@ -25,9 +25,10 @@ The limits (config.yaml, `server`):
   `header_timeout_s`) fill the cap.
 - `silent_timeout_near_cap_s`: a connection made with `ConnectionLimits.near_cap` connections open (itself
   included) must send its first byte within this long, not `header_timeout_s` (a client sends its request as soon as
-  it has connected); and, that near the cap, a new connection or one cut so closes every other that has been silent
-  this long since it connected. So a flood of silent connections holds about its rate times this many, not its rate
-  times `header_timeout_s`.
+  it has connected); and, that near the cap, a new connection or one cut so has every other that has been silent
+  this long since it connected closed, in a sweep that judges a connection only once the loop has read its socket
+  (`gateway.fastpath.silent_connections`: under load a request can sit unread longer than this). So a flood of
+  silent connections holds about its rate times this many, not its rate times `header_timeout_s`.
 
 A refused connection is closed the way HTTP servers close one whose client may still be sending (RFC 9112 §9.6,
 "lingering close"): the answer, then the write side shut, then what the client still sends is read and dropped
@@ -59,13 +60,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from typing import ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.connection_limits import ConnectionLimits
+from gateway.fastpath.silent_connections import SilentConnections
 
 __all__ = [
     "CYCLE_NAMES",
@@ -147,8 +148,8 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     limits: ClassVar[ConnectionLimits]
     idle: ClassVar[dict[LimitedHttpToolsProtocol, float]]
     """This server's idle connections and since when (loop time), longest idle first."""
-    silent: ClassVar[OrderedDict[LimitedHttpToolsProtocol, float]]
-    """Those of them that have sent nothing since they connected, and when they connected, oldest first."""
+    silent: ClassVar[SilentConnections]
+    """Those of them that have sent nothing since they connected (`gateway.fastpath.silent_connections`)."""
     dropped: ClassVar[set[LimitedHttpToolsProtocol]]
     """Connections this server closed that the loop has not reported lost yet (uvicorn still counts them)."""
     too_large: ClassVar[bytes]
@@ -182,22 +183,23 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         limits = self.limits
         near_cap = self._near_cap()
         if near_cap:
-            self._cut_silent(now)
+            self.silent.sweep_soon(self.loop, self._near_cap)  # not now: those silent may be unread yet
         if len(self.server_state.connections) - len(self.dropped) > limits.max_connections:
             longest_idle = next(iter(self.idle), None)
             if longest_idle is None or now - self.idle[longest_idle] < IDLE_GRACE_S:
                 _warn(f"more than server.max_connections={limits.max_connections} busy (503)")
                 self._refuse(self.too_many, REFUSAL_LINGER_S)
                 return
-            longest_idle._drop()  # it has nothing unanswered and sent nothing since: a plain close
-        self.idle[self] = self.silent[self] = now
+            longest_idle.drop()  # it has nothing unanswered and sent nothing since: a plain close
+        self.idle[self] = now
+        self.silent.add(self, now)
         self._head_deadline = now + limits.header_timeout_s
         wait_s = min(limits.header_timeout_s, limits.silent_timeout_near_cap_s) if near_cap else limits.header_timeout_s
         self._head_timer = self.loop.call_later(wait_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.idle.pop(self, None)
-        self.silent.pop(self, None)
+        self.silent.discard(self)
         self.dropped.discard(self)
         self._cancel_timers()
         if self._linger is not None:
@@ -222,7 +224,7 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     def _head_received(self, data: bytes) -> None:
         if not self._head_bytes:
             self.idle.pop(self, None)  # a request begins
-            self.silent.pop(self, None)
+            self.silent.discard(self)
         room = self.limits.max_header_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -281,8 +283,8 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         now = self.loop.time()
         if not self._head_bytes:  # it never said anything: nobody to answer
             if self._near_cap():
-                self._cut_silent(now)  # and others silent as long
-            self._drop()
+                self.silent.sweep_soon(self.loop, self._near_cap)  # and others silent as long
+            self.drop()
         elif now < self._head_deadline:  # it spoke within the first byte's time near the cap
             self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)
         else:
@@ -332,19 +334,10 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
     def _near_cap(self) -> bool:
         return len(self.server_state.connections) - len(self.dropped) >= self.limits.near_cap
 
-    def _cut_silent(self, now: float) -> None:
-        """Closes the connections that have sent nothing for `silent_timeout_near_cap_s` since they connected."""
-        silent, connected_by = self.silent, now - self.limits.silent_timeout_near_cap_s
-        while silent:
-            oldest, since = next(iter(silent.items()))
-            if since > connected_by:
-                return
-            oldest._drop()
-
-    def _drop(self) -> None:
+    def drop(self) -> None:
         """Closes this connection without a word (it has nothing unanswered)."""
         self.idle.pop(self, None)
-        self.silent.pop(self, None)
+        self.silent.discard(self)
         if not self.transport.is_closing():
             self.dropped.add(self)
             self.transport.close()
@@ -401,7 +394,7 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
     attributes = {
         "limits": limits,
         "idle": {},
-        "silent": OrderedDict(),
+        "silent": SilentConnections(limits.silent_timeout_near_cap_s),
         "dropped": set(),
         "too_large": _answer(
             431,

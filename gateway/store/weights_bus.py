@@ -368,7 +368,7 @@ class WeightsBus:
                 delay = min(5.0, delay * 2)
             finally:
                 with contextlib.suppress(RedisError, RedisClusterException, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
 
 
 def _pausing(raw: bytes | str | None) -> Pausing | None:

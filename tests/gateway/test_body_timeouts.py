@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 import time
 from collections.abc import Iterable
 
@@ -181,6 +182,37 @@ async def test_near_the_cap_connections_silent_for_silent_timeout_near_cap_s_are
             assert await reader.read() == b""
         talker[1].write(get("/health"))
         assert (await answer(talker[0]))[0] == 200
+
+
+async def test_near_the_cap_a_request_that_came_during_a_slow_loop_pass_is_served(
+    make_gateway: GatewayFactory,
+) -> None:
+    """Under load one pass of the event loop can outlast silent_timeout_near_cap_s. A client that sent its request as
+    it connected is not silent while its request waits unread behind such a pass: the connection that comes next (near
+    the cap) does not close it."""
+    gw = await make_gateway([], fastpath=PART_ON, server=NEAR_CAP)
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(10):
+        for _ in range(NEAR_CAP["max_connections"] // 2 - 2):  # with the two below: half the cap
+            await stack.enter_async_context(connected(gw))
+        await asyncio.sleep(0.05)  # accepted
+        talker = socket.create_connection(address(gw))
+        talker.sendall(get("/health"))  # as it connects
+        late: list[socket.socket] = []
+
+        def connect_another_then_stall() -> None:
+            # A timer: it runs after the pass's I/O, in which the loop accepted `talker` (a task makes its transport
+            # in the next pass, and that one has the protocol's `connection_made` called in the pass after). The
+            # other connection is accepted in the next pass, so its `connection_made` comes first in the pass after
+            # that of `talker`, before the loop reads `talker`; that pass is slow.
+            late.append(stack.enter_context(socket.create_connection(address(gw))))
+            loop.call_soon(loop.call_soon, time.sleep, 2 * NEAR_CAP["silent_timeout_near_cap_s"])
+
+        loop.call_at(loop.time(), connect_another_then_stall)
+        reader, writer = await asyncio.open_connection(sock=talker)
+        stack.callback(writer.close)
+        assert (await answer(reader))[0] == 200
+        assert late
 
 
 @pytest.mark.timeout(60)
