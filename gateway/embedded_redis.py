@@ -266,8 +266,8 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-class _BindFailed(StoreError):
-    """The chosen port was taken before redis-server could bind it."""
+class PortTaken(StoreError):
+    """The chosen port was taken before redis-server could bind it (another process bound it meanwhile)."""
 
 
 class EmbeddedRedis:
@@ -310,6 +310,11 @@ class EmbeddedRedis:
     @property
     def executable(self) -> str:
         return self._executable
+
+    @property
+    def requested_port(self) -> int | None:
+        """The port it was made for (None: a free one at each start)."""
+        return self._requested_port
 
     @property
     def port(self) -> int:
@@ -450,7 +455,7 @@ class EmbeddedRedis:
             try:
                 self._launch_once(data_dir, _free_port(), abort)
                 return
-            except _BindFailed:
+            except PortTaken:
                 if attempt == _PORT_ATTEMPTS:
                     raise
                 logger.warning("redis-server lost the race for its port; retrying (attempt %d)", attempt)
@@ -487,7 +492,7 @@ class EmbeddedRedis:
         except StoreError as exc:
             self._terminate()
             tail = self._log_tail(log, log_offset)
-            error = _BindFailed if _BIND_FAILED in tail else StoreError
+            error = PortTaken if _BIND_FAILED in tail else StoreError
             raise error(f"{exc}; {self._executable} log tail:\n{tail}") from None
 
     def _refuse_a_running_server(self, pid_file: Path, abort: threading.Event) -> None:

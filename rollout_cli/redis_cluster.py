@@ -19,6 +19,7 @@ with LocalRedisCluster() as cluster:
 from __future__ import annotations
 
 import secrets
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from urllib.parse import quote
 
 import redis
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.embedded_redis import EmbeddedRedis, PortTaken
 from gateway.errors import StoreError
 
 __all__ = ["LocalRedisCluster", "SLOTS"]
@@ -36,6 +37,7 @@ __all__ = ["LocalRedisCluster", "SLOTS"]
 SLOTS = 16384
 BUS_PORT_OFFSET = 10000
 _HOST = "127.0.0.1"
+_PORT_ATTEMPTS = 3  # the cluster's ports are chosen before its nodes start: another process may take one
 
 
 class LocalRedisCluster:
@@ -67,13 +69,18 @@ class LocalRedisCluster:
             # Slots of a dead master without a replica do not stop the rest of the cluster from serving.
             "cluster-require-full-coverage": "no",
         }
-        total = masters * (1 + replicas_per_master)
-        self.nodes = [
+        self._config, self._data_dir = config, data_dir
+        self.nodes = self._new_nodes()
+
+    def _new_nodes(self) -> list[EmbeddedRedis]:
+        """The nodes, on free ports (a node keeps its port when it is revived: the others know it by it)."""
+        total = self.masters_count * (1 + self.replicas_per_master)
+        return [
             EmbeddedRedis(
-                data_dir=data_dir / f"node-{i}" if data_dir else None,
+                data_dir=self._data_dir / f"node-{i}" if self._data_dir else None,
                 port=port,
                 password=self.password,
-                extra_config=config,
+                extra_config=self._config,
             )
             for i, port in enumerate(_cluster_ports(total))
         ]
@@ -91,13 +98,25 @@ class LocalRedisCluster:
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        try:
-            for node in self.nodes:
-                node.start()
-            self._form()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            try:
+                for node in self.nodes:
+                    node.start()
+                self._form()
+                return
+            except PortTaken:
+                self.stop()
+                if attempt == _PORT_ATTEMPTS:
+                    raise
+                # Another process bound a port between its choice and a node's start: all on new ports (a node's
+                # files of this attempt name the old ones).
+                if self._data_dir is not None:
+                    for i in range(len(self.nodes)):
+                        shutil.rmtree(self._data_dir / f"node-{i}", ignore_errors=True)
+                self.nodes = self._new_nodes()
+            except BaseException:
+                self.stop()
+                raise
 
     def stop(self) -> None:
         for node in self.nodes:

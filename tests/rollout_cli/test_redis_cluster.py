@@ -4,6 +4,7 @@ a replica each; a killed master's replica takes over its slots with the writes i
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,3 +177,26 @@ async def test_a_cluster_error_that_is_no_redis_error_is_a_store_error() -> None
 
     with pytest.raises(StoreError, match="read the lock failed: no node answers for slot 7"):
         await call(fails(), "read the lock")
+
+
+def test_a_port_taken_before_its_node_starts_moves_the_cluster_to_free_ones(tmp_path: Path) -> None:
+    """The ports are chosen when the cluster is made and bound when it starts; another process may bind one between
+    (a test's client socket, a parallel run). The cluster then starts on new ones."""
+    cluster = LocalRedisCluster(masters=1, replicas_per_master=1, data_dir=tmp_path)
+    taken = cluster.nodes[1].requested_port
+    assert taken is not None
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            assert taken not in [node.port for node in cluster.nodes]
+
+            async def write_and_read() -> bytes | None:
+                client = client_of(cluster)
+                try:
+                    await client.set("k", "v")
+                    return await client.get("k")
+                finally:
+                    await client.aclose()
+
+            assert asyncio.run(write_and_read()) == b"v"
