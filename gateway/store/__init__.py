@@ -31,11 +31,12 @@ from gateway.store.samples import SampleWrite
 from gateway.store.slot_clients import Durability, NotReplicated
 from gateway.store.trajectory_store import TrajectoryStore
 from gateway.store.weights_bus import WeightsBus, WeightsRecord
-from gateway.store.weights_events import Drained, Pausing, Serving, Subscribed, WeightsEvent
+from gateway.store.weights_events import Commit, Drained, Pausing, Serving, Subscribed, WeightsEvent
 
 _SampleWrite = SampleWrite  # its name before the store was split in modules (tests build one)
 
 __all__ = [
+    "Commit",
     "Drained",
     "Durability",
     "Keys",

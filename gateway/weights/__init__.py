@@ -6,9 +6,10 @@
 - `sequence`: THE update sequence (pause → load → settle → resume) that every weight change runs;
 - `coordinator`: `WeightCoordinator`, the facade: updates, the out-of-band sync, catch-ups, adopting results;
 - `bracket`: the out-of-band sync held between `POST /admin/pause` and `POST /admin/resume`, with its deadline;
-- `transfer`: the two-phase in-memory update (`POST /admin/weights` with `transfer`, then its commit);
+- `transfer`: the two-phase in-memory update (`POST /admin/weights` with `transfer`, then its commit); `relay`: a
+  commit that reached another process, relayed on the bus to the one holding the transfer;
 - `leader`, `follower`, `recovery`: the processes sharing one Redis (leading an update, following another's,
-  recovering from one whose coordinator died);
+  recovering from one whose coordinator died); `host`: what the follower and the recovery see of the coordinator;
 - `gate`, `gc_deferral`: what generation waits on, and the GC kept out of the release burst;
 - `admission`: a replica joins or rejoins the pool on the pool's weights;
 - `budget`: the staleness budget: new sessions admitted by it, samples that fell behind it cut.

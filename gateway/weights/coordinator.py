@@ -181,7 +181,7 @@ class WeightCoordinator:
                 self.upcoming_version = None
                 self.version = version if report.updated else self.version
                 self.last_source = source if report.updated else self.last_source
-                unrecorded = await self.publish_result(report)
+                unrecorded = await self.publish_result(report, token)
                 self.end()
                 report.finished_at = time.time()
             report.duration_s = time.monotonic() - started
@@ -317,11 +317,12 @@ class WeightCoordinator:
         if self.leader is not None and token is not None:
             await self.leader.followers_drained(mode, token, version)
 
-    async def publish_result(self, report: UpdateReport) -> StoreError | None:
-        """Record and announce the result (`Leadership.publish_result`); the error where the record is not durable."""
+    async def publish_result(self, report: UpdateReport, token: str | None) -> StoreError | None:
+        """Record and announce the result of the update that held the lock `token` (`Leadership.publish_result`);
+        the error where the record is not durable."""
         if self.leader is None:
             return None
-        return await self.leader.publish_result(report, self.version, self.last_source)
+        return await self.leader.publish_result(report, self.version, self.last_source, token)
 
     async def load_current(self, replica: Engine) -> bool:
         """Load the current version onto one replica (a newcomer, or one that restarted on other weights).
@@ -422,7 +423,7 @@ class WeightCoordinator:
     async def _close(self, bracket: OutOfBandSync) -> StoreError | None:
         """The end of an out-of-band sync, however it ended: the result published, the bus lock given back, serving.
         The error where the result's record is not durable (`publish_result`)."""
-        unrecorded = await self.publish_result(bracket.report)
+        unrecorded = await self.publish_result(bracket.report, bracket.token)
         if self.leader is not None and bracket.token is not None:
             await self.leader.give_back(bracket.token)
         self.end()

@@ -20,7 +20,7 @@ import time
 
 from gateway.background import stop
 from gateway.errors import StoreError
-from gateway.store import Drained, Pausing, Serving, Subscribed
+from gateway.store import Commit, Drained, Pausing, Serving, Subscribed
 from gateway.store.core import backoff_s
 from gateway.weights.host import Coordinator
 from gateway.weights.leader import Leadership
@@ -86,6 +86,9 @@ class Follower:
             elif isinstance(event, Serving):
                 self.followed = None
                 self.weights.adopt(event)
+                self.weights.transfers.serving_seen(event)
+            elif isinstance(event, Commit):
+                self.weights.transfers.commit_asked(event)
             elif isinstance(event, Drained):
                 self.leader.note_drained()
             elif isinstance(event, Subscribed):

@@ -8,10 +8,18 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from gateway.routing import ReplicaPool
-from gateway.store import Serving, WeightsRecord
+from gateway.store import Commit, Serving, WeightsRecord
 from gateway.weights.gate import ServingGate
 from gateway.weights.sequence import UpdateSequence
 from gateway.weights.state import StateMachine
+
+
+class TransferTarget(Protocol):
+    """The process's in-memory transfers, as far as the bus's events reach them (`Transfers`)."""
+
+    def commit_asked(self, event: Commit) -> None: ...
+
+    def serving_seen(self, event: Serving) -> None: ...
 
 
 class Coordinator(Protocol):
@@ -27,6 +35,9 @@ class Coordinator(Protocol):
     update_timeout_s: float
     member_ttl_s: float
     heartbeat_s: float
+
+    @property
+    def transfers(self) -> TransferTarget: ...
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
 

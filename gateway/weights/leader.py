@@ -30,12 +30,13 @@ class Leadership:
         self.update_timeout_s = update_timeout_s
         self._drained_news = asyncio.Event()  # a follower reported its requests drained (`followers_drained`)
 
-    async def take(self, version: int | None, mode: PauseMode) -> str:
+    async def take(self, version: int | None, mode: PauseMode, *, transfer: int | None = None) -> str:
         """Take the Redis lock, check that `version` is still new cluster-wide, tell the others to stop dispatching
-        (and, in `wait` mode, to drain their own requests: `followers_drained`). The lock's token; a 409 where
+        (and, in `wait` mode, to drain their own requests: `followers_drained`). `transfer`: the version of the
+        in-memory transfer the lock is taken for (any process may relay its commit). The lock's token; a 409 where
         another process holds the lock or recorded `version` already."""
         token = self.bus.new_token()
-        pausing = Pausing(version, mode, token)
+        pausing = Pausing(version, mode, token, transfer)
         # On the bus before the lock: a holder whose heartbeat is not there counts as dead (`WeightsBus.acquire`).
         await self.bus.join(self.member_ttl_s)
         # The lock says what the update is: a process that misses `pausing` (it starts, or its subscription is
@@ -93,12 +94,15 @@ class Leadership:
             except TimeoutError:
                 await self.bus.announce(Pausing(version, mode, token))
 
-    async def publish_result(self, report: UpdateReport, version: int, source: str | None) -> StoreError | None:
+    async def publish_result(
+        self, report: UpdateReport, version: int, source: str | None, token: str | None = None
+    ) -> StoreError | None:
         """Record in `rg:weights` and announce the version the pool serves after `report` (the previous one after a
-        failed update: the followers keep it). The engines run it whatever happens here: a record Redis did not
-        take, or took on fewer replicas than `redis.durable_replicas` (`WeightsBus.record`, retried), is logged
-        and returned, for the update to answer `WeightsNotRecorded`; the announcement goes out all the same."""
-        event = Serving(version, source, report.status, tuple(report.updated), tuple(report.stale))
+        failed update: the followers keep it), naming the lock `token` the update held. The engines run it whatever
+        happens here: a record Redis did not take, or took on fewer replicas than `redis.durable_replicas`
+        (`WeightsBus.record`, retried), is logged and returned, for the update to answer `WeightsNotRecorded`; the
+        announcement goes out all the same."""
+        event = Serving(version, source, report.status, tuple(report.updated), tuple(report.stale), token)
         unrecorded: StoreError | None = None
         try:
             await self.bus.record(version, "serving", source, report.updated, report.stale)

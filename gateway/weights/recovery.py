@@ -82,7 +82,7 @@ class Recovery:
                 await weights.sequence.run("abort", Plan.restore(version, source), report)
         finally:
             weights.version, weights.last_source = max(version, weights.version), source
-            await self.leader.publish_result(report, weights.version, weights.last_source)
+            await self.leader.publish_result(report, weights.version, weights.last_source, token)
             await self.leader.give_back(token)
             self.follower.followed = None
             weights.end()

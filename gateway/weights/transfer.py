@@ -14,7 +14,8 @@ tensors under the old label, so none is trusted: each is loaded again from the l
 
 On the bus the transfer holds the update lock as an out-of-band sync does (no version in its `pausing`): the other
 processes stop dispatching until its result, and never recover it from its coordinator's death (the trainer may be
-writing into the engines).
+writing into the engines). The lock names the transfer's version (`Pausing.transfer`): a commit sent to another
+process is relayed to this one (`gateway.weights.relay`), which commits it as if it had come here.
 """
 
 from __future__ import annotations
@@ -28,9 +29,18 @@ from typing import Any, Literal, Protocol
 from backends.base import PauseMode, TransferBackend, TransferGroup
 from backends.errors import BackendError
 from gateway.background import background, stop
-from gateway.errors import Conflict, InvalidRequest, StoreError, WeightsNotRecorded, WeightsNotUpdated
+from gateway.errors import (
+    Conflict,
+    GatewayError,
+    InvalidRequest,
+    StoreError,
+    WeightsNotRecorded,
+    WeightsNotUpdated,
+)
 from gateway.routing import Engine, ReplicaPool
+from gateway.store import Commit, Serving
 from gateway.weights.leader import Leadership
+from gateway.weights.relay import CommitRelay
 from gateway.weights.report import UpdateReport
 from gateway.weights.sequence import Plan, UpdateSequence
 from gateway.weights.state import State, StateMachine
@@ -87,6 +97,7 @@ class HeldTransfer:
     deadline: float
     opened: asyncio.Event = field(default_factory=asyncio.Event)  # every side opened or failed (or it ended)
     status: str = "opening"  # opening | open | committed | failed
+    relayed: bool = False  # another process relayed its commit here (`commit_asked`): committed once
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
 
     @property
@@ -130,7 +141,10 @@ class WeightCoordinator(Protocol):
     async def announce(self, report: UpdateReport) -> None: ...
     def failed(self, previous: int, report: UpdateReport) -> WeightsNotUpdated: ...
     def not_recorded(self, report: UpdateReport, cause: StoreError) -> WeightsNotRecorded: ...
-    async def publish_result(self, report: UpdateReport) -> StoreError | None: ...
+
+    heartbeat_s: float
+
+    async def publish_result(self, report: UpdateReport, token: str | None) -> StoreError | None: ...
     async def followers_drained(self, mode: PauseMode, token: str | None, version: int | None) -> None: ...
 
 
@@ -140,6 +154,10 @@ class Transfers:
     def __init__(self, weights: WeightCoordinator, commit_timeout_s: float) -> None:
         self.weights = weights
         self.commit_timeout_s = commit_timeout_s
+        leader = weights.leader
+        self.relay = (
+            CommitRelay(leader.bus, weights.heartbeat_s, weights.update_timeout_s) if leader is not None else None
+        )
         self.held: HeldTransfer | None = None
         self._ended: HeldTransfer | None = None  # the last one that ended (its status for GET, a late commit's 409)
 
@@ -157,7 +175,7 @@ class Transfers:
             w.check_idle()
             w.check_newer(version)
             sides = await self._layout(engines, spec)
-            token = await w.leader.take(None, mode) if w.leader is not None else None
+            token = await w.leader.take(None, mode, transfer=version) if w.leader is not None else None
             report = UpdateReport(version, mode, started_at=time.time())
             started = time.monotonic()
             held = HeldTransfer(spec, token, report, sides, started, started + self.commit_timeout_s)
@@ -227,11 +245,15 @@ class Transfers:
     # -- commit ------------------------------------------------------------------------------------------------
 
     async def commit(self, version: int) -> UpdateReport:
-        """Finish every engine's transfer with the version label, verify, resume; as a path update answers."""
+        """Finish every engine's transfer with the version label, verify, resume; as a path update answers. A
+        transfer another process holds is committed there (`CommitRelay`), answered the same."""
         w = self.weights
         held = self.held
         if held is None or held.version != version:
-            raise self._not_open(version)
+            relayed = await self.relay.commit(version) if self.relay is not None else None
+            if relayed is None:
+                raise self._not_open(version)
+            return relayed
         await held.opened.wait()  # set by the end at the deadline too, so bounded by it
         if self.held is not held:
             raise self._not_open(version)
@@ -262,6 +284,27 @@ class Transfers:
         if unrecorded is not None:
             raise w.not_recorded(report, unrecorded)
         return report
+
+    def commit_asked(self, event: Commit) -> None:
+        """Another process relayed a commit of the transfer this one holds (on the bus): commit it here, once; the
+        `serving` event of its end answers that process."""
+        held = self.held
+        if held is None or (held.version, held.token) != (event.version, event.token) or held.relayed:
+            return
+        held.relayed = True
+
+        async def commit() -> None:
+            try:
+                await self.commit(event.version)
+            except GatewayError as exc:  # the answer travels in the `serving` event; here, the log
+                logger.warning("weights: the relayed commit of version %d: %s", event.version, exc)
+
+        held._tasks.append(background(commit(), "weights-transfer-relayed-commit"))
+
+    def serving_seen(self, event: Serving) -> None:
+        """Another process's `serving` event: the answer of a commit relayed from here, where it is one."""
+        if self.relay is not None:
+            self.relay.serving_seen(event)
 
     # -- the end, however it ends --------------------------------------------------------------------------------
 
@@ -299,7 +342,7 @@ class Transfers:
         held.opened.set()
         self._ended = held
         w.upcoming_version = None
-        unrecorded = await w.publish_result(held.report)
+        unrecorded = await w.publish_result(held.report, held.token)
         if w.leader is not None and held.token is not None:
             await w.leader.give_back(held.token)
         w.end()

@@ -20,7 +20,7 @@ import gateway.routing
 import gateway.weights
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, WeightsUpdateTimedOut
-from gateway.store import Drained, Keys, Pausing, Serving, WeightsBus, connect
+from gateway.store import Commit, Drained, Keys, Pausing, Serving, WeightsBus, connect
 from gateway.store.weights_events import parse_event
 from gateway.weights import TRANSITIONS, IllegalTransition, State, StateMachine, UpdateReport
 from gateway.weights.state import all_transitions
@@ -432,8 +432,16 @@ def test_the_typed_events_keep_the_wire_format() -> None:
         "updated": ["a"],
         "stale": ["b"],
     }
-    for event in (Pausing(3, "wait", "p.t"), Drained("p.t"), serving, Pausing(None, "abort", None)):
+    # Fields added since go on the wire only when set: a transfer's version in its lock, the lock in a result, and
+    # the relayed commit (a kind an older gateway skips).
+    transfer, answered = Pausing(None, "keep", "p.t", transfer=4), Serving(4, token="p.t")
+    assert transfer.to_wire() == {"event": "pausing", "version": None, "mode": "keep", "token": "p.t", "transfer": 4}
+    assert answered.to_wire()["token"] == "p.t" and "token" not in serving.to_wire()
+    assert Commit(4, "p.t").to_wire() == {"event": "commit", "version": 4, "token": "p.t"}
+    events = (Pausing(3, "wait", "p.t"), Drained("p.t"), serving, Pausing(None, "abort", None), transfer, answered)
+    for event in (*events, Commit(4, "p.t")):
         assert parse_event(orjson.loads(orjson.dumps(event.to_wire() | {"origin": "x"}))) == event
     assert parse_event({"event": "pausing", "version": 2, "mode": "abort"}) == Pausing(2, "abort", None)
     assert parse_event({"event": "serving", "version": 2}) == Serving(2)
     assert parse_event({"event": "something-new"}) is None and parse_event({"event": "drained"}) is None
+    assert parse_event({"event": "commit", "version": 4}) is None

@@ -222,3 +222,36 @@ async def test_the_simulator_keeps_the_engines_transfer_rules(make_sim: SimFacto
     assert (await http.get(f"{vllm.url}/get_world_size")).json() == {"world_size": 1}
     refused = await http.post(f"{bare.url}/start_weight_update")
     assert refused.status_code == 500 and "--weight-transfer-config" in refused.json()["error"]["message"]
+
+
+async def test_a_commit_sent_to_another_gateway_is_relayed_to_the_one_holding_the_transfer(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Behind a load balancer the commit reaches any gateway of the fleet: the one that got it relays it on the
+    weights bus, the holder commits, and its result is the answer, on both."""
+    sims = [await make_sim("sglang") for _ in range(2)]
+    holder, other = await make_gateway(sims), await make_gateway(sims)
+    assert (await publish(http, holder.url, 1)).status_code == 200
+    begun = await http.post(
+        f"{holder.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
+    )
+    assert begun.status_code == 202, begun.text
+    opened = (await http.get(f"{holder.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).json()
+    assert [e["state"] for e in opened["engines"]] == ["open", "open"]
+    for sim in sims:
+        pushed = await http.post(
+            f"{sim.url}/update_weights_from_tensor", json={"serialized_named_tensors": [inline("ckpt-2")]}
+        )
+        assert pushed.status_code == 200 and pushed.json()["success"] is True, pushed.text
+
+    committed = await http.post(f"{other.url}/admin/weights/2/commit", headers=ADMIN)
+    assert committed.status_code == 200, committed.text
+    assert committed.json()["status"] == "updated"
+    assert sorted(committed.json()["updated"]) == sorted(replica_id(s.url) for s in sims)
+    assert holder.services.weights.machine.taken >= TRANSFER  # the holder ran the commit
+    for i, gw in enumerate((holder, other)):
+        assert gw.services.weights.version == 2
+        after = await generate(http, gw.url, 6, f"after-{i}")
+        assert after["versions"] == [2] * 6 and after["output_ids"] == expected_tokens(PROMPT, [2] * 6, 6)
+    again = await http.post(f"{other.url}/admin/weights/2/commit", headers=ADMIN)
+    assert again.status_code == 409  # nothing held anywhere now
