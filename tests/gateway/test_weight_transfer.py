@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
 from gateway.weights import State
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
@@ -49,6 +50,16 @@ async def rendezvous() -> AsyncIterator[tuple[int, asyncio.Queue[tuple[asyncio.S
             joined.get_nowait()[1].close()
         server.close()
         await server.wait_closed()
+
+
+async def until_healthy(http: httpx.AsyncClient, url: str, replica: str, healthy: bool) -> None:
+    """Until the gateway's health probes see `replica` (un)healthy."""
+    async with asyncio.timeout(10):
+        while True:
+            status = (await http.get(f"{url}/admin/status", headers=ADMIN)).json()
+            if {r["id"]: r["healthy"] for r in status["replicas"]}[replica] is healthy:
+                return
+            await asyncio.sleep(0.05)  # a poll's period, not synchronisation
 
 
 async def generate(http: httpx.AsyncClient, url: str, n: int, session: str) -> dict[str, object]:
@@ -255,3 +266,48 @@ async def test_a_commit_sent_to_another_gateway_is_relayed_to_the_one_holding_th
         assert after["versions"] == [2] * 6 and after["output_ids"] == expected_tokens(PROMPT, [2] * 6, 6)
     again = await http.post(f"{other.url}/admin/weights/2/commit", headers=ADMIN)
     assert again.status_code == 409  # nothing held anywhere now
+
+
+async def test_an_engine_killed_mid_transfer_is_held_out_and_comes_back_only_with_a_path_update(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """The commit finishes the transfer on the engines that answer (207, partial); the one killed after it took
+    some tensors is held out, and when it restarts (on its initial weights) nothing of the transfer can be loaded
+    into it again: it stays out until a path update, never served on weights its label does not name."""
+    survivor = await make_sim("sglang")
+    victim = await asyncio.to_thread(SimProcess(["--dialect", "sglang"]).start)
+    try:
+        replicas = [survivor, ReplicaConfig(url=victim.url, backend="sim", dialect="sglang")]
+        gw = await make_gateway(replicas)
+        assert (await publish(http, gw.url, 1)).status_code == 200
+        begun = await http.post(
+            f"{gw.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
+        )
+        assert begun.status_code == 202, begun.text
+        opened = (await http.get(f"{gw.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).json()
+        assert [e["state"] for e in opened["engines"]] == ["open", "open"]
+        for url in (survivor.url, victim.url):
+            tensors = {"serialized_named_tensors": [inline("ckpt-2")]}
+            assert (await http.post(f"{url}/update_weights_from_tensor", json=tensors)).status_code == 200
+        await asyncio.to_thread(victim.kill)
+
+        committed = await http.post(f"{gw.url}/admin/weights/2/commit", headers=ADMIN)
+        assert committed.status_code == 207, committed.text
+        answer = committed.json()
+        assert (answer["updated"], answer["stale"]) == ([replica_id(survivor.url)], [replica_id(victim.url)])
+        after = await generate(http, gw.url, 6, "after")
+        assert after["versions"] == [2] * 6 and after["output_ids"] == expected_tokens(PROMPT, [2] * 6, 6)
+
+        await until_healthy(http, gw.url, replica_id(victim.url), False)
+        await asyncio.to_thread(victim.restart)  # its initial weights, the label "default"
+        await until_healthy(http, gw.url, replica_id(victim.url), True)
+        await asyncio.sleep(0.6)  # three more probes (every 0.2 s), each of which checks its version
+        status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+        by_id = {r["id"]: r for r in status["replicas"]}
+        assert by_id[replica_id(victim.url)]["stale"] is True  # no path to catch it up from
+        assert (await sim_state(http, victim.url))["weights"] == "init"
+        assert (await publish(http, gw.url, 3)).status_code == 200  # a path update brings it back
+        status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+        assert [(r["stale"], r["version"]) for r in status["replicas"]] == [(False, 3), (False, 3)]
+    finally:
+        await asyncio.to_thread(victim.stop)
