@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -29,6 +30,8 @@ from gateway.session.quotas import ANONYMOUS
 from gateway.store.keys import Keys, call
 
 __all__ = ["OpenSessions"]
+
+logger = logging.getLogger(__name__)
 
 # The share of the idle TTL by which a session's expiry is pushed on beyond it, and between two pushes of a process.
 _MARGIN = 1 / 8
@@ -121,7 +124,9 @@ class OpenSessions:
 
     async def touch(self, key: str, session_id: str) -> None:
         """A turn of the session: its expiry moves on, so a session in use never leaves the count; not again within
-        the margin of this process's last push (the score is still more than the idle TTL ahead of the turn)."""
+        the margin of this process's last push (the score is still more than the idle TTL ahead of the turn).
+        Where Redis does not answer (a restart, a failover) the turn goes on without it: the session stays counted
+        until the expiry its last push set, and its next turn pushes again."""
         if not self.limit:
             return
         now = time.monotonic()
@@ -129,7 +134,11 @@ class OpenSessions:
         if last is not None and now - last < self._margin_s:
             return
         args: list[str | float] = [session_id, self._expiry_s]
-        await call(self._touch(keys=[self._keys.open_sessions(key)], args=args), "touch an open session")
+        try:
+            await call(self._touch(keys=[self._keys.open_sessions(key)], args=args), "touch an open session")
+        except StoreError as exc:
+            logger.warning("open-session expiry not pushed on: %s", exc, extra={"session_id": session_id})
+            return
         self._remember(session_id, now)
 
     def _remember(self, session_id: str, now: float) -> None:

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from gateway.config.server import DEFAULT_MAX_OPEN_SESSIONS
 from gateway.server import RunningGateway
 from gateway.session.quotas import ANONYMOUS, key_id
-from gateway.store import Keys, OpenSessions
+from gateway.store import Keys, OpenSessions, connect
 from tests.conftest import GatewayFactory, SimFactory
 from tests.sim_helpers import wait_for
 
@@ -167,3 +167,17 @@ async def test_a_process_pushes_a_sessions_expiry_on_once_per_margin_and_keeps_i
     assert pushed is not None and pushed > claimed
     await opened.release(ANONYMOUS, "s")
     assert await opened.count(ANONYMOUS) == 0
+
+
+async def test_a_turn_goes_on_when_redis_does_not_take_its_sessions_expiry(caplog: pytest.LogCaptureFixture) -> None:
+    """Pushing a session's expiry on is bookkeeping: where Redis does not answer (a failover; the load-balancer soak
+    saw a turn answered 503 by it) the turn goes on, and the next one pushes again."""
+    away = connect("redis://127.0.0.1:1", socket_timeout_s=0.5)  # nothing listens there
+    try:
+        opened = OpenSessions(away, Keys(), limit=5, idle_ttl_s=8)
+        with caplog.at_level(logging.WARNING, logger="gateway.store.open_sessions"):
+            await opened.touch(ANONYMOUS, "s")
+            await opened.touch(ANONYMOUS, "s")  # not remembered as pushed: tried again
+        assert [r.getMessage().startswith("open-session expiry not pushed on") for r in caplog.records] == [True] * 2
+    finally:
+        await away.aclose()
