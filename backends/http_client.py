@@ -537,8 +537,15 @@ class HttpEngineBackend:
         return self._client.pacer.holds
 
     async def health(self) -> bool:
-        """True when `GET /health` answers 200; never raises."""
-        return await probe(self._client, self.id, "/health", timeout=self._probe)
+        """True when `GET /health` answers 200; never raises. A failed probe is `lost_contact`."""
+        ok = await probe(self._client, self.id, "/health", timeout=self._probe)
+        if not ok:
+            self.lost_contact()
+        return ok
+
+    def lost_contact(self) -> None:
+        """The engine did not answer a health probe: it may be restarting, and what it held for the gateway gone (an
+        adapter forgets its weight-transfer group)."""
 
     async def load(self) -> Load:
         """Running and waiting requests and the prefix cache's counters from `/metrics`, summed over label sets

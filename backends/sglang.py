@@ -384,6 +384,9 @@ class SglangBackend(HttpEngineBackend):
     async def transfer_workers(self) -> int:
         return await self._transfer.workers()
 
+    def lost_contact(self) -> None:
+        self._transfer.forget()
+
     async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         return await self._transfer.open(backend, group)
 

@@ -12,6 +12,11 @@ engine's side (its process group with the trainer, then an update session) and f
   `/begin_weight_update` only (the trainer's `/update_weights_from_tensor` carries the tensors inline). The end is
   `/end_weight_update` (required around every update), then `/update_weight_version`: the label is the gateway's to
   give, whatever the trainer's updates said.
+
+A group is kept across updates while its engine answers every health probe: one missed probe (the engine may have
+restarted, and holds no group then) or a failed opening forgets it, and the next transfer forms it again (the layout
+says `rendezvous`). SGLang would otherwise open an update session on a restarted engine without its group, and the
+commit label its initial weights with the new version.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ class _TransferSide:
         self._control, self._long = control, long
         self.group: TransferGroup | None = None  # the group formed with the trainer, kept across updates
 
+    def forget(self) -> None:
+        """The group may be gone (the engine missed a health probe: it may have restarted, and a restarted engine
+        holds no group): the next transfer forms it again, the trainer joining its rendezvous."""
+        self.group = None
+
     async def _call(self, path: str, json: Any = None, *, long: bool = False, method: str = "POST") -> Any:
         timeout = self._long if long else self._control
         return await request_json(self._client, self.replica, method, path, json=json, timeout=timeout)
@@ -58,12 +68,16 @@ class VllmTransfer(_TransferSide):
 
     async def open(self, group: TransferGroup | None) -> bool:
         formed = False
-        if group is not None and group != self.group:
-            self.group = None
-            info = dataclasses.asdict(group)  # master_address, master_port, rank_offset, world_size
-            await self._call("/init_weight_transfer_engine", {"init_info": info}, long=True)
-            self.group, formed = group, True
-        await self._call("/start_weight_update")
+        try:
+            if group is not None and group != self.group:
+                self.group = None
+                info = dataclasses.asdict(group)  # master_address, master_port, rank_offset, world_size
+                await self._call("/init_weight_transfer_engine", {"init_info": info}, long=True)
+                self.group, formed = group, True
+            await self._call("/start_weight_update")
+        except BackendError:
+            self.forget()  # a restart it was not seen in (no group there now) fails here: the next one forms it
+            raise
         return formed
 
     async def finish(self, version: str) -> None:
@@ -96,12 +110,17 @@ class SglangTransfer(_TransferSide):
 
     async def open(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         formed = False
-        if backend == "nccl" and group is not None and group != self.group:
-            self.group = None
-            body = dataclasses.asdict(group) | {"group_name": GROUP_NAME, "backend": "nccl"}
-            self._refused("init_weights_update_group", await self._call("/init_weights_update_group", body, long=True))
-            self.group, formed = group, True
-        self._refused("begin_weight_update", await self._call("/begin_weight_update", {}))
+        try:
+            if backend == "nccl" and group is not None and group != self.group:
+                self.group = None
+                body = dataclasses.asdict(group) | {"group_name": GROUP_NAME, "backend": "nccl"}
+                answer = await self._call("/init_weights_update_group", body, long=True)
+                self._refused("init_weights_update_group", answer)
+                self.group, formed = group, True
+            self._refused("begin_weight_update", await self._call("/begin_weight_update", {}))
+        except BackendError:
+            self.forget()
+            raise
         return formed
 
     async def finish(self, version: str) -> None:

@@ -311,3 +311,51 @@ async def test_an_engine_killed_mid_transfer_is_held_out_and_comes_back_only_wit
         assert [(r["stale"], r["version"]) for r in status["replicas"]] == [(False, 3), (False, 3)]
     finally:
         await asyncio.to_thread(victim.stop)
+
+
+async def test_an_engine_restarted_since_its_group_formed_has_the_trainer_join_it_again(
+    make_gateway: GatewayFactory, http: httpx.AsyncClient, rendezvous: tuple[int, asyncio.Queue]
+) -> None:
+    """A kept group saves the rendezvous; an engine that restarts holds none. Once a probe missed it, the next
+    transfer forms its group again (the layout says `rendezvous`). Kept instead, SGLang would open the update on the
+    restarted engine without a group, and nothing the trainer sends could reach it."""
+    port, joined = rendezvous
+    engine = await asyncio.to_thread(SimProcess(["--dialect", "sglang"]).start)
+    channels: list[asyncio.StreamWriter] = []
+    try:
+        gw = await make_gateway([ReplicaConfig(url=engine.url, backend="sim", dialect="sglang")])
+        spec = {"backend": "nccl", "master_address": "127.0.0.1", "master_port": port}
+
+        async def transfer(version: int) -> bool:
+            """One transfer of `ckpt-<version>`, committed; whether the engine joined the trainer's group for it."""
+            body = {"version": version, "transfer": spec}
+            assert (await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)).status_code == 202
+            opened = await http.get(f"{gw.url}/admin/weights/{version}", params={"wait_s": 10}, headers=ADMIN)
+            [side] = opened.json()["engines"]
+            assert side["state"] == "open", side
+            if side["rendezvous"]:
+                channels.append((await asyncio.wait_for(joined.get(), 10))[1])
+            data = f"ckpt-{version}".encode()
+            channels[-1].write(data)
+            await channels[-1].drain()
+            info = {"names": ["weights"], "dtypes": ["uint8"], "shapes": [[len(data)]]}
+            pushed = await http.post(f"{engine.url}/update_weights_from_distributed", json=info)
+            assert pushed.status_code == 200, pushed.text
+            assert (await http.post(f"{gw.url}/admin/weights/{version}/commit", headers=ADMIN)).status_code == 200
+            state = await sim_state(http, engine.url)
+            assert (state["weights"], state["version"]) == (f"ckpt-{version}", str(version))
+            return bool(side["rendezvous"])
+
+        assert await transfer(1)  # formed
+        assert not await transfer(2)  # kept
+        await asyncio.to_thread(engine.kill)
+        await until_healthy(http, gw.url, replica_id(engine.url), False)
+        await asyncio.to_thread(engine.restart)
+        await until_healthy(http, gw.url, replica_id(engine.url), True)
+        assert await transfer(3)  # formed again: the trainer joined it
+        after = await generate(http, gw.url, 6, "after")
+        assert after["versions"] == [3] * 6 and after["output_ids"] == expected_tokens(PROMPT, [3] * 6, 6)
+    finally:
+        for channel in channels:
+            channel.close()
+        await asyncio.to_thread(engine.stop)
