@@ -126,10 +126,17 @@ class StalenessBudget:
 
     async def stale_before(self) -> int | None:
         """The oldest version a sample's first token may have now; None while the budget is off. Whether it is on is
-        read from Redis once per version (an admission reads it too)."""
+        read from Redis once per version (an admission reads it too). Where Redis does not answer (a restart, a
+        failover) it is as last read (off where never read), and read again at the next call: a completion in
+        flight is not failed for it."""
         version = self.weights.version
         if self._read_at_version != version:
-            self._turned(await self.started.batch_size() > 0, version)
+            try:
+                on = await self.started.batch_size() > 0
+            except StoreError as exc:
+                logger.warning("staleness budget: whether it is on not read (%s); as last read: %s", exc, self._on)
+            else:
+                self._turned(on, version)
         return version - self.max_staleness if self._on else None
 
     def count_cut(self) -> None:
@@ -146,11 +153,7 @@ class StalenessBudget:
                 continue
             version = moved
             await self.weights.until_serving()  # the engines run again: an abort now ends a request that runs
-            try:
-                oldest = await self.stale_before()
-            except StoreError as exc:  # Redis away: the resumes and the next turns still check
-                logger.warning("staleness budget: no cut after version %d: %s", version, exc)
-                continue
+            oldest = await self.stale_before()
             if oldest is not None and (cut := cut_behind(oldest)):
                 logger.info("staleness budget: %d completions in flight cut at version %d", cut, version)
 

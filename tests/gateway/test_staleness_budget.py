@@ -17,10 +17,12 @@ from redis.asyncio import Redis
 from backends.sim.engine import EngineSettings
 from gateway.config import ReplicaConfig
 from gateway.embedded_redis import EmbeddedRedis
+from gateway.routing import ReplicaPool
 from gateway.server import RunningGateway
-from gateway.store import Keys
+from gateway.store import Keys, TrajectoryStore, connect
 from gateway.trainer import TrajectoryConsumer
-from gateway.weights.budget import OFF_RECHECK_S
+from gateway.weights import WeightCoordinator
+from gateway.weights.budget import OFF_RECHECK_S, StalenessBudget
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import PROMPT, generate_body, publish, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
@@ -263,3 +265,33 @@ async def test_a_turn_a_keep_update_lets_run_on_is_cut_once_its_sample_falls_beh
         assert final["finish_reason"] == "length" and len(streamed.output_ids) == max_tokens
         assert final["versions"][0] == 0 and final["versions"][-1] == 1
         assert gw.services.store.admission.counts.cut == 0
+
+
+async def test_redis_away_leaves_the_budget_as_last_read(caplog: pytest.LogCaptureFixture) -> None:
+    """Whether the budget is on is read once per version, also in the middle of a completion (is its sample behind
+    now?). Redis away then (a restart, a failover) must not fail the completion: the load-balancer soak saw a stream
+    end in "the trajectory store (Redis) is unavailable" from it in a master's failover. As last read, read again
+    at the next check."""
+    server = EmbeddedRedis()
+    await server.astart()
+    client = connect(server.url, socket_timeout_s=0.5)
+    try:
+        store = TrajectoryStore(client, Keys(), sweep_interval_s=None)
+        await client.hset(Keys().budget_batch, "trainer/rank0", 4)  # a consumer published its batch size
+        weights = WeightCoordinator(ReplicaPool())
+        budget = StalenessBudget(store.started, weights, max_staleness=2)
+        weights.version = 5
+        assert await budget.stale_before() == 3
+        await server.astop()
+        weights.version = 6
+        with caplog.at_level(logging.WARNING, logger="gateway.weights.budget"):
+            assert await budget.stale_before() == 4  # on, as last read
+            assert await budget.stale_before() == 4  # not recorded as read: tried again
+        assert [r.getMessage().startswith("staleness budget: whether it is on not read") for r in caplog.records] == [
+            True
+        ] * 2
+        never_read = StalenessBudget(store.started, weights, max_staleness=2)
+        assert await never_read.stale_before() is None  # off where never read
+    finally:
+        await client.aclose()
+        await server.astop()
