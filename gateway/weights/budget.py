@@ -94,7 +94,15 @@ class StalenessBudget:
             self.started.count_later(samples)
             self.counts.admitted += samples
             return
-        answer = await self._try(samples)
+        try:
+            answer = await self._try(samples)
+        except StoreError as exc:
+            # Redis away (a restart, a failover): the sessions are made once it is back (the store retries), so they
+            # are admitted and counted then; the budget may let a few more in than its limit meanwhile.
+            logger.warning("staleness budget: Redis did not answer (%s): %d sessions admitted unchecked", exc, samples)
+            self.started.count_later(samples)
+            self.counts.admitted += samples
+            return
         if answer.admitted:
             return
         self.counts.held += samples if self.over_budget == "hold" else 0

@@ -271,7 +271,7 @@ async def test_redis_away_leaves_the_budget_as_last_read(caplog: pytest.LogCaptu
     """Whether the budget is on is read once per version, also in the middle of a completion (is its sample behind
     now?). Redis away then (a restart, a failover) must not fail the completion: the load-balancer soak saw a stream
     end in "the trajectory store (Redis) is unavailable" from it in a master's failover. As last read, read again
-    at the next check."""
+    at the next check. A new session is admitted unchecked meanwhile."""
     server = EmbeddedRedis()
     await server.astart()
     client = connect(server.url, socket_timeout_s=0.5)
@@ -292,6 +292,8 @@ async def test_redis_away_leaves_the_budget_as_last_read(caplog: pytest.LogCaptu
         ] * 2
         never_read = StalenessBudget(store.started, weights, max_staleness=2)
         assert await never_read.stale_before() is None  # off where never read
+        await budget.admit(1)  # a new session: admitted unchecked (made once Redis is back), not a 503
+        assert budget.counts.admitted == 1
     finally:
         await client.aclose()
         await server.astop()
