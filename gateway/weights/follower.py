@@ -148,7 +148,7 @@ class Follower:
         async def drain() -> None:
             for replica in pool.engines():
                 if "wait" not in replica.backend.capabilities.pause_modes:
-                    await pool.until_idle(replica)
+                    await self.weights.sequence.until_idle(replica)
             attempt = 0
             while self.following(token):  # the coordinating process waits for it while this one is alive
                 try:

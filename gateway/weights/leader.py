@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from backends.base import PauseMode
 from gateway.errors import Conflict, StoreError
 from gateway.store import Pausing, Serving, WeightsBus
-from gateway.weights.report import UpdateReport
+from gateway.weights.report import SLOW_DRAIN_S, UpdateReport
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +82,23 @@ class Leadership:
             return
         # The processes on the bus when `pausing` went out; one that joins later never saw it, so is not waited for.
         expected = await self.bus.members()
+        started = time.monotonic()
         while True:
             self._drained_news.clear()
             waiting = (expected & await self.bus.members()) - await self.bus.drained(token)
             if not waiting:
                 return
-            logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
+            if (waited := time.monotonic() - started) > SLOW_DRAIN_S:
+                logger.warning(
+                    "weights: the wait update to version %s has waited %.0f s for gateway processes %s to report "
+                    "their requests drained",
+                    version,
+                    waited,
+                    sorted(waiting),
+                    extra={"version": version},
+                )
+            else:
+                logger.info("weights: waiting for %d gateway processes to drain their requests", len(waiting))
             # Woken by each report; re-read at least every heartbeat, so a process that died stops being waited for.
             try:
                 async with asyncio.timeout(self.heartbeat_s):

@@ -9,6 +9,10 @@ from backends.base import PauseMode
 
 UpdateStatus = Literal["updated", "partial", "failed"]
 
+SLOW_DRAIN_S = 10.0
+"""How long a `wait` update waits for requests to drain (this process's, or the other processes' reports) before
+it says in the log, at WARNING, what it still waits for (then every heartbeat, for the others' reports)."""
+
 
 @dataclass
 class UpdateReport:

@@ -25,7 +25,7 @@ from backends.base import PauseMode
 from backends.errors import BackendError, WeightsNotLoaded
 from gateway.routing import Engine, ReplicaPool
 from gateway.weights.labels import version_label, version_labels
-from gateway.weights.report import UpdateReport
+from gateway.weights.report import SLOW_DRAIN_S, UpdateReport
 from gateway.weights.state import State, StateMachine
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,26 @@ class UpdateSequence:
 
     # -- one replica --------------------------------------------------------------------------------------------
 
+    async def until_idle(self, replica: Engine) -> None:
+        """Until this process has no request on `replica` (a `wait` update on an engine without a native `wait`);
+        said in the log past `SLOW_DRAIN_S`."""
+        try:
+            async with asyncio.timeout(SLOW_DRAIN_S):
+                await self.pool.until_idle(replica)
+        except TimeoutError:
+            logger.warning(
+                "weights: a wait update has waited %g s for %d requests of this process on replica %s to end",
+                SLOW_DRAIN_S,
+                replica.in_flight,
+                replica.id,
+                extra={"replica": replica.id},
+            )
+            await self.pool.until_idle(replica)
+
     async def _pause_one(self, replica: Engine, mode: PauseMode, report: UpdateReport) -> None:
         try:
             if mode == "wait" and "wait" not in replica.backend.capabilities.pause_modes:
-                await self.pool.until_idle(replica)  # no native wait: our own in-flight finish, then nothing to abort
+                await self.until_idle(replica)  # no native wait: our own in-flight finish, then nothing to abort
                 await replica.backend.pause("abort")
             else:
                 await replica.backend.pause(mode)

@@ -221,8 +221,24 @@ class LoadBalancerSoak:
                 await asyncio.to_thread(self.haproxy.stop)
             await asyncio.gather(*(asyncio.to_thread(child.stop) for child in self.children))
             await asyncio.gather(*(asyncio.to_thread(sim.stop) for sim in self.sims))
+            self._print_gateway_warnings()  # shown with a failure (pytest keeps a passing test's output to itself)
         self.report.elapsed_s = time.monotonic() - started
         return self.report
+
+    def _print_gateway_warnings(self, most: int = 40) -> None:
+        """Each gateway's last warnings and errors (its log is in the test's tmp folder, gone from a CI run)."""
+        noise = ("streams cumulative events", "gateway.config.environment ignoring")
+        for i, child in enumerate(self.children):
+            lines = child.log.read_text(errors="replace").splitlines() if child.log.exists() else []
+            kept = [
+                line
+                for line in lines
+                if (" WARNING " in line or " ERROR " in line or line.startswith(("Traceback", "  File", "E ")))
+                and not any(n in line for n in noise)
+            ]
+            print(f"gateway-{i + 1}: last {min(most, len(kept))} of {len(kept)} warnings and errors")
+            for line in kept[-most:]:
+                print(f"  {line[:300]}")
 
     async def _run(self, haproxy: HAProxy) -> None:
         self.deadline = time.monotonic() + self.o.duration_s
