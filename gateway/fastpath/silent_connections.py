@@ -38,9 +38,6 @@ class SilentConnections:
         self._sweeps = 0
         self._pending: asyncio.TimerHandle | None = None
 
-    def __len__(self) -> int:
-        return len(self._since)
-
     def add(self, connection: Droppable, now: float) -> None:
         self._since[connection] = (now, self._sweeps)
 
