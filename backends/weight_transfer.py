@@ -16,7 +16,8 @@ engine's side (its process group with the trainer, then an update session) and f
 A group is kept across updates while its engine answers every health probe: one missed probe (the engine may have
 restarted, and holds no group then) or a failed opening forgets it, and the next transfer forms it again (the layout
 says `rendezvous`). SGLang would otherwise open an update session on a restarted engine without its group, and the
-commit label its initial weights with the new version.
+commit label its initial weights with the new version. A probe missed by an engine that did not restart costs one
+rendezvous more: initializing again replaces the engine's communicator (both engines).
 """
 
 from __future__ import annotations
