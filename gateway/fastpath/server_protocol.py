@@ -183,7 +183,7 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         limits = self.limits
         near_cap = self._near_cap()
         if near_cap:
-            self.silent.sweep_soon(self.loop, self._near_cap)  # not now: those silent may be unread yet
+            self.silent.sweep_soon(self.loop)  # not now: those silent may be unread yet
         if len(self.server_state.connections) - len(self.dropped) > limits.max_connections:
             longest_idle = next(iter(self.idle), None)
             if longest_idle is None or now - self.idle[longest_idle] < IDLE_GRACE_S:
@@ -283,7 +283,7 @@ class LimitedHttpToolsProtocol(GatewayHttpProtocol):
         now = self.loop.time()
         if not self._head_bytes:  # it never said anything: nobody to answer
             if self._near_cap():
-                self.silent.sweep_soon(self.loop, self._near_cap)  # and others silent as long
+                self.silent.sweep_soon(self.loop)  # and others silent as long
             self.drop()
         elif now < self._head_deadline:  # it spoke within the first byte's time near the cap
             self._head_timer = self.loop.call_at(self._head_deadline, self._head_timed_out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["Droppable", "SilentConnections"]
@@ -45,25 +44,22 @@ class SilentConnections:
         """It spoke, or it is gone."""
         self._since.pop(connection, None)
 
-    def sweep_soon(self, loop: asyncio.AbstractEventLoop, still_near_cap: Callable[[], bool]) -> None:
-        """Sweep in the next pass of the loop (once, however many ask), and from then on as the silent connections
-        fall due, while `still_near_cap()` holds."""
+    def sweep_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Sweep in the next pass of the loop (once, however many ask; the caller is near the cap now), and again in
+        the pass after while a connection silent long enough may be unread yet."""
         if self._pending is None:
-            self._pending = loop.call_at(loop.time(), self._sweep, loop, still_near_cap)
+            self._pending = loop.call_at(loop.time(), self._sweep, loop)
 
-    def _sweep(self, loop: asyncio.AbstractEventLoop, still_near_cap: Callable[[], bool]) -> None:
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         self._pending = None
         self._sweeps += 1
-        if not still_near_cap():
-            return
         connected_by, judged_by = loop.time() - self.timeout_s, self._sweeps - 2
         while self._since:
             oldest, (since, sweeps) = next(iter(self._since.items()))
-            if since > connected_by:  # the oldest is not due yet: again when it is
-                self._pending = loop.call_at(since + self.timeout_s, self._sweep, loop, still_near_cap)
+            if since > connected_by:  # the oldest is not due yet: the next connection, or cut, sweeps again
                 return
             if sweeps > judged_by:  # due, but its socket may be unread yet: again in the next pass
-                self._pending = loop.call_at(loop.time(), self._sweep, loop, still_near_cap)
+                self._pending = loop.call_at(loop.time(), self._sweep, loop)
                 return
             del self._since[oldest]
             oldest.drop()
