@@ -7,6 +7,7 @@ judged by the clock alone the connection would look silent. So no connection is 
 connects (that runs early in a pass, before the pass's reads); sweeps run from a timer, at most one per pass (one
 timer pending at a time), and a connection is judged only from the second sweep after it came: the first may run
 in the very pass that registered its socket for reading, the second runs in a later pass, whose reads came first.
+A sweep is asked for by a connection made near the cap or one cut there; there is no clock of its own.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ class Droppable(Protocol):
 class SilentConnections:
     """One server's silent connections, oldest first, each with when it came (loop time) and the sweeps run by
     then; `sweep_soon` closes those silent for `timeout_s` (see the module docstring)."""
-
-    # A pending sweep is left to run when it may have nothing to do (a timer of an idle server): cancelling and
-    # rescheduling it as connections come and go would cost more than the pass it takes.
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
