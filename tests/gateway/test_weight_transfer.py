@@ -62,6 +62,16 @@ async def until_healthy(http: httpx.AsyncClient, url: str, replica: str, healthy
             await asyncio.sleep(0.05)  # a poll's period, not synchronisation
 
 
+async def open_tensor_transfer(http: httpx.AsyncClient, url: str, version: int, engines: int) -> None:
+    """Begin an inline-tensor transfer of `version` through the gateway at `url`; return once the side of each of
+    its `engines` is open."""
+    body = {"version": version, "transfer": {"backend": "tensor"}}
+    begun = await http.post(f"{url}/admin/weights", json=body, headers=ADMIN)
+    assert begun.status_code == 202, begun.text
+    opened = (await http.get(f"{url}/admin/weights/{version}", params={"wait_s": 10}, headers=ADMIN)).json()
+    assert [e["state"] for e in opened["engines"]] == ["open"] * engines, opened
+
+
 async def generate(http: httpx.AsyncClient, url: str, n: int, session: str) -> dict[str, object]:
     response = await http.post(f"{url}/generate", json=generate_body(PROMPT, n, session_id=session))
     assert response.status_code == 200, response.text
@@ -243,12 +253,7 @@ async def test_a_commit_sent_to_another_gateway_is_relayed_to_the_one_holding_th
     sims = [await make_sim("sglang") for _ in range(2)]
     holder, other = await make_gateway(sims), await make_gateway(sims)
     assert (await publish(http, holder.url, 1)).status_code == 200
-    begun = await http.post(
-        f"{holder.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
-    )
-    assert begun.status_code == 202, begun.text
-    opened = (await http.get(f"{holder.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).json()
-    assert [e["state"] for e in opened["engines"]] == ["open", "open"]
+    await open_tensor_transfer(http, holder.url, 2, engines=2)
     for sim in sims:
         pushed = await http.post(
             f"{sim.url}/update_weights_from_tensor", json={"serialized_named_tensors": [inline("ckpt-2")]}
@@ -280,12 +285,7 @@ async def test_an_engine_killed_mid_transfer_is_held_out_and_comes_back_only_wit
         replicas = [survivor, ReplicaConfig(url=victim.url, backend="sim", dialect="sglang")]
         gw = await make_gateway(replicas)
         assert (await publish(http, gw.url, 1)).status_code == 200
-        begun = await http.post(
-            f"{gw.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
-        )
-        assert begun.status_code == 202, begun.text
-        opened = (await http.get(f"{gw.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).json()
-        assert [e["state"] for e in opened["engines"]] == ["open", "open"]
+        await open_tensor_transfer(http, gw.url, 2, engines=2)
         for url in (survivor.url, victim.url):
             tensors = {"serialized_named_tensors": [inline("ckpt-2")]}
             assert (await http.post(f"{url}/update_weights_from_tensor", json=tensors)).status_code == 200
