@@ -193,9 +193,11 @@ async def test_near_the_cap_a_request_that_came_during_a_slow_loop_pass_is_serve
     gw = await make_gateway([], fastpath=PART_ON, server=NEAR_CAP)
     loop = asyncio.get_running_loop()
     async with contextlib.AsyncExitStack() as stack, asyncio.timeout(10):
-        for _ in range(NEAR_CAP["max_connections"] // 2 - 2):  # with the two below: half the cap
+        silent = int(NEAR_CAP["max_connections"]) // 2 - 2  # with the two below: half the cap
+        for _ in range(silent):
             await stack.enter_async_context(connected(gw))
-        await asyncio.sleep(0.05)  # accepted
+        while len(gw.server.server_state.connections) < silent:  # until the gateway made them its own
+            await asyncio.sleep(0.01)  # a poll's period, not synchronisation
         talker = socket.create_connection(address(gw))
         talker.sendall(get("/health"))  # as it connects
         late: list[socket.socket] = []
