@@ -12,21 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import cast, get_args
 
 from backends.base import PauseMode
 from gateway.errors import StoreError, WeightsNotUpdated, WeightsUpdateTimedOut
-from gateway.store import Commit, Pausing, Serving, WeightsBus, WeightsRecord
+from gateway.store import Commit, Serving, WeightsBus, WeightsRecord
 from gateway.weights.report import UpdateReport
 
 __all__ = ["CommitRelay"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Relayed:
-    update: Pausing
-    result: Serving
 
 
 class CommitRelay:
@@ -50,8 +43,7 @@ class CommitRelay:
         update = await self.bus.update_under_way()
         if update is None or update.transfer != version or update.token is None:
             return None
-        relayed = _Relayed(update, await self._result(version, update.token))
-        return _report(version, relayed)
+        return _report(version, update.mode, await self._result(version, update.token))
 
     async def _result(self, version: int, token: str) -> Serving:
         result: asyncio.Future[Serving] = asyncio.get_running_loop().create_future()
@@ -86,8 +78,8 @@ def _as_result(record: WeightsRecord | None, version: int, token: str) -> Servin
     return Serving(version, record.source, status, record.updated, record.stale, token)
 
 
-def _report(version: int, relayed: _Relayed) -> UpdateReport:
-    result = relayed.result
+def _report(version: int, mode: str, result: Serving) -> UpdateReport:
+    """The holder's answer, as this process answers it: the report, or the holder's failure raised."""
     if result.status == "failed" or result.version != version:
         serving = f"version {result.version} serves" if result.version is not None else "no version is recorded"
         raise WeightsNotUpdated(
@@ -95,5 +87,5 @@ def _report(version: int, relayed: _Relayed) -> UpdateReport:
             f"on no replica; {serving} (stale: {list(result.stale)}; that process's log names each replica's error)",
             {"version": result.version, "requested_version": version, "status": "failed", "stale": list(result.stale)},
         )
-    mode = cast(PauseMode, relayed.update.mode if relayed.update.mode in get_args(PauseMode) else "abort")
-    return UpdateReport(version, mode, updated=list(result.updated), stale=list(result.stale))
+    pause_mode = cast(PauseMode, mode if mode in get_args(PauseMode) else "abort")
+    return UpdateReport(version, pause_mode, updated=list(result.updated), stale=list(result.stale))
