@@ -12,6 +12,8 @@ GatewayError                      base of every error the gateway raises on purp
 ├── SampleStale                   410: the turn would extend a sample cut for staleness (code `sample_stale`)
 ├── Overloaded                    429: backpressure; carries `retry_after_s`
 ├── CutForStaleness               a segment in flight whose sample the budget passed ends "stale" (never answered)
+├── EngineAhead                   a segment whose first token came from weights newer than its salt is redone (never
+│                                  answered)
 ├── BackendError                  an engine replica misbehaved
 │   ├── BackendUnavailable        503: connection refused/reset, replica down or paused-and-rejecting
 │   │   └── ReplicaWentDown       503: the pool took the replica out while it generated (resumed elsewhere)
@@ -89,6 +91,19 @@ class CutForStaleness(GatewayError):
     """A segment in flight whose sample's first token fell behind the staleness budget while it ran on through a
     weight update that kept it (a `keep` pause): the generator ends it with its tokens so far and finish reason
     "stale" (`Generator.cut_behind`). Handled there; no client ever gets it."""
+
+
+class EngineAhead(GatewayError):
+    """A segment's engine labelled its first token with a newer weight version than the one its request was
+    dispatched and cache-salted for: this process had not heard of that update (a missed `serving` event, a start
+    while Redis was away), and the engine may have reused prefix KV its old salt cached under the old weights. The
+    generator drops the segment before any of its tokens is handed out, has the replica's weights checked and
+    resumes it under the new salt (`Generator._engine_ahead`). Handled there; no client ever gets it."""
+
+    def __init__(self, message: str, *, replica: str, version: int) -> None:
+        super().__init__(message)
+        self.replica = replica
+        self.version = version
 
 
 class SampleStale(GatewayError):
@@ -193,6 +208,7 @@ __all__ = [
     "ConfigError",
     "Conflict",
     "CutForStaleness",
+    "EngineAhead",
     "EngineLaunchError",
     "EngineNotInstalled",
     "Forbidden",

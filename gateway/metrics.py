@@ -188,11 +188,13 @@ class _LiveCollector:
         )
         cut = CounterMetricFamily(
             f"{PREFIX}_segments_cut",
-            "Segments the gateway cut: replica taken out (probe, circuit) or stalled (generation.stall_timeout_s).",
+            "Segments the gateway cut: replica taken out (probe, circuit), stalled (generation.stall_timeout_s), or "
+            "begun under newer weights than this process knew of (engine_ahead).",
             labels=["cause"],
         )
         cut.add_metric(["replica_out"], src.generator.interrupted_total)
         cut.add_metric(["stalled"], src.generator.stalled_total)
+        cut.add_metric(["engine_ahead"], src.generator.engine_ahead_total)
         yield cut
         yield GaugeMetricFamily(f"{PREFIX}_weight_version", "Weight version the pool serves.", src.weights.version)
         yield GaugeMetricFamily(

@@ -3,7 +3,8 @@
 Engines label what they sample with the weight version that sampled it: one label on a chunk
 (`Chunk.weight_version`) or spans of labels (`Chunk.version_spans`), often only on a segment's last chunk (vLLM).
 A segment is dispatched under the version its replica is known to run (`gateway.weights.version_labels`); these
-helpers turn the labels into one version per token, and tell when a replica sampled under older weights than that.
+helpers turn the labels into one version per token, and tell when a replica sampled under older weights than that,
+or began a segment under newer ones.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from backends.base import Chunk, VersionSpan, spans_to_versions
 from gateway.errors import InvalidRequest
 from gateway.weights import parse_version
 
-__all__ = ["stale_version", "token_versions"]
+__all__ = ["newer_first_version", "stale_version", "token_versions"]
 
 
 def stale_version(chunk: Chunk, dispatch_labels: Collection[str], dispatch_version: int) -> int | None:
@@ -35,6 +36,29 @@ def stale_version(chunk: Chunk, dispatch_labels: Collection[str], dispatch_versi
     known = [v for v in map(_version_or_none, labels) if v is not None]
     oldest = min(known, default=None)
     return oldest if oldest is not None and oldest < dispatch_version else None
+
+
+def newer_first_version(
+    chunk: Chunk, dispatch_labels: Collection[str], dispatch_version: int, *, first: bool
+) -> int | None:
+    """The version `chunk` says the segment's first token was sampled under, where that is newer than
+    `dispatch_version` (labelled `dispatch_labels`); else None. `first`: `chunk` carries the segment's first tokens, so
+    its label is theirs; otherwise only a span that starts at the segment's first token says it.
+
+    A segment's request is salted for the version it was dispatched under: a first token under a newer one was
+    sampled by weights this process had not heard of then, over prefix KV the engine may have cached under the old
+    ones (`Generator` refuses it)."""
+    spans = chunk.version_spans
+    if spans and spans[0].start <= 0:
+        label: str | None = spans[0].version
+    elif first:
+        label = chunk.weight_version
+    else:
+        return None
+    if label is None or label in dispatch_labels:
+        return None
+    version = _version_or_none(label)
+    return version if version is not None and version > dispatch_version else None
 
 
 def token_versions(

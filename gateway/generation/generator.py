@@ -28,7 +28,7 @@ import numpy as np
 from backends.base import Chunk, VersionSpan
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
-from gateway.errors import CutForStaleness, DeadlinePassed, ReplicaStalled, ReplicaWentDown
+from gateway.errors import CutForStaleness, DeadlinePassed, EngineAhead, ReplicaStalled, ReplicaWentDown
 from gateway.generation.request import (
     STALE,
     Delta,
@@ -40,7 +40,7 @@ from gateway.generation.request import (
 from gateway.generation.stale_cut import first_version, log_cut
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
-from gateway.token_versions import stale_version, token_versions
+from gateway.token_versions import newer_first_version, stale_version, token_versions
 from gateway.weights.labels import cache_salt, version_label, version_labels
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,12 @@ class StalenessCheck(Protocol):
 class _SegmentRun:
     """Mutable bookkeeping of the segment in flight."""
 
-    def __init__(self, replica: Replica, start: int, dispatch_version: int) -> None:
+    def __init__(self, replica: Replica, start: int, dispatch_version: int, salted: bool) -> None:
         self.replica = replica
         self.start = start
         self.dispatch_version = dispatch_version
+        self.salted = salted  # its request carries the prefix-cache salt of `dispatch_version`
+        self.newer: int | None = None  # the newer version its engine labelled its first token with
         self.dispatch_label = version_label(dispatch_version)  # what engines label this version's tokens with
         self.dispatch_labels = version_labels(dispatch_version)  # ... and what else they may label them with
         self.finish: str | None = None
@@ -147,6 +149,7 @@ class Generator:
         self.preemptions_total = 0
         self.interrupted_total = 0  # segments cut because the pool took their replica out
         self.stalled_total = 0  # streamed segments cut by the stall timeout
+        self.engine_ahead_total = 0  # segments whose engine ran newer weights than they were salted for
         self.prompt_tokens_total = 0  # per generation (n choices count n times); resumes do not recount
         self.completion_tokens_total = 0  # tokens handed to callers
         self._aborts: set[asyncio.Task[None]] = set()
@@ -188,6 +191,8 @@ class Generator:
                 except CutForStaleness:
                     state.finish_reason = STALE  # `cut_behind`: its sample fell behind while it ran on
                     self._count_cut(request, state)
+                except EngineAhead:
+                    pass  # nothing of it was handed out: resumed under the new salt, as after a preemption
                 except BackendError as exc:
                     self._on_failure(run.replica, exc, state)  # re-raises what no other try can mend
                     failed = True
@@ -195,6 +200,8 @@ class Generator:
                     # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
                     # token it produced gets its version: a cut turn is recorded with aligned arrays.
                     self._close_segment(state, run)
+                if run.newer is not None:
+                    await self._engine_ahead(request, run)
                 if state.finish_reason is None:
                     await self._between(request, state, run, resume, failed=failed)
                     if await self._beyond_budget(request, state, resume):
@@ -249,7 +256,7 @@ class Generator:
             call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
         self.pool.sent(replica, request.prompt_ids)  # what `cache_aware` expects the replica's prefix cache to hold
         dispatch_version = replica.version if replica.version is not None else self.weights.version
-        run = _SegmentRun(replica, len(state.output_ids), dispatch_version)
+        run = _SegmentRun(replica, len(state.output_ids), dispatch_version, call.salt is not None)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
         return run, call
 
@@ -455,10 +462,12 @@ class Generator:
             return ours
         return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
 
-    def _check_engine_version(self, run: _SegmentRun, chunk: Chunk) -> None:
+    def _check_engine_version(self, state: GenerationState, run: _SegmentRun, chunk: Chunk) -> None:
         """Refuse tokens sampled under weights older than the replica is known to run (`stale_version`): that chunk
         is dropped, the replica taken out (the health loop re-admits it only once it runs the current version) and
-        the request resumes elsewhere."""
+        the request resumes elsewhere. Refuse a salted segment whose first token came from newer weights
+        (`newer_first_version`, `EngineAhead`) where nothing of it was handed out yet; where it was (a vLLM stream
+        labels only its last chunk) the segment stands, as a request kept through that update's pause would."""
         oldest = stale_version(chunk, run.dispatch_labels, run.dispatch_version)
         if oldest is not None:
             # Engines that label only their last chunk (vLLM) have streamed the segment's earlier tokens by then:
@@ -471,11 +480,49 @@ class Generator:
                 replica=run.replica.id,
                 code="stale_weights",
             )
+        self._check_newer(state, run, chunk)
+
+    def _check_newer(self, state: GenerationState, run: _SegmentRun, chunk: Chunk) -> None:
+        if not run.salted or run.newer is not None:
+            return
+        first = len(state.output_ids) == run.start  # nothing of the segment was absorbed (nor handed out) yet
+        newer = newer_first_version(chunk, run.dispatch_labels, run.dispatch_version, first=first)
+        weights = self.weights
+        if newer is None or not weights.serving or newer <= weights.version:
+            # This process knows of that update: the request reached its engine before the update's pause and was
+            # kept through it (a `keep` update keeps a request's KV, its salt's prefix included).
+            return
+        run.newer = newer
+        if first:
+            raise EngineAhead(
+                f"replica {run.replica.id} sampled under weight version {newer}, newer than the {run.dispatch_version} "
+                "this request was salted for",
+                replica=run.replica.id,
+                version=newer,
+            )
+
+    async def _engine_ahead(self, request: GenerationRequest, run: _SegmentRun) -> None:
+        """A replica began a segment under newer weights than this process dispatched it for (`EngineAhead`): it
+        missed that update's result. Have the replica's weights checked now rather than at its next health probe
+        (`ReplicaPool.check_weights`: the recorded version adopted, else the replica held out), so that no other
+        request goes to it salted for the old version."""
+        self.engine_ahead_total += 1
+        replica = run.replica
+        logger.warning(
+            "request %s: replica %s began a segment under weight version %d; it was dispatched for %d (an update "
+            "this process missed): checking the replica's weights",
+            request.request_id,
+            replica.id,
+            run.newer,
+            run.dispatch_version,
+            extra={"session_id": request.session_id, "replica": replica.id, "version": run.newer},
+        )
+        await self.pool.check_weights(replica.engine)
 
     def _absorb(
         self, state: GenerationState, run: _SegmentRun, chunk: Chunk, request: GenerationRequest
     ) -> Delta | None:
-        self._check_engine_version(run, chunk)
+        self._check_engine_version(state, run, chunk)
         if chunk.weight_version is not None:
             run.weight_version = chunk.weight_version
         if chunk.version_spans is not None:

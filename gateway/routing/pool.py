@@ -338,6 +338,12 @@ class ReplicaPool:
             for engine in self.engines():
                 group.create_task(self._probe(engine))
 
+    async def check_weights(self, engine: Engine) -> None:
+        """Run a probe's weights check (`on_probe`) on `engine` now: its answer was labelled with other weights than
+        the pool thinks it runs."""
+        if self.on_probe is not None:
+            await self.on_probe(engine)
+
     async def _probe(self, engine: Engine) -> None:
         """One failed probe stops new requests going to the engine; the second in a row also cuts its requests in
         flight (`take_out`): an engine that is busy for a moment (a pause, a weight load, a long prefill) misses

@@ -11,15 +11,29 @@ keeps the flush, and with it the preemptions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from backends.sim.engine import EngineSettings
-from gateway.config import ReplicaConfig
+from backends.sim.server import SimReplica
+from gateway.config import ReplicaConfig, Settings
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.server import RunningGateway, serve_gateway
 from gateway.weights import cache_salt
-from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish, slow, streams_under_way
+from tests.conftest import ADMIN_TOKEN, GatewayFactory, SimFactory
+from tests.gateway_helpers import (
+    PROMPT,
+    expected_tokens,
+    generate_body,
+    publish,
+    slow,
+    stream_generate,
+    streams_under_way,
+    weights_of,
+)
 from tests.sim_helpers import wait_for
 
 STREAMS = 8
@@ -160,3 +174,67 @@ async def test_an_abort_or_wait_update_still_flushes_for_requests_that_reached_t
     assert (await update).status_code == 200
     answer = (await queued).json()
     assert answer["output_ids"] == expected_tokens(BLOCKS_PROMPT, [1] * 4, 4)
+
+
+@contextlib.asynccontextmanager
+async def on_a_redis_of_its_own(sim: SimReplica) -> AsyncIterator[RunningGateway]:
+    """A gateway over `sim` that hears no other gateway's updates (its own Redis server), and probes its replica's
+    health only every 30 s: what it learns of a weight update between, it learns from its requests."""
+    redis = EmbeddedRedis()
+    await redis.astart()
+    try:
+        settings = Settings(
+            server={"port": 0, "admin_token": ADMIN_TOKEN},
+            redis={"url": redis.url},
+            replicas=[ReplicaConfig(url=sim.url, backend="sim", dialect=sim.dialect)],
+            routing={"health_interval_s": 30},
+        )
+        async with serve_gateway(settings) as gateway:
+            yield gateway
+    finally:
+        await redis.astop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("dialect", ["vllm", "sglang"])
+async def test_a_process_that_missed_a_keep_update_redoes_a_segment_begun_under_the_new_weights(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, dialect: str, stream: bool
+) -> None:
+    """A second gateway over the same replica on another Redis never hears the first's updates, as a process whose
+    subscription was down when one ended (its result is in its Redis: the event was missed, not the record). Its
+    first request caches the prompt under version 0's salt; after a `keep` update through the first gateway (no
+    flush), its next one goes salted for version 0 to a replica that runs version 1, and would reuse version 0's
+    KV under version 1's weights (tokens no version draws). The engine labels its first token 1. Where that label
+    comes before any token is handed out (a whole answer; SGLang labels every chunk), the segment is refused, the
+    process adopts the recorded version and redoes it under version 1's salt: version 1's tokens. Where it comes
+    with the last chunk (a vLLM stream) the tokens stand, as a request kept through the update's pause would; the
+    process catches up all the same, at once, not at its next health probe 30 s later."""
+    sim = await make_sim(dialect)
+    leader = await make_gateway([sim])
+    refused = not stream or dialect == "sglang"
+    async with on_a_redis_of_its_own(sim) as lagging:
+
+        async def generate() -> dict[str, object]:
+            body = generate_body(BLOCKS_PROMPT, 8, session_id="lag")
+            if stream:
+                streamed = await stream_generate(http, lagging.url, body)
+                assert streamed.error is None, streamed.error
+                return {"output_ids": streamed.output_ids} | streamed.final
+            response = await http.post(f"{lagging.url}/generate", json=body)
+            assert response.status_code == 200, response.text
+            return dict(response.json())
+
+        assert (await generate())["output_ids"] == expected_tokens(BLOCKS_PROMPT, [0] * 8, 8)
+        assert (await publish(http, leader.url, 1, mode="keep")).status_code == 200
+        weights = lagging.services.weights
+        [replica] = lagging.services.pool.engines()
+        assert weights.bus is not None
+        await weights.bus.record(1, "serving", weights_of(1)[0], [replica.id], [])  # its `serving` event missed
+        after = await generate()
+        assert after["versions"] == [1] * 8
+        assert weights.version == 1 and replica.version == 1 and not replica.stale
+        assert lagging.services.generator.engine_ahead_total == 1
+        if refused:
+            assert after["output_ids"] == expected_tokens(BLOCKS_PROMPT, [1] * 8, 8)
+        again = await generate()
+        assert again["output_ids"] == expected_tokens(BLOCKS_PROMPT, [1] * 8, 8) and again["versions"] == [1] * 8
