@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from backends.base import Chunk, VersionSpan
+from backends.base import Chunk
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
 from backends.routed_experts import ExpertArray
 from gateway.errors import CutForStaleness, DeadlinePassed, EngineAhead, ReplicaStalled, ReplicaWentDown
@@ -35,13 +35,13 @@ from gateway.generation.request import (
     GenerationRequest,
     GenerationSettings,
     GenerationState,
-    Segment,
 )
+from gateway.generation.segment_run import SegmentRun, close_segment
 from gateway.generation.stale_cut import first_version, log_cut
 from gateway.routing import Replica, ReplicaPool
 from gateway.routing.segment_watch import SegmentWatch
-from gateway.token_versions import newer_first_version, stale_version, token_versions
-from gateway.weights.labels import cache_salt, version_label, version_labels
+from gateway.token_versions import newer_first_version, stale_version
+from gateway.weights.labels import cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -73,26 +73,6 @@ class StalenessCheck(Protocol):
     async def stale_before(self) -> int | None: ...
 
     def count_cut(self) -> None: ...
-
-
-class _SegmentRun:
-    """Mutable bookkeeping of the segment in flight."""
-
-    def __init__(self, replica: Replica, start: int, dispatch_version: int, salted: bool) -> None:
-        self.replica = replica
-        self.start = start
-        self.dispatch_version = dispatch_version
-        self.salted = salted  # its request carries the prefix-cache salt of `dispatch_version`
-        self.newer: int | None = None  # the newer version its engine labelled its first token with
-        self.dispatch_label = version_label(dispatch_version)  # what engines label this version's tokens with
-        self.dispatch_labels = version_labels(dispatch_version)  # ... and what else they may label them with
-        self.finish: str | None = None
-        self.stop_reason: int | str | None = None
-        self.spans: list[VersionSpan] | None = None
-        self.experts: ExpertArray | None = None
-        self.weight_version: str | None = None
-        self.interrupted_at: float | None = None  # monotonic time the previous segment broke off (resume latency)
-        self.preempted_at: float | None = None  # the same, when a weight update aborted it (dispatch latency)
 
 
 @dataclass(slots=True)
@@ -199,7 +179,7 @@ class Generator:
                 finally:
                     # However the segment ended (cancelled caller, shutdown, a non-retryable error included), every
                     # token it produced gets its version: a cut turn is recorded with aligned arrays.
-                    self._close_segment(state, run)
+                    close_segment(state, run, self.settings.routed_experts)
                 if run.newer is not None:
                     await self._engine_ahead(request, run)
                 if state.finish_reason is None:
@@ -223,7 +203,7 @@ class Generator:
 
     def _start(
         self, request: GenerationRequest, state: GenerationState, resume: _Resume
-    ) -> tuple[_SegmentRun, _EngineCall] | None:
+    ) -> tuple[SegmentRun, _EngineCall] | None:
         """The next segment (its replica placed, its engine request built) if it can start at once, else None
         (`_start_after_wait`): a plain function, as most segments start without waiting for anything."""
         if not self.weights.serving or resume.avoid:
@@ -233,7 +213,7 @@ class Generator:
 
     async def _start_after_wait(
         self, request: GenerationRequest, state: GenerationState, resume: _Resume
-    ) -> tuple[_SegmentRun, _EngineCall]:
+    ) -> tuple[SegmentRun, _EngineCall]:
         """The next segment, once the weights serve and a replica (other than the one that just failed) is free."""
         if not self.weights.serving:
             await self._until_serving(resume.deadline)
@@ -246,7 +226,7 @@ class Generator:
 
     def _start_on(
         self, replica: Replica, request: GenerationRequest, state: GenerationState, resume: _Resume
-    ) -> tuple[_SegmentRun, _EngineCall]:
+    ) -> tuple[SegmentRun, _EngineCall]:
         """The next segment on `replica`: the continuation built ahead for it during a weight update, or a new call."""
         remaining = request.sampling.max_tokens - len(state.output_ids)
         ahead, resume.ahead = resume.ahead, None
@@ -256,7 +236,7 @@ class Generator:
             call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
         self.pool.sent(replica, request.prompt_ids)  # what `cache_aware` expects the replica's prefix cache to hold
         dispatch_version = replica.version if replica.version is not None else self.weights.version
-        run = _SegmentRun(replica, len(state.output_ids), dispatch_version, call.salt is not None)
+        run = SegmentRun(replica, len(state.output_ids), dispatch_version, call.salt is not None)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
         return run, call
 
@@ -264,7 +244,7 @@ class Generator:
         self,
         request: GenerationRequest,
         state: GenerationState,
-        run: _SegmentRun,
+        run: SegmentRun,
         resume: _Resume,
         *,
         failed: bool,
@@ -365,7 +345,7 @@ class Generator:
         return cache_salt(version)
 
     async def _segment(
-        self, request: GenerationRequest, state: GenerationState, run: _SegmentRun, call: _EngineCall, deadline: float
+        self, request: GenerationRequest, state: GenerationState, run: SegmentRun, call: _EngineCall, deadline: float
     ) -> AsyncIterator[Delta]:
         """One segment: the engine answer's chunks absorbed into `state`, the caller's new tokens yielded. The request's
         `deadline` (loop time) went with the answer: its transport's own timer enforces it, streamed or whole."""
@@ -417,13 +397,13 @@ class Generator:
         weights = self.weights
         return weights.released_at if weights.serving else None
 
-    def _deadline_passed(self, run: _SegmentRun) -> DeadlinePassed:
+    def _deadline_passed(self, run: SegmentRun) -> DeadlinePassed:
         return DeadlinePassed(
             f"request deadline of {self.settings.request_timeout_s:g}s passed (generation.request_timeout_s)",
             replica=run.replica.id,
         )
 
-    def _count(self, run: _SegmentRun, delta: Delta, *, observe: bool) -> None:
+    def _count(self, run: SegmentRun, delta: Delta, *, observe: bool) -> None:
         """Tokens handed to the caller; the first of a continuation reports its resume latency."""
         if run.interrupted_at is not None:
             self._resumed(run, observe=observe)
@@ -446,7 +426,7 @@ class Generator:
         if self.on_dispatch is not None:
             self.on_dispatch(time.monotonic() - max(preempted_at, self.weights.released_at))
 
-    def _resumed(self, run: _SegmentRun, observe: bool) -> None:
+    def _resumed(self, run: SegmentRun, observe: bool) -> None:
         """The first token of a continuation arrived: report how long the caller waited for it (`observe`: the
         continuation streams, so this is its first token and not the whole answer)."""
         started, run.interrupted_at = run.interrupted_at, None
@@ -462,7 +442,7 @@ class Generator:
             return ours
         return np.concatenate([request.routed_experts, ours.astype(request.routed_experts.dtype)])
 
-    def _check_engine_version(self, state: GenerationState, run: _SegmentRun, chunk: Chunk) -> None:
+    def _check_engine_version(self, state: GenerationState, run: SegmentRun, chunk: Chunk) -> None:
         """Refuse tokens sampled under weights older than the replica is known to run (`stale_version`): that chunk
         is dropped, the replica taken out (the health loop re-admits it only once it runs the current version) and
         the request resumes elsewhere. Refuse a salted segment whose first token came from newer weights
@@ -482,7 +462,7 @@ class Generator:
             )
         self._check_newer(state, run, chunk)
 
-    def _check_newer(self, state: GenerationState, run: _SegmentRun, chunk: Chunk) -> None:
+    def _check_newer(self, state: GenerationState, run: SegmentRun, chunk: Chunk) -> None:
         if not run.salted or run.newer is not None:
             return
         first = len(state.output_ids) == run.start  # nothing of the segment was absorbed (nor handed out) yet
@@ -501,7 +481,7 @@ class Generator:
                 version=newer,
             )
 
-    async def _engine_ahead(self, request: GenerationRequest, run: _SegmentRun) -> None:
+    async def _engine_ahead(self, request: GenerationRequest, run: SegmentRun) -> None:
         """A replica began a segment under newer weights than this process dispatched it for (`EngineAhead`): it
         missed that update's result. Have the replica's weights checked now rather than at its next health probe
         (`ReplicaPool.check_weights`: the recorded version adopted, else the replica held out), so that no other
@@ -520,7 +500,7 @@ class Generator:
         await self.pool.check_weights(replica.engine)
 
     def _absorb(
-        self, state: GenerationState, run: _SegmentRun, chunk: Chunk, request: GenerationRequest
+        self, state: GenerationState, run: SegmentRun, chunk: Chunk, request: GenerationRequest
     ) -> Delta | None:
         self._check_engine_version(state, run, chunk)
         if chunk.weight_version is not None:
@@ -546,47 +526,6 @@ class Generator:
         if tops:
             state.top_logprobs.extend(tops)
         return Delta(ids, logprobs, tops)
-
-    def _close_segment(self, state: GenerationState, run: _SegmentRun) -> None:
-        count = len(state.output_ids) - run.start
-        versions = token_versions(run.spans, count, run.weight_version, run.dispatch_label, run.dispatch_version)
-        if versions and state.versions and versions[0] < state.versions[-1]:
-            # The coordinator never lets this happen (stale replicas serve nothing); record the truth, loudly.
-            logger.error(
-                "request %s: version went back from %d to %d on replica %s",
-                state.request.request_id,
-                state.versions[-1],
-                versions[0],
-                run.replica.id,
-                extra={"session_id": state.request.session_id, "replica": run.replica.id, "version": versions[0]},
-            )
-        state.versions.extend(versions)
-        state.segments.append(Segment(run.replica.id, run.start, len(state.output_ids), run.finish))
-        self._merge_experts(state, run, count)
-        if run.finish in ("stop", "length"):
-            state.finish_reason = run.finish
-            state.stop_reason = run.stop_reason
-
-    def _merge_experts(self, state: GenerationState, run: _SegmentRun, count: int) -> None:
-        if not state.request.want_routed_experts:
-            return
-        new = run.experts
-        if self.settings.routed_experts == "replace" or run.start == 0:
-            if new is not None:
-                state.routed_experts = new
-                state.routed_experts_start = (
-                    0 if self.settings.routed_experts == "replace" else state.request.experts_start
-                )
-            elif count:
-                state.routed_experts_complete = False
-            return
-        if count == 0:
-            return  # an empty tail: the continuation produced nothing, the accumulated experts stand
-        if new is None or state.routed_experts is None:
-            state.routed_experts_complete = False
-            return
-        # The continuation reports positions [len(prompt+earlier output) - 1, ...): exactly the new ones.
-        state.routed_experts = np.concatenate([state.routed_experts, new.astype(state.routed_experts.dtype)])
 
     async def _prepare_resume(self, state: GenerationState, failed: bool) -> None:
         state.num_resumes += 1

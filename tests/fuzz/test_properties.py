@@ -19,15 +19,15 @@ from backends.factory import create_backend
 from gateway.api.json_answer import model_json
 from gateway.assets import TINY_TOKENIZER_DIR
 from gateway.errors import InvalidRequest
-from gateway.generation import GenerationRequest, GenerationSettings, GenerationState, Generator
-from gateway.generation.generator import _SegmentRun
-from gateway.routing import Engine, Replica, ReplicaPool
+from gateway.generation import GenerationRequest, GenerationState
+from gateway.generation.segment_run import SegmentRun, close_segment
+from gateway.routing import Engine, Replica
 from gateway.tokenization import ChatTokenizer
 from gateway.tokenization.token_ids import first_outside
 from gateway.trajectory import ENV_VERSION, Sample, SampleSegment, SessionMeta, TrajectoryFormatError
 from gateway.turns.prompts import PromptEncoder, conversation_texts
 from gateway.turns.request import Conversation
-from gateway.weights import WeightCoordinator, parse_version, version_label
+from gateway.weights import parse_version, version_label
 
 LAYERS, TOP_K = 2, 3
 
@@ -57,8 +57,6 @@ def test_resume_merge_keeps_every_token_once_with_its_experts(
     concatenation, versions follow the segments, and with `splice` every position keeps the experts reported by
     the first segment that ran it (the continuation contributes only new positions)."""
     experts_start = min(experts_start, prompt_len - 1)
-    pool = ReplicaPool()
-    generator = Generator(pool, WeightCoordinator(pool), GenerationSettings(routed_experts=policy))  # type: ignore[arg-type]
     request = GenerationRequest(
         "req", list(range(prompt_len)), SamplingParams(max_tokens=sum(counts) + 1), want_routed_experts=True
     )
@@ -66,7 +64,7 @@ def test_resume_merge_keeps_every_token_once_with_its_experts(
     state = GenerationState(request)
     owner: dict[int, int] = {}
     for segment, count in enumerate(counts):
-        run = _SegmentRun(replica, len(state.output_ids), dispatch_version=segment)
+        run = SegmentRun(replica, len(state.output_ids), dispatch_version=segment, salted=False)
         before = prompt_len + len(state.output_ids)
         first = run.start == 0
         start = (request.experts_start if first else before - 1) if policy == "splice" else 0
@@ -77,7 +75,7 @@ def test_resume_merge_keeps_every_token_once_with_its_experts(
                 owner.setdefault(p, segment) if policy == "splice" else owner.__setitem__(p, segment)
         state.output_ids += [segment] * count
         state.logprobs += [-1.0] * count
-        generator._close_segment(state, run)
+        close_segment(state, run, policy)  # type: ignore[arg-type]
     total = sum(counts)
     assert state.output_ids == [s for s, c in enumerate(counts) for _ in range(c)]
     assert state.versions == state.output_ids  # each token carries the version of its segment
@@ -109,27 +107,23 @@ def test_a_segments_versions_follow_its_engine_labels(
 ) -> None:
     """Every token of a segment gets the version its engine labelled it with: the spans', else the segment's label,
     else the version it was dispatched under, whatever the spans cover (the one-label shortcut included)."""
-    pool = ReplicaPool()
-    generator = Generator(pool, WeightCoordinator(pool))
     state = GenerationState(GenerationRequest("req", [1], SamplingParams(max_tokens=count + 1)))
-    run = _SegmentRun(replica, 0, dispatch_version=dispatch)
+    run = SegmentRun(replica, 0, dispatch_version=dispatch, salted=False)
     run.weight_version = label
     run.spans = None if spans is None else [VersionSpan(v, start, end) for v, start, end in spans]
     state.output_ids += [7] * count
     state.logprobs += [-1.0] * count
-    generator._close_segment(state, run)
+    close_segment(state, run, "splice")
     labels = spans_to_versions(run.spans or (), count, label or version_label(dispatch))
     assert state.versions == [parse_version(each) for each in labels]
 
 
 def test_a_segment_that_produced_nothing_parses_no_label(replica: Replica) -> None:
     """An engine label that is no gateway version labels nothing when the segment has no tokens: no error."""
-    pool = ReplicaPool()
-    generator = Generator(pool, WeightCoordinator(pool))
     state = GenerationState(GenerationRequest("req", [1], SamplingParams(max_tokens=4)))
-    run = _SegmentRun(replica, 0, dispatch_version=1)
+    run = SegmentRun(replica, 0, dispatch_version=1, salted=False)
     run.weight_version = "not-a-version"
-    generator._close_segment(state, run)
+    close_segment(state, run, "splice")
     assert state.versions == [] and [(s.start, s.end) for s in state.segments] == [(0, 0)]
 
 
