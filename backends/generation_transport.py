@@ -110,6 +110,7 @@ class _AiohttpStreamed:
         self._response = await owner.session().post(
             owner.prefix + self._path, data=self._body, headers=self._headers, timeout=owner.stream_timeout
         )
+        self._body = b""  # sent: not held for the answer's length
         self.status = self._response.status
         owner.streaming.add(self._response)
         return self

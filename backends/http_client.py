@@ -196,7 +196,11 @@ def answer_batches(
 
     `deadline` (loop time) bounds the request in both modes, on the transport's own timer: passing it raises
     `BackendTimeout`. `latest_only` applies to a stream only; `first_event` rewrites a whole answer's bytes too.
-    `headers`: extra request headers (vLLM's data-parallel rank)."""
+    `headers`: extra request headers (vLLM's data-parallel rank).
+
+    `body` is let go of once it is sent, not held for the answer's length (a body that replays routed experts is
+    hundreds of KB, and thousands of answers may be under way): a caller that keeps no reference of its own frees it
+    then."""
     if stream:
         return sse_batches(client, replica, path, body, latest_only, first_event, deadline, headers=headers)
     return _whole_batch(client, replica, path, body, deadline, first_event, headers)
@@ -211,7 +215,9 @@ async def _whole_batch(
     first_event: Callable[[bytes], bytes] | None,
     headers: Mapping[str, str] | None,
 ) -> AsyncGenerator[list[Any], None]:
-    yield [await post_for_whole_answer(client, replica, path, body, deadline, first_event=first_event, headers=headers)]
+    answer = post_for_whole_answer(client, replica, path, body, deadline, first_event=first_event, headers=headers)
+    del body  # the request holds it until it is sent
+    yield [await answer]
 
 
 async def post_for_whole_answer(
@@ -230,7 +236,9 @@ async def post_for_whole_answer(
     stream's first event); `headers`, if given, go with the request. Failures and non-2xx answers raise the matching
     `BackendError` (`BackendTimeout` for either limit); a cancelled caller closes the connection (the engine aborts)."""
     with translate_errors(replica):  # a closed client's pool refuses: `BackendUnavailable`
-        status, content = await client.generation_pool.post(path, body, deadline, headers)
+        reply = client.generation_pool.post(path, body, deadline, headers)
+        del body  # the pool holds it until it is sent
+        status, content = await reply
         raise_for_status(replica, status, content)
         if first_event is not None:
             content = first_event(content)
@@ -355,6 +363,7 @@ async def sse_batches(
     try:
         with translate_errors(replica):
             async with client.generation_pool.stream(path, body, headers) as answer:
+                del body  # sent: not held for the answer's length
                 if answer.status >= 300:
                     raise_for_status(replica, answer.status, await answer.read_all())
                 events = _EventDecoder(latest_only, first_event)

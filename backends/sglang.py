@@ -145,6 +145,7 @@ class SglangBackend(HttpEngineBackend):
         batches = answer_batches(
             self._client, self.id, GENERATE, body, stream=streamed, deadline=deadline, latest_only=latest_only
         )
+        del body  # the transport holds it until it is sent, and no longer (see `answer_batches`)
         async with contextlib.aclosing(batches):
             async for events in batches:
                 deltas: list[Chunk] = []

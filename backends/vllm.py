@@ -298,6 +298,7 @@ class VllmBackend(HttpEngineBackend):
             first_event=without_prompt_echo,
             headers=answer.headers,
         )
+        del body  # the transport holds it until it is sent, and no longer (see `answer_batches`)
         async with contextlib.aclosing(batches):
             async for events in batches:
                 deltas: list[Chunk] = []

@@ -289,6 +289,7 @@ class StreamedAnswer:
     async def __aenter__(self) -> StreamedAnswer:
         pool = self._pool
         request = pool.request(self._path, self._body, self._headers)
+        self._body = b""  # not held for the answer's length
         connection = self._connection = await pool.acquire()
         try:
             self.status = await connection.send_streamed(request)
@@ -362,12 +363,14 @@ class KeepAlivePool:
         answer. It must be complete within the read timeout and, if given, by `deadline` (loop time), else
         `TimeoutError`."""
         request = self.request(path, body) if headers is None else self.request(path, body, _header_lines(headers))
+        del body  # neither is held for the answer's length
         connection = self._idle_connection()  # most requests find one idle: no coroutine of `acquire` for them
         if connection is None:
             connection = await self.acquire()
         loop = asyncio.get_running_loop()
         read_until = loop.time() + self.read_timeout_s
         answer = connection.send_whole(request, read_until if deadline is None else min(deadline, read_until), loop)
+        del request
         try:
             status, content = await answer
         except BaseException:
