@@ -523,8 +523,8 @@ class Generator:
             return None
         state.output_ids.extend(ids)
         state.logprobs.extend(logprobs)
-        if tops:
-            state.top_logprobs.extend(tops)
+        if tops and not request.stream:
+            state.top_logprobs.extend(tops)  # a streaming caller had them with their delta: not kept twice
         return Delta(ids, logprobs, tops)
 
     async def _prepare_resume(self, state: GenerationState, failed: bool) -> None:

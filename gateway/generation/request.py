@@ -148,6 +148,8 @@ class GenerationState:
     request: GenerationRequest
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # Kept for a caller that takes the finished completion only (`GenerationRequest.stream` false): a streaming
+    # caller gets them with each delta, and a turn of 4,000 tokens with 20 each would hold 80,000 tuples meanwhile.
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routed_experts: ExpertArray | None = None
