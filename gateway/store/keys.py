@@ -44,6 +44,10 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
   mode, token), written and deleted with the lock by one script, so that a process that missed the event (started
   or resubscribed mid-update) follows the update as if it had heard it. Tagged with the lock's name: the lock's own
   slot (`Keys.weights_update`). Read only where its token is the lock's (an older gateway leaves the lock bare).
+- `rg:weights:transfer` (string, JSON, PX TTL): the layout and state of the in-memory transfer under way or last
+  ended, as its coordinating process shows it (`GET /admin/weights/{version}`), so that any process can answer that
+  GET; written at its start, once every engine's side is open, and at its end; it expires 10 minutes after its
+  commit deadline.
 - `rg:weights:members` (sorted set): the gateway processes on the bus, each scored with the time its heartbeat
   expires; a `wait` update waits for every live one to drain its own requests (`rg:weights:drained:{token}`).
 - `rg:weights:drained:{token}` (set, TTL): the processes that drained their requests for the update `token`.
@@ -185,6 +189,10 @@ class Keys:
         if end > start + 1:  # the prefix carries a hash tag already: the lock's slot is the tag's
             return f"{lock}:update"
         return f"{{{lock}}}:update"  # a key without a tag hashes whole: tagged with that whole name, the same slot
+
+    @property
+    def weights_transfer(self) -> str:
+        return f"{self.prefix}weights:transfer"
 
     @property
     def weights_members(self) -> str:

@@ -281,6 +281,19 @@ class WeightsBus:
                 logger.warning("weights: recording version %d failed (%s); retrying", version, exc)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
 
+    async def show_transfer(self, layout: dict[str, Any], ttl_s: float) -> None:
+        """Show the in-memory transfer's `layout` (JSON) to the other processes for `ttl_s` seconds."""
+        payload = orjson.dumps(layout)
+        await call(self.client.set(self.keys.weights_transfer, payload, px=max(1, int(ttl_s * 1000))), "show transfer")
+
+    async def shown_transfer(self) -> dict[str, Any] | None:
+        """The layout of the transfer under way or last ended, as its coordinating process showed it (None: none)."""
+        found = await call(self.client.get(self.keys.weights_transfer), "read transfer")
+        if found is None:
+            return None
+        layout: dict[str, Any] = orjson.loads(found)
+        return layout
+
     async def aclose(self) -> None:
         await self.durability.aclose()
 

@@ -15,7 +15,8 @@ tensors under the old label, so none is trusted: each is loaded again from the l
 On the bus the transfer holds the update lock as an out-of-band sync does (no version in its `pausing`): the other
 processes stop dispatching until its result, and never recover it from its coordinator's death (the trainer may be
 writing into the engines). The lock names the transfer's version (`Pausing.transfer`): a commit sent to another
-process is relayed to this one (`gateway.weights.relay`), which commits it as if it had come here.
+process is relayed to this one (`gateway.weights.relay`), which commits it as if it had come here. Its layout and
+state are shown on the bus (`rg:weights:transfer`), so any process answers `GET /admin/weights/{version}`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from gateway.weights.state import State, StateMachine
 logger = logging.getLogger(__name__)
 
 SideState = Literal["opening", "open", "failed"]
+SHOWN_AFTER_END_S = 600.0  # how long every process can read a transfer's layout after its commit deadline
+SHOWN_POLL_S = 0.1  # how often a process that does not hold the transfer reads whether its sides are open
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,7 @@ class Transfers:
             self.held, self._ended = held, None
             w.upcoming_version = version
             w.begin()
+        await self._show(held)
         held._tasks.append(background(self._open(held), "weights-transfer-open"))
         held._tasks.append(background(self._expire(held), "weights-transfer-deadline"))
         return held
@@ -216,6 +220,7 @@ class Transfers:
                 else:
                     group.create_task(self._open_one(held, side))
         held.status = "open"
+        await self._show(held)  # before the commit may go on: its end is shown after this
         held.opened.set()
 
     async def _open_one(self, held: HeldTransfer, side: EngineSide) -> None:
@@ -241,6 +246,48 @@ class Transfers:
         except TimeoutError:
             pass
         return held
+
+    async def status(self, version: int, wait_s: float) -> dict[str, Any]:
+        """The layout and state of the transfer of `version`, this process's own or the one another process holds
+        (as it shows it on the bus, `_show`); with `wait_s`, once every engine's side is open or failed."""
+        for mine in (self.held, self._ended):
+            if mine is not None and mine.version == version:
+                return (await self.until_open(version, wait_s)).layout()
+        deadline = time.monotonic() + wait_s
+        shown = await self._shown(version)
+        while shown is not None and shown["status"] == "opening" and time.monotonic() < deadline:
+            await asyncio.sleep(SHOWN_POLL_S)  # a poll's period: no event on the bus says the sides are open
+            shown = await self._shown(version)
+        if shown is None:
+            raise self._not_open(version)
+        return shown
+
+    async def _show(self, held: HeldTransfer) -> None:
+        """Show the transfer's layout to the other processes (`status` there): at its start, once its sides are open,
+        at its end. Best effort: the holder answers its own GET and commit without it."""
+        leader = self.weights.leader
+        if leader is None:
+            return
+        remaining = max(0.0, held.deadline - time.monotonic())
+        layout = held.layout() | {"deadline_at": time.time() + remaining}
+        try:
+            await leader.bus.show_transfer(layout, remaining + SHOWN_AFTER_END_S)
+        except StoreError as exc:
+            logger.warning(
+                "weights: the transfer of version %d is not shown to the other gateway processes (%s): their GET "
+                "/admin/weights/%d answers 409 until it is",
+                held.version,
+                exc,
+                held.version,
+            )
+
+    async def _shown(self, version: int) -> dict[str, Any] | None:
+        leader = self.weights.leader
+        shown = await leader.bus.shown_transfer() if leader is not None else None
+        if shown is None or shown.get("version") != version:
+            return None
+        shown["deadline_s"] = round(max(0.0, shown.pop("deadline_at", 0.0) - time.time()), 3)
+        return shown
 
     # -- commit ------------------------------------------------------------------------------------------------
 
@@ -341,6 +388,7 @@ class Transfers:
         held.status = status
         held.opened.set()
         self._ended = held
+        await self._show(held)
         w.upcoming_version = None
         unrecorded = await w.publish_result(held.report, held.token)
         if w.leader is not None and held.token is not None:

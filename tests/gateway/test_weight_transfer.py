@@ -273,6 +273,36 @@ async def test_a_commit_sent_to_another_gateway_is_relayed_to_the_one_holding_th
     assert again.status_code == 409  # nothing held anywhere now
 
 
+async def test_any_gateway_shows_the_transfer_another_one_holds(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Behind a load balancer the trainer's `GET /admin/weights/{version}` reaches any gateway: each shows the layout
+    and state of the transfer the holder coordinates (with `wait_s`, once its sides are open), then its end."""
+    sims = [await make_sim("sglang") for _ in range(2)]
+    holder, other = await make_gateway(sims), await make_gateway(sims)
+    assert (await publish(http, holder.url, 1)).status_code == 200
+    begun = await http.post(
+        f"{holder.url}/admin/weights", json={"version": 2, "transfer": {"backend": "tensor"}}, headers=ADMIN
+    )
+    assert begun.status_code == 202, begun.text
+
+    shown = await http.get(f"{other.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)
+    assert shown.status_code == 200, shown.text
+    layout = shown.json()
+    assert layout["status"] == "open" and [e["state"] for e in layout["engines"]] == ["open", "open"], layout
+    assert 0 < layout["deadline_s"] <= begun.json()["deadline_s"]
+    own = (await http.get(f"{holder.url}/admin/weights/2", headers=ADMIN)).json()
+    assert {**layout, "deadline_s": None} == {**own, "deadline_s": None}  # what the holder answers itself
+
+    for sim in sims:
+        tensors = {"serialized_named_tensors": [inline("ckpt-2")]}
+        assert (await http.post(f"{sim.url}/update_weights_from_tensor", json=tensors)).status_code == 200
+    assert (await http.post(f"{holder.url}/admin/weights/2/commit", headers=ADMIN)).status_code == 200
+    ended = await http.get(f"{other.url}/admin/weights/2", headers=ADMIN)
+    assert ended.status_code == 200 and ended.json()["status"] == "committed", ended.text
+    assert (await http.get(f"{other.url}/admin/weights/3", headers=ADMIN)).status_code == 409
+
+
 async def test_an_engine_killed_mid_transfer_is_held_out_and_comes_back_only_with_a_path_update(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

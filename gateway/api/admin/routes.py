@@ -168,8 +168,9 @@ def _answer(report: UpdateReport) -> Response:
 async def transfer_status(
     version: int, svc: ServicesDep, wait_s: Annotated[float, Query(ge=0, le=600)] = 0.0
 ) -> dict[str, Any]:
-    """An in-memory transfer's layout and state; with `wait_s`, once every engine's side is open (or failed)."""
-    return (await svc.weights.transfers.until_open(version, wait_s)).layout()
+    """An in-memory transfer's layout and state (from any gateway process of the fleet); with `wait_s`, once every
+    engine's side is open (or failed)."""
+    return await svc.weights.transfers.status(version, wait_s)
 
 
 @router.post("/weights/{version}/commit")
