@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import orjson
@@ -48,6 +46,7 @@ from benchmarks._harness import (
     sim_replica_entry,
     sim_replicas,
 )
+from benchmarks.fleet import rss_mib
 
 OFF = 1 << 40  # a budget no run reaches: each stream bounded by `server.stream_buffer_bytes` alone
 CONTEXT = 16_384
@@ -79,14 +78,6 @@ class Side:
     @property
     def label(self) -> str:
         return "off (per stream only)" if self.budget_mib == 0 else f"{self.budget_mib:,} MiB"
-
-
-def rss_mib(pid: int | None) -> float:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return math.nan
 
 
 async def queued_and_cuts(client: httpx.AsyncClient, url: str) -> tuple[float, dict[str, float]]:
