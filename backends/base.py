@@ -28,11 +28,13 @@ from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep", "wait"]
 NewRequestsWhilePaused = Literal["block", "reject", "unknown"]
-TransferBackend = Literal["nccl", "tensor"]
+TransferBackend = Literal["nccl", "gloo", "tensor"]
 """How an in-memory weight transfer reaches an engine. `nccl`: a process group per engine, the trainer its rank 0
 (vLLM `/init_weight_transfer_engine` with its `--weight-transfer-config` backend, SGLang `/init_weights_update_group`),
-the tensors broadcast over it; `tensor`: the tensors sent inline in the update call (SGLang
+the tensors broadcast over it; `gloo`: the same over gloo, for vLLM's CPU build (the project's plugin,
+`backends/vllm-gloo-plugin/`); `tensor`: the tensors sent inline in the update call (SGLang
 `/update_weights_from_tensor`), no group."""
+GROUP_BACKENDS: frozenset[TransferBackend] = frozenset({"nccl", "gloo"})  # a process group per engine, trainer rank 0
 
 
 @dataclass(slots=True)

@@ -58,10 +58,11 @@ class ReplicaFields(Section):
     new_requests_while_paused: Literal["block", "reject", "unknown"] = Field(
         "unknown", description="How the engine treats new requests during an abort/wait pause."
     )
-    weight_transfer: Literal["nccl"] | None = Field(
+    weight_transfer: Literal["nccl", "gloo"] | None = Field(
         None,
-        description="vLLM: the backend of its --weight-transfer-config (in-memory weight updates; none: none). "
-        "SGLang takes nccl and tensor transfers without it.",
+        description="vLLM: the backend of its --weight-transfer-config (in-memory weight updates; none: none; gloo: "
+        "the CPU build with the project's plugin, backends/vllm-gloo-plugin/). SGLang takes nccl and tensor "
+        "transfers without it.",
     )
     data_parallel_size: int = Field(
         1,

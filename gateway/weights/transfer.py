@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from backends.base import PauseMode, TransferBackend, TransferGroup
+from backends.base import GROUP_BACKENDS, PauseMode, TransferBackend, TransferGroup
 from backends.errors import BackendError
 from gateway.background import background, stop
 from gateway.errors import (
@@ -55,7 +55,7 @@ SHOWN_POLL_S = 0.1  # how often a process that does not hold the transfer reads 
 
 @dataclass(frozen=True, slots=True)
 class TransferSpec:
-    """What the trainer asked for: the backend, and for `nccl` the rendezvous it hosts (engine i's group at
+    """What the trainer asked for: the backend, and for `nccl` and `gloo` the rendezvous it hosts (engine i's group at
     `master_port + i`)."""
 
     backend: TransferBackend
@@ -191,7 +191,7 @@ class Transfers:
         return held
 
     async def _layout(self, engines: list[Engine], spec: TransferSpec) -> list[EngineSide]:
-        if spec.backend != "nccl":
+        if spec.backend not in GROUP_BACKENDS:
             return [EngineSide(engine, None) for engine in engines]
         async with asyncio.TaskGroup() as group:
             workers = [group.create_task(engine.backend.transfer_workers()) for engine in engines]

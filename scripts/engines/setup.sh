@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=scripts/engines
+GLOO_PLUGIN=backends/vllm-gloo-plugin
 CACHE=${RG_ENGINE_CACHE:-$HOME/.cache/rollout-gateway}
 STATE=.engines
 PY=${PYTHON:-python3}
@@ -34,6 +35,11 @@ build_vllm() {
   # The media wheels pip resolves do not load against the CPU torch, and importing torchvision breaks
   # transformers' model imports; the text-only server needs none of them.
   "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+  # The project's gloo weight transfer (a vLLM general plugin; its files are in this venv's key, below), built from
+  # a copy so that the build leaves nothing in the source tree.
+  cp -r "$GLOO_PLUGIN" "$dir/rg-vllm-gloo-src"
+  "$dir/bin/python" -m pip install --quiet --no-deps --no-build-isolation "$dir/rg-vllm-gloo-src"
+  rm -rf "$dir/rg-vllm-gloo-src"
 }
 
 build_sglang() {
@@ -47,7 +53,7 @@ build_sglang() {
 ensure_venv() {
   local name=$1 pins dir started
   case $name in
-    vllm) pins=("$HERE/vllm-requirements.txt") ;;
+    vllm) pins=("$HERE/vllm-requirements.txt" "$GLOO_PLUGIN/pyproject.toml" "$GLOO_PLUGIN"/rg_vllm_gloo/*.py) ;;
     sglang) pins=("$HERE/sglang-requirements.txt" "$HERE/sglang-no-deps.txt") ;;
     *) echo "unknown engine: $name" >&2; return 2 ;;
   esac

@@ -183,13 +183,16 @@ def test_logging_received_prompts_is_opt_in(tmp_path: Path) -> None:
     assert sglang.command()[-5:] == ["--log-requests", "--log-requests-level", "2", "--log-requests-format", "json"]
 
 
-def test_the_kernel_stand_in_is_package_data() -> None:
-    """A non-editable install carries the stand-in: pyproject's package data of `backends` names its file."""
+def test_the_kernel_stand_in_and_the_gloo_plugin_are_package_data() -> None:
+    """A non-editable install carries the stand-in and the vLLM gloo plugin: pyproject's package data of `backends`
+    names every file of theirs."""
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["backends"]
     backends_dir = SGL_KERNEL_STUB_DIR.parent
     shipped = {path for pattern in patterns for path in backends_dir.glob(pattern)}
     assert SGL_KERNEL_STUB_DIR / "sgl_kernel" / "__init__.py" in shipped
+    plugin = backends_dir / "vllm-gloo-plugin"
+    assert {plugin / "pyproject.toml", *plugin.glob("rg_vllm_gloo/*.py")} <= shipped
     assert backends_dir == REPO / "backends"
 
 

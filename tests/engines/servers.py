@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import pytest
 
 from backends.launcher import (
@@ -53,6 +54,7 @@ class EngineServer:
     log: Path | None
     stub_calls: Path | None = None
     logs_received_prompts: bool = False
+    weight_transfer: str | None = None  # vLLM: its --weight-transfer-config backend (the tier starts it with gloo)
 
     @property
     def model_path(self) -> Path:
@@ -95,8 +97,11 @@ def engine_server(kind: EngineKind, tmp: Path) -> Iterator[EngineServer]:
     if not (models / model / "config.json").exists() or not (models / f"{model}_v2" / "config.json").exists():
         unavailable(f"no tiny models in {models}")
     # Routed-expert capture is not asked of a server started here: the CPU builds cannot (docs/engines.md).
-    launch = EngineLaunch(kind, python, models / model, free_port(), log_received_prompts=True)
+    # vLLM takes in-memory weight transfers over gloo (the project's plugin, which setup.sh installs in its venv).
+    transfer = "gloo" if kind == "vllm" else None
+    extra = ("--weight-transfer-config", orjson.dumps({"backend": transfer}).decode()) if transfer else ()
+    launch = EngineLaunch(kind, python, models / model, free_port(), log_received_prompts=True, extra_args=extra)
     started = time.monotonic()
     with start_engine(launch, tmp, startup_timeout_s=STARTUP_TIMEOUT) as engine:
         print(f"\n{kind} server up in {time.monotonic() - started:.1f} s ({engine.url}, log {engine.log})")
-        yield EngineServer(kind, engine.url, models, model, routed, engine.log, engine.stub_calls, True)
+        yield EngineServer(kind, engine.url, models, model, routed, engine.log, engine.stub_calls, True, transfer)

@@ -79,18 +79,25 @@ async def generate(http: httpx.AsyncClient, url: str, n: int, session: str) -> d
     return answer
 
 
-async def test_a_vllm_nccl_transfer_committed_serves_the_new_weights_exactly(
-    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient, rendezvous: tuple[int, asyncio.Queue]
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+async def test_a_vllm_group_transfer_committed_serves_the_new_weights_exactly(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    rendezvous: tuple[int, asyncio.Queue],
+    backend: str,
 ) -> None:
+    """Over a process group per engine (`nccl`; `gloo`, vLLM's CPU build with the project's plugin), the trainer
+    its rank 0: the layout, the engine joining, the broadcast, the commit, then exactly the new weights."""
     port, joined = rendezvous
-    sim = await make_sim("vllm", weight_transfer="nccl")
-    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", weight_transfer="nccl")])
-    body = {"version": 1, "transfer": {"backend": "nccl", "master_address": "127.0.0.1", "master_port": port}}
+    sim = await make_sim("vllm", weight_transfer=backend)
+    gw = await make_gateway([ReplicaConfig(url=sim.url, backend="sim", dialect="vllm", weight_transfer=backend)])
+    body = {"version": 1, "transfer": {"backend": backend, "master_address": "127.0.0.1", "master_port": port}}
 
     begun = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
     assert begun.status_code == 202, begun.text
     layout = begun.json()
-    assert (layout["version"], layout["backend"], layout["commit"]) == (1, "nccl", "/admin/weights/1/commit")
+    assert (layout["version"], layout["backend"], layout["commit"]) == (1, backend, "/admin/weights/1/commit")
     [engine] = layout["engines"]
     assert (engine["url"], engine["master_port"], engine["rank_offset"], engine["world_size"]) == (sim.url, port, 1, 2)
 
@@ -207,8 +214,10 @@ async def test_a_transfer_request_is_validated(
         assert both.status_code == 400, both.text
         error = both.json()["error"]
         assert (error["type"], error["param"]) == ("invalid_request_error", param) and "exactly one" in error["message"]
-    nccl = await http.post(url, json={"version": 1, "transfer": {"backend": "nccl"}}, headers=ADMIN)
-    assert nccl.status_code == 400 and "master_address" in nccl.json()["error"]["message"]
+    for backend in ("nccl", "gloo"):
+        grouped = await http.post(url, json={"version": 1, "transfer": {"backend": backend}}, headers=ADMIN)
+        message = grouped.json()["error"]["message"]
+        assert grouped.status_code == 400 and f'a "{backend}" transfer needs "master_address"' in message
     unknown = await http.post(url, json={"version": 1, "transfer": {"backend": "carrier-pigeon"}}, headers=ADMIN)
     assert unknown.status_code == 400 and "error" in unknown.json()
     unable = await http.post(url, json={"version": 1, "transfer": tensor}, headers=ADMIN)

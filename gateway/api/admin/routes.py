@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.base import PauseMode, TransferBackend
+from backends.base import GROUP_BACKENDS, PauseMode, TransferBackend
 from gateway.api.bounds import INTEGRAL
 from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig, without_credentials
@@ -23,22 +23,24 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(requir
 
 
 class TransferRequest(BaseModel):
-    """An in-memory transfer: the trainer pushes the tensors into the engines itself. `nccl`: one process group per
-    engine, the trainer its rank 0, hosting engine i's rendezvous at `master_address:(master_port + i)`; `tensor`:
-    the tensors go inline in SGLang's `/update_weights_from_tensor` (no group)."""
+    """An in-memory transfer: the trainer pushes the tensors into the engines itself. `nccl` (and `gloo`, vLLM's CPU
+    build): one process group per engine, the trainer its rank 0, hosting engine i's rendezvous at
+    `master_address:(master_port + i)`; `tensor`: the tensors go inline in SGLang's `/update_weights_from_tensor`
+    (no group)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    backend: TransferBackend = Field(description="nccl | tensor")
-    master_address: str | None = Field(None, min_length=1, description="nccl: the trainer's rendezvous host.")
+    backend: TransferBackend = Field(description="nccl | gloo | tensor")
+    master_address: str | None = Field(None, min_length=1, description="nccl, gloo: the trainer's rendezvous host.")
     master_port: Annotated[int, Field(ge=1, le=65535), INTEGRAL] | None = Field(
-        None, description="nccl: engine 0's rendezvous port."
+        None, description="nccl, gloo: engine 0's rendezvous port."
     )
 
     def spec(self) -> TransferSpec:
-        if self.backend == "nccl" and (self.master_address is None or self.master_port is None):
+        if self.backend in GROUP_BACKENDS and (self.master_address is None or self.master_port is None):
             raise InvalidRequest(
-                'a "nccl" transfer needs "master_address" and "master_port" (the rendezvous the trainer hosts)',
+                f'a "{self.backend}" transfer needs "master_address" and "master_port" (the rendezvous the trainer '
+                "hosts)",
                 param="transfer",
             )
         return TransferSpec(self.backend, self.master_address, self.master_port)
