@@ -276,6 +276,11 @@ class EngineBackend(Protocol):
         """The engine's worker processes that join a transfer's process group (its world size without the trainer)."""
         ...
 
+    def forms_transfer_group(self, group: TransferGroup | None) -> bool:
+        """Whether opening a transfer with `group` forms it (the trainer must join its rendezvous) rather than keep
+        the one an earlier transfer formed; told in the layout before the engine is asked to open."""
+        ...
+
     async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         """Open the engine's side of an in-memory weight transfer: join `group` (`nccl`; the call blocks until the
         trainer joins as rank 0; a group formed by an earlier transfer with the same rendezvous is kept, not formed

@@ -388,6 +388,9 @@ class SglangBackend(HttpEngineBackend):
     def lost_contact(self) -> None:
         self._transfer.forget()
 
+    def forms_transfer_group(self, group: TransferGroup | None) -> bool:
+        return self._transfer.forms(group)
+
     async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         return await self._transfer.open(backend, group)
 

@@ -48,6 +48,10 @@ class _TransferSide:
         holds no group): the next transfer forms it again, the trainer joining its rendezvous."""
         self.group = None
 
+    def forms(self, group: TransferGroup | None) -> bool:
+        """Whether opening with `group` forms it (none kept, or a different rendezvous) rather than keep it."""
+        return group is not None and group != self.group
+
     async def _call(self, path: str, json: Any = None, *, long: bool = False, method: str = "POST") -> Any:
         timeout = self._long if long else self._control
         return await request_json(self._client, self.replica, method, path, json=json, timeout=timeout)
@@ -70,7 +74,7 @@ class VllmTransfer(_TransferSide):
     async def open(self, group: TransferGroup | None) -> bool:
         formed = False
         try:
-            if group is not None and group != self.group:
+            if group is not None and self.forms(group):
                 self.group = None
                 info = dataclasses.asdict(group)  # master_address, master_port, rank_offset, world_size
                 await self._call("/init_weight_transfer_engine", {"init_info": info}, long=True)
@@ -112,7 +116,7 @@ class SglangTransfer(_TransferSide):
     async def open(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         formed = False
         try:
-            if backend == "nccl" and group is not None and group != self.group:
+            if backend == "nccl" and group is not None and self.forms(group):
                 self.group = None
                 body = dataclasses.asdict(group) | {"group_name": GROUP_NAME, "backend": "nccl"}
                 answer = await self._call("/init_weights_update_group", body, long=True)

@@ -70,7 +70,7 @@ class EngineSide:
     engine: Engine
     group: TransferGroup | None
     state: SideState = "opening"
-    rendezvous: bool = False  # the engine formed its group now: the trainer joins it (kept groups are not re-formed)
+    rendezvous: bool = False  # the engine forms its group now: the trainer joins it (kept groups are not re-formed)
     error: str | None = None
 
     def layout(self) -> dict[str, Any]:
@@ -191,15 +191,18 @@ class Transfers:
         return held
 
     async def _layout(self, engines: list[Engine], spec: TransferSpec) -> list[EngineSide]:
+        """Each engine's side; for a group backend its group, and whether it is formed now (`rendezvous`: the
+        trainer joins it) or kept from an earlier transfer, told in the 202 before any engine is asked to open."""
         if spec.backend not in GROUP_BACKENDS:
             return [EngineSide(engine, None) for engine in engines]
         async with asyncio.TaskGroup() as group:
             workers = [group.create_task(engine.backend.transfer_workers()) for engine in engines]
         address, port = spec.master_address or "", spec.master_port or 0
-        return [
-            EngineSide(engine, TransferGroup(address, port + i, 1, 1 + count.result()))
-            for i, (engine, count) in enumerate(zip(engines, workers, strict=True))
-        ]
+        sides = []
+        for i, (engine, count) in enumerate(zip(engines, workers, strict=True)):
+            formed = TransferGroup(address, port + i, 1, 1 + count.result())
+            sides.append(EngineSide(engine, formed, rendezvous=engine.backend.forms_transfer_group(formed)))
+        return sides
 
     async def _open(self, held: HeldTransfer) -> None:
         w, report = self.weights, held.report
@@ -225,6 +228,7 @@ class Transfers:
 
     async def _open_one(self, held: HeldTransfer, side: EngineSide) -> None:
         try:
+            # A group forgotten since the layout (a missed health probe) is formed after all: the layout says so now.
             side.rendezvous = await side.engine.backend.open_transfer(held.spec.backend, side.group)
             side.state = "open"
         except BackendError as exc:

@@ -153,7 +153,7 @@ async def test_a_gloo_transfer_serves_what_a_disk_load_of_the_same_checkpoint_se
         begun = await http.post(f"{gw.url}/admin/weights", json={"version": 1, "transfer": transfer}, headers=ADMIN)
         assert begun.status_code == 202, begun.text
         side = begun.json()["engines"][0]
-        assert side["world_size"] == 2, side  # the trainer and the one CPU worker; the first transfer forms the group
+        assert (side["world_size"], side["rendezvous"]) == (2, True), side  # the trainer and the one CPU worker
         group = await asyncio.to_thread(GlooGroup, "127.0.0.1", side["master_port"], side["world_size"], 120.0)
         opened = await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 120}, headers=ADMIN, timeout=150)
         assert [e["state"] for e in opened.json()["engines"]] == ["open"], opened.text

@@ -100,6 +100,7 @@ async def test_a_vllm_group_transfer_committed_serves_the_new_weights_exactly(
     assert (layout["version"], layout["backend"], layout["commit"]) == (1, backend, "/admin/weights/1/commit")
     [engine] = layout["engines"]
     assert (engine["url"], engine["master_port"], engine["rank_offset"], engine["world_size"]) == (sim.url, port, 1, 2)
+    assert engine["rendezvous"] is True  # told at once: the trainer knows to join before the engine is asked to
 
     joiner = await asyncio.wait_for(joined.get(), 10)  # the engine joined the trainer's group
     await joined.put(joiner)  # closed by the fixture
@@ -368,10 +369,13 @@ async def test_an_engine_restarted_since_its_group_formed_has_the_trainer_join_i
         async def transfer(version: int) -> bool:
             """One transfer of `ckpt-<version>`, committed; whether the engine joined the trainer's group for it."""
             body = {"version": version, "transfer": spec}
-            assert (await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)).status_code == 202
+            begun = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN)
+            assert begun.status_code == 202, begun.text
+            [laid_out] = begun.json()["engines"]
             opened = await http.get(f"{gw.url}/admin/weights/{version}", params={"wait_s": 10}, headers=ADMIN)
             [side] = opened.json()["engines"]
             assert side["state"] == "open", side
+            assert side["rendezvous"] == laid_out["rendezvous"]  # the 202 told the trainer whether to join
             if side["rendezvous"]:
                 channels.append((await asyncio.wait_for(joined.get(), 10))[1])
             data = f"ckpt-{version}".encode()
