@@ -4,13 +4,15 @@ weights between stacks, so each stack's gateway (a fresh store, at version 0) fi
 
 Where the engine and the models are: `RG_VLLM_PYTHON`, `RG_SGLANG_PYTHON` and `RG_ENGINE_MODELS`, as
 `backends.launcher` documents (default: the checkout's `.engines/`), or `--engine-python` and `--engine-model`.
-The updates load the second checkpoint (`<model>_v2`) and the first in turn, so the weights really change.
+The updates load the second checkpoint (`<model>_v2`) and the first in turn, so the weights really change: from
+their paths, or (`--transports transfer`) pushed in memory from tensors read once from the same files.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import tempfile
 import time
@@ -106,11 +108,15 @@ class Engine:
         """The path an update to `version` loads: the second checkpoint for odd versions, the first for even."""
         return str(self.second if version % 2 else self.model)
 
+    gloo: bool = False  # vLLM started with the gloo weight transfer (the project's plugin)
+
     def replica_entry(self) -> dict[str, Any]:
-        """vLLM with scale-out (the launcher starts it with `--enable-scale-out`: its `keep` is real there), SGLang
-        paused in place, as the simulator's replicas."""
+        """vLLM with scale-out (the launcher starts it with `--enable-scale-out`: its `keep` is real there) and, where
+        it was started so, the gloo transfer; SGLang paused in place, as the simulator's replicas."""
         entry: dict[str, Any] = {"url": self.url, "backend": self.kind}
-        return entry | ({"scale_out": True} if self.kind == "vllm" else {"keep_mode": "in_place"})
+        if self.kind == "sglang":
+            return entry | {"keep_mode": "in_place"}
+        return entry | {"scale_out": True} | ({"weight_transfer": "gloo"} if self.gloo else {})
 
     def model_settings(self) -> dict[str, Any]:
         """The gateway's `model:` section: the engine's own tokenizer and context."""
@@ -121,15 +127,21 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engine_running(kind: EngineKind, python: Path | None, model: str | Path) -> Iterator[Engine]:
+def engine_running(
+    kind: EngineKind, python: Path | None, model: str | Path, transfer: bool = False
+) -> Iterator[Engine]:
     """Start the engine server on `model` (a tiny model's name or a folder, with its `_v2` beside it), stop it on
-    exit. Raises `backends.launcher`'s errors where the engine or the models are not installed."""
+    exit; `transfer`: vLLM takes in-memory updates over gloo (SGLang takes inline tensors as it is). Raises
+    `backends.launcher`'s errors where the engine or the models are not installed."""
     served = resolve_model(model)
     second = resolve_model(served.with_name(f"{served.name}_v2"))
-    extra = ("--max-total-tokens", str(SGLANG_KV_TOKENS)) if kind == "sglang" else ()
+    gloo = transfer and kind == "vllm"
+    extra: tuple[str, ...] = ("--max-total-tokens", str(SGLANG_KV_TOKENS)) if kind == "sglang" else ()
+    if gloo:
+        extra = ("--weight-transfer-config", json.dumps({"backend": "gloo"}))
     launch = EngineLaunch(kind, python or default_python(kind), served, free_port(), extra_args=extra)
     with tempfile.TemporaryDirectory(prefix="rg-bench-engine-") as work, start_engine(launch, Path(work)) as engine:
-        yield Engine(kind, engine.url, served, second, launch.max_model_len)
+        yield Engine(kind, engine.url, served, second, launch.max_model_len, gloo)
 
 
 async def restore(engine: Engine) -> None:

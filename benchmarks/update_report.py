@@ -23,12 +23,13 @@ TROUGH_WIDTH_S = 0.5
 
 @dataclass
 class Cell:
-    """One (dialect, cache policy, pause mode) run."""
+    """One (dialect, cache policy, pause mode, transport) run."""
 
     dialect: str
     cache: str
     mode: str
     period_s: float = 0.0
+    transport: str = "path"  # or "transfer": the tensors pushed in memory
     steady_rate: float = math.nan
     dip_rate: float = math.nan
     trough_rate: float = math.nan
@@ -46,7 +47,7 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return f"{self.dialect} {self.mode} {self.cache}"
+        return f"{self.dialect} {self.mode} {self.cache}" + (f" {self.transport}" if self.transport != "path" else "")
 
     def per_update(self, name: str) -> float:
         return self.counts.get(name, 0.0) / max(1, len(self.lost))
@@ -126,14 +127,15 @@ def ratio_text(flush: Cell, salt: Cell) -> str:
 
 
 def salt_of(cell: Cell, cells: Sequence[Cell]) -> Cell | None:
-    """The cell with the salt of the same dialect and mode (the ratio's denominator)."""
-    return next((c for c in cells if (c.dialect, c.mode, c.cache) == (cell.dialect, cell.mode, "salt")), None)
+    """The cell with the salt of the same dialect, mode and transport (the ratio's denominator)."""
+    same = (cell.dialect, cell.mode, "salt", cell.transport)
+    return next((c for c in cells if (c.dialect, c.mode, c.cache, c.transport) == same), None)
 
 
 def verdicts(cells: Sequence[Cell]) -> list[str]:
     """One line per dialect with both `keep` cells: the key ratio against the target."""
     lines = []
-    for flush in (c for c in cells if c.mode == "keep" and c.cache == "flush"):
+    for flush in (c for c in cells if c.mode == "keep" and c.cache == "flush" and c.transport == "path"):
         salt = salt_of(flush, cells)
         if salt is None:
             continue
@@ -146,6 +148,23 @@ def verdicts(cells: Sequence[Cell]) -> list[str]:
             f"{flush.dialect} keep: tokens lost per update, flush ÷ salt = {ratio_text(flush, salt)} "
             f"({number(flush.mean_lost)} vs {number(salt.mean_lost)}); replicas drained for a cache with the salt: "
             f"{salt.drained} → target (≥ {TARGET_RATIO:g}×, none drained) {verdict}"
+        )
+    return lines + transport_lines(cells)
+
+
+def transport_lines(cells: Sequence[Cell]) -> list[str]:
+    """Per (dialect, mode, cache) run both ways: pause to serving and tokens lost per update, in memory vs from disk."""
+    lines = []
+    for transfer in (c for c in cells if c.transport == "transfer"):
+        same = (transfer.dialect, transfer.mode, transfer.cache, "path")
+        path = next((c for c in cells if (c.dialect, c.mode, c.cache, c.transport) == same), None)
+        if path is None or not transfer.admin_s or not path.admin_s:
+            continue
+        from_disk, in_memory = statistics.fmean(path.admin_s), statistics.fmean(transfer.admin_s)
+        lines.append(
+            f"{transfer.dialect} {transfer.mode} {transfer.cache}: pause to serving {from_disk:.2f} s from the path, "
+            f"{in_memory:.2f} s in memory; tokens lost per update {number(path.mean_lost)} vs "
+            f"{number(transfer.mean_lost)}"
         )
     return lines
 
@@ -168,8 +187,9 @@ def report(console: Console, options: Options, cells: Sequence[Cell]) -> None:
         f"after each update), 'trough' (the lowest {TROUGH_WIDTH_S:g}-s mean after one). 'lost': tokens lost per "
         f"update, ∫ (steady − rate) dt over {options.period_s:g} s from each update; 'noise': the same between the "
         "steady window's halves ((!): they differ by over a tenth of a period's tokens, the window was disturbed); "
-        "'÷ salt': lost ÷ lost of the salt cell of the same dialect and mode. 'admin ms': "
-        "the update call (pause, load, resume). Per update: 'preempt' requests preempted, 'recomp' the KV tokens "
+        "'÷ salt': lost ÷ lost of the salt cell of the same dialect, mode and transport. 'admin ms': pause to "
+        "serving, the update as the trainer saw it (pause, load or transfer, resume; a transfer's from its begin to "
+        "its commit's answer). Per update: 'preempt' requests preempted, 'recomp' the KV tokens "
         "they recomputed, 'abort' requests aborted, 'resume' the gateway's resumes. 'hit': prefix-cache hit ÷ "
         "queried prompt tokens, steady → over the update windows. 'drain': replicas taken out of rotation for a flush "
         "(flush_pending). 'h/r/c': staleness budget sessions held / refused, turns cut (off: no trainer publishes "

@@ -76,10 +76,12 @@ from benchmarks.update_engine import Engine, engine_running, restore
 from benchmarks.update_report import TROUGH_WIDTH_S, Cell, report
 from benchmarks.update_timeline import CounterSource, SimCounters, Timeline, sampled
 from gateway.config import DEFAULT_TOKENIZER
+from trainers.publish import TransferPublisher
 
 MODES = ("abort", "keep", "wait")
 DIALECTS = ("vllm", "sglang")
 CACHES = ("salt", "flush")
+TRANSPORTS = ("path", "transfer")  # an update loads a checkpoint path, or the trainer pushes the tensors in memory
 KV_AFTER_UPDATE = {"salt": "keep", "flush": "recompute"}  # `weights.kv_after_update` of each cache policy
 MAX_MODEL_LEN = 65536  # conversations grow for the whole run
 GAUGES = {
@@ -97,6 +99,7 @@ class Options:
     dialects: tuple[str, ...] = DIALECTS
     modes: tuple[str, ...] = MODES
     caches: tuple[str, ...] = CACHES
+    transports: tuple[str, ...] = ("path",)
     token_delay_s: float = 0.03
     prefill_delay_s: float = 5e-5
     min_tokens: int = 32
@@ -148,7 +151,7 @@ def sim_checkpoint(version: int) -> str:
 
 @dataclass
 class Stack:
-    """The replicas and the gateway of one (dialect, cache policy); the versions it has published."""
+    """The replicas and the gateway of one (dialect, cache policy, transport); the versions it has published."""
 
     dialect: str
     cache: str
@@ -157,16 +160,33 @@ class Stack:
     loadgen_cpus: set[int] | None
     checkpoint: Callable[[int], str] = sim_checkpoint  # the path an update to a version loads
     versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    transport: str = "path"
+    publisher: TransferPublisher | None = None  # transport "transfer": the trainer's side, pushing `tensors`
+    tensors: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)  # a checkpoint path's, read once
 
 
 @contextlib.asynccontextmanager
-async def stack_up(options: Options, dialect: str, cache: str, engine: Engine | None) -> AsyncIterator[Stack]:
+async def stack_up(
+    options: Options, dialect: str, cache: str, engine: Engine | None, transport: str = "path"
+) -> AsyncIterator[Stack]:
     if engine is not None:
         await restore(engine)  # as at startup: each stack's gateway starts at version 0
         generation = {**GATEWAY_SETTINGS["generation"], "request_timeout_s": options.timeout_s}
         settings = gateway_settings(cache) | {"model": engine.model_settings(), "generation": generation}
         with GatewayProcess([engine.replica_entry()], settings) as gateway:  # unpinned: the engine needs both cores
-            yield Stack(dialect, cache, gateway, engine.counters(), None, engine.checkpoint)
+            stack = Stack(dialect, cache, gateway, engine.counters(), None, engine.checkpoint, transport=transport)
+            if transport != "transfer":
+                yield stack
+                return
+            stack.tensors = {path: checkpoint_tensors(path) for path in (str(engine.model), str(engine.second))}
+            async with httpx.AsyncClient(
+                base_url=gateway.url, headers=ADMIN_HEADERS, timeout=options.timeout_s
+            ) as trainer:
+                stack.publisher = TransferPublisher(trainer, "abort", timeout_s=options.timeout_s)
+                try:
+                    yield stack
+                finally:
+                    await stack.publisher.aclose()
         return
     shared, proxy = cpu_split(options.pin)
     args = [sim_args(options, dialect)] * options.replicas
@@ -220,22 +240,41 @@ async def gateway_counts(client: httpx.AsyncClient, url: str) -> dict[str, float
     return {name: values.get(metric, 0.0) for name, metric in GAUGES.items()}
 
 
+def checkpoint_tensors(path: str) -> list[tuple[str, Any]]:
+    """A checkpoint folder's tensors, as a trainer holds its weights before a transfer (read before the timing)."""
+    from safetensors.torch import load_file
+
+    return list(load_file(str(Path(path) / "model.safetensors")).items())
+
+
 async def publish(client: httpx.AsyncClient, stack: Stack, mode: str, cell: Cell) -> None:
-    """One weight update; its duration, and any replica it left drained for a flush, go into `cell`."""
+    """One weight update (a checkpoint path, or the same checkpoint's tensors pushed in memory); its duration from
+    the first call to the answer that the engines serve it (pause to serving), and any replica it left drained for
+    a flush, go into `cell`."""
     version = next(stack.versions)
-    body = {"version": version, "path": stack.checkpoint(version), "mode": mode}
+    path = stack.checkpoint(version)
     sent = time.monotonic()
-    answer = await client.post(f"{stack.gateway.url}/admin/weights", json=body, headers=ADMIN_HEADERS)
+    if stack.publisher is not None:
+        stack.publisher.mode = mode
+        try:
+            report = await stack.publisher.transfer(version, stack.tensors[path])
+            status, text = 200, ""
+        except RuntimeError as exc:
+            report, status, text = {}, 0, str(exc)
+    else:
+        body = {"version": version, "path": path, "mode": mode}
+        answer = await client.post(f"{stack.gateway.url}/admin/weights", json=body, headers=ADMIN_HEADERS)
+        report = answer.json() if answer.headers.get("content-type") == "application/json" else {}
+        status, text = answer.status_code, answer.text
     cell.admin_s.append(time.monotonic() - sent)
-    report = answer.json() if answer.headers.get("content-type") == "application/json" else {}
-    if answer.status_code != 200 or report.get("stale") or not report.get("updated"):
-        cell.errors.append(f"update {version} ({mode}): HTTP {answer.status_code}: {report or answer.text[:200]}")
+    if status != 200 or report.get("stale") or not report.get("updated"):
+        cell.errors.append(f"update {version} ({mode}, {stack.transport}): HTTP {status}: {report or text[:200]}")
         cell.error_count += 1
     cell.drained += len(report.get("flush_pending") or [])
 
 
 async def run_cell(options: Options, stack: Stack, mode: str, tag: int) -> Cell:
-    cell = Cell(stack.dialect, stack.cache, mode, options.period_s)
+    cell = Cell(stack.dialect, stack.cache, mode, options.period_s, transport=stack.transport)
     spec = load_spec(options, stack.gateway.url, tag)
     async with httpx.AsyncClient(timeout=options.timeout_s) as admin, loadgen_process(stack.loadgen_cpus) as process:
         _stdin(process).write(orjson.dumps(spec) + b"\n")
@@ -305,18 +344,27 @@ async def run_all(options: Options, console: Console) -> list[Cell]:
         engine = None
         if options.engine is not None:
             console.print(f"starting {options.engine} on {options.engine_model} (a minute or two on a CPU) ...")
-            engine = exits.enter_context(engine_running(options.engine, options.engine_python, options.engine_model))
-        for dialect, cache in itertools.product(options.dialects, options.caches):
-            cells += await run_stack(options, dialect, cache, engine, tags, console)
+            transfer = "transfer" in options.transports
+            engine = exits.enter_context(
+                engine_running(options.engine, options.engine_python, options.engine_model, transfer)
+            )
+        for dialect, cache, transport in itertools.product(options.dialects, options.caches, options.transports):
+            cells += await run_stack(options, dialect, cache, engine, tags, console, transport)
     return cells
 
 
 async def run_stack(
-    options: Options, dialect: str, cache: str, engine: Engine | None, tags: Iterator[int], console: Console
+    options: Options,
+    dialect: str,
+    cache: str,
+    engine: Engine | None,
+    tags: Iterator[int],
+    console: Console,
+    transport: str = "path",
 ) -> list[Cell]:
     """One stack's cells, a pause mode each."""
     cells = []
-    async with stack_up(options, dialect, cache, engine) as stack:
+    async with stack_up(options, dialect, cache, engine, transport) as stack:
         for mode in options.modes:
             began = time.monotonic()
             await wait_idle(stack.source, options.timeout_s)
@@ -340,6 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dialects", nargs="+", choices=DIALECTS, default=list(d.dialects))
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(d.modes))
     p.add_argument("--caches", nargs="+", choices=CACHES, default=list(d.caches))
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        choices=TRANSPORTS,
+        default=list(d.transports),
+        help="how an update reaches the engine: path (a checkpoint it loads), transfer (the tensors pushed in memory: "
+        "gloo into vLLM, inline into SGLang; --engine only)",
+    )
     p.add_argument("--token-delay", type=float, default=d.token_delay_s, help="seconds per decode step (0.03)")
     p.add_argument(
         "--prefill-delay", type=float, default=d.prefill_delay_s, help="seconds per uncached prompt token (5e-05)"
@@ -393,7 +449,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def check_transports(args: argparse.Namespace) -> None:
+    if "transfer" in args.transports and args.engine is None:
+        raise SystemExit("--transports transfer pushes real tensors: it needs --engine vllm|sglang")
+
+
 def options_from(args: argparse.Namespace) -> Options:
+    check_transports(args)
     low, high = args.tokens
     if args.streams < 1 or args.replicas < 1 or args.updates < 1 or not 1 <= low <= high or args.episode_turns < 0:
         raise SystemExit("--streams, --replicas, --updates and --tokens must be ≥ 1 (MIN ≤ MAX), --episode-turns ≥ 0")
@@ -405,6 +467,7 @@ def options_from(args: argparse.Namespace) -> Options:
         dialects=tuple(dict.fromkeys(args.dialects)),
         modes=tuple(dict.fromkeys(args.modes)),
         caches=tuple(dict.fromkeys(args.caches)),
+        transports=tuple(dict.fromkeys(args.transports)),
         token_delay_s=args.token_delay,
         prefill_delay_s=args.prefill_delay,
         min_tokens=low,
@@ -434,7 +497,7 @@ async def main_async(options: Options, console: Console) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = options_from(parse_args(argv))
-    runs = len(options.dialects) * len(options.modes) * len(options.caches)
+    runs = len(options.dialects) * len(options.modes) * len(options.caches) * len(options.transports)
     return run_benchmark(
         main_async, options, (options.timeout_s + 60) * runs + (STARTUP_TIMEOUT_S if options.engine else 0)
     )

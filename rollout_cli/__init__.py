@@ -104,12 +104,20 @@ def sim(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
-def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode: str, max_staleness: int) -> int:
+_WEIGHTS = ("checkpoint", "transfer")
+
+
+def _engine_demo(
+    engine: str, steps: int, model: str, target_reward: float, mode: str, max_staleness: int, weights: str
+) -> int:
     """`demo --engine vllm|sglang`; the exit status (2: it could not start)."""
     import uvloop
 
-    if engine not in ("vllm", "sglang") or mode not in ("abort", "keep", "wait"):
-        typer.echo("rollout-gateway demo: --engine sim|vllm|sglang, --mode abort|keep|wait", err=True)
+    if engine not in ("vllm", "sglang") or mode not in ("abort", "keep", "wait") or weights not in _WEIGHTS:
+        typer.echo(
+            "rollout-gateway demo: --engine sim|vllm|sglang, --mode abort|keep|wait, --weights checkpoint|transfer",
+            err=True,
+        )
         return 2
     try:
         from trainers.demo import EngineDemoOptions, run_engine_demo
@@ -126,6 +134,7 @@ def _engine_demo(engine: str, steps: int, model: str, target_reward: float, mode
         target_reward=target_reward,
         mode=mode,  # type: ignore[arg-type]
         max_staleness=None if max_staleness < 0 else max_staleness,
+        weights=weights,  # type: ignore[arg-type]
     )
     try:
         return 0 if uvloop.run(run_engine_demo(options)) else 1
@@ -158,6 +167,13 @@ def demo(
     max_staleness: Annotated[
         int, typer.Option(min=-1, help="--engine: the gateway's staleness budget, in versions (-1: no budget).")
     ] = 4,
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="--engine: how each version reaches the engine: checkpoint (loaded from disk) | transfer (pushed "
+            "in memory: gloo on vLLM, inline tensors on SGLang)."
+        ),
+    ] = "checkpoint",
 ) -> None:
     """Everything in one process: embedded Redis, simulator replicas, the gateway, GRPO agents, a trainer
     that consumes trajectories and publishes weight updates mid-generation. With --engine vllm|sglang: a real
@@ -165,7 +181,7 @@ def demo(
     import uvloop
 
     if engine != "sim":
-        raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode, max_staleness))
+        raise typer.Exit(_engine_demo(engine, steps, model, target_reward, mode, max_staleness, weights))
     from rollout_cli.demo import DemoOptions, run_demo
 
     if (

@@ -14,9 +14,14 @@ Weights are drawn with a large init scale so each next-token distribution is pea
 model makes greedy decoding flip between tokens whose logits differ in the last bit, and the tests compare
 greedy runs. The output is a pure function of the seeds (same torch, same files). Never commit the output.
 
+`--size large` builds `dense` and `dense_v2` at about 130 M parameters instead (hidden 1024, 8 layers, 516 MB of
+float32 weights each, drawn at the usual small scale): the model `benchmarks.updates --engine` measures a weight
+transfer on, where moving the weights takes visible time. Never built by setup.sh.
+
 Usage::
 
     python scripts/build_tiny_models.py --out DIR [--dtype float32|bfloat16]
+    python scripts/build_tiny_models.py --out DIR --size large --only dense --only dense_v2
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ MOE: dict[str, Any] = {
     "norm_topk_prob": True,
 }
 
+# `--size large`: the dense architecture made big enough that its weights take time to move (about 130 M parameters)
+LARGE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 4096,
+    "initializer_range": 0.02,
+}
+SIZES: dict[str, dict[str, Any]] = {"tiny": {}, "large": LARGE}
+
 # name -> (architecture, seed)
 MODELS: dict[str, tuple[str, int]] = {
     "dense": ("qwen2", 1),
@@ -77,22 +94,23 @@ MODELS: dict[str, tuple[str, int]] = {
 }
 
 
-def build(name: str, out: Path, dtype: str) -> Path:
+def build(name: str, out: Path, dtype: str, size: str = "tiny") -> Path:
     """Build one checkpoint into `out/name` and return its directory."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     kind, seed = MODELS[name]
     torch.manual_seed(seed)
+    dims = COMMON | SIZES[size]
     model: Any
     if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**COMMON))
+        model = Qwen2ForCausalLM(Qwen2Config(**dims))
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, **MOE))
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**dims, **MOE))
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:  # embeddings, projections, experts, router; norms stay at 1
-                param.normal_(0.0, INIT_STD)
+                param.normal_(0.0, dims["initializer_range"])
     model = model.to(getattr(torch, dtype))
     target = out / name
     if target.exists():
@@ -123,14 +141,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder that receives dense/, dense_v2/, moe/, moe_v2/")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--only", choices=sorted([*MODELS, "think"]), action="append", help="build only these")
-    return parser.parse_args(argv)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="large: the transfer benchmark's model")
+    args = parser.parse_args(argv)
+    if args.size != "tiny" and (not args.only or set(args.only) - {"dense", "dense_v2"}):
+        parser.error("--size large builds dense and dense_v2 only: name them with --only")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only or [*MODELS, "think"]:
-        path = build_think(args.out, args.dtype) if name == "think" else build(name, args.out, args.dtype)
+        path = build_think(args.out, args.dtype) if name == "think" else build(name, args.out, args.dtype, args.size)
         size = sum(f.stat().st_size for f in path.iterdir())
         print(f"{name}: {path} ({size / 1e6:.1f} MB)")
     return 0

@@ -3,14 +3,16 @@ gateway, on this machine.
 
 It starts the engine with `backends.launcher` (the venvs and tiny models `scripts/engines/setup.sh` prepares),
 an embedded Redis and the gateway in front of the engine, then runs `trainers.loop.train` on the digits task:
-rollouts go on while the learner trains, and every step's checkpoint is loaded by the engine as the next version
-(abort mode: requests in flight are resumed with the tokens they had). A live table shows the reward curve,
+rollouts go on while the learner trains, and every step's weights become the engine's next version, loaded from a
+checkpoint or, with `weights="transfer"`, pushed into it in memory (abort mode: requests in flight are resumed with
+the tokens they had). A live table shows the reward curve,
 steps, resumes, the time of each phase and the engine/learner log-probability mismatch; the summary gives the
 reward's first and last values. It succeeds when the reward reaches `target_reward`.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -27,6 +29,7 @@ from gateway.config import ReplicaConfig, Settings
 from gateway.server import serve_gateway
 from trainers.grpo import GRPOConfig
 from trainers.loop import LoopConfig, StepReport, train
+from trainers.publish import WeightsMode
 
 ADMIN_TOKEN = "demo-admin-token"
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -42,6 +45,7 @@ class EngineDemoOptions:
     mode: Literal["abort", "keep", "wait"] = "abort"
     seed: int = 0
     max_staleness: int | None = 4  # the gateway's staleness budget (`weights.max_staleness`; None: no budget)
+    weights: WeightsMode = "checkpoint"  # each version from a checkpoint on disk, or pushed in memory ("transfer")
 
 
 def sparkline(values: list[float]) -> str:
@@ -132,8 +136,15 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
     when the engine is not installed or does not start."""
     console = console or Console()
     model = resolve_model(options.model)
+    # vLLM takes in-memory updates over gloo with the project's plugin (setup.sh installs it) once told to; SGLang
+    # takes inline tensors as it is.
+    gloo = options.weights == "transfer" and options.engine == "vllm"
     launch = EngineLaunch(
-        kind=options.engine, python=options.python or default_python(options.engine), model=model, port=free_port()
+        kind=options.engine,
+        python=options.python or default_python(options.engine),
+        model=model,
+        port=free_port(),
+        extra_args=("--weight-transfer-config", json.dumps({"backend": "gloo"})) if gloo else (),
     )
     reports: list[StepReport] = []
     with tempfile.TemporaryDirectory(prefix="rg-demo-") as scratch:
@@ -145,6 +156,7 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
                 backend=options.engine,
                 new_requests_while_paused="block",
                 scale_out=options.engine == "vllm",  # the launcher starts vLLM with --enable-scale-out
+                weight_transfer="gloo" if gloo else None,
             )
             settings = Settings(
                 server={"port": 0, "admin_token": ADMIN_TOKEN},
@@ -162,6 +174,7 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
                     steps=options.steps,
                     stop_at_reward=options.target_reward,
                     mode=options.mode,
+                    weights=options.weights,
                     seed=options.seed,
                     grpo=GRPOConfig(seed=options.seed, threads=1),
                 )

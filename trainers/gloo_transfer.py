@@ -30,7 +30,7 @@ class GlooGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         # TCPStore and PrefixStore are torch.distributed's documented stores; its stubs do not re-export them.
         # Listening at once; forming the group below is what waits for the engine's workers to join.
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+        self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
             address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
         prefixed = dist.PrefixStore(f"tcp://{address}:{port}", self._store)  # type: ignore[attr-defined]
@@ -44,10 +44,9 @@ class GlooGroup:
             self._group.broadcast([tensor.detach().contiguous()], options).wait()
 
     def close(self) -> None:
-        """Let the group go (the engine's side is let go by its next rendezvous or its shutdown)."""
-        group, self._group = self._group, None
-        if group is not None:
-            del group
+        """Let the group and its store go, freeing the rendezvous port for a group formed again there (the engine's
+        side is let go by its next rendezvous or its shutdown)."""
+        self._group = self._store = None
 
 
 def update_info(named: NamedTensors) -> dict[str, list[Any]]:

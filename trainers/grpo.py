@@ -138,6 +138,21 @@ class Learner:
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights as the engines load them: checkpoint names, in the checkpoint dtype, copies taken now (the next
+        step may run while they travel); a tensor tied to an earlier one (shared storage) is sent once, under the
+        first name, as a checkpoint stores it."""
+        dtype = getattr(torch, self.config.dtype)
+        seen: set[int] = set()
+        named = []
+        for name, tensor in self.model.state_dict().items():
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in seen:
+                continue
+            seen.add(storage)
+            named.append((name, tensor.detach().to(dtype, copy=True)))
+        return named
+
     def save(self, out_dir: str | Path, version: int) -> Path:
         """Write the weights as version `version` (safetensors, with the files an engine loads beside them) into
         `out_dir/v{version}` and return that folder; written aside and renamed, so no engine reads half a file."""

@@ -3,8 +3,10 @@ and posts every new checkpoint as the next weight version.
 
 One step: take `groups_per_step` complete groups from the trajectory stream (`TrajectoryConsumer`,
 `group_by="group_id"`), make one optimiser step (in a worker thread, so rollouts keep flowing), acknowledge the
-batch, write the checkpoint, and `POST /admin/weights {version, path, mode}`. The gateway pauses the engines,
-loads the checkpoint and resumes every interrupted request with the tokens it had, so the next batch holds
+batch, and publish the weights as the next version (`trainers.publish`): a checkpoint and `POST /admin/weights
+{version, path, mode}` (`weights="checkpoint"`), or an in-memory transfer pushed straight into the engines
+(`weights="transfer"`). The gateway pauses the engines, updates them and resumes every interrupted request with
+the tokens it had, so the next batch holds
 samples whose tokens span two versions; their per-token versions drive the staleness mask and the off-policy
 correction (`trainers.grpo`).
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from transformers import AutoTokenizer
 
 from gateway.trainer import Batch, TrajectoryConsumer
 from trainers.grpo import GRPOConfig, Learner, StepStats
+from trainers.publish import CheckpointPublisher, Publisher, TransferBackend, TransferPublisher, WeightsMode
 from trainers.rollouts import RolloutWorkers, SamplingConfig
 from trainers.task import DigitsTask
 
@@ -43,6 +45,8 @@ class LoopConfig:
     max_ahead_steps: int = 2  # rollouts may run this many steps' groups ahead of the learner
     max_staleness: int = 2  # tokens sampled more versions ago than this are masked out of the loss
     mode: Literal["abort", "keep", "wait"] = "abort"
+    weights: WeightsMode = "checkpoint"  # how each version reaches the engines: from disk, or pushed in memory
+    transfer_backend: TransferBackend | None = None  # weights="transfer": gloo | tensor (None: what the engines take)
     keep_checkpoints: int = 3
     batch_timeout_s: float = 300.0
     seed: int = 0
@@ -60,7 +64,7 @@ class StepReport:
     stats: StepStats
     generation_s: float  # waiting for the batch
     train_s: float
-    update_s: float  # checkpoint written and loaded by the engines
+    update_s: float  # weights published and taken by the engines (checkpoint or transfer)
     groups: int
     resumed_samples: int  # so far, across the run
     resumes: int
@@ -87,8 +91,8 @@ async def train(
     on_step: Callable[[StepReport], None] | None = None,
 ) -> LoopResult:
     """Train the model at `model_path` (the weights the gateway's engines serve at its current version) through the
-    gateway; step `k` publishes version current + k from `checkpoints/v{version}` (the newest `keep_checkpoints`
-    are kept)."""
+    gateway; step `k` publishes version current + k, from `checkpoints/v{version}` (the newest `keep_checkpoints`
+    are kept) or by an in-memory transfer (`config.weights`)."""
     config = config or LoopConfig()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task = DigitsTask.for_tokenizer(tokenizer)
@@ -119,11 +123,16 @@ async def train(
             max_staleness=config.max_staleness,
             stale_policy="mask",
         )
+        publisher: Publisher
+        if config.weights == "transfer":
+            publisher = TransferPublisher(http, config.mode, config.transfer_backend)
+        else:
+            publisher = CheckpointPublisher(http, checkpoints, config.mode, keep=config.keep_checkpoints)
         rollouts = asyncio.create_task(workers.run())
         try:
             async with consumer:
                 for step in range(1, config.steps + 1):
-                    report = await _step(step, http, consumer, learner, workers, rollouts, checkpoints, config)
+                    report = await _step(step, consumer, learner, workers, rollouts, publisher, config)
                     result.steps.append(report)
                     if on_step is not None:
                         on_step(report)
@@ -132,17 +141,17 @@ async def train(
         finally:
             await workers.stop()
             await asyncio.gather(rollouts, return_exceptions=True)
+            await publisher.aclose()
     return result
 
 
 async def _step(
     step: int,
-    http: httpx.AsyncClient,
     consumer: TrajectoryConsumer,
     learner: Learner,
     workers: RolloutWorkers,
     rollouts: asyncio.Task[None],
-    checkpoints: str | Path,
+    publisher: Publisher,
     config: LoopConfig,
 ) -> StepReport:
     started = time.monotonic()
@@ -152,11 +161,7 @@ async def _step(
     await consumer.ack(batch)
     updated = time.monotonic()
     version = learner.version + 1
-    path = await asyncio.to_thread(learner.save, checkpoints, version)
-    answer = await http.post("/admin/weights", json={"version": version, "path": str(path), "mode": config.mode})
-    if not answer.is_success:
-        raise RuntimeError(f"weight update to version {version} failed: {answer.status_code} {answer.text}")
-    _prune(Path(checkpoints), keep=config.keep_checkpoints, newest=version)
+    await publisher.publish(learner, version)
     done = time.monotonic()
     return StepReport(
         step=step,
@@ -202,10 +207,3 @@ def _merge(into: Batch, more: Batch) -> Batch:
         current_version=more.current_version,
         stale_before=more.stale_before,
     )
-
-
-def _prune(folder: Path, keep: int, newest: int) -> None:
-    """Delete the checkpoints older than the newest `keep`."""
-    for old in folder.glob("v*"):
-        if old.name[1:].isdigit() and int(old.name[1:]) <= newest - keep:
-            shutil.rmtree(old, ignore_errors=True)

@@ -12,20 +12,14 @@ trainer listens on as the rank 0 of a real group hosts its TCPStore. Joining ret
 update is, here, their bytes written by the trainer on that connection, read in the order and sizes the update's
 metadata (names, dtypes, shapes) gives.
 
-Inline tensors (SGLang `/update_weights_from_tensor`): each `serialized_named_tensors` entry is, for the simulator,
-base64 of a JSON object `{name: identity}`; a real SGLang takes torch's `MultiprocessingSerializer` bytes, which the
-simulator does not unpickle (CPU transfer backends for the real engines are issue 53 §2)."""
+Inline tensors (SGLang `/update_weights_from_tensor`): the engine's own format, `backends.sim.inline_tensors`."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import math
 import time
-from collections.abc import Mapping, Sequence
-
-import orjson
+from collections.abc import Sequence
 
 from backends.sim.engine import SimEngine
 
@@ -104,25 +98,10 @@ class SimGroup:
             self._reader = self._writer = None
 
 
-def check_names(names: Sequence[str] | Mapping[str, object]) -> None:
+def check_names(names: Sequence[str]) -> None:
     unknown = sorted(set(names) - {PARAMETER})
     if unknown:
         raise TransferError(f"the simulated model has no parameter {unknown[0]!r} (it has only {PARAMETER!r})")
-
-
-def decode_inline(serialized: Sequence[str]) -> str | None:
-    """The identity an `/update_weights_from_tensor` body carries (the last one given); None where none is."""
-    identity: str | None = None
-    for entry in serialized:
-        try:
-            tensors = orjson.loads(base64.b64decode(entry, validate=True))
-        except (binascii.Error, orjson.JSONDecodeError) as exc:
-            raise TransferError(f"serialized_named_tensors: not the simulator's base64 JSON ({exc})") from exc
-        if not isinstance(tensors, dict) or not all(isinstance(v, str) for v in tensors.values()):
-            raise TransferError('serialized_named_tensors: each entry must be base64 of {"weights": "<identity>"}')
-        check_names(tensors)
-        identity = tensors.get(PARAMETER, identity)
-    return identity
 
 
 class TransferSide:

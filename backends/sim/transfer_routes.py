@@ -22,7 +22,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from backends.sim.common import json_response
-from backends.sim.transfer import TransferError, TransferSide, decode_inline
+from backends.sim.inline_tensors import decode_inline
+from backends.sim.transfer import TransferError, TransferSide
 
 vllm_router = APIRouter()
 sglang_router = APIRouter()

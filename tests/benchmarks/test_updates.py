@@ -72,7 +72,10 @@ def test_the_timeline_interpolates_counters_and_integrates_the_dip() -> None:
     assert timeline.lowest_rate(0.0, 3.0, 1.0) == 0.0
 
 
-@pytest.mark.parametrize("argv", [["--streams", "0"], ["--dip", "9", "--period", "4"], ["--tokens", "8", "4"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--streams", "0"], ["--dip", "9", "--period", "4"], ["--tokens", "8", "4"], ["--transports", "transfer"]],
+)
 def test_impossible_options_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         updates.main(argv)
@@ -88,6 +91,9 @@ def test_an_engine_run_is_small_keep_only_and_of_its_own_dialect_unless_told() -
     options = updates.options_from(updates.parse_args(["--engine", "sglang", "--streams", "3"]))
     assert (options.engine, options.dialects, options.replicas, options.modes) == ("sglang", ("sglang",), 1, ("keep",))
     assert options.streams == 3 and options.updates == updates.ENGINE_DEFAULTS["updates"]
+    assert options.transports == ("path",)
+    both = updates.options_from(updates.parse_args(["--engine", "vllm", "--transports", "path", "transfer"]))
+    assert both.transports == ("path", "transfer")
     assert updates.options_from(updates.parse_args([])).engine is None
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 
 from backends.routed_experts import decode_npy_b64
 from backends.sim.common import SimServerSettings
@@ -23,7 +25,16 @@ from backends.sim.server import serve_in_process
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import ADMIN, ADMIN_TOKEN
-from tests.engines.direct import flush, greedy, metric, prompt_of, wait_metric
+from tests.engines.direct import (
+    flush,
+    greedy,
+    load_from_disk,
+    metric,
+    prompt_of,
+    restore,
+    wait_metric,
+    weight_checksums,
+)
 from tests.engines.servers import EngineServer
 from tests.gateway_helpers import Streamed, generate_body, scrape, stream_generate, value
 from tests.sim_helpers import wait_for
@@ -409,20 +420,29 @@ async def routed_experts_splice_on_resume(http: httpx.AsyncClient, gw: RunningGa
     assert same.mean() >= 0.99, f"{same.mean():.3f} of positions routed alike"
 
 
-async def reference_trainer_learns(gw: RunningGateway, server: EngineServer, checkpoints: str) -> None:
+async def reference_trainer_learns(
+    gw: RunningGateway, server: EngineServer, checkpoints: str, weights: str = "checkpoint"
+) -> None:
     """The reference GRPO trainer (`trainers.loop`) learns the digits task through the gateway: a fixed-seed run
-    starts below 0.05 mean reward and reaches 0.8 within 40 steps, while every step's checkpoint is loaded by the
-    engine in abort mode under live rollouts (so some samples are resumed across an update), and on tokens the
-    engine sampled with the learner's own weights its log-probabilities match torch's. Anything wrong on the path
-    (tokens, masks, log-probabilities, versions, checkpoint loading) stops the rise."""
+    starts below 0.05 mean reward and reaches 0.8 within 40 steps, while every step's weights reach the engine in
+    abort mode under live rollouts (so some samples are resumed across an update), from a checkpoint or pushed in
+    memory (`weights="transfer"`: gloo into vLLM, inline tensors into SGLang), and on tokens the engine sampled with
+    the learner's own weights its log-probabilities match torch's. Anything wrong on the path (tokens, masks,
+    log-probabilities, versions, the weights' way in) stops the rise."""
     from trainers.grpo import GRPOConfig
     from trainers.loop import LoopConfig, train
 
-    config = LoopConfig(steps=40, stop_at_reward=0.8, seed=0, grpo=GRPOConfig(seed=0, threads=1))
+    config = LoopConfig(
+        steps=40,
+        stop_at_reward=0.8,
+        seed=0,
+        weights=weights,
+        grpo=GRPOConfig(seed=0, threads=1),  # type: ignore[arg-type]
+    )
     result = await train(gw.url, gw.services.redis_url, server.model_path, checkpoints, config, admin_token=ADMIN_TOKEN)
     rewards = result.rewards
     curve = ", ".join(f"{r:.2f}" for r in rewards)
-    print(f"\n{server.kind} reward curve: {curve}")
+    print(f"\n{server.kind} reward curve ({weights}): {curve}")
     assert rewards[0] < 0.05, curve
     assert rewards[-1] >= 0.8, f"no step reached 0.8 in {len(rewards)} steps: {curve}"
     last = result.steps[-1]
@@ -658,3 +678,115 @@ async def _simulator_names(kind: str) -> set[str]:
                 f"{sim.url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
             )
         return _sample_names((await client.get(f"{sim.url}/metrics")).text)
+
+
+async def transfer_serves_what_a_disk_load_serves(
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+) -> None:
+    """Issue 53 §2, on the CPU builds: the second checkpoint pushed in memory through the gateway's two-phase update
+    by the reference trainer's publisher (vLLM over `gloo`, the project's plugin; SGLang `tensor`, inline) leaves
+    the engine holding exactly what a disk load of the same checkpoint leaves: equal weight checksums (vLLM's cover
+    its embeddings, norms and head only: on the CPU every linear layer is packed for oneDNN and its parameter left
+    empty), the same greedy tokens with logprobs within float32 noise, under the transferred version's label."""
+    from safetensors.torch import load_file
+
+    from gateway.weights import version_label
+    from trainers.publish import TransferPublisher
+
+    prompt, n = prompt_of(40, seed=3), 12
+    before, served = await greedy(http, server, prompt, n), await weight_checksums(http, server)
+    await load_from_disk(http, server, server.second_checkpoint)
+    from_disk, loaded = await greedy(http, server, prompt, n), await weight_checksums(http, server)
+    assert from_disk[0] != before[0]  # the second checkpoint answers otherwise: the comparison below means something
+    assert loaded.keys() == served.keys() and loaded != served
+    changed = sum(loaded[name] != served[name] for name in loaded)
+    print(f"\n{server.kind}: {changed} of {len(loaded)} weight checksums differ between the two checkpoints")
+    await restore(http, server)
+
+    backend = "gloo" if server.kind == "vllm" else "tensor"
+    tensors = load_file(str(Path(server.second_checkpoint) / "model.safetensors"))
+    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=300.0) as trainer:
+        publisher = TransferPublisher(trainer, "abort", backend)  # type: ignore[arg-type]
+        try:
+            answer = await publisher.transfer(1, list(tensors.items()))
+        finally:
+            await publisher.aclose()
+    assert answer["status"] == "updated", answer
+    info = await http.get(f"{server.url}/{'weight_info' if server.kind == 'vllm' else 'model_info'}")
+    assert info.json()["weight_version"] == version_label(1)
+    transferred = await greedy(http, server, prompt, n)
+    assert transferred[0] == from_disk[0]
+    assert transferred[1] == pytest.approx(from_disk[1], abs=1e-5)
+    assert await weight_checksums(http, server) == loaded
+
+
+class SplitBalancer(httpx.AsyncBaseTransport):
+    """A load balancer in front of two gateways of one fleet: a transfer's begin (`POST /admin/weights`) reaches the
+    first, every other call the second (its `GET /admin/weights/{version}`, its commit)."""
+
+    def __init__(self, begin_at: RunningGateway, rest_at: RunningGateway) -> None:
+        self.begin_at, self.rest_at = httpx.URL(begin_at.url), httpx.URL(rest_at.url)
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        begin = request.method == "POST" and request.url.path == "/admin/weights"
+        to = self.begin_at if begin else self.rest_at
+        request.url = request.url.copy_with(host=to.host, port=to.port)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def a_transfer_never_committed_then_one_committed_elsewhere(
+    http: httpx.AsyncClient, holder: RunningGateway, other: RunningGateway, server: EngineServer
+) -> None:
+    """Issue 53's faults on a real engine, two gateways on one Redis in front of it, the trainer behind a balancer
+    that sends a transfer's begin to one and its other calls to the other:
+    - a trainer that pushes half the tensors and never commits: at `weights.transfer_commit_timeout_s` the update
+      fails, the engine (which held mixed weights under the old label) is loaded again from the last checkpoint
+      path the gateway knows and serves exactly that checkpoint under its version;
+    - the next transfer, committed through the gateway that does not hold it: relayed, committed by the holder,
+      answered on the other; the engine then serves exactly the transferred weights under their version."""
+    from safetensors.torch import load_file
+
+    from gateway.weights import version_label
+    from trainers.publish import TransferPublisher
+
+    prompt, n = prompt_of(40, seed=5), 12
+    label = "weight_info" if server.kind == "vllm" else "model_info"
+    served = await greedy(http, server, prompt, n)
+    await admin(http, holder, "weights", {"version": 1, "path": server.second_checkpoint, "mode": "abort"})
+    second = await greedy(http, server, prompt, n)
+    assert second[0] != served[0]
+    tensors = list(load_file(str(server.model_path / "model.safetensors")).items())  # the served checkpoint
+    backend = "gloo" if server.kind == "vllm" else "tensor"
+    async with httpx.AsyncClient(
+        base_url=holder.url, headers=ADMIN, timeout=300.0, transport=SplitBalancer(holder, other)
+    ) as trainer:
+        publisher = TransferPublisher(trainer, "abort", backend)  # type: ignore[arg-type]
+        try:
+            [url] = await publisher.begin(2)
+            await publisher.push(url, tensors[: len(tensors) // 2])
+
+            async def ended() -> bool:
+                shown = await http.get(f"{other.url}/admin/weights/2", headers=ADMIN)
+                return bool(shown.status_code == 200 and shown.json()["status"] == "failed")
+
+            await wait_for(ended, timeout=120.0, what="the uncommitted transfer's end at its deadline")
+            await wait_for(lambda: holder.services.weights.state == "serving", timeout=60.0, what="serving again")
+            assert (holder.services.weights.version, other.services.weights.version) == (1, 1)
+            assert (await http.get(f"{server.url}/{label}")).json()["weight_version"] == version_label(1)
+            reloaded = await greedy(http, server, prompt, n)
+            assert reloaded[0] == second[0] and reloaded[1] == pytest.approx(second[1], abs=1e-5)
+
+            [url] = await publisher.begin(3)
+            await publisher.push(url, tensors)
+            answer = await publisher.commit(3)  # to the other gateway: relayed to the holder
+        finally:
+            await publisher.aclose()
+    assert answer["status"] == "updated", answer
+    assert (holder.services.weights.version, other.services.weights.version) == (3, 3)
+    assert (await http.get(f"{server.url}/{label}")).json()["weight_version"] == version_label(3)
+    transferred = await greedy(http, server, prompt, n)
+    assert transferred[0] == served[0] and transferred[1] == pytest.approx(served[1], abs=1e-5)

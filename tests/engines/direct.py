@@ -114,3 +114,27 @@ async def restore(http: httpx.AsyncClient, server: EngineServer) -> None:
     await flush(http, server)
     info = await http.get(f"{server.url}/model_info")
     assert info.json()["weight_version"] == RESTORE_VERSION
+
+
+async def load_from_disk(http: httpx.AsyncClient, server: EngineServer, path: str) -> None:
+    """The engine's own load of the checkpoint at `path` (no label, no pause): vLLM's `reload_weights`, SGLang's
+    `/update_weights_from_disk`; the prefix cache flushed after."""
+    if server.kind == "vllm":
+        await _post(
+            http, f"{server.url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        )
+    else:
+        answer = await _post(http, f"{server.url}/update_weights_from_disk", {"model_path": path, "flush_cache": False})
+        assert answer["success"], answer
+    await flush(http, server)
+
+
+async def weight_checksums(http: httpx.AsyncClient, server: EngineServer) -> dict[str, str]:
+    """The engine's checksum of each of its parameters as it holds them (vLLM `/weight_checker`, SGLang
+    `/weights_checker`; names and bytes are the engine's own, after its post-processing of a load)."""
+    if server.kind == "vllm":
+        answer = await _post(http, f"{server.url}/weight_checker", {"action": "checksum"})
+        return {str(k): str(v) for k, v in answer["checksums"].items()}
+    answer = await _post(http, f"{server.url}/weights_checker", {"action": "checksum"})
+    assert answer["success"], answer
+    return {f"{i}:{k}": str(v) for i, rank in enumerate(answer["ranks"]) for k, v in rank["checksums"].items()}

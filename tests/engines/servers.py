@@ -55,6 +55,7 @@ class EngineServer:
     stub_calls: Path | None = None
     logs_received_prompts: bool = False
     weight_transfer: str | None = None  # vLLM: its --weight-transfer-config backend (the tier starts it with gloo)
+    process_group: int | None = None  # a server started here: its process group (the launcher starts it in its own)
 
     @property
     def model_path(self) -> Path:
@@ -83,8 +84,9 @@ def served_model() -> str:
 
 
 @contextlib.contextmanager
-def engine_server(kind: EngineKind, tmp: Path) -> Iterator[EngineServer]:
-    """The session's engine server: an external one (RG_<KIND>_URL), or one started here and stopped at the end."""
+def engine_server(kind: EngineKind, tmp: Path, port: int | None = None) -> Iterator[EngineServer]:
+    """The session's engine server: an external one (RG_<KIND>_URL), or one started here (on `port`, or a free
+    one) and stopped at the end."""
     models, model = models_dir(), served_model()
     routed = os.environ.get("RG_ENGINE_ROUTED_EXPERTS", "") == "1"
     external = os.environ.get(f"RG_{kind.upper()}_URL")
@@ -100,8 +102,12 @@ def engine_server(kind: EngineKind, tmp: Path) -> Iterator[EngineServer]:
     # vLLM takes in-memory weight transfers over gloo (the project's plugin, which setup.sh installs in its venv).
     transfer = "gloo" if kind == "vllm" else None
     extra = ("--weight-transfer-config", orjson.dumps({"backend": transfer}).decode()) if transfer else ()
-    launch = EngineLaunch(kind, python, models / model, free_port(), log_received_prompts=True, extra_args=extra)
+    launch = EngineLaunch(
+        kind, python, models / model, port or free_port(), log_received_prompts=True, extra_args=extra
+    )
     started = time.monotonic()
     with start_engine(launch, tmp, startup_timeout_s=STARTUP_TIMEOUT) as engine:
         print(f"\n{kind} server up in {time.monotonic() - started:.1f} s ({engine.url}, log {engine.log})")
-        yield EngineServer(kind, engine.url, models, model, routed, engine.log, engine.stub_calls, True, transfer)
+        yield EngineServer(
+            kind, engine.url, models, model, routed, engine.log, engine.stub_calls, True, transfer, engine.process.pid
+        )

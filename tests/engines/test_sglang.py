@@ -153,11 +153,27 @@ async def test_routed_experts_splice_on_resume(
     await checks.routed_experts_splice_on_resume(http, await make(), sglang_server)
 
 
-@pytest.mark.timeout(600)
-async def test_the_reference_trainer_learns_through_the_gateway(
-    make: MakeGateway, sglang_server: EngineServer, tmp_path: Path
+async def test_an_in_memory_transfer_serves_what_a_disk_load_of_the_same_checkpoint_serves(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
 ) -> None:
-    await checks.reference_trainer_learns(await make(), sglang_server, str(tmp_path / "checkpoints"))
+    """Inline tensors (`/update_weights_from_tensor`), pickled by the reference trainer's publisher."""
+    await checks.transfer_serves_what_a_disk_load_serves(http, await make(), sglang_server)
+
+
+async def test_a_transfer_never_committed_is_reloaded_and_the_next_is_committed_through_another_gateway(
+    make: MakeGateway, sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    weights = {"transfer_commit_timeout_s": 10}
+    holder, other = await make(weights), await make(weights)
+    await checks.a_transfer_never_committed_then_one_committed_elsewhere(http, holder, other, sglang_server)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("weights", ["checkpoint", "transfer"])
+async def test_the_reference_trainer_learns_through_the_gateway(
+    make: MakeGateway, sglang_server: EngineServer, tmp_path: Path, weights: str
+) -> None:
+    await checks.reference_trainer_learns(await make(), sglang_server, str(tmp_path / "checkpoints"), weights)
 
 
 async def test_engine_and_trainer_logprobs_agree_under_the_same_weights(

@@ -5,26 +5,21 @@ Needs scripts/engines/setup.sh (see docs/engines.md); skips without it, fails wi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
-from safetensors.torch import load_file
 
-from backends.launcher import free_port
 from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
-from gateway.weights import version_label
-from tests.conftest import ADMIN, GatewayFactory, SimFactory
+from tests.conftest import GatewayFactory, SimFactory
 from tests.engines import agent_checks, checks
 from tests.engines.conftest import gateway_over
-from tests.engines.direct import flush, greedy, prompt_of, restore
+from tests.engines.direct import prompt_of, restore
 from tests.engines.servers import EngineServer
-from trainers.gloo_transfer import GlooGroup, push
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -43,6 +38,7 @@ async def gw(
         new_requests_while_paused="block",
         scale_out=True,  # the server runs with --enable-scale-out: /inference/v1/generate carries version spans
         routed_experts=vllm_server.routed_experts,
+        weight_transfer=vllm_server.weight_transfer,
     )
     yield gateway
     # Stopped first: its health probe, seeing the restored label, would load the test's weights back (a replica
@@ -125,59 +121,39 @@ async def test_the_echoed_prompt_is_cut_from_real_answers(vllm_server: EngineSer
         assert orjson.loads(cut) == expected
 
 
-async def test_a_gloo_transfer_serves_what_a_disk_load_of_the_same_checkpoint_serves(
-    vllm_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient
+async def test_an_in_memory_transfer_serves_what_a_disk_load_of_the_same_checkpoint_serves(
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
 ) -> None:
-    """Issue 53's in-memory update on vLLM's CPU build: the gateway pauses the engine and opens its gloo side, the
-    trainer (torch alone, `trainers.gloo_transfer`) broadcasts the second checkpoint's tensors and commits; the
-    engine then answers exactly what it answers once that checkpoint is loaded from disk (greedy tokens and their
-    logprobs), under the transferred version's label."""
+    """Over gloo: the project's plugin in the engine, the reference trainer's publisher on the other side."""
     if vllm_server.weight_transfer != "gloo":
         pytest.skip("the server takes no gloo weight transfer (an external one, started without the plugin)")
-    prompt, n = prompt_of(40, seed=3), 12
-    await restore(http, vllm_server)
-    before = await greedy(http, vllm_server, prompt, n)
-    rpc = {"method": "reload_weights", "kwargs": {"weights_path": vllm_server.second_checkpoint}}
-    assert (await http.post(f"{vllm_server.url}/collective_rpc", json=rpc, timeout=120)).status_code == 200
-    await flush(http, vllm_server)
-    from_disk = await greedy(http, vllm_server, prompt, n)
-    assert from_disk[0] != before[0]  # the second checkpoint answers otherwise: the comparison below means something
-    await restore(http, vllm_server)
+    await checks.transfer_serves_what_a_disk_load_serves(http, gw, vllm_server)
 
-    gw = await gateway_over(
-        make_gateway, vllm_server, new_requests_while_paused="block", scale_out=True, weight_transfer="gloo"
-    )
-    group: GlooGroup | None = None
+
+async def test_a_transfer_never_committed_is_reloaded_and_the_next_is_committed_through_another_gateway(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    if vllm_server.weight_transfer != "gloo":
+        pytest.skip("the server takes no gloo weight transfer (an external one, started without the plugin)")
+    await restore(http, vllm_server)
+    replica = {"new_requests_while_paused": "block", "scale_out": True, "weight_transfer": "gloo"}
+    weights = {"transfer_commit_timeout_s": 10}
+    holder = await gateway_over(make_gateway, vllm_server, weights, **replica)
+    other = await gateway_over(make_gateway, vllm_server, weights, **replica)
     try:
-        transfer = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": free_port()}
-        begun = await http.post(f"{gw.url}/admin/weights", json={"version": 1, "transfer": transfer}, headers=ADMIN)
-        assert begun.status_code == 202, begun.text
-        side = begun.json()["engines"][0]
-        assert (side["world_size"], side["rendezvous"]) == (2, True), side  # the trainer and the one CPU worker
-        group = await asyncio.to_thread(GlooGroup, "127.0.0.1", side["master_port"], side["world_size"], 120.0)
-        opened = await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 120}, headers=ADMIN, timeout=150)
-        assert [e["state"] for e in opened.json()["engines"]] == ["open"], opened.text
-        tensors = load_file(str(Path(vllm_server.second_checkpoint) / "model.safetensors"))
-        await push(http, vllm_server.url, group, list(tensors.items()))
-        committed = await http.post(f"{gw.url}/admin/weights/1/commit", headers=ADMIN, timeout=150)
-        assert committed.status_code == 200 and committed.json()["status"] == "updated", committed.text
-        info = await http.get(f"{vllm_server.url}/weight_info")
-        assert info.json()["weight_version"] == version_label(1)
-        transferred = await greedy(http, vllm_server, prompt, n)
-        assert transferred[0] == from_disk[0]
-        assert transferred[1] == pytest.approx(from_disk[1], abs=1e-5)
+        await checks.a_transfer_never_committed_then_one_committed_elsewhere(http, holder, other, vllm_server)
     finally:
-        if group is not None:
-            group.close()
-        await gw.stop()
+        await holder.stop()
+        await other.stop()
         await restore(http, vllm_server)
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("weights", ["checkpoint", "transfer"])
 async def test_the_reference_trainer_learns_through_the_gateway(
-    gw: RunningGateway, vllm_server: EngineServer, tmp_path: Path
+    gw: RunningGateway, vllm_server: EngineServer, tmp_path: Path, weights: str
 ) -> None:
-    await checks.reference_trainer_learns(gw, vllm_server, str(tmp_path / "checkpoints"))
+    await checks.reference_trainer_learns(gw, vllm_server, str(tmp_path / "checkpoints"), weights)
 
 
 @pytest.mark.timeout(900)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import pickle
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
-import orjson
 import pytest
+import torch
 
 from backends.sim.server import SimProcess
 from gateway.config import ReplicaConfig
@@ -21,6 +23,7 @@ from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway.test_weight_states import SCENARIOS
 from tests.gateway_helpers import PROMPT, expected_tokens, generate_body, publish
 from tests.sim_helpers import sim_state
+from trainers.tensor_transfer import serialize
 
 TRANSFER = SCENARIOS["an in-memory transfer, committed or ended at its deadline"]
 
@@ -29,9 +32,10 @@ def replica_id(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def inline(identity: str) -> str:
-    """The simulator's stand-in for SGLang's serialized named tensors."""
-    return base64.b64encode(orjson.dumps({"weights": identity})).decode()
+def inline(identity: str, name: str = "weights") -> str:
+    """SGLang's serialized named tensors, as the reference trainer sends them: the simulated model's one parameter,
+    the identity's bytes."""
+    return serialize([(name, torch.tensor(list(identity.encode()), dtype=torch.uint8))])
 
 
 @pytest.fixture
@@ -240,8 +244,15 @@ async def test_the_simulator_keeps_the_engines_transfer_rules(make_sim: SimFacto
     assert (await http.post(f"{sglang.url}/end_weight_update", json={})).status_code == 400
     assert (await http.post(f"{sglang.url}/begin_weight_update", json={})).status_code == 200
     assert (await http.post(f"{sglang.url}/begin_weight_update", json={})).status_code == 400  # one at a time
-    unknown = {"serialized_named_tensors": [base64.b64encode(b'{"lm_head": "x"}').decode()]}
+    unknown = {"serialized_named_tensors": [inline("x", name="lm_head")]}
     assert (await http.post(f"{sglang.url}/update_weights_from_tensor", json=unknown)).status_code == 400
+    # A pickle is opened with an allow-list, as the engine's is: nothing but a tensor's own pieces is called.
+    hostile = {"serialized_named_tensors": [base64.b64encode(pickle.dumps(Path("/"))).decode()]}
+    refused = await http.post(f"{sglang.url}/update_weights_from_tensor", json=hostile)
+    assert refused.status_code == 400 and "no part of a pickled tensor" in refused.json()["message"]
+    for garbage in ([], ["%%%"], [base64.b64encode(b'{"weights": "ckpt-9"}').decode()]):
+        body = {"serialized_named_tensors": garbage}
+        assert (await http.post(f"{sglang.url}/update_weights_from_tensor", json=body)).status_code == 400, garbage
     labelled = await http.post(f"{sglang.url}/update_weights_from_tensor", json=tensors | {"weight_version": "9"})
     assert labelled.status_code == 200
     assert (await http.get(f"{sglang.url}/model_info")).json()["weight_version"] == "9"

@@ -137,6 +137,7 @@ def engine_status(engine: Engine) -> dict[str, Any]:
         "draining": engine.draining,
         "in_flight": engine.in_flight,
         "version": engine.version,
+        "transfer_backends": sorted(engine.backend.capabilities.transfer_backends),  # in-memory updates it takes
     }
 
 
@@ -204,6 +205,7 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
         "state": svc.weights.state,
         "updates": svc.weights.updates,
         "replicas": [replica_status(r) for r in svc.pool.all()],
+        "engines": [engine_status(e) for e in svc.pool.engines()],  # the replicas as added (one per engine)
         "affinity_ratio": svc.pool.affinity.ratio,
         "resumes_total": svc.generator.resumes_total,
         "preemptions_total": svc.generator.preemptions_total,
