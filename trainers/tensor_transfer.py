@@ -17,6 +17,7 @@ import pickle
 from collections.abc import Sequence
 
 import httpx
+import orjson
 import torch
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
@@ -33,8 +34,9 @@ async def push(http: httpx.AsyncClient, engine_url: str, named: NamedTensors, tp
     """One chunk into one engine (inside the update session the gateway opened): every tensor-parallel rank gets the
     whole tensors and loads its own shard of them, as from a checkpoint."""
     entry = serialize(named)
-    body = {"serialized_named_tensors": [entry] * tp_size, "flush_cache": False}
-    answer = await http.post(f"{engine_url}/update_weights_from_tensor", json=body)
+    body = orjson.dumps({"serialized_named_tensors": [entry] * tp_size, "flush_cache": False})  # hundreds of MB
+    headers = {"content-type": "application/json"}
+    answer = await http.post(f"{engine_url}/update_weights_from_tensor", content=body, headers=headers)
     if answer.status_code != 200 or answer.json().get("success") is False:
         route = f"{engine_url}/update_weights_from_tensor"
         raise RuntimeError(f"{route} answered {answer.status_code}: {answer.text[:300]}")
