@@ -48,10 +48,11 @@ Said, never asserted: the figures depend on the prefill/decode cost ratio, the t
 
 `--engine vllm|sglang` runs the same cells on one real engine server instead (`benchmarks.update_engine`: the CPU
 recipe of `backends.launcher` and its tiny models, the same replica entries, counters from its `/metrics`; the
-updates load the second checkpoint and the first in turn), by default only `keep` at a small size: `ENGINE_DEFAULTS`. There `--transports path transfer` runs each cell twice:
-the update loads the checkpoint's path, or the same checkpoint's tensors (read before the timing) are pushed in
-memory through the two-phase update by the reference trainer's publisher (`trainers.publish`: gloo into vLLM, started
-with the project's plugin; inline tensors into SGLang); 'admin ms' is then pause to serving as the trainer sees it.
+updates load the second checkpoint and the first in turn), by default only `keep` at a small size: `ENGINE_DEFAULTS`.
+There `--transports path transfer` runs each cell twice: the update loads the checkpoint's path, or the same
+checkpoint's tensors (read before the timing) are pushed in memory through the two-phase update by the reference
+trainer's publisher (`trainers.publish`: gloo into vLLM, started with the project's plugin; inline tensors into
+SGLang); 'admin ms' is then pause to serving as the trainer sees it.
 """
 
 from __future__ import annotations
