@@ -54,7 +54,8 @@ def sparkline(values: list[float]) -> str:
 
 
 def _live(options: EngineDemoOptions, reports: list[StepReport], started: float) -> Table:
-    table = Table(title=f"rollout-gateway demo --engine {options.engine}", show_header=False)
+    title = f"rollout-gateway demo --engine {options.engine} --weights {options.weights}"
+    table = Table(title=title, show_header=False)
     table.add_column("figure")
     table.add_column("value")
     table.add_row("elapsed", f"{time.monotonic() - started:.0f} s")
@@ -87,6 +88,7 @@ def _summary(console: Console, options: EngineDemoOptions, reports: list[StepRep
     last = reports[-1] if reports else None
     for name, value in (
         ("engine", options.engine),
+        ("weights reach it", "pushed in memory" if options.weights == "transfer" else "from checkpoints"),
         ("steps", f"{len(reports)} in {elapsed:.0f} s"),
         ("reward, first → last", f"{rewards[0]:.3f} → {rewards[-1]:.3f}" if rewards else "-"),
         ("reward curve", sparkline(rewards)),

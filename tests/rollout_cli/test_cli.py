@@ -126,6 +126,8 @@ def test_demo_rejects_bad_flags() -> None:
     result = run_cli("demo", "--dialect", "tgi")
     assert result.returncode == 2
     assert run_cli("demo", "--engine", "tgi").returncode == 2
+    by_pigeon = run_cli("demo", "--engine", "vllm", "--weights", "pigeon")
+    assert by_pigeon.returncode == 2 and "--weights checkpoint|transfer" in by_pigeon.stderr
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
