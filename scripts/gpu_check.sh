@@ -11,8 +11,10 @@
 #
 # What it does per engine: its own venv (never the project's), a server on 127.0.0.1 serving models/moe with
 # routed experts on, then the same pytest tier as CI pointed at it (RG_<ENGINE>_URL), plus the routed-expert
-# checks that only run with RG_ENGINE_ROUTED_EXPERTS=1 (splicing across a resume). Exit status: non-zero if
-# any tier failed.
+# checks that only run with RG_ENGINE_ROUTED_EXPERTS=1 (splicing across a resume). vLLM is started with the `nccl`
+# in-memory weight transfer (`--weight-transfer-config`), and its tier's transfer checks push over NCCL with vLLM's
+# own trainer-side helper (trainers/nccl_transfer.py), so vLLM is installed into the project's venv as well (NOT
+# run by the project yet either). Exit status: non-zero if any tier failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,8 +59,9 @@ SERVER=""
 stop_server() { [ -n "$SERVER" ] && kill -TERM -- "-$SERVER" 2>/dev/null && wait "$SERVER" 2>/dev/null; SERVER=""; }
 trap stop_server EXIT
 
-run_tier() {  # run_tier KIND URL
+run_tier() {  # run_tier KIND URL [TRANSFER]: TRANSFER, the vLLM server's --weight-transfer-config backend
   RG_ENGINES_REQUIRED=1 RG_ENGINE_MODELS="$WORK/models" RG_ENGINE_MODEL=moe RG_ENGINE_ROUTED_EXPERTS=1 \
+    RG_VLLM_WEIGHT_TRANSFER="${3:-}" \
     env "RG_$(echo "$1" | tr a-z A-Z)_URL=$2" .venv/bin/python -m pytest "tests/engines/test_$1.py" -m "$1" -p no:cacheprovider
 }
 
@@ -67,6 +70,9 @@ for engine in "${ENGINES[@]}"; do
   case $engine in
     vllm)
       py=$(venv vllm "${VLLM_SPEC:-vllm==0.32.0}")
+      # The trainer's side of the nccl transfer is vLLM's own helper: the tier's trainer needs vLLM too.
+      .venv/bin/python -m pip install --quiet "${VLLM_SPEC:-vllm==0.32.0}"
+      transfer=nccl
       port=18101
       log "vllm: serving $WORK/models/moe on :$port (routed experts on)"
       # Routed-experts capture needs the V2 model runner; dev mode mounts /pause, /collective_rpc, ...
@@ -74,10 +80,12 @@ for engine in "${ENGINES[@]}"; do
         "$py" -m vllm.entrypoints.openai.api_server --model "$WORK/models/moe" --served-model-name tiny \
         --host 127.0.0.1 --port $port --max-model-len 4096 --dtype "$DTYPE" --gpu-memory-utilization "$MEM" \
         --enable-return-routed-experts --enable-scale-out --enable-prompt-tokens-details --enable-prefix-caching \
+        --weight-transfer-config '{"backend": "nccl"}' \
         --stream-interval 8 --seed 0 >"$WORK/logs/vllm.log" 2>&1 &
       ;;
     sglang)
       py=$(venv sglang "${SGLANG_SPEC:-sglang==0.5.23}")
+      transfer=""  # inline tensors: no group
       port=18102
       log "sglang: serving $WORK/models/moe on :$port (routed experts on)"
       setsid env HF_HUB_OFFLINE=1 \
@@ -91,7 +99,7 @@ for engine in "${ENGINES[@]}"; do
   SERVER=$!
   if wait_health "http://127.0.0.1:$port" "$SERVER" "$WORK/logs/$engine.log"; then
     log "$engine: up; running its tier"
-    run_tier "$engine" "http://127.0.0.1:$port" || status=1
+    run_tier "$engine" "http://127.0.0.1:$port" "$transfer" || status=1
   else
     log "$engine: the server did not come up (log: $WORK/logs/$engine.log)"
     status=1

@@ -4,7 +4,8 @@ in-memory transfer it pushes into them itself (issue 53).
 `CheckpointPublisher`: write `checkpoints/v{version}` and `POST /admin/weights {version, path, mode}`.
 
 `TransferPublisher`: `POST /admin/weights {version, transfer, mode}`; the gateway answers 202 with the layout at once
-and pauses the engines. Over `gloo` (vLLM's CPU build) the trainer is rank 0 of one process group per engine,
+and pauses the engines. Over `gloo` (vLLM's CPU build) or `nccl` (vLLM on GPUs; untested by the project) the trainer
+is rank 0 of one process group per engine,
 formed where the layout says `rendezvous` and kept across updates otherwise (the rendezvous ports stay the same from
 one update to the next, so the gateway keeps the groups); with `tensor` (SGLang) the tensors go inline. Once every
 engine's side is open (`GET /admin/weights/{version}`) the tensors are pushed straight into each engine, in chunks
@@ -25,13 +26,18 @@ from typing import Any, Literal, Protocol
 import httpx
 import torch
 
-from trainers import gloo_transfer, tensor_transfer
-from trainers.gloo_transfer import GlooGroup, NamedTensors
+from trainers import group_transfer, tensor_transfer
+from trainers.gloo_transfer import GlooGroup
+from trainers.group_transfer import NamedTensors, TensorGroup
 from trainers.grpo import Learner
+from trainers.nccl_transfer import NcclGroup
 
 WeightsMode = Literal["checkpoint", "transfer"]
-TransferBackend = Literal["gloo", "tensor"]
-PREFERRED: tuple[TransferBackend, ...] = ("gloo", "tensor")  # what the trainer can push, in the order it picks
+TransferBackend = Literal["gloo", "nccl", "tensor"]
+GROUPS: dict[str, type[GlooGroup] | type[NcclGroup]] = {"gloo": GlooGroup, "nccl": NcclGroup}
+# What the trainer picks by itself, in this order, where every engine takes it; `nccl` only when asked (it needs
+# vLLM and a GPU on the trainer's side, and its group is vLLM's: an SGLang engine's is formed otherwise).
+PREFERRED: tuple[TransferBackend, ...] = ("gloo", "tensor")
 
 
 class Publisher(Protocol):
@@ -75,7 +81,7 @@ class TransferPublisher:
         self.http, self.mode, self.backend = http, mode, backend
         self.master_address, self.timeout_s, self.chunk_bytes = master_address, timeout_s, chunk_bytes
         self._engines = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))  # straight to the engines
-        self._groups: dict[str, GlooGroup] = {}  # engine URL → the group formed with it (gloo), kept
+        self._groups: dict[str, TensorGroup] = {}  # engine URL → the group formed with it (gloo, nccl), kept
         self._ports: tuple[int, int] | None = None  # the first rendezvous port and how many follow it
 
     async def publish(self, learner: Learner, version: int) -> None:
@@ -95,15 +101,16 @@ class TransferPublisher:
         gateway and left out here)."""
         backend = self.backend = self.backend or await self._choose()
         transfer: dict[str, Any] = {"backend": backend}
-        if backend == "gloo":
+        if backend in GROUPS:
             engines = len((await self._status())["engines"])
             transfer |= {"master_address": self.master_address, "master_port": self._master_port(engines)}
         body = {"version": version, "transfer": transfer, "mode": self.mode}
         begun = await self.http.post("/admin/weights", json=body)
         if begun.status_code != 202:
             raise RuntimeError(f"weight transfer of version {version} refused: {begun.status_code} {begun.text}")
-        if backend == "gloo":
-            await asyncio.gather(*(self._join(side) for side in begun.json()["engines"] if side["rendezvous"]))
+        if backend in GROUPS:
+            sides = [side for side in begun.json()["engines"] if side["rendezvous"]]
+            await asyncio.gather(*(self._join(GROUPS[backend], side) for side in sides))
         opened = await self.http.get(f"/admin/weights/{version}", params={"wait_s": min(self.timeout_s, 600.0)})
         if opened.status_code != 200 or opened.json()["status"] != "open":
             raise RuntimeError(f"the transfer of version {version} did not open: {opened.status_code} {opened.text}")
@@ -114,11 +121,13 @@ class TransferPublisher:
         if self.backend is None:
             raise RuntimeError("push before begin: no transfer is under way")
         for chunk in chunked(named, self.chunk_bytes):
-            if self.backend == "gloo":
+            if self.backend in GROUPS:
                 group = self._groups.get(url)
                 if group is None:
-                    raise RuntimeError(f"no gloo group with {url}: the layout asked for no rendezvous with it")
-                await gloo_transfer.push(self._engines, url, group, chunk)
+                    raise RuntimeError(
+                        f"no {self.backend} group with {url}: the layout asked for no rendezvous with it"
+                    )
+                await group_transfer.push(self._engines, url, group, chunk)
             else:
                 await tensor_transfer.push(self._engines, url, chunk)
 
@@ -157,14 +166,14 @@ class TransferPublisher:
             self._ports = (_free_ports(engines), engines)
         return self._ports[0]
 
-    async def _join(self, side: dict[str, Any]) -> None:
+    async def _join(self, group: type[GlooGroup] | type[NcclGroup], side: dict[str, Any]) -> None:
         """Form the group the layout asks for (the engine joins it as the gateway opens its side): blocks until it
         has, so in a thread."""
         kept = self._groups.pop(side["url"], None)
         if kept is not None:
             kept.close()  # the engine formed no group with it any more (it restarted), and its port is wanted again
         self._groups[side["url"]] = await asyncio.to_thread(
-            GlooGroup, side["master_address"], side["master_port"], side["world_size"], self.timeout_s
+            group, side["master_address"], side["master_port"], side["world_size"], self.timeout_s
         )
 
     def _close_groups(self) -> None:

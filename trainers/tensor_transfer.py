@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import base64
 import pickle
-from collections.abc import Sequence
 
 import httpx
 import orjson
-import torch
 
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
+from trainers.group_transfer import NamedTensors
 
 
 def serialize(named: NamedTensors) -> str:

@@ -53,6 +53,16 @@ WAITING = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs
 GENERATED = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
 
 
+def transfer_backend(server: EngineServer) -> str:
+    """The in-memory transfer a tier pushes: vLLM's `--weight-transfer-config` backend (`gloo` on the CPU, `nccl`
+    where scripts/gpu_check.sh starts it), SGLang's inline tensors."""
+    if server.kind == "sglang":
+        return "tensor"
+    if server.weight_transfer is None:
+        pytest.skip("the vLLM server takes no in-memory weight transfer (started without --weight-transfer-config)")
+    return server.weight_transfer
+
+
 async def admin(http: httpx.AsyncClient, gw: RunningGateway, path: str, body: dict[str, Any]) -> dict[str, Any]:
     response = await http.post(f"{gw.url}/admin/{path}", json=body, headers=ADMIN, timeout=300.0)
     assert response.status_code == 200, response.text
@@ -426,7 +436,8 @@ async def reference_trainer_learns(
     """The reference GRPO trainer (`trainers.loop`) learns the digits task through the gateway: a fixed-seed run
     starts below 0.05 mean reward and reaches 0.8 within 40 steps, while every step's weights reach the engine in
     abort mode under live rollouts (so some samples are resumed across an update), from a checkpoint or pushed in
-    memory (`weights="transfer"`: gloo into vLLM, inline tensors into SGLang), and on tokens the engine sampled with
+    memory (`weights="transfer"`: gloo into vLLM on the CPU, inline tensors into SGLang), and on tokens the engine
+    sampled with
     the learner's own weights its log-probabilities match torch's. Anything wrong on the path (tokens, masks,
     log-probabilities, versions, the weights' way in) stops the rise."""
     from trainers.grpo import GRPOConfig
@@ -436,8 +447,9 @@ async def reference_trainer_learns(
         steps=40,
         stop_at_reward=0.8,
         seed=0,
-        weights=weights,
-        grpo=GRPOConfig(seed=0, threads=1),  # type: ignore[arg-type]
+        weights=weights,  # type: ignore[arg-type]
+        transfer_backend=transfer_backend(server) if weights == "transfer" else None,  # type: ignore[arg-type]
+        grpo=GRPOConfig(seed=0, threads=1),
     )
     result = await train(gw.url, gw.services.redis_url, server.model_path, checkpoints, config, admin_token=ADMIN_TOKEN)
     rewards = result.rewards
@@ -684,7 +696,8 @@ async def transfer_serves_what_a_disk_load_serves(
     http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
 ) -> None:
     """Issue 53 §2, on the CPU builds: the second checkpoint pushed in memory through the gateway's two-phase update
-    by the reference trainer's publisher (vLLM over `gloo`, the project's plugin; SGLang `tensor`, inline) leaves
+    by the reference trainer's publisher (vLLM over its `--weight-transfer-config` backend: `gloo` on the CPU, the
+    project's plugin; SGLang `tensor`, inline) leaves
     the engine holding exactly what a disk load of the same checkpoint leaves: equal weight checksums (vLLM's cover
     its embeddings, norms and head only: on the CPU every linear layer is packed for oneDNN and its parameter left
     empty), the same greedy tokens with logprobs within float32 noise, under the transferred version's label."""
@@ -703,7 +716,7 @@ async def transfer_serves_what_a_disk_load_serves(
     print(f"\n{server.kind}: {changed} of {len(loaded)} weight checksums differ between the two checkpoints")
     await restore(http, server)
 
-    backend = "gloo" if server.kind == "vllm" else "tensor"
+    backend = transfer_backend(server)
     tensors = load_file(str(Path(server.second_checkpoint) / "model.safetensors"))
     async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=300.0) as trainer:
         publisher = TransferPublisher(trainer, "abort", backend)  # type: ignore[arg-type]
@@ -760,7 +773,7 @@ async def a_transfer_never_committed_then_one_committed_elsewhere(
     second = await greedy(http, server, prompt, n)
     assert second[0] != served[0]
     tensors = list(load_file(str(server.model_path / "model.safetensors")).items())  # the served checkpoint
-    backend = "gloo" if server.kind == "vllm" else "tensor"
+    backend = transfer_backend(server)
     async with httpx.AsyncClient(
         base_url=holder.url, headers=ADMIN, timeout=300.0, transport=SplitBalancer(holder, other)
     ) as trainer:

@@ -10,6 +10,7 @@ Environment (all optional):
     RG_ENGINE_MODELS       the folder with dense/, dense_v2/, moe/, moe_v2/ (default .engines/models)
     RG_VLLM_URL, RG_SGLANG_URL   use this running server instead of starting one (GPU recipe); it must serve
                            RG_ENGINE_MODEL (default dense) and read RG_ENGINE_MODELS from the same filesystem
+    RG_VLLM_WEIGHT_TRANSFER      the --weight-transfer-config backend of that running vLLM server (nccl on a GPU)
     RG_ENGINE_MODEL        which model the tier serves (dense | moe; default dense)
     RG_ENGINE_ROUTED_EXPERTS=1   the server captures routed experts (GPU recipe; not possible on CPU)
     RG_ENGINE_STARTUP_TIMEOUT_S  how long a started server has to answer /health (default 240)
@@ -91,7 +92,9 @@ def engine_server(kind: EngineKind, tmp: Path, port: int | None = None) -> Itera
     routed = os.environ.get("RG_ENGINE_ROUTED_EXPERTS", "") == "1"
     external = os.environ.get(f"RG_{kind.upper()}_URL")
     if external:
-        yield EngineServer(kind, external.rstrip("/"), models, model, routed, None)
+        # Its --weight-transfer-config backend, where it has one (scripts/gpu_check.sh starts vLLM with nccl).
+        transfer = os.environ.get(f"RG_{kind.upper()}_WEIGHT_TRANSFER") or None
+        yield EngineServer(kind, external.rstrip("/"), models, model, routed, None, weight_transfer=transfer)
         return
     python = default_python(kind)
     if not python.exists():

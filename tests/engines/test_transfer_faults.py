@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from backends.launcher import free_port
 from gateway.weights import version_label
 from tests.conftest import ADMIN, GatewayFactory
-from tests.engines.checks import admin
+from tests.engines.checks import admin, transfer_backend
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import greedy, load_from_disk, prompt_of, restore
 from tests.engines.servers import EngineServer, engine_server
@@ -38,8 +38,6 @@ async def started(stack: contextlib.ExitStack, kind: str, folder: Path, port: in
     server: EngineServer = await asyncio.to_thread(stack.enter_context, engine_server(kind, folder, port))  # type: ignore[arg-type]
     if server.process_group is None:
         pytest.skip("an external server (RG_<KIND>_URL) cannot be killed and restarted here")
-    if kind == "vllm" and server.weight_transfer != "gloo":
-        pytest.skip("the server takes no gloo weight transfer")
     return server
 
 
@@ -58,14 +56,15 @@ async def test_an_engine_killed_mid_transfer_fails_the_commit_and_serves_again_f
         await load_from_disk(http, server, server.second_checkpoint)
         second = await greedy(http, server, prompt, n)
         await restore(http, server)
+        backend = transfer_backend(server)
         replica = {"new_requests_while_paused": "block"}
         if kind == "vllm":
-            replica |= {"scale_out": True, "weight_transfer": "gloo"}
+            replica |= {"scale_out": True, "weight_transfer": backend}
         gw = await gateway_over(make_gateway, server, None, **replica)
         await admin(http, gw, "weights", {"version": 1, "path": server.second_checkpoint, "mode": "abort"})
         tensors = list(load_file(str(server.model_path / "model.safetensors")).items())
         async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=300.0) as trainer:
-            publisher = TransferPublisher(trainer, "abort", "gloo" if kind == "vllm" else "tensor")
+            publisher = TransferPublisher(trainer, "abort", backend)  # type: ignore[arg-type]
             try:
                 [url] = await publisher.begin(2)
                 await publisher.push(url, tensors[: len(tensors) // 2])

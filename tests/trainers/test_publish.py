@@ -5,6 +5,7 @@ HTTP). The gloo transfer needs a real group on the engine's side: it is checked 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ from gateway.config import ReplicaConfig
 from tests.conftest import ADMIN, GatewayFactory, SimFactory
 from tests.gateway_helpers import PROMPT, expected_tokens, generate_body
 from trainers.grpo import GRPOConfig, Learner
+from trainers.nccl_transfer import NcclGroup
 from trainers.publish import TransferPublisher, chunked
 
 
@@ -79,3 +81,10 @@ async def test_a_fleet_with_no_transfer_the_trainer_can_push_is_told_so(
         with pytest.raises(RuntimeError, match="no in-memory transfer the trainer can push"):
             await publisher.transfer(1, identity("ckpt-1"))
         await publisher.aclose()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here (a GPU recipe)")
+def test_an_nccl_group_says_what_it_needs_where_vllm_is_missing() -> None:
+    """The nccl group is vLLM's own helper: without vLLM the trainer is told so before anything is sent."""
+    with pytest.raises(RuntimeError, match="needs vLLM in the trainer's environment"):
+        NcclGroup("127.0.0.1", 1, 2)
