@@ -147,6 +147,16 @@ class Capabilities:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One tensor of an in-memory transfer as the engine receives it: its checkpoint name, torch dtype name
+    ("float32", "bfloat16") and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TransferGroup:
     """An engine's process group with the trainer for an in-memory weight transfer: the trainer is rank 0 and hosts
     the rendezvous at `master_address:master_port`; the engine's workers are ranks `rank_offset` … `world_size - 1`."""
@@ -287,6 +297,12 @@ class EngineBackend(Protocol):
         again), then open an update session (vLLM `/start_weight_update`, SGLang `/begin_weight_update`). Returns
         whether a group was formed now (the trainer must join it). From here the engine's weights change as the
         trainer pushes tensors: the caller keeps it paused until `finish_transfer` (or `abort_transfer`)."""
+        ...
+
+    async def receive_transfer_chunk(self, chunk: Sequence[TensorMeta]) -> None:
+        """Receive one chunk the trainer broadcasts over the engine's group, in that order (vLLM `/update_weights`,
+        SGLang `/update_weights_from_distributed`): answered once the engine has received and loaded it. The
+        gateway's fan-out of a transfer's manifest; without one the trainer makes these calls itself."""
         ...
 
     async def finish_transfer(self, version: str, *, flush: bool = True) -> bool:

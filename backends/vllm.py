@@ -46,6 +46,7 @@ from backends.base import (
     PauseMode,
     ReplicaSpec,
     SamplingParams,
+    TensorMeta,
     TransferBackend,
     TransferGroup,
     VersionSpan,
@@ -485,6 +486,9 @@ class VllmBackend(HttpEngineBackend):
 
     async def open_transfer(self, backend: TransferBackend, group: TransferGroup | None) -> bool:
         return await self._transfer.open(group)
+
+    async def receive_transfer_chunk(self, chunk: Sequence[TensorMeta]) -> None:
+        await self._transfer.receive(chunk)
 
     async def finish_transfer(self, version: str, *, flush: bool = True) -> bool:
         await self._transfer.finish(version)

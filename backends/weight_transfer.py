@@ -13,6 +13,9 @@ engine's side (its process group with the trainer, then an update session) and f
   `/end_weight_update` (required around every update), then `/update_weight_version`: the label is the gateway's to
   give, whatever the trainer's updates said.
 
+With a manifest (the trainer's `transfer.manifest`) the gateway makes the receiving calls itself, chunk by chunk
+(`receive`: vLLM `/update_weights`, SGLang `/update_weights_from_distributed`), while the trainer only broadcasts.
+
 A group is kept across updates while its engine answers every health probe: one missed probe (the engine may have
 restarted, and holds no group then) or a failed opening forgets it, and the next transfer forms it again (the layout
 says `rendezvous`). SGLang would otherwise open an update session on a restarted engine without its group, and the
@@ -23,11 +26,12 @@ rendezvous more: initializing again replaces the engine's communicator (both eng
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from backends.base import TransferBackend, TransferGroup
+from backends.base import TensorMeta, TransferBackend, TransferGroup
 from backends.errors import BackendError, BackendRejected
 from backends.http_client import ReplicaClient, request_json
 
@@ -85,6 +89,14 @@ class VllmTransfer(_TransferSide):
             raise
         return formed
 
+    async def receive(self, chunk: Sequence[TensorMeta]) -> None:
+        info = {
+            "names": [t.name for t in chunk],
+            "dtype_names": [t.dtype for t in chunk],
+            "shapes": [list(t.shape) for t in chunk],
+        }
+        await self._call("/update_weights", {"update_info": info}, long=True)
+
     async def finish(self, version: str) -> None:
         await self._call("/finish_weight_update", {"weight_version": version}, long=True)
 
@@ -127,6 +139,18 @@ class SglangTransfer(_TransferSide):
             self.forget()
             raise
         return formed
+
+    async def receive(self, chunk: Sequence[TensorMeta]) -> None:
+        body = {
+            "names": [t.name for t in chunk],
+            "dtypes": [t.dtype for t in chunk],
+            "shapes": [list(t.shape) for t in chunk],
+            "group_name": GROUP_NAME,
+            "flush_cache": False,  # the gateway's finish decides; a flush fails while a pause keeps requests
+        }
+        self._refused(
+            "update_weights_from_distributed", await self._call("/update_weights_from_distributed", body, long=True)
+        )
 
     async def finish(self, version: str) -> None:
         self._refused("end_weight_update", await self._call("/end_weight_update", {}))

@@ -67,7 +67,9 @@ class CheckpointPublisher:
 
 class TransferPublisher:
     """In-memory transfers through the gateway's two-phase update. `backend` None: the first of `PREFERRED` that
-    every engine takes (`GET /admin/status`); `master_address`: where the engines reach this process."""
+    every engine takes (`GET /admin/status`); `master_address`: where the engines reach this process; `fan_out`
+    (group backends): the begin carries the manifest of the chunks, the gateway makes the engines' receiving calls,
+    and this side only broadcasts (no call to an engine's HTTP port)."""
 
     def __init__(
         self,
@@ -77,8 +79,9 @@ class TransferPublisher:
         master_address: str = "127.0.0.1",
         timeout_s: float = 300.0,
         chunk_bytes: int = 256 << 20,
+        fan_out: bool = False,
     ) -> None:
-        self.http, self.mode, self.backend = http, mode, backend
+        self.http, self.mode, self.backend, self.fan_out = http, mode, backend, fan_out
         self.master_address, self.timeout_s, self.chunk_bytes = master_address, timeout_s, chunk_bytes
         self._engines = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))  # straight to the engines
         self._groups: dict[str, TensorGroup] = {}  # engine URL → the group formed with it (gloo, nccl), kept
@@ -91,19 +94,29 @@ class TransferPublisher:
     async def transfer(self, version: int, named: NamedTensors) -> dict[str, Any]:
         """Make `named` (checkpoint names, the engines' dtype) version `version` on every engine: `begin`, `push`
         into each engine whose side opened, `commit`; the commit's answer."""
-        engines = await self.begin(version)
+        engines = await self.begin(version, named if self.fan_out else None)
         await asyncio.gather(*(self.push(url, named) for url in engines))
         return await self.commit(version)
 
-    async def begin(self, version: int) -> list[str]:
-        """Ask the gateway for the transfer of `version`, join the groups its layout forms (gloo) and wait until
-        every engine's side is open: the URLs of the engines to push into (a side that failed is held out by the
-        gateway and left out here)."""
+    async def begin(self, version: int, manifest_of: NamedTensors | None = None) -> list[str]:
+        """Ask the gateway for the transfer of `version` (with `manifest_of`: the manifest of those tensors' chunks,
+        for the gateway's fan-out), join the groups its layout forms and wait until every engine's side is open:
+        the URLs of the engines to push into (a side that failed is held out by the gateway and left out here)."""
         backend = self.backend = self.backend or await self._choose()
         transfer: dict[str, Any] = {"backend": backend}
         if backend in GROUPS:
             engines = len((await self._status())["engines"])
             transfer |= {"master_address": self.master_address, "master_port": self._master_port(engines)}
+        if manifest_of is not None:
+            if backend not in GROUPS:
+                raise RuntimeError(f"a {backend!r} transfer has no manifest: its tensors go inline")
+            transfer["manifest"] = [
+                [
+                    {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    for name, t in chunk
+                ]
+                for chunk in chunked(manifest_of, self.chunk_bytes)
+            ]
         body = {"version": version, "transfer": transfer, "mode": self.mode}
         begun = await self.http.post("/admin/weights", json=body)
         if begun.status_code != 202:
@@ -117,7 +130,8 @@ class TransferPublisher:
         return [side["url"] for side in opened.json()["engines"] if side["state"] == "open"]
 
     async def push(self, url: str, named: NamedTensors) -> None:
-        """`named` into the engine at `url` (between `begin` and `commit`), in chunks of at most `chunk_bytes`."""
+        """`named` into the engine at `url` (between `begin` and `commit`), in chunks of at most `chunk_bytes`; with
+        `fan_out`, the broadcasts alone (the gateway makes the engine's calls)."""
         if self.backend is None:
             raise RuntimeError("push before begin: no transfer is under way")
         for chunk in chunked(named, self.chunk_bytes):
@@ -127,7 +141,10 @@ class TransferPublisher:
                     raise RuntimeError(
                         f"no {self.backend} group with {url}: the layout asked for no rendezvous with it"
                     )
-                await group_transfer.push(self._engines, url, group, chunk)
+                if self.fan_out:
+                    await asyncio.to_thread(group.broadcast, [tensor for _, tensor in chunk])
+                else:
+                    await group_transfer.push(self._engines, url, group, chunk)
             else:
                 await tensor_transfer.push(self._engines, url, chunk)
 

@@ -7,6 +7,9 @@ requested mode (the coordinator `PAUSING` → `TRANSFERRING`) and opens each eng
 engine joins its group, which blocks until the trainer joins, then opens an update session). The trainer pushes the
 tensors straight into the engines, then commits: every engine's transfer is finished with the version label, read
 back, and the replicas resume (`UPDATING` → `RESUMING` → `SERVING`), answered as a path update is (200 / 207 / 502).
+With a manifest (`TransferSpec.manifest`, group backends) the gateway also makes each engine's receiving call per
+chunk once its side is open (`_receive`), so the trainer only broadcasts; the commit waits for that fan-out, bounded
+by the deadline, and holds out an engine that did not receive everything declared.
 
 Not committed within `weights.transfer_commit_timeout_s`: the update fails. Every replica may hold some of the new
 tensors under the old label, so none is trusted: each is loaded again from the last checkpoint path the gateway knows
@@ -27,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from backends.base import GROUP_BACKENDS, PauseMode, TransferBackend, TransferGroup
+from backends.base import GROUP_BACKENDS, PauseMode, TensorMeta, TransferBackend, TransferGroup
 from backends.errors import BackendError
 from gateway.background import background, stop
 from gateway.errors import (
@@ -48,19 +51,25 @@ from gateway.weights.state import State, StateMachine
 
 logger = logging.getLogger(__name__)
 
-SideState = Literal["opening", "open", "failed"]
+SideState = Literal["opening", "open", "received", "failed"]
 SHOWN_AFTER_END_S = 600.0  # how long every process can read a transfer's layout after its commit deadline
 SHOWN_POLL_S = 0.1  # how often a process that does not hold the transfer reads whether its sides are open
+
+
+Manifest = tuple[tuple[TensorMeta, ...], ...]
+"""The chunks a trainer will broadcast, in order: the gateway makes each engine's receiving call per chunk."""
 
 
 @dataclass(frozen=True, slots=True)
 class TransferSpec:
     """What the trainer asked for: the backend, and for `nccl` and `gloo` the rendezvous it hosts (engine i's group at
-    `master_port + i`)."""
+    `master_port + i`) and, optionally, the manifest of what it will broadcast (the gateway then fans the engines'
+    receiving calls out itself: the trainer only broadcasts)."""
 
     backend: TransferBackend
     master_address: str | None = None
     master_port: int | None = None
+    manifest: Manifest | None = None
 
 
 @dataclass(eq=False)
@@ -101,7 +110,9 @@ class HeldTransfer:
     opened: asyncio.Event = field(default_factory=asyncio.Event)  # every side opened or failed (or it ended)
     status: str = "opening"  # opening | open | committed | failed
     relayed: bool = False  # another process relayed its commit here (`commit_asked`): committed once
+    committing: bool = False  # a commit took it (waiting for the manifest's fan-out, then finishing)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, repr=False)
+    _receiving: list[asyncio.Task[None]] = field(default_factory=list, repr=False)  # the manifest's fan-out
 
     @property
     def version(self) -> int:
@@ -119,7 +130,7 @@ class HeldTransfer:
         }
 
     async def aclose(self) -> None:
-        await stop(*self._tasks)
+        await stop(*self._tasks, *self._receiving)
 
 
 class WeightCoordinator(Protocol):
@@ -222,6 +233,11 @@ class Transfers:
                     side.state, side.error = "failed", report.errors.get(side.engine.id, "held out")
                 else:
                     group.create_task(self._open_one(held, side))
+        manifest = held.spec.manifest
+        if manifest is not None:
+            for side in held.sides:
+                if side.state == "open":
+                    held._receiving.append(background(self._receive(held, side, manifest), "weights-transfer-receive"))
         held.status = "open"
         await self._show(held)  # before the commit may go on: its end is shown after this
         held.opened.set()
@@ -235,6 +251,35 @@ class Transfers:
             side.state, side.error = "failed", str(exc)
             held.report.note(side.engine.id, f"opening the transfer failed: {exc}")
             self.weights.sequence.mark_stale(side.engine, held.report, f"opening the transfer failed: {exc}")
+
+    async def _receive(self, held: HeldTransfer, side: EngineSide, manifest: Manifest) -> None:
+        """The manifest's fan-out to one engine: its receiving call per chunk, in order, each answered once the
+        trainer's broadcast of that chunk landed. A failed call fails the side: the engine may hold some of the
+        tensors, so it is held out."""
+        try:
+            for chunk in manifest:
+                await side.engine.backend.receive_transfer_chunk(chunk)
+        except BackendError as exc:
+            side.state, side.error = "failed", str(exc)
+            held.report.note(side.engine.id, f"receiving the transfer failed: {exc}")
+            self.weights.sequence.mark_stale(side.engine, held.report, f"receiving the transfer failed: {exc}")
+            return
+        side.state = "received"
+
+    async def _received(self, held: HeldTransfer) -> None:
+        """Until the manifest's fan-out ended on every engine, bounded by the transfer's deadline: an engine still
+        receiving then (the trainer broadcast less than it declared) is held out."""
+        if not held._receiving:
+            return
+        left = max(0.0, held.deadline - time.monotonic())
+        _, pending = await asyncio.wait(held._receiving, timeout=left)
+        await stop(*pending)
+        for side in held.sides:
+            if side.state == "open":
+                why = "the trainer's broadcast did not complete what its manifest declared before the commit deadline"
+                side.state, side.error = "failed", why
+                held.report.note(side.engine.id, why)
+                self.weights.sequence.mark_stale(side.engine, held.report, why)
 
     async def until_open(self, version: int, timeout_s: float) -> HeldTransfer:
         """The transfer of `version` once every engine's side is open or failed (or after `timeout_s`)."""
@@ -308,6 +353,10 @@ class Transfers:
         await held.opened.wait()  # set by the end at the deadline too, so bounded by it
         if self.held is not held:
             raise self._not_open(version)
+        if held.committing:
+            raise Conflict(f"the transfer of version {version} is being committed already", param="version")
+        held.committing = True  # from here the deadline leaves the end to this commit
+        await self._received(held)  # the manifest's fan-out, bounded by the deadline
         self.held = None
         await stop(held._tasks[1])  # the deadline
         report, previous = held.report, w.version
@@ -363,10 +412,10 @@ class Transfers:
         await asyncio.sleep(max(0.0, held.deadline - time.monotonic()))  # a deadline, not synchronisation
         w, report = self.weights, held.report
         async with w.lock:
-            if self.held is not held:
-                return  # committed meanwhile
+            if self.held is not held or held.committing:
+                return  # committed, or being committed (its fan-out bounded by this deadline)
             self.held = None
-            await stop(held._tasks[0])  # an engine still waiting for the trainer to join its group
+            await stop(held._tasks[0], *held._receiving)  # an engine still waiting for the trainer's group or tensors
             if w.machine.state is State.PAUSING:
                 w.machine.to(State.TRANSFERRING)
             try:

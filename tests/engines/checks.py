@@ -693,7 +693,7 @@ async def _simulator_names(kind: str) -> set[str]:
 
 
 async def transfer_serves_what_a_disk_load_serves(
-    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer
+    http: httpx.AsyncClient, gw: RunningGateway, server: EngineServer, fan_out: bool = False
 ) -> None:
     """Issue 53 §2, on the CPU builds: the second checkpoint pushed in memory through the gateway's two-phase update
     by the reference trainer's publisher (vLLM over its `--weight-transfer-config` backend: `gloo` on the CPU, the
@@ -719,7 +719,7 @@ async def transfer_serves_what_a_disk_load_serves(
     backend = transfer_backend(server)
     tensors = load_file(str(Path(server.second_checkpoint) / "model.safetensors"))
     async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=300.0) as trainer:
-        publisher = TransferPublisher(trainer, "abort", backend)  # type: ignore[arg-type]
+        publisher = TransferPublisher(trainer, "abort", backend, fan_out=fan_out)  # type: ignore[arg-type]
         try:
             answer = await publisher.transfer(1, list(tensors.items()))
         finally:

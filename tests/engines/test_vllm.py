@@ -121,12 +121,14 @@ async def test_the_echoed_prompt_is_cut_from_real_answers(vllm_server: EngineSer
         assert orjson.loads(cut) == expected
 
 
+@pytest.mark.parametrize("fan_out", [False, True], ids=["trainer-calls", "gateway-fan-out"])
 async def test_an_in_memory_transfer_serves_what_a_disk_load_of_the_same_checkpoint_serves(
-    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient
+    gw: RunningGateway, vllm_server: EngineServer, http: httpx.AsyncClient, fan_out: bool
 ) -> None:
     """Over gloo on the CPU (the project's plugin in the engine; nccl where scripts/gpu_check.sh starts it), the
-    reference trainer's publisher on the other side."""
-    await checks.transfer_serves_what_a_disk_load_serves(http, gw, vllm_server)
+    reference trainer's publisher on the other side, calling the engine's `/update_weights` itself or sending the
+    manifest so that the gateway does (it then only broadcasts)."""
+    await checks.transfer_serves_what_a_disk_load_serves(http, gw, vllm_server, fan_out)
 
 
 async def test_a_transfer_never_committed_is_reloaded_and_the_next_is_committed_through_another_gateway(

@@ -137,6 +137,75 @@ async def test_a_vllm_group_transfer_committed_serves_the_new_weights_exactly(
     assert again.status_code == 409
 
 
+@pytest.mark.parametrize(("dialect", "backend"), [("vllm", "gloo"), ("sglang", "nccl")])
+async def test_with_a_manifest_the_gateway_makes_the_engines_receiving_calls_and_the_trainer_only_broadcasts(
+    make_sim: SimFactory,
+    make_gateway: GatewayFactory,
+    http: httpx.AsyncClient,
+    rendezvous: tuple[int, asyncio.Queue],
+    dialect: str,
+    backend: str,
+) -> None:
+    """The manifest names the chunks the trainer will broadcast: the gateway calls each engine's receiving route per
+    chunk (vLLM `/update_weights`, SGLang `/update_weights_from_distributed`), so the trainer never calls an engine.
+    A manifest that declares more than the trainer broadcasts fails the engine at the commit deadline (held out)."""
+    port, joined = rendezvous
+    sim = await make_sim(dialect, weight_transfer=backend) if dialect == "vllm" else await make_sim(dialect)
+    replica = ReplicaConfig(
+        url=sim.url, backend="sim", dialect=dialect, weight_transfer=backend if dialect == "vllm" else None
+    )
+    gw = await make_gateway([replica], weights={"transfer_commit_timeout_s": 2.0})
+
+    def transfer(data: bytes, chunks: int) -> dict[str, object]:
+        chunk = [{"name": "weights", "dtype": "uint8", "shape": [len(data)]}]
+        spec = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "manifest": [chunk] * chunks}
+        return {"version": 1 if chunks == 1 else 2, "transfer": spec}
+
+    begun = await http.post(f"{gw.url}/admin/weights", json=transfer(b"ckpt-1", 1), headers=ADMIN)
+    assert begun.status_code == 202, begun.text
+    channel = (await asyncio.wait_for(joined.get(), 10))[1]
+    opened = (await http.get(f"{gw.url}/admin/weights/1", params={"wait_s": 10}, headers=ADMIN)).json()
+    assert opened["engines"][0]["state"] == "open", opened
+    channel.write(b"ckpt-1")  # the broadcast: nothing else from the trainer until the commit
+    await channel.drain()
+    committed = await http.post(f"{gw.url}/admin/weights/1/commit", headers=ADMIN)
+    assert committed.status_code == 200 and committed.json()["status"] == "updated", committed.text
+    shown = (await http.get(f"{gw.url}/admin/weights/1", headers=ADMIN)).json()
+    assert shown["engines"][0]["state"] == "received"
+    after = await generate(http, gw.url, 8, "after")
+    assert after["versions"] == [1] * 8 and after["output_ids"] == expected_tokens(PROMPT, [1] * 8, 8)
+
+    # Two chunks declared, one broadcast: the second receiving call waits for tensors that never come.
+    begun = await http.post(f"{gw.url}/admin/weights", json=transfer(b"ckpt-2", 2), headers=ADMIN)
+    assert begun.status_code == 202 and begun.json()["engines"][0]["rendezvous"] is False  # the group is kept
+    assert (await http.get(f"{gw.url}/admin/weights/2", params={"wait_s": 10}, headers=ADMIN)).status_code == 200
+    channel.write(b"ckpt-2")
+    await channel.drain()
+    committed = await http.post(f"{gw.url}/admin/weights/2/commit", headers=ADMIN)
+    assert committed.status_code == 502, committed.text
+    assert "manifest declared" in str(committed.json()), committed.text
+    status = (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()
+    assert status["version"] == 1 and status["replicas"][0]["stale"] is True  # it may hold part of version 2
+    channel.close()
+
+
+async def test_a_manifest_is_validated(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    sim = await make_sim("sglang")
+    gw = await make_gateway([sim])
+    url = f"{gw.url}/admin/weights"
+    tensor = {"name": "weights", "dtype": "uint8", "shape": [3]}
+    inline = {"backend": "tensor", "manifest": [[tensor]]}
+    refused = await http.post(url, json={"version": 1, "transfer": inline}, headers=ADMIN)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "transfer.manifest", refused.text
+    grouped = {"backend": "nccl", "master_address": "127.0.0.1", "master_port": 29500}
+    for manifest in ([[]], [[tensor | {"dtype": "float33"}]], [[tensor | {"shape": [-1]}]], [[{"name": "w"}]]):
+        bad = await http.post(url, json={"version": 1, "transfer": grouped | {"manifest": manifest}}, headers=ADMIN)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (manifest, bad.text)
+    assert gw.services.weights.state is State.SERVING
+
+
 async def test_a_transfer_never_committed_is_reloaded_from_the_last_path_and_serves_no_mixed_weights(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:

@@ -71,6 +71,20 @@ async def test_an_inline_transfer_through_the_gateway_serves_the_pushed_weights(
         assert answer["output_ids"] == expected_tokens(PROMPT, [2] * 6, 6)
 
 
+async def test_inline_tensors_have_no_manifest_to_fan_out(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """The gateway fans out the receiving calls of a group transfer only; asked for an inline one, the publisher
+    says so before anything starts."""
+    gw = await make_gateway([await make_sim("sglang")])
+    async with httpx.AsyncClient(base_url=gw.url, headers=ADMIN, timeout=30.0) as trainer:
+        publisher = TransferPublisher(trainer, "abort", "tensor", fan_out=True)
+        with pytest.raises(RuntimeError, match="has no manifest"):
+            await publisher.transfer(1, identity("ckpt-1"))
+        await publisher.aclose()
+    assert (await http.get(f"{gw.url}/admin/status", headers=ADMIN)).json()["state"] == "serving"
+
+
 async def test_a_fleet_with_no_transfer_the_trainer_can_push_is_told_so(
     make_sim: SimFactory, make_gateway: GatewayFactory
 ) -> None:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from backends.base import GROUP_BACKENDS, PauseMode, TransferBackend
+from backends.base import GROUP_BACKENDS, PauseMode, TensorMeta, TransferBackend
 from gateway.api.bounds import INTEGRAL
 from gateway.api.deps import ServicesDep, require_admin
 from gateway.config import ReplicaConfig, without_credentials
@@ -22,11 +22,39 @@ from gateway.weights.transfer import TransferSpec
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
+TorchDtype = Literal[
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+]
+
+
+class TensorEntry(BaseModel):
+    """One tensor of a transfer's manifest, as the engine receives it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=1024, description="Its checkpoint name.")
+    dtype: TorchDtype = Field(description="Its torch dtype, as the trainer broadcasts it.")
+    shape: list[Annotated[int, Field(ge=0, le=2**40), INTEGRAL]] = Field(max_length=16)
+
+
 class TransferRequest(BaseModel):
     """An in-memory transfer: the trainer pushes the tensors into the engines itself. `nccl` (and `gloo`, vLLM's CPU
     build): one process group per engine, the trainer its rank 0, hosting engine i's rendezvous at
     `master_address:(master_port + i)`; `tensor`: the tensors go inline in SGLang's `/update_weights_from_tensor`
-    (no group)."""
+    (no group). `manifest` (group backends): the chunks the trainer will broadcast, in order; the gateway then makes
+    each engine's receiving call per chunk itself, and the trainer only broadcasts (it needs no route to the
+    engines' HTTP ports)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -34,6 +62,12 @@ class TransferRequest(BaseModel):
     master_address: str | None = Field(None, min_length=1, description="nccl, gloo: the trainer's rendezvous host.")
     master_port: Annotated[int, Field(ge=1, le=65535), INTEGRAL] | None = Field(
         None, description="nccl, gloo: engine 0's rendezvous port."
+    )
+    manifest: list[Annotated[list[TensorEntry], Field(min_length=1, max_length=100_000)]] | None = Field(
+        None,
+        max_length=100_000,
+        description="nccl, gloo: the chunks the trainer broadcasts, in order, each a list of its tensors; the "
+        "gateway fans the engines' receiving calls out (none: the trainer calls them itself).",
     )
 
     def spec(self) -> TransferSpec:
@@ -43,7 +77,17 @@ class TransferRequest(BaseModel):
                 "hosts)",
                 param="transfer",
             )
-        return TransferSpec(self.backend, self.master_address, self.master_port)
+        if self.manifest is not None and self.backend not in GROUP_BACKENDS:
+            raise InvalidRequest(
+                f'a "{self.backend}" transfer takes no "manifest": its tensors go inline, the trainer\'s own calls',
+                param="transfer.manifest",
+            )
+        manifest = None
+        if self.manifest is not None:
+            manifest = tuple(
+                tuple(TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in chunk) for chunk in self.manifest
+            )
+        return TransferSpec(self.backend, self.master_address, self.master_port, manifest)
 
 
 class WeightsUpdate(BaseModel):
