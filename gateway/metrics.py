@@ -380,3 +380,33 @@ class ContextFormatter(logging.Formatter):
 
 
 __all__ = ["CONTENT_TYPE", "UNMATCHED_ROUTE", "ContextFormatter", "GatewayMetrics", "StreamCounts"]
+
+
+def render_pools(pools: Mapping[str, GatewayMetrics]) -> bytes:
+    """One exposition of every pool's metrics (`pools:`): each series gets its pool's model as the label `pool`, but
+    `requests_total`, which the process counts once (on its first pool's metrics), stays as it is. One pool: its
+    own exposition, unchanged."""
+    if len(pools) == 1:
+        return next(iter(pools.values())).render()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_PoolsCollector(pools))
+    return generate_latest(registry)
+
+
+class _PoolsCollector:
+    def __init__(self, pools: Mapping[str, GatewayMetrics]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for index, (pool, metrics) in enumerate(self.pools.items()):
+            for family in metrics.registry.collect():
+                if family.name == f"{PREFIX}_requests":
+                    if index == 0:
+                        yield family
+                    continue
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                out.samples += [s._replace(labels={**s.labels, "pool": pool}) for s in family.samples]
+        yield from merged.values()

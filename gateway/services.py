@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from redis.asyncio import Redis
+
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
 from backends.factory import create_backend
 from backends.generation_transport import TransportFactory
@@ -19,7 +21,7 @@ from gateway.background import background, stop
 from gateway.config import FastPathConfig, ReplicaConfig, ServerConfig, Settings
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.embedded_redis import EmbeddedRedis
-from gateway.errors import Conflict
+from gateway.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from gateway.fastpath.engine_client import KeepAlivePool
 from gateway.fastpath.redis_batching import PipelineBatcher
 from gateway.generation import GenerationSettings, Generator
@@ -108,10 +110,25 @@ class Services:
     stream_buffers: StreamBuffers = field(
         default_factory=lambda: StreamBuffers(ServerConfig().stream_buffer_budget_bytes)
     )
+    fleet: Fleet = field(default_factory=lambda: Fleet())  # every pool of this process, this one among them
+    keys: frozenset[str] = frozenset()  # the key ids that may use this pool (`pools[i].keys`); empty: any key
     admission: ReplicaAdmission = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = ReplicaAdmission(self.pool, self.weights)
+        if not self.fleet.pools:
+            self.fleet.pools[self.settings.model.name] = self
+
+    def served_models(self) -> list[str]:
+        return self.fleet.models()
+
+    def for_model(self, model: str | None, key: str | None = None) -> Services:
+        """The pool serving `model` (None: the only pool; with several, a 400 asking for one), for the API key id
+        `key` (None: an admin): 404 for a model no pool serves, 403 for a pool the key is not bound to."""
+        services = self.fleet.serving(model)
+        if key is not None and services.keys and key not in services.keys:
+            raise Forbidden(f"this API key may not use the model `{services.settings.model.name}`", param="model")
+        return services
 
     async def add_replica(self, config: ReplicaConfig) -> Engine:
         """Admit a replica at run time; it serves only once it runs the current weight version."""
@@ -159,11 +176,41 @@ class Services:
         return discovery
 
 
+@dataclass
+class Fleet:
+    """The pools of one gateway process by model name, in the configuration's order (`pools:`)."""
+
+    pools: dict[str, Services] = field(default_factory=dict)
+
+    @property
+    def default(self) -> Services:
+        """The first pool: the app's own services (what takes no model: health, the dashboard)."""
+        return next(iter(self.pools.values()))
+
+    def models(self) -> list[str]:
+        return list(self.pools)
+
+    def serving(self, model: str | None) -> Services:
+        if model is None:
+            if len(self.pools) > 1:
+                raise InvalidRequest(f"this gateway serves several models ({self._served()}): name one", param="model")
+            return self.default
+        found = self.pools.get(model)
+        if found is None:
+            raise NotFound(f"The model `{model}` does not exist; this gateway serves {self._served()}", param="model")
+        return found
+
+    def _served(self) -> str:
+        return ", ".join(f"`{name}`" for name in self.pools)
+
+
 @contextlib.asynccontextmanager
 async def open_services(
     settings: Settings, backend_factory: BackendFactory = default_backend_factory
 ) -> AsyncIterator[Services]:
-    """Start everything the gateway needs and close it all on exit, in reverse order."""
+    """Start everything the gateway needs and close it all on exit, in reverse order: one Redis client, and a
+    `Services` per pool (`pools:`; the one model without), which share it. Yields the first pool's; the others are
+    its `fleet`'s."""
     if (open_to_anyone := settings.server.open_to_anyone()) is not None:
         logger.warning(open_to_anyone)
     async with contextlib.AsyncExitStack() as stack:
@@ -173,8 +220,27 @@ async def open_services(
             await stack.enter_async_context(embedded)
             redis_url = embedded.local_url
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
-        fastpath = settings.fastpath
         stack.push_async_callback(redis.aclose)
+        fleet = Fleet()
+        for pool_settings, keys in zip(settings.pool_settings(), _pool_keys(settings), strict=True):
+            services = await stack.enter_async_context(_open_pool(pool_settings, redis, redis_url, backend_factory))
+            services.fleet, services.keys = fleet, keys
+            fleet.pools[pool_settings.model.name] = services
+        yield fleet.default
+
+
+def _pool_keys(settings: Settings) -> list[frozenset[str]]:
+    """The key ids each pool is bound to (`pools[i].keys`; empty: any key)."""
+    return [frozenset(pool.keys) for pool in settings.pools] or [frozenset()]
+
+
+@contextlib.asynccontextmanager
+async def _open_pool(
+    settings: Settings, redis: Redis, redis_url: str, backend_factory: BackendFactory
+) -> AsyncIterator[Services]:
+    """Start one pool's parts on the shared Redis client and close them on exit, in reverse order."""
+    async with contextlib.AsyncExitStack() as stack:
+        fastpath = settings.fastpath
         bus = WeightsBus(
             redis,
             Keys(settings.store.prefix),
@@ -349,5 +415,11 @@ async def open_services(
         discovery = services.follow_discovery()
         if discovery is not None:
             stack.push_async_callback(discovery.aclose)  # closes first: no replica is added while the rest close
-        logger.info("gateway ready: %d replicas, weight version %d", len(backends), current, extra={"version": current})
+        logger.info(
+            "gateway ready: model %s, %d replicas, weight version %d",
+            settings.model.name,
+            len(backends),
+            current,
+            extra={"version": current},
+        )
         yield services

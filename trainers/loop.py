@@ -100,7 +100,7 @@ async def train(
     result = LoopResult()
     async with httpx.AsyncClient(base_url=gateway_url, headers=headers, timeout=httpx.Timeout(600.0)) as http:
         name = model_name or (await http.get("/v1/models")).json()["data"][0]["id"]
-        status = await http.get("/admin/status")
+        status = await http.get("/admin/status", params={"model": name})
         if not status.is_success:
             raise RuntimeError(f"GET /admin/status: {status.status_code} {status.text} (is the admin token right?)")
         learner = await asyncio.to_thread(Learner, model_path, config.grpo, status.json()["version"])
@@ -117,6 +117,7 @@ async def train(
         )
         consumer = TrajectoryConsumer(
             redis_url,
+            prefix=status.json()["store_prefix"],  # its pool's keys (`pools:`)
             group="grpo-learner",
             consumer="learner-0",
             group_by="group_id",
@@ -125,9 +126,9 @@ async def train(
         )
         publisher: Publisher
         if config.weights == "transfer":
-            publisher = TransferPublisher(http, config.mode, config.transfer_backend)
+            publisher = TransferPublisher(http, config.mode, config.transfer_backend, model=name)
         else:
-            publisher = CheckpointPublisher(http, checkpoints, config.mode, keep=config.keep_checkpoints)
+            publisher = CheckpointPublisher(http, checkpoints, config.mode, keep=config.keep_checkpoints, model=name)
         rollouts = asyncio.create_task(workers.run())
         try:
             async with consumer:

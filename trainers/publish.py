@@ -48,15 +48,23 @@ class Publisher(Protocol):
     async def aclose(self) -> None: ...
 
 
-class CheckpointPublisher:
-    """Checkpoints on disk, the newest `keep` of them kept."""
+def _pool(model: str | None) -> dict[str, str]:
+    """The `model` field that names the gateway's pool (`pools:`), where one is named."""
+    return {} if model is None else {"model": model}
 
-    def __init__(self, http: httpx.AsyncClient, checkpoints: str | Path, mode: str, keep: int = 3) -> None:
-        self.http, self.folder, self.mode, self.keep = http, Path(checkpoints), mode, keep
+
+class CheckpointPublisher:
+    """Checkpoints on disk, the newest `keep` of them kept; `model`: the gateway's pool (`pools:`)."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, checkpoints: str | Path, mode: str, keep: int = 3, model: str | None = None
+    ) -> None:
+        self.http, self.folder, self.mode, self.keep, self.model = http, Path(checkpoints), mode, keep, model
 
     async def publish(self, learner: Learner, version: int) -> None:
         path = await asyncio.to_thread(learner.save, self.folder, version)
-        answer = await self.http.post("/admin/weights", json={"version": version, "path": str(path), "mode": self.mode})
+        body = {"version": version, "path": str(path), "mode": self.mode} | _pool(self.model)
+        answer = await self.http.post("/admin/weights", json=body)
         if not answer.is_success:
             raise RuntimeError(f"weight update to version {version} failed: {answer.status_code} {answer.text}")
         _prune(self.folder, keep=self.keep, newest=version)
@@ -69,7 +77,7 @@ class TransferPublisher:
     """In-memory transfers through the gateway's two-phase update. `backend` None: the first of `PREFERRED` that
     every engine takes (`GET /admin/status`); `master_address`: where the engines reach this process; `fan_out`
     (group backends): the begin carries the manifest of the chunks, the gateway makes the engines' receiving calls,
-    and this side only broadcasts (no call to an engine's HTTP port)."""
+    and this side only broadcasts (no call to an engine's HTTP port); `model`: the gateway's pool (`pools:`)."""
 
     def __init__(
         self,
@@ -80,8 +88,9 @@ class TransferPublisher:
         timeout_s: float = 300.0,
         chunk_bytes: int = 256 << 20,
         fan_out: bool = False,
+        model: str | None = None,
     ) -> None:
-        self.http, self.mode, self.backend, self.fan_out = http, mode, backend, fan_out
+        self.http, self.mode, self.backend, self.fan_out, self.model = http, mode, backend, fan_out, model
         self.master_address, self.timeout_s, self.chunk_bytes = master_address, timeout_s, chunk_bytes
         self._engines = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s))  # straight to the engines
         self._groups: dict[str, TensorGroup] = {}  # engine URL → the group formed with it (gloo, nccl), kept
@@ -117,14 +126,16 @@ class TransferPublisher:
                 ]
                 for chunk in chunked(manifest_of, self.chunk_bytes)
             ]
-        body = {"version": version, "transfer": transfer, "mode": self.mode}
+        body = {"version": version, "transfer": transfer, "mode": self.mode} | _pool(self.model)
         begun = await self.http.post("/admin/weights", json=body)
         if begun.status_code != 202:
             raise RuntimeError(f"weight transfer of version {version} refused: {begun.status_code} {begun.text}")
         if backend in GROUPS:
             sides = [side for side in begun.json()["engines"] if side["rendezvous"]]
             await asyncio.gather(*(self._join(GROUPS[backend], side) for side in sides))
-        opened = await self.http.get(f"/admin/weights/{version}", params={"wait_s": min(self.timeout_s, 600.0)})
+        opened = await self.http.get(
+            f"/admin/weights/{version}", params={"wait_s": str(min(self.timeout_s, 600.0))} | _pool(self.model)
+        )
         if opened.status_code != 200 or opened.json()["status"] != "open":
             raise RuntimeError(f"the transfer of version {version} did not open: {opened.status_code} {opened.text}")
         return [side["url"] for side in opened.json()["engines"] if side["state"] == "open"]
@@ -151,14 +162,14 @@ class TransferPublisher:
     async def commit(self, version: int) -> dict[str, Any]:
         """End the transfer: the gateway finishes it on every engine with the version label and resumes; its answer
         (200 `updated`, 207 `partial`; anything else raised)."""
-        committed = await self.http.post(f"/admin/weights/{version}/commit")
+        committed = await self.http.post(f"/admin/weights/{version}/commit", params=_pool(self.model))
         if not committed.is_success:
             raise RuntimeError(f"weight transfer of version {version} failed: {committed.status_code} {committed.text}")
         answer: dict[str, Any] = committed.json()
         return answer
 
     async def _status(self) -> dict[str, Any]:
-        answer = await self.http.get("/admin/status")
+        answer = await self.http.get("/admin/status", params=_pool(self.model))
         if not answer.is_success:
             raise RuntimeError(f"GET /admin/status: {answer.status_code} {answer.text}")
         status: dict[str, Any] = answer.json()

@@ -58,6 +58,14 @@ class ApiServices(Protocol):
     @property
     def dashboard(self) -> DashboardSampler | None: ...
 
+    def for_model(self, model: str | None, key: str | None = None) -> ApiServices:
+        """The pool serving `model` for the API key id `key` (None: an admin's request)."""
+        ...
+
+    def served_models(self) -> list[str]:
+        """Every pool's model, in the configuration's order."""
+        ...
+
     @property
     def response_cache(self) -> ResponseCache: ...
 

@@ -8,7 +8,7 @@ from fastapi import Depends, Path, Request
 
 from gateway.api.context import ApiServices
 from gateway.auth import check_admin, check_agent, check_agent_key, check_metrics
-from gateway.errors import NotFound, Unauthorized
+from gateway.errors import Forbidden, NotFound, Unauthorized
 from gateway.session.identity import SESSION_ID_PATTERN, group_member, session_id_from
 from gateway.session.quotas import ANONYMOUS
 
@@ -98,6 +98,21 @@ def agent_key(request: Request) -> str:
     """The key id `require_agent` found for this request."""
     found: str = request.scope[_AGENT_KEY]
     return found
+
+
+def pool_for(svc: ApiServices, request: Request, model: str | None) -> ApiServices:
+    """The pool that serves the request's `model` (`pools:`) for its API key: 404 for a model no pool serves (the
+    served ones listed), 403 for a pool its key is not bound to, 400 for no model where there are several pools."""
+    return svc.for_model(model, request.scope.get(_AGENT_KEY))
+
+
+def usable(svc: ApiServices, request: Request, model: str) -> bool:
+    """Whether the request's API key may use the pool of `model`."""
+    try:
+        svc.for_model(model, request.scope.get(_AGENT_KEY))
+    except Forbidden:
+        return False
+    return True
 
 
 def session_owner(request: Request) -> str | None:

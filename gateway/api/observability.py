@@ -12,6 +12,7 @@ them: `gateway.dashboard.sampler`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from importlib import resources
@@ -27,7 +28,7 @@ from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, require_metrics, services_of
 from gateway.dashboard.sampler import WINDOW_S
 from gateway.errors import NotFound
-from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE
+from gateway.metrics import CONTENT_TYPE, UNMATCHED_ROUTE, render_pools
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,11 @@ def count_request(scope: Scope, status: int) -> None:
 
 @router.get("/metrics", include_in_schema=False, dependencies=[Depends(require_metrics)])
 async def metrics(svc: ServicesDep) -> Response:
-    """Prometheus text exposition of this gateway process (see gateway/metrics.py for the names)."""
-    await svc.metrics.refresh()
-    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+    """Prometheus text exposition of this gateway process (see gateway/metrics.py for the names); with several
+    pools, each series labelled with its pool (`render_pools`)."""
+    pools = {name: svc.for_model(name).metrics for name in svc.served_models()}
+    await asyncio.gather(*(metrics.refresh() for metrics in pools.values()))
+    return Response(render_pools(pools), media_type=CONTENT_TYPE)
 
 
 def replica_view(svc: ApiServices) -> list[dict[str, Any]]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from contextvars import ContextVar
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,8 +22,9 @@ from pydantic_settings import (
 from gateway.config.environment import ENV_NESTED_DELIMITER, ENV_PREFIX, env_parse_error, warn_unknown_env_vars
 from gateway.config.fastpath import FastPathConfig
 from gateway.config.generation import GenerationConfig
-from gateway.config.messages import format_validation_error
+from gateway.config.messages import dotted_key, format_validation_error
 from gateway.config.model import ModelConfig
+from gateway.config.pools import PoolConfig, Pools, pool_prefix
 from gateway.config.redis import RedisConfig
 from gateway.config.replicas import DEFAULT_REPLICAS, DiscoveryConfig, Replicas, ReplicasFrom
 from gateway.config.routing import RoutingConfig
@@ -31,6 +33,8 @@ from gateway.config.server import ServerConfig
 from gateway.config.store import SessionsConfig, StoreConfig
 from gateway.config.weights import WeightsConfig
 from gateway.errors import ConfigError
+
+S = TypeVar("S", bound=BaseModel)
 
 # The YAML file of the `load_config` call in progress. pydantic-settings builds its sources in a
 # classmethod that cannot see per-call arguments (pydantic-settings#259); a ContextVar scopes the
@@ -43,8 +47,10 @@ _FILE_RELATIVE_PATHS = (("model", "tokenizer"), ("redis", "data_dir"))
 
 
 def _anchor_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    for section, key in _FILE_RELATIVE_PATHS:
-        values = data.get(section)
+    places = [(data.get(section), key) for section, key in _FILE_RELATIVE_PATHS]
+    pools = data.get("pools")
+    places += [(pool, "tokenizer") for pool in pools] if isinstance(pools, list) else []
+    for values, key in places:
         if isinstance(values, dict) and isinstance(values.get(key), str) and values[key]:
             path = Path(values[key]).expanduser()
             values[key] = str(path if path.is_absolute() else base / path)
@@ -88,6 +94,9 @@ class Settings(BaseSettings):
         None, description="More replicas, followed at run time: dns://name:port | file://path | null."
     )
     discovery: DiscoveryConfig = DiscoveryConfig()
+    pools: Pools = Field(
+        (), description="Several served models, each its own pool (docs/serving.md); empty: model + replicas."
+    )
     routing: RoutingConfig = RoutingConfig()
     generation: GenerationConfig = GenerationConfig()
     weights: WeightsConfig = WeightsConfig()
@@ -114,7 +123,51 @@ class Settings(BaseSettings):
             bound = policy.budget_bound
             if bound is not None and bound > limit:
                 raise ValueError(f"{where} lets max_tokens reach {bound}, above server.max_tokens_limit {limit}")
+        self._check_pools(known)
         return self
+
+    def _check_pools(self, key_ids: set[str]) -> None:
+        if not self.pools:
+            return
+        given = [
+            name for name in ("replicas", "replicas_from") if getattr(self, name) and name in self.model_fields_set
+        ]
+        if given:
+            raise ValueError(f"with pools, {' and '.join(given)} belong inside each pool (pools[i].replicas...)")
+        for index, pool in enumerate(self.pools):
+            unknown = sorted(set(pool.keys) - key_ids)
+            if unknown:
+                raise ValueError(
+                    f"pools[{index}].keys names {', '.join(map(repr, unknown))}, which server.api_keys does not"
+                )
+            for section in ("weights", "routing", "generation"):
+                try:
+                    _overridden(getattr(self, section), getattr(pool, section))
+                except ValidationError as exc:
+                    problems = "; ".join(f"{dotted_key(e['loc'])}: {e['msg']}" for e in exc.errors())
+                    raise ValueError(f"pools[{index}].{section}: {problems}") from None
+
+    def pool_settings(self) -> tuple[Settings, ...]:
+        """The settings of each pool, as if it were the gateway's one model (`gateway.config.pools`): the
+        top-level settings without `pools:` when there are none."""
+        if not self.pools:
+            return (self,)
+        return tuple(self._one_pool(pool) for pool in self.pools)
+
+    def _one_pool(self, pool: PoolConfig) -> Settings:
+        model = {"name": pool.model} | ({"tokenizer": pool.tokenizer} if pool.tokenizer is not None else {})
+        return self.model_copy(
+            update={
+                "pools": (),
+                "model": self.model.model_copy(update=model),
+                "replicas": pool.replicas,
+                "replicas_from": pool.replicas_from,
+                "weights": _overridden(self.weights, pool.weights),
+                "routing": _overridden(self.routing, pool.routing),
+                "generation": _overridden(self.generation, pool.generation),
+                "store": self.store.model_copy(update={"prefix": pool_prefix(self.store.prefix, pool.model)}),
+            }
+        )
 
     @classmethod
     def settings_customise_sources(
@@ -127,6 +180,13 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest first; defaults come last on their own. No .env file and no secrets dir.
         return init_settings, env_settings, _YamlFileSource(settings_cls, yaml_file=_yaml_file.get())
+
+
+def _overridden(section: S, overrides: Mapping[str, Any]) -> S:
+    """`section` with a pool's own keys, validated as the section is."""
+    if not overrides:
+        return section
+    return type(section).model_validate(section.model_dump(exclude_unset=True) | dict(overrides))
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> Settings:

@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
+from gateway.config.pools import pool_prefix
 from gateway.errors import StoreError
 from gateway.store.keys import Keys, connect
 from gateway.trainer.acks import resolve, settle
@@ -102,6 +103,7 @@ class TrajectoryConsumer:
         consumer: str,
         *,
         prefix: str = "rg:",
+        pool: str | None = None,
         claim_idle_s: float = 60.0,
         group_by: str | None = None,
         group_size: int | None = None,
@@ -128,7 +130,7 @@ class TrajectoryConsumer:
         self.redis_url = redis_url
         self.group = group
         self.consumer = consumer
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix if pool is None else pool_prefix(prefix, pool))
         self.claim_idle_s = claim_idle_s
         self.group_by = group_by
         self.group_size = group_size

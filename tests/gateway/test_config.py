@@ -127,10 +127,12 @@ def is_key_line(line: str) -> bool:
 
 
 def test_relative_paths_in_a_file_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write_yaml(tmp_path, {"model": {"tokenizer": "tok"}, "redis": {"data_dir": "~/redis-data"}})
+    pools = [{"model": "a", "tokenizer": "tok-a"}, {"model": "b"}]
+    path = write_yaml(tmp_path, {"model": {"tokenizer": "tok"}, "redis": {"data_dir": "~/redis-data"}, "pools": pools})
     monkeypatch.chdir("/")
     settings = load_config(path)
     assert settings.model.tokenizer == tmp_path / "tok"
+    assert [p.model.tokenizer for p in settings.pool_settings()] == [tmp_path / "tok-a", tmp_path / "tok"]
     assert settings.redis.data_dir == Path("~/redis-data").expanduser()
 
 

@@ -90,6 +90,10 @@ class TransferRequest(BaseModel):
         return TransferSpec(self.backend, self.master_address, self.master_port, manifest)
 
 
+_POOL = "The pool's model (`pools:`); required where there are several pools."
+PoolModel = Annotated[str | None, Query(min_length=1, description=_POOL)]
+
+
 class WeightsUpdate(BaseModel):
     """Exactly one of `path` (the engines load that checkpoint), `source: "external"` (the weights were synced into
     the engines out of band; they are only relabelled `version`) and `transfer` (the two-phase in-memory update,
@@ -109,6 +113,7 @@ class WeightsUpdate(BaseModel):
         None, description="An in-memory transfer the trainer pushes, then commits (answered 202 with the layout)."
     )
     mode: PauseMode | None = Field(None, description="abort | keep | wait; default weights.pause_mode.")
+    model: str | None = Field(None, min_length=1, description=_POOL)
 
     def checked_path(self) -> str | None:
         """The path to load, or None to relabel or transfer; a body with none or several is a 400 saying which."""
@@ -132,6 +137,7 @@ class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: PauseMode | None = None
+    model: str | None = Field(None, min_length=1, description=_POOL)
 
 
 class ResumeRequest(BaseModel):
@@ -140,6 +146,7 @@ class ResumeRequest(BaseModel):
     version: Annotated[int, Field(ge=0, le=MAX_VERSION), INTEGRAL] = Field(
         description="The version the out-of-band sync loaded; must increase."
     )
+    model: str | None = Field(None, min_length=1, description=_POOL)
 
 
 def _report(report: UpdateReport) -> dict[str, Any]:
@@ -201,6 +208,7 @@ async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> Response:
     at once with the layout; the pause and the engines' sides follow (`GET /admin/weights/{version}` says when
     they are open), the commit ends it."""
     path = body.checked_path()
+    svc = svc.for_model(body.model)
     if body.transfer is not None:
         held = await svc.weights.transfers.begin(body.version, body.transfer.spec(), body.mode)
         return JSONResponse(held.layout(), status_code=202)
@@ -213,36 +221,45 @@ def _answer(report: UpdateReport) -> Response:
 
 @router.get("/weights/{version}")
 async def transfer_status(
-    version: int, svc: ServicesDep, wait_s: Annotated[float, Query(ge=0, le=600)] = 0.0
+    version: int,
+    svc: ServicesDep,
+    wait_s: Annotated[float, Query(ge=0, le=600)] = 0.0,
+    model: PoolModel = None,
 ) -> dict[str, Any]:
     """An in-memory transfer's layout and state (from any gateway process of the fleet); with `wait_s`, once every
     engine's side is open (or failed)."""
-    return await svc.weights.transfers.status(version, wait_s)
+    return await svc.for_model(model).weights.transfers.status(version, wait_s)
 
 
 @router.post("/weights/{version}/commit")
-async def commit_transfer(version: int, svc: ServicesDep) -> Response:
+async def commit_transfer(version: int, svc: ServicesDep, model: PoolModel = None) -> Response:
     """The trainer pushed the tensors: finish every engine's transfer with `version`, verify, resume. 200 / 207 /
     502 as a path update."""
-    return _answer(await svc.weights.transfers.commit(version))
+    return _answer(await svc.for_model(model).weights.transfers.commit(version))
 
 
 @router.post("/pause")
 async def pause(body: PauseRequest, svc: ServicesDep) -> dict[str, Any]:
+    svc = svc.for_model(body.model)
     await svc.weights.pause(body.mode)
     return {"status": "paused", "version": svc.weights.version}
 
 
 @router.post("/resume")
 async def resume(body: ResumeRequest, svc: ServicesDep) -> dict[str, Any]:
-    return _report(await svc.weights.resume(body.version))
+    return _report(await svc.for_model(body.model).weights.resume(body.version))
 
 
 @router.get("/status")
-async def status(svc: ServicesDep) -> dict[str, Any]:
+async def status(svc: ServicesDep, model: PoolModel = None) -> dict[str, Any]:
+    """The pool of `model` (`pools:`; required where there are several): its version, replicas and counters."""
+    svc = svc.for_model(model)
     await svc.metrics.refresh()  # the pending count, read from Redis with a short timeout
     return {
         "pid": os.getpid(),  # which gateway process answered (`serve --workers N` runs several on one port)
+        "model": svc.settings.model.name,
+        "models": svc.served_models(),  # every pool's (`pools:`)
+        "store_prefix": svc.settings.store.prefix,  # its Redis keys' (a trainer's `TrajectoryConsumer(prefix=...)`)
         # Where the trainer reads trajectories (the embedded server's too), credentials removed.
         "redis_url": without_credentials(svc.redis_url),
         "version": svc.weights.version,
@@ -259,12 +276,13 @@ async def status(svc: ServicesDep) -> dict[str, Any]:
 
 
 @router.post("/replicas", status_code=201)
-async def add_replica(body: ReplicaConfig, svc: ServicesDep) -> dict[str, Any]:
-    return engine_status(await svc.add_replica(body))
+async def add_replica(body: ReplicaConfig, svc: ServicesDep, model: PoolModel = None) -> dict[str, Any]:
+    return engine_status(await svc.for_model(model).add_replica(body))
 
 
 @router.delete("/replicas/{replica_id}", status_code=204)
-async def remove_replica(replica_id: str, svc: ServicesDep) -> Response:
+async def remove_replica(replica_id: str, svc: ServicesDep, model: PoolModel = None) -> Response:
+    svc = svc.for_model(model)
     if svc.pool.engine(replica_id) is None:
         raise NotFound(f"no replica {replica_id!r}", param="replica_id")
     await svc.remove_replica(replica_id)

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from gateway.api.anthropic.answer import message_answer
 from gateway.api.anthropic.chat import conversation, messages_request
 from gateway.api.anthropic.models import CountTokensRequest, MessagesRequest
-from gateway.api.deps import ServicesDep, require_agent, session_in_path
+from gateway.api.deps import ServicesDep, pool_for, require_agent, session_in_path
 from gateway.api.errors import AnthropicErrorsRoute
 from gateway.api.json_answer import JSONAnswer, json_answer
 from gateway.api.limits import check_messages
@@ -51,19 +51,20 @@ def _add_routes(router: APIRouter) -> None:
 
 
 async def messages(body: MessagesRequest, raw: Request, svc: ServicesDep) -> Response:
-    runner = svc.turns
     check_messages(len(body.messages), svc.settings.server)
     user = body.metadata.user_id if body.metadata else None
     session, metadata = session_of(raw, body.session_id, user, None)
+    svc = pool_for(svc, raw, body.model)  # after the session's identity: its 401 comes first
+    runner = svc.turns
     request = messages_request(body, metadata)
     request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, ANTHROPIC_FIELDS, "max_tokens")
     answer = partial(message_answer, f"msg_{new_name()}", runner)
     return await serve_turn(raw, runner, request, session, answer)
 
 
-async def count_tokens(body: CountTokensRequest, svc: ServicesDep) -> JSONAnswer:
+async def count_tokens(body: CountTokensRequest, raw: Request, svc: ServicesDep) -> JSONAnswer:
     """The prompt's length in tokens: the chat template's rendering of the conversation and tools."""
+    svc = pool_for(svc, raw, body.model)
     runner = svc.turns
-    runner.check_model(body.model)
     check_messages(len(body.messages), svc.settings.server)
     return json_answer({"input_tokens": len(await runner.render(conversation(body)))})

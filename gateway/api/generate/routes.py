@@ -35,7 +35,7 @@ from common.asgi import ClientDisconnected, relay_until_disconnected, unless_dis
 from common.errors import GatewayError
 from gateway.api.bounds import Budget, Count, IntegralItems, Seed, TopK, TopLogprobs
 from gateway.api.context import ApiServices
-from gateway.api.deps import ServicesDep, agent_key, require_agent
+from gateway.api.deps import ServicesDep, agent_key, pool_for, require_agent
 from gateway.api.errors import stream_error
 from gateway.api.json_answer import json_answer
 from gateway.api.openai.models import TextMetadata
@@ -72,6 +72,7 @@ class GenerateSampling(BaseModel):
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: str | None = Field(None, description="The pool's model (`pools:`); required where there are several.")
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     input_ids: Annotated[list[TokenId], Field(min_length=1), IntegralItems()]
     sampling_params: GenerateSampling
@@ -198,6 +199,7 @@ def create_router(route_class: type[APIRoute] = APIRoute) -> APIRouter:
 async def generate(body: GenerateBody, raw: Request, svc: ServicesDep) -> Response:
     """Token-in/token-out. Without `session_id`, a one-shot that records nothing; with it, a recorded turn of that
     session (see the module docstring)."""
+    svc = pool_for(svc, raw, body.model)
     fields = GENERATE_FIELDS
     sampling = governed_sampling(
         raw, svc.settings, _sampling(body), body.sampling_params, fields, "max_tokens", "sampling_params."

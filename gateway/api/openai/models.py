@@ -241,6 +241,7 @@ class CompletionRequest(Sampled):
 
 
 class SessionCreate(_Body):
+    model: str | None = Field(None, min_length=1, description="The pool's model (`pools:`); none: the only pool.")
     metadata: Metadata = Field(default_factory=dict)
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
 

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.errors import GatewayError
-from gateway.api.deps import ServicesDep, require_agent, session_in_path
+from gateway.api.deps import ServicesDep, pool_for, require_agent, session_in_path
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_messages
 from gateway.api.openai.models import ChatCompletionRequest, CompletionRequest
@@ -51,9 +51,13 @@ def create_session_router() -> APIRouter:
 
 
 async def models(svc: ServicesDep) -> dict[str, Any]:
-    model = svc.settings.model
-    card = {"id": model.name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}
-    return {"object": "list", "data": [{**card, "max_model_len": model.max_model_len}]}
+    """Every pool's model (`pools:`), in the configuration's order."""
+    cards = []
+    for name in svc.served_models():
+        model = svc.for_model(name).settings.model
+        card = {"id": model.name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}
+        cards.append({**card, "max_model_len": model.max_model_len})
+    return {"object": "list", "data": cards}
 
 
 async def _envelope(
@@ -96,9 +100,10 @@ def _chat_logprobs(runner: TurnRunner, ids: list[int], logprobs: list[float], to
 
 
 async def chat_completions(body: ChatCompletionRequest, raw: Request, svc: ServicesDep) -> Response:
-    runner = svc.turns
     check_messages(len(body.messages), svc.settings.server)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    svc = pool_for(svc, raw, body.model)  # after the session's identity: its 401 comes first
+    runner = svc.turns
     request = chat_request(body, metadata)
     request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, CHAT_FIELDS, "max_tokens")
     completion_id = new_request_id("chatcmpl")
@@ -235,8 +240,9 @@ def _completion_logprobs(
 
 
 async def completions(body: CompletionRequest, raw: Request, svc: ServicesDep) -> Response:
-    runner = svc.turns
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata, group=body.group)
+    svc = pool_for(svc, raw, body.model)  # after the session's identity: its 401 comes first
+    runner = svc.turns
     request = completion_request(body, metadata)
     request.sampling = governed_sampling(raw, svc.settings, request.sampling, body, COMPLETION_FIELDS, "max_tokens")
     completion_id = new_request_id("cmpl")

@@ -27,7 +27,7 @@ from fastapi.routing import APIRoute
 
 from common.errors import GatewayError
 from gateway.api.context import ApiServices
-from gateway.api.deps import ServicesDep, require_agent, session_in_path, session_owner
+from gateway.api.deps import ServicesDep, pool_for, require_agent, session_in_path, session_owner, usable
 from gateway.api.json_answer import json_answer
 from gateway.api.limits import check_messages
 from gateway.api.responses.items import ItemIds, chat_messages, output_items
@@ -35,7 +35,7 @@ from gateway.api.responses.models import NamedFunction, ResponseRequest
 from gateway.api.responses.stream import ResponseEvents
 from gateway.api.sampling import RESPONSES_FIELDS, governed_sampling
 from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session_of
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, NotFound
 from gateway.session.response_records import ResponseRecord, ResponseRecords
 from gateway.turns.prepared import Choice, PreparedTurn, assistant_message
 from gateway.turns.request import Conversation, Sampling, TurnRequest, template_kwargs_of
@@ -65,7 +65,12 @@ def create_session_router() -> APIRouter:
 
 
 async def get_response(response_id: str, raw: Request, svc: ServicesDep) -> Response:
-    return json_answer((await _records(svc).get(response_id, session_owner(raw))).answer)
+    """The stored answer, from whichever pool the caller's key may use holds it (`pools:`)."""
+    pools = [pool_for(svc, raw, name) for name in svc.served_models() if usable(svc, raw, name)]
+    for pool in pools[:-1]:
+        with contextlib.suppress(NotFound):
+            return json_answer((await _records(pool).get(response_id, session_owner(raw))).answer)
+    return json_answer((await _records(pools[-1] if pools else svc).get(response_id, session_owner(raw))).answer)
 
 
 def _records(svc: ApiServices) -> ResponseRecords:
@@ -73,10 +78,10 @@ def _records(svc: ApiServices) -> ResponseRecords:
 
 
 async def create_response(body: ResponseRequest, raw: Request, svc: ServicesDep) -> Response:
-    runner = svc.turns
-    runner.check_model(body.model)
-    records = _records(svc)
     session, metadata = session_of(raw, body.session_id, body.user, body.metadata)
+    svc = pool_for(svc, raw, body.model)  # after the session's identity: its 401 comes first
+    runner = svc.turns
+    records = _records(svc)
     owner = session_owner(raw)
     history: list[Message] = []
     if body.previous_response_id is not None:

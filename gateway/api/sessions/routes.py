@@ -6,10 +6,10 @@ import contextlib
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 
 from gateway.api.context import ApiServices
-from gateway.api.deps import ServicesDep, agent_key, require_agent, session_owner
+from gateway.api.deps import ServicesDep, agent_key, pool_for, require_agent, session_owner
 from gateway.api.openai.models import SessionCreate, SessionFinish
 from gateway.errors import Conflict, SessionNotFound
 from gateway.session.identity import SESSION_ID_PATTERN
@@ -19,6 +19,7 @@ from gateway.trajectory import SessionMeta
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])
 
 SessionId = Path(pattern=SESSION_ID_PATTERN)
+PoolModel = Query(None, min_length=1, description="The session's pool (`pools:`); none: the pool that holds it.")
 
 
 def _meta(meta: SessionMeta) -> dict[str, Any]:
@@ -37,8 +38,9 @@ def _meta(meta: SessionMeta) -> dict[str, Any]:
 
 @router.post("", status_code=201)
 async def create_session(body: SessionCreate, raw: Request, svc: ServicesDep) -> dict[str, Any]:
-    """A new session of the caller's API key (an existing one of that key is answered as it is; another key's id is
-    a 409)."""
+    """A new session of the caller's API key in the pool of `model` (an existing one of that key is answered as it
+    is; another key's id is a 409)."""
+    svc = pool_for(svc, raw, body.model)
     owner = session_owner(raw)
     session_id = body.session_id or uuid.uuid4().hex
     opened = svc.open_sessions
@@ -59,8 +61,23 @@ async def _own_session(svc: ApiServices, raw: Request, session_id: str) -> Sessi
     return meta
 
 
+async def _session_pool(svc: ApiServices, raw: Request, session_id: str, model: str | None) -> ApiServices:
+    """The pool of `model`; with none named, the only pool, else the first that holds the session (a session id
+    each of two pools holds: name the model)."""
+    if model is not None or len(svc.served_models()) == 1:
+        return pool_for(svc, raw, model)
+    for name in svc.served_models():
+        pool = svc.for_model(name)
+        if await pool.store.get_session(session_id) is not None:
+            return pool_for(svc, raw, name)
+    raise SessionNotFound(f"no session {session_id!r}", param="session_id")
+
+
 @router.get("/{session_id}")
-async def get_session(raw: Request, svc: ServicesDep, session_id: str = SessionId) -> dict[str, Any]:
+async def get_session(
+    raw: Request, svc: ServicesDep, session_id: str = SessionId, model: str | None = PoolModel
+) -> dict[str, Any]:
+    svc = await _session_pool(svc, raw, session_id, model)
     meta = await _own_session(svc, raw, session_id)
     samples = await svc.store.load_samples(session_id)
     out = _meta(meta)
@@ -87,12 +104,17 @@ async def get_session(raw: Request, svc: ServicesDep, session_id: str = SessionI
 
 @router.post("/{session_id}/finish")
 async def finish_session(
-    body: SessionFinish, raw: Request, svc: ServicesDep, session_id: str = SessionId
+    body: SessionFinish,
+    raw: Request,
+    svc: ServicesDep,
+    session_id: str = SessionId,
+    model: str | None = PoolModel,
 ) -> dict[str, Any]:
     """`{reward?, rewards?, metadata?}`: `reward` is the session's, `rewards` one per sample (their count must be
     the session's sample count, else 400 and the session stays active). Idempotent: a finished session answers
     its entry again; other rewards than it was finished with are a 409. `delivered` false: the session had no
     sample and no group, and the trainer gets nothing (`stream_id` null)."""
+    svc = await _session_pool(svc, raw, session_id, model)
     if session_owner(raw) is not None:  # a gateway with API keys: only the key that made the session finishes it
         await _own_session(svc, raw, session_id)
     stream_id = await svc.store.finish(session_id, body.reward, body.metadata, body.rewards)
