@@ -238,6 +238,7 @@ class EngineBackend(Protocol):
         deadline: float | None = None,
         cache_salt: str | None = None,
         dp_rank: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request, as chunks. Ends with a chunk whose `finish_reason` is set; an engine-side
         abort ends with `finish_reason="abort"` and the partial tokens. Raises `BackendError` on failure, and
@@ -256,7 +257,10 @@ class EngineBackend(Protocol):
         by a request with another salt (or none) is never reused by this one.
 
         `dp_rank` pins the request to that data-parallel rank of the engine (vLLM's `X-data-parallel-rank` header,
-        SGLang's `routed_dp_rank`); None: the engine's own balancer picks one."""
+        SGLang's `routed_dp_rank`); None: the engine's own balancer picks one.
+
+        `adapter` names a LoRA adapter the engine holds (vLLM's `model`, SGLang's `lora_path`; `backends.lora`);
+        None: the engine's own model."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -131,6 +131,10 @@ class EngineLaunch:
     # gateway sent exactly the stored prompt): a log line or two per request, prompts cut at
     # RECEIVED_PROMPT_LOG_IDS ids. Off for users and the demo.
     log_received_prompts: bool = False
+    # LoRA adapters the engine loads at run time (`backends.lora`), at most this many at once (0: LoRA off). vLLM
+    # takes them on the CPU; SGLang's LoRA layers pin host memory, which its CPU build cannot (docs/engines.md).
+    max_loras: int = 0
+    max_lora_rank: int = 8
     extra_args: tuple[str, ...] = ()
     cache: Path = field(default_factory=engine_cache)
 
@@ -168,6 +172,7 @@ class EngineLaunch:
             "--enable-prompt-tokens-details",
             "--enable-scale-out",  # /inference/v1/generate: the only 0.32 route with weight_versions spans
             *STREAM_INTERVAL,
+            *self._lora_args("--max-loras"),
             "--seed",
             "0",
         ]
@@ -207,13 +212,21 @@ class EngineLaunch:
             "0",
             "--enable-metrics",
             *STREAM_INTERVAL,
+            *self._lora_args("--max-loras-per-batch"),
         ]
+        if self.max_loras:
+            command += ["--lora-backend", "torch_native", "--lora-target-modules", "all"]
         if self.routed_experts:
             command.append("--enable-return-routed-experts")
         if self.log_received_prompts:
             # Level 2: the sampling parameters and up to 2,048 of each list's items (3: every item, of outputs too).
             command += ["--log-requests", "--log-requests-level", "2", "--log-requests-format", "json"]
         return command
+
+    def _lora_args(self, slots_flag: str) -> list[str]:
+        if not self.max_loras:
+            return []
+        return ["--enable-lora", slots_flag, str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
 
     def env(self, workdir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The server's environment: `base` (default: this process's) without this project's python paths, compile
@@ -239,6 +252,8 @@ class EngineLaunch:
                 "VLLM_CACHE_ROOT": str(compile_cache / "vllm"),
                 "VLLM_RPC_BASE_PATH": str(workdir),
             }
+            if self.max_loras:
+                env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
             if self.routed_experts:
                 env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # routed-expert capture needs the V2 model runner
             if self.log_received_prompts:

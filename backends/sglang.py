@@ -43,6 +43,7 @@ from backends.base import (
 )
 from backends.errors import BackendError, BackendProtocolError, BackendRejected, WeightsNotLoaded
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
+from backends.lora import EngineAdapters
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
 from backends.weight_transfer import SglangTransfer
 
@@ -93,6 +94,7 @@ class SglangBackend(HttpEngineBackend):
             transfer_backends=frozenset({"nccl", "tensor"}),
         )
         self._transfer = SglangTransfer(self._client, self.id, self._control, self._long, spec.data_parallel_size)
+        self.adapters = EngineAdapters(self._client, self.id, "sglang", self._control, self._long)
         self._experts_shape = spec.routed_experts_shape if spec.routed_experts else None
         self.cumulative_streams = False
 
@@ -110,6 +112,7 @@ class SglangBackend(HttpEngineBackend):
         deadline: float | None = None,
         cache_salt: str | None = None,
         dp_rank: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`), streamed, or with `stream=False` one answer at
         the end; the last chunk carries the finish reason, version spans and (with R3) the routed experts of
@@ -121,6 +124,8 @@ class SglangBackend(HttpEngineBackend):
             body["extra_key"] = cache_salt
         if dp_rank is not None:
             body["routed_dp_rank"] = dp_rank
+        if adapter is not None:
+            body["lora_path"] = adapter  # a loaded adapter's name (`backends.lora`)
         return self._chunks(orjson.dumps(body), sampling, len(token_ids), experts_start, stream, deadline)
 
     async def _chunks(

@@ -60,6 +60,7 @@ from backends.base import (
 )
 from backends.errors import BackendError, BackendProtocolError
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
+from backends.lora import EngineAdapters
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
 from backends.weight_transfer import VllmTransfer
 
@@ -167,6 +168,7 @@ class VllmBackend(HttpEngineBackend):
             transfer_backends=frozenset({spec.weight_transfer} if spec.weight_transfer else ()),
         )
         self._transfer = VllmTransfer(self._client, self.id, self._control, self._long)
+        self.adapters = EngineAdapters(self._client, self.id, "vllm", self._control, self._long)
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class VllmBackend(HttpEngineBackend):
         deadline: float | None = None,
         cache_salt: str | None = None,
         dp_rank: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """The new tokens of one request (`EngineBackend.generate`; see the module docstring for the transport),
         streamed where asked and possible, else one whole answer. The body is encoded here, before the first iteration
@@ -189,6 +192,8 @@ class VllmBackend(HttpEngineBackend):
         path, body = self._body(token_ids, sampling, request_id, routed_experts, experts_start)
         if cache_salt is not None:
             body["cache_salt"] = cache_salt  # both transports take it (at most 128 characters)
+        if adapter is not None:
+            body["model"] = adapter  # a loaded adapter's name (`backends.lora`)
         streamed = self.capabilities.streams(stream)  # routed experts come only in whole answers of /v1/completions
         if streamed:
             body["stream"] = True

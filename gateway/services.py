@@ -13,7 +13,7 @@ from functools import partial
 from redis.asyncio import Redis
 
 from backends.base import EngineBackend, ReplicaSpec, StreamPacing, Timeouts
-from backends.factory import create_backend
+from backends.factory import LoraPolicy, create_backend
 from backends.generation_transport import TransportFactory
 from gateway import store
 from gateway.api.client_writer import StreamBuffers
@@ -59,7 +59,7 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
     return ReplicaSpec(
         id=replica.id,
         url=replica.url,
-        model=settings.model.name,
+        model=settings.model.base_model or settings.model.name,  # a LoRA policy's engines serve its base model
         routed_experts=replica.routed_experts,
         routed_experts_shape=replica.routed_experts_shape,
         routed_experts_input=replica.routed_experts_input,
@@ -85,7 +85,16 @@ def replica_spec(replica: ReplicaConfig, settings: Settings) -> ReplicaSpec:
 
 
 def default_backend_factory(replica: ReplicaConfig, settings: Settings) -> EngineBackend:
-    return create_backend(replica.backend, replica_spec(replica, settings), replica.dialect)
+    return create_backend(replica.backend, replica_spec(replica, settings), replica.dialect, lora_policy(settings))
+
+
+def lora_policy(settings: Settings) -> LoraPolicy | None:
+    """The LoRA policy a pool's replicas serve (`model.base_model`): the newest `weights.max_staleness` + 1 of its
+    versions stay loaded (2 without a staleness budget), so a sample within the budget finishes under its own."""
+    if settings.model.base_model is None:
+        return None
+    staleness = settings.weights.max_staleness
+    return LoraPolicy(settings.model.name, 2 if staleness is None else staleness + 1)
 
 
 @dataclass
@@ -303,6 +312,7 @@ async def _open_pool(
                 stall_timeout_s=g.stall_timeout_s,
                 first_token_timeout_s=g.first_token_timeout_s,
                 cache_salt=settings.weights.cache_salt,
+                adapter=settings.model.name if settings.model.base_model is not None else None,
             ),
         )
         stack.push_async_callback(generator.aclose)

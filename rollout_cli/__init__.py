@@ -238,6 +238,9 @@ def engine(
     routed_experts: Annotated[
         bool, typer.Option(help="Capture routed experts (the CPU builds cannot; docs/engines.md).")
     ] = False,
+    lora: Annotated[
+        int, typer.Option(min=0, help="LoRA adapters loaded at run time at most (0: none; SGLang: GPU only).")
+    ] = 0,
     startup_timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for /health.")] = 240.0,
     log: Annotated[
         Path | None,
@@ -264,6 +267,7 @@ def engine(
             dtype=dtype,
             max_model_len=max_model_len,
             routed_experts=routed_experts,
+            max_loras=lora,
             extra_args=tuple(extra or ()),
         )
         code = _run_engine(launch, log or engine_cache() / "logs" / f"{kind}-{launch.port}.log", startup_timeout)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from backends.routed_experts import ExpertArray
+from backends.sim.adapters import Adapters
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 from backends.sim.scheduler import Rank
 from common.hashing import string_key
@@ -76,6 +77,7 @@ class EngineSettings:
     per_seq_delay_s: float = 0.0  # step time added per request in the batch
     data_parallel_size: int = 1  # independent schedulers behind one server
     dp_balance: DpBalance = "least_loaded"  # where an unpinned request goes (vLLM: least loaded; SGLang: round robin)
+    max_loras: int = 0  # LoRA adapters loaded at run time at most (`backends.sim.adapters`); 0: LoRA off
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -134,6 +136,7 @@ class SimRequest:
     num_retractions: int = 0
     stale_key: int = 0
     salt_key: int = 0  # the prefix-cache partition of its `cache_salt` / `extra_key` (0: none)
+    adapter_key: int = 0  # its LoRA adapter's (`backends.sim.adapters`; 0: the base model)
     kept_through_pause: bool = False  # it reached the engine during a pause that keeps requests, and waited
     rank: int = 0  # the data-parallel rank that serves it
     preempted: bool = False  # queued again without its KV (scheduled mode): recomputed when admitted
@@ -171,6 +174,7 @@ class SimEngine:
         self.weights = settings.weights
         self.version = settings.version
         self.wkey = weights_key(self.weights, self.version)
+        self.adapters = Adapters(settings.max_loras)
         self.requests: dict[str, SimRequest] = {}
         self.paused = False
         self.pause_mode: PauseMode | None = None
@@ -241,11 +245,13 @@ class SimEngine:
         experts_input: ExpertArray | None = None,
         cache_salt: str | None = None,
         dp_rank: int | None = None,
+        adapter: str | None = None,
     ) -> SimRequest:
         """Admit a request: wait out (or reject during) a pause, then queue it on its rank (`dp_rank`, else the
         dispatch policy's choice) or, without the capacity model, prefill and join the decode batch. Its prefix is
         cached, and found, only among requests with the same `cache_salt`."""
         self.validate(prompt, params)
+        lora = self.adapters.key(adapter)  # an adapter it does not hold is refused (`AdapterError`)
         if dp_rank is not None and not 0 <= dp_rank < len(self.ranks):
             raise SimRequestError(f"data parallel rank {dp_rank} is out of range [0, {len(self.ranks)})")
         if self.prompt_log_head:
@@ -261,7 +267,8 @@ class SimEngine:
             prompt=list(prompt),
             params=params,
             hashes=self._prompt_hashes(prompt),
-            salt_key=salt_key(cache_salt),
+            salt_key=salt_key(cache_salt) ^ lora,
+            adapter_key=lora,
             kept_through_pause=kept,
             experts_input=experts_input,
             script=self._script_for(prompt),
@@ -372,7 +379,7 @@ class SimEngine:
         produced = len(request.output_ids)
         if produced:
             request.forward_wkeys.append(wkey)  # this step runs the previous token through the model
-        key = self.model.sample_key(wkey ^ request.stale_key, params.effective_seed)
+        key = self.model.sample_key(wkey ^ request.stale_key ^ request.adapter_key, params.effective_seed)
         allow_eos = not params.ignore_eos and produced >= params.min_tokens
         draw = self.model.draw(request.hashes[-1], key, allow_eos=allow_eos, num_top=params.num_logprobs or 0)
         token = draw.token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from backends.sim.adapters import adapter_key
 from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
 
 Weights = tuple[str, str]  # (weights identity, version label)
@@ -20,9 +21,12 @@ def reference_tokens(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
     min_tokens: int = 0,
+    adapter_path: str | None = None,
 ) -> list[int]:
     """Tokens an uninterrupted request would get. `weights` is one (identity, version) pair, or one per output
-    token (the weights that sampled it), to check a run that crossed weight updates."""
+    token (the weights that sampled it), to check a run that crossed weight updates; `adapter_path`: under the
+    LoRA adapter loaded from there (`backends.sim.adapters`)."""
+    lora = 0 if adapter_path is None else adapter_key(adapter_path)
     model = TokenModel(shape)
     effective_seed = 0 if temperature == 0 else seed
     per_token: list[Weights] = _per_token(weights, max_tokens)
@@ -32,7 +36,7 @@ def reference_tokens(
     out: list[int] = []
     for i in range(min(max_tokens, len(per_token))):
         identity, version = per_token[i]
-        key = model.sample_key(weights_key(identity, version), effective_seed)
+        key = model.sample_key(weights_key(identity, version) ^ lora, effective_seed)
         allow_eos = not ignore_eos and i >= min_tokens
         token = model.draw(state, key, allow_eos=allow_eos).token
         out.append(token)

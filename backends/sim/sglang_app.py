@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError, decode_int32_b64, encode_int32_b64
+from backends.sim.adapters import install_adapter_routes
 from backends.sim.common import (
     SSE_DONE,
     SimServerSettings,
@@ -250,7 +251,9 @@ class SglangDialect:
         engine_id = self._engine_id(body)
         request = await unless_disconnected(
             raw,
-            self.engine.submit(engine_id, prompt, spec, replay, _cache_partition(body), self._dp_rank(body)),
+            self.engine.submit(
+                engine_id, prompt, spec, replay, _cache_partition(body), self._dp_rank(body), body.lora_path
+            ),
             lambda: self.engine.abort(engine_id, "client disconnected"),
         )
         count_transport(self.engine, body.stream)
@@ -543,6 +546,7 @@ def create_sglang_app(settings: SimServerSettings) -> FastAPI:
     app.add_exception_handler(SimRequestError, _on_bad_request)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     install(app, sglang_router)
+    install_adapter_routes(app, "sglang", settings.engine.max_loras, error_response)
     return app
 
 

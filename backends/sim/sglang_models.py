@@ -76,6 +76,7 @@ class GenerateReqInput(BaseModel):
     custom_labels: dict[str, str] | None = None
     routed_dp_rank: int | None = None
     data_parallel_rank: int | None = None  # deprecated alias of routed_dp_rank
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (`backends.sim.adapters`)
 
 
 class GenerateReqInputWithReplay(GenerateReqInput):

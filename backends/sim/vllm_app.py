@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import version_tuple
 from backends.routed_experts import decode_npy_b64, encode_npy_b64
+from backends.sim.adapters import install_adapter_routes
 from backends.sim.common import (
     SSE_DONE,
     SimServerSettings,
@@ -136,11 +137,13 @@ class VllmDialect:
         return decode_npy_b64(payload)
 
     async def _submit(
-        self, raw: Request, engine_id: str, prompt: list[int], spec: SamplingSpec, replay: Any, salt: str | None
+        self, raw: Request, engine_id: str, prompt: list[int], spec: SamplingSpec, replay: Any, body: Any
     ) -> Any:
+        """Submit under the request's `model`: the engine's, or a LoRA adapter it holds (`backends.sim.adapters`)."""
+        adapter = self.engine.adapters.of_model(body.model, self.settings.engine.model_name)
         return await unless_disconnected(
             raw,
-            self.engine.submit(engine_id, prompt, spec, replay, salt, self._dp_rank(raw)),
+            self.engine.submit(engine_id, prompt, spec, replay, body.cache_salt, self._dp_rank(raw), adapter),
             lambda: self.engine.abort(engine_id),
         )
 
@@ -241,7 +244,7 @@ class VllmDialect:
         base_id = raw.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex[:16]
         response_id = f"cmpl-{base_id}"
         replay = self._replay(body.replay_routed_experts)
-        request = await self._submit(raw, f"{response_id}-0", prompt, spec, replay, body.cache_salt)
+        request = await self._submit(raw, f"{response_id}-0", prompt, spec, replay, body)
         count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(
@@ -352,7 +355,7 @@ class VllmDialect:
         )
         engine_id = f"generate-tokens-{body.request_id or uuid.uuid4().hex[:16]}"
         replay = self._replay(body.replay_routed_experts)
-        request = await self._submit(raw, engine_id, body.token_ids, spec, replay, body.cache_salt)
+        request = await self._submit(raw, engine_id, body.token_ids, spec, replay, body)
         count_transport(self.engine, body.stream)
         if body.stream:
             return StreamingResponse(self._generate_stream(body, raw, request), media_type="text/event-stream")
@@ -445,9 +448,11 @@ async def load(raw: Request) -> dict[str, int]:
 
 @router.get("/v1/models")
 async def models(raw: Request) -> dict[str, Any]:
-    settings = _engine(raw).settings
+    engine = _engine(raw)
+    settings = engine.settings
     card = {"id": settings.model_name, "object": "model", "owned_by": "vllm", "root": settings.weights}
-    return {"object": "list", "data": [{**card, "parent": None, "max_model_len": settings.max_model_len}]}
+    base = {**card, "parent": None, "max_model_len": settings.max_model_len}
+    return {"object": "list", "data": [base, *engine.adapters.cards(settings.model_name)]}
 
 
 @router.get("/metrics")
@@ -585,4 +590,5 @@ def create_vllm_app(settings: SimServerSettings) -> FastAPI:
     if settings.dev_mode:
         install(app, vllm_router)
         vllm_errors(app, error_body, settings.weight_transfer)
+    install_adapter_routes(app, "vllm", settings.engine.max_loras, error_response)
     return app

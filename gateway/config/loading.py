@@ -124,7 +124,20 @@ class Settings(BaseSettings):
             if bound is not None and bound > limit:
                 raise ValueError(f"{where} lets max_tokens reach {bound}, above server.max_tokens_limit {limit}")
         self._check_pools(known)
+        self._check_adapters()
         return self
+
+    def _check_adapters(self) -> None:
+        """A LoRA policy's versions load without a pause (`backends.lora`): its `weights.pause_mode` is `keep`,
+        which it gets where none is set."""
+        chosen = self.weights.pause_mode if "pause_mode" in self.weights.model_fields_set else None
+        pools = self.pools or (None,)
+        for index, pool in enumerate(pools):
+            base = self.model.base_model if pool is None else pool.base_model
+            mode = chosen if pool is None else pool.weights.get("pause_mode", chosen)
+            if base is not None and mode not in (None, "keep"):
+                where = "weights.pause_mode" if pool is None else f"pools[{index}] ({pool.model!r}): weights.pause_mode"
+                raise ValueError(f"{where} is {mode!r}, but a LoRA adapter's versions load without a pause: keep")
 
     def _check_pools(self, key_ids: set[str]) -> None:
         if not self.pools:
@@ -151,11 +164,12 @@ class Settings(BaseSettings):
         """The settings of each pool, as if it were the gateway's one model (`gateway.config.pools`): the
         top-level settings without `pools:` when there are none."""
         if not self.pools:
-            return (self,)
-        return tuple(self._one_pool(pool) for pool in self.pools)
+            return (_keeping_for_adapters(self),)
+        return tuple(_keeping_for_adapters(self._one_pool(pool)) for pool in self.pools)
 
     def _one_pool(self, pool: PoolConfig) -> Settings:
-        model = {"name": pool.model} | ({"tokenizer": pool.tokenizer} if pool.tokenizer is not None else {})
+        model: dict[str, object] = {"name": pool.model, "base_model": pool.base_model}
+        model |= {"tokenizer": pool.tokenizer} if pool.tokenizer is not None else {}
         return self.model_copy(
             update={
                 "pools": (),
@@ -180,6 +194,13 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Highest first; defaults come last on their own. No .env file and no secrets dir.
         return init_settings, env_settings, _YamlFileSource(settings_cls, yaml_file=_yaml_file.get())
+
+
+def _keeping_for_adapters(settings: Settings) -> Settings:
+    """`settings` with `weights.pause_mode: keep` where its model is a LoRA adapter (`Settings._check_adapters`)."""
+    if settings.model.base_model is None or settings.weights.pause_mode == "keep":
+        return settings
+    return settings.model_copy(update={"weights": settings.weights.model_copy(update={"pause_mode": "keep"})})
 
 
 def _overridden(section: S, overrides: Mapping[str, Any]) -> S:

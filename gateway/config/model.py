@@ -48,6 +48,14 @@ class ModelConfig(Section):
     """The served model as the gateway sees it: tokenizer, chat template, reasoning and tool-call formats."""
 
     name: str = Field("tiny", min_length=1, description="Model name sent to the engines and shown to agents.")
+    base_model: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "null: the engines serve this model. A name: this model is a LoRA adapter the gateway loads, a version "
+            "at a time, onto engines serving base_model (docs/features.md, LoRA policies)."
+        ),
+    )
     tokenizer: Path = Field(DEFAULT_TOKENIZER, description="Local tokenizer folder (read offline).")
     tool_parser: Annotated[str, AfterValidator(_known_tool_parser)] = Field(
         "hermes", description="Tool-call format parsed from completions (vLLM's names; auto: from the chat template)."

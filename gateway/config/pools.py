@@ -46,6 +46,9 @@ class PoolConfig(Section):
 
     model: str = Field(pattern=POOL_MODEL_PATTERN, description="The model name agents send; sent to the engines too.")
     role: PoolRole = Field("policy", description="policy: the model being trained (versions, trajectories).")
+    base_model: str | None = Field(
+        None, min_length=1, description="A LoRA adapter on engines serving this model (as model.base_model)."
+    )
     tokenizer: Path | None = Field(None, description="Local tokenizer folder; null: model.tokenizer.")
     replicas: Replicas = Field((), description="The pool's engine replicas at startup (as the top-level replicas).")
     replicas_from: ReplicasFrom = Field(None, description="More replicas followed at run time (dns:// or file://).")
@@ -57,7 +60,7 @@ class PoolConfig(Section):
     generation: Overrides = Field(default_factory=dict, description="The pool's own keys of generation:.")
 
     def __hash__(self) -> int:
-        return hash((self.model, self.role, self.tokenizer, self.replicas, self.replicas_from, self.keys))
+        return hash((self.model, self.role, self.base_model, self.tokenizer, self.replicas, self.replicas_from))
 
 
 def _distinct_models(pools: tuple[PoolConfig, ...]) -> tuple[PoolConfig, ...]:

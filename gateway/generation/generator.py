@@ -27,6 +27,7 @@ import numpy as np
 
 from backends.base import Chunk
 from backends.errors import BackendError, BackendTimeout, BackendUnavailable
+from backends.lora import adapter_name
 from backends.routed_experts import ExpertArray
 from gateway.errors import CutForStaleness, DeadlinePassed, EngineAhead, ReplicaStalled, ReplicaWentDown
 from gateway.generation.request import (
@@ -83,7 +84,8 @@ class _EngineCall:
     request_id: str
     chunks: AsyncGenerator[Chunk, None]  # a stream's chunks, or a whole answer's one
     streamed: bool  # the engine streams its tokens (a whole answer has no first token of its own)
-    salt: str | None  # the prefix-cache salt it was built with (the replica's version then)
+    salt: str | None  # the prefix-cache salt it was built with
+    version: int  # the version it names (salt, LoRA adapter): the replica's when it was built, or the update's
 
 
 @dataclass(slots=True)
@@ -230,12 +232,12 @@ class Generator:
         """The next segment on `replica`: the continuation built ahead for it during a weight update, or a new call."""
         remaining = request.sampling.max_tokens - len(state.output_ids)
         ahead, resume.ahead = resume.ahead, None
-        if ahead is not None and ahead.replica is replica and ahead.salt == self._salt(replica):
+        if ahead is not None and ahead.replica is replica and ahead.version == self._served(replica):
             call = ahead  # built for this replica, and its weights have not changed since
         else:
             call = self._engine_call(request, state, replica, remaining, resume.loop_deadline)
         self.pool.sent(replica, request.prompt_ids)  # what `cache_aware` expects the replica's prefix cache to hold
-        dispatch_version = replica.version if replica.version is not None else self.weights.version
+        dispatch_version = self._served(replica)
         run = SegmentRun(replica, len(state.output_ids), dispatch_version, call.salt is not None)
         run.interrupted_at, run.preempted_at = resume.interrupted_at, resume.preempted_at
         return run, call
@@ -320,7 +322,9 @@ class Generator:
         replay = self._replay(request, state) if backend.capabilities.routed_experts_in else None
         request_id = f"{request.request_id}-{len(state.segments)}"
         stream = request.stream or request.stop is not None  # stop strings are watched token by token
-        salt = self._salt(replica, version)
+        version = self._served(replica) if version is None else version
+        salt = cache_salt(version) if self.settings.cache_salt else None
+        adapter = adapter_name(self.settings.adapter, version) if self.settings.adapter is not None else None
         chunks = backend.generate(
             prompt,
             sampling,
@@ -331,18 +335,15 @@ class Generator:
             deadline=deadline,
             cache_salt=salt,
             dp_rank=replica.rank,  # a target that is one data-parallel rank pins its requests to it
+            adapter=adapter,
         )
-        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream), salt)
+        return _EngineCall(replica, request_id, chunks, backend.capabilities.streams(stream), salt, version)
 
-    def _salt(self, replica: Replica, version: int | None = None) -> str | None:
-        """The prefix-cache salt of a request to `replica` under `version` (default: the version it serves now):
-        that version's (`cache_salt`), so no request reuses KV cached under other weights and no update needs to
-        flush a cache."""
-        if not self.settings.cache_salt:
-            return None
-        if version is None:
-            version = replica.version if replica.version is not None else self.weights.version
-        return cache_salt(version)
+    def _served(self, replica: Replica) -> int:
+        """The version `replica` serves now: its requests are salted with that version's prefix-cache partition
+        (`cache_salt`, so none reuses KV cached under other weights and no update flushes a cache) and, for a LoRA
+        policy, name that version's adapter."""
+        return replica.version if replica.version is not None else self.weights.version
 
     async def _segment(
         self, request: GenerationRequest, state: GenerationState, run: SegmentRun, call: _EngineCall, deadline: float

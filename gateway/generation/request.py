@@ -185,3 +185,4 @@ class GenerationSettings:
     stall_timeout_s: float = 60.0  # a streamed segment silent this long after its first chunk: its replica failed
     first_token_timeout_s: float = 120.0  # ... or without a first chunk, while its replica sent no token at all
     cache_salt: bool = True  # each engine request salts its prefix cache with its replica's weight version
+    adapter: str | None = None  # a LoRA policy: each engine request names its version's adapter (`backends.lora`)

@@ -20,12 +20,13 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
 
 
 async def greedy(
-    http: httpx.AsyncClient, server: EngineServer, prompt: list[int], n: int
+    http: httpx.AsyncClient, server: EngineServer, prompt: list[int], n: int, adapter: str | None = None
 ) -> tuple[list[int], list[float]]:
-    """The engine's own greedy completion of `prompt` (n tokens, eos ignored), run alone: (token ids, logprobs)."""
+    """The engine's own greedy completion of `prompt` (n tokens, eos ignored), run alone: (token ids, logprobs);
+    `adapter`: under that loaded LoRA adapter."""
     if server.kind == "vllm":
         body: dict[str, Any] = {
-            "model": "tiny",
+            "model": adapter or "tiny",
             "prompt": prompt,
             "max_tokens": n,
             "temperature": 0,
@@ -40,7 +41,7 @@ async def greedy(
         "input_ids": prompt,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
         "return_logprob": True,
-    }
+    } | ({"lora_path": adapter} if adapter else {})
     answer = await _post(http, f"{server.url}/generate", body)
     entries = answer["meta_info"]["output_token_logprobs"]
     return [int(t) for t in answer["output_ids"]], [float(e[0]) for e in entries]

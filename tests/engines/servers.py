@@ -85,9 +85,9 @@ def served_model() -> str:
 
 
 @contextlib.contextmanager
-def engine_server(kind: EngineKind, tmp: Path, port: int | None = None) -> Iterator[EngineServer]:
+def engine_server(kind: EngineKind, tmp: Path, port: int | None = None, max_loras: int = 0) -> Iterator[EngineServer]:
     """The session's engine server: an external one (RG_<KIND>_URL), or one started here (on `port`, or a free
-    one) and stopped at the end."""
+    one) and stopped at the end; `max_loras`: with LoRA adapters loaded at run time (an external one: as started)."""
     models, model = models_dir(), served_model()
     routed = os.environ.get("RG_ENGINE_ROUTED_EXPERTS", "") == "1"
     external = os.environ.get(f"RG_{kind.upper()}_URL")
@@ -106,7 +106,13 @@ def engine_server(kind: EngineKind, tmp: Path, port: int | None = None) -> Itera
     transfer = "gloo" if kind == "vllm" else None
     extra = ("--weight-transfer-config", orjson.dumps({"backend": transfer}).decode()) if transfer else ()
     launch = EngineLaunch(
-        kind, python, models / model, port or free_port(), log_received_prompts=True, extra_args=extra
+        kind,
+        python,
+        models / model,
+        port or free_port(),
+        log_received_prompts=True,
+        max_loras=max_loras,
+        extra_args=extra,
     )
     started = time.monotonic()
     with start_engine(launch, tmp, startup_timeout_s=STARTUP_TIMEOUT) as engine:

@@ -209,10 +209,24 @@ async def update_weights(body: WeightsUpdate, svc: ServicesDep) -> Response:
     they are open), the commit ends it."""
     path = body.checked_path()
     svc = svc.for_model(body.model)
+    if svc.settings.model.base_model is not None:
+        _check_adapter_update(body, svc.settings.model.name)
     if body.transfer is not None:
         held = await svc.weights.transfers.begin(body.version, body.transfer.spec(), body.mode)
         return JSONResponse(held.layout(), status_code=202)
     return _answer(await svc.weights.update(body.version, path, body.mode))
+
+
+def _check_adapter_update(body: WeightsUpdate, adapter: str) -> None:
+    """A LoRA policy's version is an adapter the engines load from a path, beside the versions in flight."""
+    if body.path is None:
+        raise InvalidRequest(f"`{adapter}` is a LoRA adapter: its versions load from a path", param="path")
+    if body.mode not in (None, "keep"):
+        raise InvalidRequest(
+            f"`{adapter}` is a LoRA adapter: a new version loads beside the one in flight, without a pause "
+            f"(mode keep, not {body.mode!r})",
+            param="mode",
+        )
 
 
 def _answer(report: UpdateReport) -> Response:

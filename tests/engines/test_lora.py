@@ -1,0 +1,129 @@
+"""A policy trained as a LoRA adapter on a real engine (issue 54 §2, `backends.lora`): two pools on one engine, the
+base model and an adapter of it (`base_model`); each adapter version is loaded beside the others without a pause,
+a request keeps the version it started under, and its tokens are exactly the engine's own greedy tokens under that
+adapter. The adapters are made here with peft (`trainers.lora.random_adapter`), never downloaded.
+
+vLLM on the CPU takes adapters at run time (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING`). SGLang's CPU build
+cannot: its LoRA layers pin host memory, which needs a GPU driver ("Found no NVIDIA driver", at startup with
+`--enable-lora`), so its case runs only against an external server (`RG_SGLANG_URL`, started with LoRA on a GPU).
+The server here is this module's own, with LoRA on, shared by its tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import ReplicaConfig
+from gateway.server import RunningGateway
+from tests.conftest import ADMIN, GatewayFactory
+from tests.engines.direct import greedy, prompt_of
+from tests.engines.servers import EngineServer, engine_server
+from tests.gateway_helpers import generate_body, stream_generate
+from tests.sim_helpers import wait_for
+from trainers.lora import random_adapter
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
+
+ADAPTER = "tiny-lora"
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
+    with engine_server("vllm", tmp_path_factory.mktemp("vllm-lora"), max_loras=4) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory, lora_server: EngineServer) -> list[Path]:
+    """Two adapters of the served model that sample differently from it and from each other."""
+    folder = tmp_path_factory.mktemp("adapters")
+    return [random_adapter(lora_server.model_path, folder / f"v{seed}", seed) for seed in (1, 2)]
+
+
+async def two_pools(make_gateway: GatewayFactory, server: EngineServer) -> RunningGateway:
+    replica = ReplicaConfig(url=server.url, backend="vllm", scale_out=True)
+    return await make_gateway(
+        [],
+        model={"tokenizer": str(server.model_path), "max_model_len": 4096},
+        generation={"request_timeout_s": 300},
+        pools=[
+            {"model": "tiny", "replicas": [replica]},
+            {"model": ADAPTER, "base_model": "tiny", "replicas": [replica]},
+        ],
+    )
+
+
+async def publish(http: httpx.AsyncClient, gw: RunningGateway, version: int, path: Path) -> None:
+    body = {"model": ADAPTER, "version": version, "path": str(path)}
+    answer = await http.post(f"{gw.url}/admin/weights", json=body, headers=ADMIN, timeout=120)
+    assert answer.status_code == 200, answer.text
+
+
+async def generated(http: httpx.AsyncClient, gw: RunningGateway, model: str, prompt: list[int], n: int) -> Any:
+    body = generate_body(prompt, n, model=model)
+    answer = await http.post(f"{gw.url}/generate", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def unload_all(http: httpx.AsyncClient, server: EngineServer) -> None:
+    """Leave the engine as the module found it: no adapter loaded."""
+    cards = (await http.get(f"{server.url}/v1/models")).json()["data"]
+    for card in cards:
+        if card.get("parent"):
+            await http.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": card["id"]})
+
+
+async def test_each_version_samples_as_the_engine_does_under_its_adapter(
+    lora_server: EngineServer, adapters: list[Path], make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await two_pools(make_gateway, lora_server)
+    prompt, n = prompt_of(24, seed=3), 16
+    try:
+        base, _ = await greedy(http, lora_server, prompt, n)
+        version_0 = await generated(http, gw, ADAPTER, prompt, n)
+        assert (version_0["output_ids"], set(version_0["versions"])) == (base, {0})  # version 0: the base model
+        await publish(http, gw, 1, adapters[0])
+        under_one, _ = await greedy(http, lora_server, prompt, n, adapter=f"{ADAPTER}-v1")
+        assert under_one != base  # the adapter changes what the engine samples
+        version_1 = await generated(http, gw, ADAPTER, prompt, n)
+        assert (version_1["output_ids"], set(version_1["versions"])) == (under_one, {1})
+        untouched = await generated(http, gw, "tiny", prompt, n)
+        assert (untouched["output_ids"], set(untouched["versions"])) == (base, {0})
+    finally:
+        await gw.stop()  # else its health probe would load the current version again
+        await unload_all(http, lora_server)
+
+
+async def test_two_versions_in_flight_each_keep_their_own_adapter(
+    lora_server: EngineServer, adapters: list[Path], make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    gw = await two_pools(make_gateway, lora_server)
+    prompt, long, short = prompt_of(24, seed=5), 600, 16
+    try:
+        await publish(http, gw, 1, adapters[0])
+        progress = [0]
+        streaming = asyncio.create_task(
+            stream_generate(http, gw.url, generate_body(prompt, long, model=ADAPTER), progress)
+        )
+        await wait_for(lambda: progress[0] >= 8, timeout=60, what="the long request's first tokens")
+        await publish(http, gw, 2, adapters[1])
+        assert not streaming.done()  # the update neither waited for it nor cut it
+        after = await generated(http, gw, ADAPTER, prompt, short)
+        streamed = await streaming
+        assert streamed.error is None
+        assert set(streamed.final["versions"]) == {1} and streamed.final["num_resumes"] == 0
+        assert streamed.output_ids == (await greedy(http, lora_server, prompt, long, adapter=f"{ADAPTER}-v1"))[0]
+        assert set(after["versions"]) == {2}
+        assert after["output_ids"] == (await greedy(http, lora_server, prompt, short, adapter=f"{ADAPTER}-v2"))[0]
+        loaded = {card["id"] for card in (await http.get(f"{lora_server.url}/v1/models")).json()["data"]}
+        assert {f"{ADAPTER}-v1", f"{ADAPTER}-v2"} <= loaded
+    finally:
+        await gw.stop()  # else its health probe would load the current version again
+        await unload_all(http, lora_server)
