@@ -29,7 +29,7 @@ class Cell:
     cache: str
     mode: str
     period_s: float = 0.0
-    transport: str = "path"  # or "transfer": the tensors pushed in memory
+    transport: str = "path"  # or "transfer": the tensors pushed in memory; "adapter": a LoRA policy's version
     steady_rate: float = math.nan
     dip_rate: float = math.nan
     trough_rate: float = math.nan
@@ -165,6 +165,13 @@ def transport_lines(cells: Sequence[Cell]) -> list[str]:
             f"{transfer.dialect} {transfer.mode} {transfer.cache}: pause to serving {from_disk:.2f} s from the path, "
             f"{in_memory:.2f} s in memory; tokens lost per update {number(path.mean_lost)} vs "
             f"{number(transfer.mean_lost)}"
+        )
+    for adapter in (c for c in cells if c.transport == "adapter" and c.admin_s):
+        floor = abs(adapter.noise) if adapter.noise == adapter.noise else 0.0
+        within = "none beyond the noise (expected none)" if adapter.mean_lost <= floor else "MORE than the noise"
+        lines.append(
+            f"{adapter.dialect} adapter: tokens lost per update {number(adapter.mean_lost)} (noise "
+            f"{number(adapter.noise)}): {within}; pause to serving {statistics.fmean(adapter.admin_s):.3f} s"
         )
     return lines
 

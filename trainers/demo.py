@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from backends.errors import EngineLaunchError
 from backends.launcher import EngineLaunch, default_python, free_port, resolve_model, start_engine
 from gateway.config import ReplicaConfig, Settings
 from gateway.server import serve_gateway
@@ -45,7 +46,15 @@ class EngineDemoOptions:
     mode: Literal["abort", "keep", "wait"] = "abort"
     seed: int = 0
     max_staleness: int | None = 4  # the gateway's staleness budget (`weights.max_staleness`; None: no budget)
-    weights: WeightsMode = "checkpoint"  # each version from a checkpoint on disk, or pushed in memory ("transfer")
+    # Each version from a checkpoint on disk, or pushed in memory ("transfer"), or a LoRA adapter trained and loaded
+    # beside the version in flight ("lora", vLLM: SGLang's CPU build has no LoRA).
+    weights: WeightsMode | Literal["lora"] = "checkpoint"
+
+
+def _way_in(options: EngineDemoOptions) -> str:
+    return {"transfer": "pushed in memory", "lora": "LoRA adapters, loaded without a pause"}.get(
+        options.weights, "from checkpoints"
+    )
 
 
 def sparkline(values: list[float]) -> str:
@@ -88,7 +97,7 @@ def _summary(console: Console, options: EngineDemoOptions, reports: list[StepRep
     last = reports[-1] if reports else None
     for name, value in (
         ("engine", options.engine),
-        ("weights reach it", "pushed in memory" if options.weights == "transfer" else "from checkpoints"),
+        ("weights reach it", _way_in(options)),
         ("steps", f"{len(reports)} in {elapsed:.0f} s"),
         ("reward, first → last", f"{rewards[0]:.3f} → {rewards[-1]:.3f}" if rewards else "-"),
         ("reward curve", sparkline(rewards)),
@@ -141,11 +150,15 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
     # vLLM takes in-memory updates over gloo with the project's plugin (setup.sh installs it) once told to; SGLang
     # takes inline tensors as it is.
     gloo = options.weights == "transfer" and options.engine == "vllm"
+    lora = options.weights == "lora"
+    if lora and options.engine != "vllm":
+        raise EngineLaunchError("--weights lora runs on vLLM: SGLang's CPU build has no LoRA (docs/engines.md)")
     launch = EngineLaunch(
         kind=options.engine,
         python=options.python or default_python(options.engine),
         model=model,
         port=free_port(),
+        max_loras=4 if lora else 0,
         extra_args=("--weight-transfer-config", json.dumps({"backend": "gloo"})) if gloo else (),
     )
     reports: list[StepReport] = []
@@ -163,7 +176,8 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
             settings = Settings(
                 server={"port": 0, "admin_token": ADMIN_TOKEN},
                 replicas=[replica],
-                model={"tokenizer": str(model), "max_model_len": launch.max_model_len},
+                model={"tokenizer": str(model), "max_model_len": launch.max_model_len}
+                | ({"name": "tiny-lora", "base_model": launch.served_name} if lora else {}),
                 generation={"request_timeout_s": 300},
                 weights={"max_staleness": options.max_staleness},
             )
@@ -176,9 +190,9 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
                     steps=options.steps,
                     stop_at_reward=options.target_reward,
                     mode=options.mode,
-                    weights=options.weights,
+                    weights="checkpoint" if lora else options.weights,  # type: ignore[arg-type]
                     seed=options.seed,
-                    grpo=GRPOConfig(seed=options.seed, threads=1),
+                    grpo=GRPOConfig(seed=options.seed, threads=1, lora_rank=8 if lora else None),
                 )
                 started = time.monotonic()
                 with Live(_live(options, reports, started), console=console, refresh_per_second=2) as live:

@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from gateway.trainer import Batch
+from trainers.lora import lora_model
 
 OffPolicy = Literal["tis", "mask", "none"]
 # Files an engine needs beside the weights to load a checkpoint folder as a model (SGLang loads the folder).
@@ -64,6 +66,9 @@ class GRPOConfig:
     # torch's CPU threads (None: torch's default). On a CPU host that also runs the engine, 1 leaves the engine a
     # core: with both taken, the engine answers its pauses seconds late and generation stalls while a step runs.
     threads: int | None = None
+    # Train a LoRA adapter of this rank (peft, on every linear layer of the blocks) instead of every weight: each
+    # version is published as the adapter alone, which a pool with `base_model` loads beside the versions in flight.
+    lora_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,12 @@ class Learner:
         if self.config.threads is not None:
             torch.set_num_threads(self.config.threads)
         self.source = Path(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
+        rank = self.config.lora_rank
+        self.model: PreTrainedModel | PeftModel = model if rank is None else lora_model(model, rank)
         self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.lr)
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA model's base is frozen
+        self.optimizer = torch.optim.Adam(trained, lr=self.config.lr)
         self.version = version  # the weight version the learner's parameters are
 
     def step(self, batch: Batch, pad_token_id: int = 0) -> StepStats:
@@ -142,6 +150,8 @@ class Learner:
         """The weights as the engines load them: checkpoint names, in the checkpoint dtype, copies taken now (the next
         step may run while they travel); a tensor tied to an earlier one (shared storage) is sent once, under the
         first name, as a checkpoint stores it."""
+        if self.config.lora_rank is not None:
+            raise NotImplementedError("a LoRA policy's versions are adapters the engines load from a path (save)")
         dtype = getattr(torch, self.config.dtype)
         seen: set[int] = set()
         named = []
@@ -159,14 +169,20 @@ class Learner:
         target = Path(out_dir) / f"v{version}"
         target.parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=target.parent))
+        if self.config.lora_rank is not None:
+            self.model.save_pretrained(str(scratch))  # the adapter alone: adapter_config.json, adapter_model.*
+            return self._publish(scratch, target, version)
         dtype = getattr(torch, self.config.dtype)
         state = {name: tensor.detach().to(dtype) for name, tensor in self.model.state_dict().items()}
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one bar per checkpoint
-        self.model.save_pretrained(scratch, state_dict=state, safe_serialization=True)
+        self.model.save_pretrained(str(scratch), state_dict=state, safe_serialization=True)
         for name in _MODEL_FILES:
             if (self.source / name).exists() and not (scratch / name).exists():
                 shutil.copy2(self.source / name, scratch / name)
         _set_dtype(scratch / "config.json", self.config.dtype)
+        return self._publish(scratch, target, version)
+
+    def _publish(self, scratch: Path, target: Path, version: int) -> Path:
         if target.exists():
             shutil.rmtree(target)
         os.replace(scratch, target)

@@ -125,10 +125,12 @@ async def train(
             stale_policy="mask",
         )
         publisher: Publisher
+        # A LoRA policy's version loads beside the one in flight (`backends.lora`): keep, there is nothing to pause.
+        mode = "keep" if config.grpo.lora_rank is not None else config.mode
         if config.weights == "transfer":
-            publisher = TransferPublisher(http, config.mode, config.transfer_backend, model=name)
+            publisher = TransferPublisher(http, mode, config.transfer_backend, model=name)
         else:
-            publisher = CheckpointPublisher(http, checkpoints, config.mode, keep=config.keep_checkpoints, model=name)
+            publisher = CheckpointPublisher(http, checkpoints, mode, keep=config.keep_checkpoints, model=name)
         rollouts = asyncio.create_task(workers.run())
         try:
             async with consumer:

@@ -11,18 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
-def random_adapter(base: str | Path, out: str | Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
+def lora_model(model: PreTrainedModel, rank: int) -> PeftModel:
+    """`model` with a LoRA adapter of `rank` on every linear layer of its blocks (peft's "all-linear": the
+    attention and MLP projections, not the head), scaled by alpha = 2 × rank; only the adapter trains."""
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0, bias="none")
+    return get_peft_model(model, config)
+
+
+def random_adapter(base: str | Path, out: str | Path, seed: int, rank: int = 8, scale: float = 0.2) -> Path:
     """Write an adapter of the model at `base` to `out` (made if missing) with every LoRA matrix drawn from
     N(0, `scale`²) under `seed`; returns `out`."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(TARGETS), lora_dropout=0.0, bias="none")
-    peft_model = get_peft_model(model, config)
+    peft_model = lora_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), rank)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():

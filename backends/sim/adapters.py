@@ -6,8 +6,8 @@ An adapter changes what the engine samples: its key (from its path, `adapter_key
 of every token a request under it samples, and it partitions the prefix cache, since the real engines key cached
 blocks by adapter. On with `EngineSettings.max_loras` > 0 (vLLM `--enable-lora --max-loras`, SGLang
 `--enable-lora --max-loras-per-batch`); then a request naming a model that is neither the engine's nor a loaded
-adapter's is refused, as vLLM refuses it (404). The simulator bounds how many adapters are loaded at once by
-`max_loras` (a real engine keeps more in host memory and swaps them into its `max_loras` slots).
+adapter's is refused, as vLLM refuses it (404). Any number may be loaded, as on vLLM (which keeps the ones beyond its
+`--max-loras` batch slots in host memory and swaps them in); the simulator models no slot.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ class Adapters:
     def load(self, name: str, path: str) -> None:
         if name in self.loaded:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded.", 400)
-        if len(self.loaded) >= self.max_loras:
-            raise AdapterError(f"no free LoRA slot: {self.max_loras} adapters are loaded (max_loras)", 400)
         self.loaded[name] = path
 
     def unload(self, name: str) -> None:

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="block",
         help="vLLM only: new requests during an abort/wait pause block (0.32) or get 503 (0.33)",
     )
+    f.add_argument("--max-loras", type=int, default=0, help="> 0: LoRA adapters loaded at run time (0: LoRA off)")
     f.add_argument("--enable-return-routed-experts", action="store_true")
     f.add_argument(
         "--enable-routed-experts-input",
@@ -115,6 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> SimServerSettings:
         num_gpu_blocks=args.num_gpu_blocks,
         per_seq_delay_s=args.per_seq_delay,
         data_parallel_size=args.data_parallel_size,
+        max_loras=args.max_loras,
     )
     return SimServerSettings(
         dialect=args.dialect,

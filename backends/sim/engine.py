@@ -77,7 +77,7 @@ class EngineSettings:
     per_seq_delay_s: float = 0.0  # step time added per request in the batch
     data_parallel_size: int = 1  # independent schedulers behind one server
     dp_balance: DpBalance = "least_loaded"  # where an unpinned request goes (vLLM: least loaded; SGLang: round robin)
-    max_loras: int = 0  # LoRA adapters loaded at run time at most (`backends.sim.adapters`); 0: LoRA off
+    max_loras: int = 0  # > 0: LoRA adapters loaded at run time (`backends.sim.adapters`; vLLM --max-loras); 0: off
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

@@ -4,6 +4,7 @@ is drained on vLLM, and the table prints one row per cell; the timeline's arithm
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -57,6 +58,21 @@ async def test_a_tiny_run_counts_the_flush_and_prints_a_row_per_cell() -> None:
     assert all(column in header for column in ("steady", "lost", "÷ salt", "preempt", "recomp", "hit", "drain"))
     assert "vllm keep salt" in text and "vllm keep flush" in text
     assert "vllm keep: tokens lost per update, flush ÷ salt" in text
+
+
+async def test_a_tiny_adapter_run_loads_each_version_without_a_pause() -> None:
+    """The adapter row: a LoRA policy's versions (the simulator holds any adapter path) load beside the ones in
+    flight: nothing aborted, preempted or drained, and the row has its own verdict line."""
+    options = dataclasses.replace(TINY, caches=("salt", "flush"), transports=("adapter",))
+    cells = await updates.run_all(options, Console(file=io.StringIO()))
+    assert [(c.dialect, c.mode, c.cache, c.transport) for c in cells] == [("vllm", "keep", "salt", "adapter")]
+    [cell] = cells
+    assert cell.error_count == 0 and not cell.errors, cell.errors
+    assert cell.turns > 0 and len(cell.admin_s) == 1 and cell.drained == 0
+    assert cell.counts["aborted"] == cell.counts["retractions"] == 0
+    out = io.StringIO()
+    updates.report(Console(file=out, width=200), options, cells)
+    assert "vllm adapter: tokens lost per update" in out.getvalue()
 
 
 def test_the_timeline_interpolates_counters_and_integrates_the_dip() -> None:

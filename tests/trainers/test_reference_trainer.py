@@ -19,7 +19,7 @@ from gateway.trainer import Batch
 from gateway.trajectory import Sample, SessionMeta, Trajectory
 from tests.conftest import ADMIN, ADMIN_TOKEN, GatewayFactory, SimFactory
 from tests.sim_helpers import sim_state
-from trainers.grpo import GRPOConfig, Learner, behaviour_weight, group_advantages
+from trainers.grpo import GRPOConfig, Learner, StepStats, behaviour_weight, group_advantages
 from trainers.loop import LoopConfig, train
 from trainers.rollouts import SamplingConfig
 from trainers.task import DigitsTask
@@ -73,8 +73,9 @@ def _trajectory(name: str, prompt: list[int], response: list[int], logprobs: np.
     return Trajectory(meta, [sample])
 
 
-def test_one_step_makes_the_rewarded_answer_likelier_and_the_other_less_likely(tiny_model: Path) -> None:
-    learner = Learner(tiny_model, GRPOConfig(lr=1e-2, threads=1))
+def step_on_a_good_and_a_bad_answer(learner: Learner) -> StepStats:
+    """One step on a group of two answers of one prompt, the rewarded one and the other; asserts the step made the
+    rewarded answer likelier and the other less likely."""
     prompt, good, bad = [5, 6, 7], [300, 301, 302, 303], [400, 401, 402, 403]
     before = {name: _logprobs(learner.model, prompt, ids) for name, ids in (("good", good), ("bad", bad))}
     batch = Batch(
@@ -87,8 +88,28 @@ def test_one_step_makes_the_rewarded_answer_likelier_and_the_other_less_likely(t
     stats = learner.step(batch)
     after = {name: _logprobs(learner.model, prompt, ids) for name, ids in (("good", good), ("bad", bad))}
     assert after["good"].sum() > before["good"].sum() and after["bad"].sum() < before["bad"].sum()
+    return stats
+
+
+def test_one_step_makes_the_rewarded_answer_likelier_and_the_other_less_likely(tiny_model: Path) -> None:
+    stats = step_on_a_good_and_a_bad_answer(Learner(tiny_model, GRPOConfig(lr=1e-2, threads=1)))
     assert stats.tokens == 8 and stats.stale_tokens == 0 and stats.reward_mean == 0.5
     assert stats.mismatch_max < 1e-5  # the logprobs given were the model's own
+
+
+def test_a_lora_learner_trains_its_adapter_alone_and_publishes_it_as_a_peft_folder(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    learner = Learner(tiny_model, GRPOConfig(lr=1e-2, threads=1, lora_rank=4))
+    base = {n: p.detach().clone() for n, p in learner.model.named_parameters() if "lora_" not in n}
+    step_on_a_good_and_a_bad_answer(learner)
+    assert all(torch.equal(p, base[n]) for n, p in learner.model.named_parameters() if n in base)  # frozen
+    folder = learner.save(tmp_path, 1)
+    assert {f.name for f in folder.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert not (folder / "model.safetensors").exists()
+    assert '"r": 4' in (folder / "adapter_config.json").read_text()
+    with pytest.raises(NotImplementedError):
+        learner.named_weights()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

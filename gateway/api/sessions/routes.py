@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Path, Query, Request
 
 from gateway.api.context import ApiServices
-from gateway.api.deps import ServicesDep, agent_key, pool_for, require_agent, session_owner
+from gateway.api.deps import ServicesDep, agent_key, pool_for, require_agent, session_owner, usable
 from gateway.api.openai.models import SessionCreate, SessionFinish
 from gateway.errors import Conflict, SessionNotFound
 from gateway.session.identity import SESSION_ID_PATTERN
@@ -62,14 +62,14 @@ async def _own_session(svc: ApiServices, raw: Request, session_id: str) -> Sessi
 
 
 async def _session_pool(svc: ApiServices, raw: Request, session_id: str, model: str | None) -> ApiServices:
-    """The pool of `model`; with none named, the only pool, else the first that holds the session (a session id
-    each of two pools holds: name the model)."""
+    """The pool of `model`; with none named, the only pool, else the first the caller's key may use that holds the
+    session (a session id each of two pools holds: name the model)."""
     if model is not None or len(svc.served_models()) == 1:
         return pool_for(svc, raw, model)
-    for name in svc.served_models():
-        pool = svc.for_model(name)
+    for name in (name for name in svc.served_models() if usable(svc, raw, name)):
+        pool = pool_for(svc, raw, name)
         if await pool.store.get_session(session_id) is not None:
-            return pool_for(svc, raw, name)
+            return pool
     raise SessionNotFound(f"no session {session_id!r}", param="session_id")
 
 
