@@ -248,9 +248,7 @@ class Transfers:
             side.rendezvous = await side.engine.backend.open_transfer(held.spec.backend, side.group)
             side.state = "open"
         except BackendError as exc:
-            side.state, side.error = "failed", str(exc)
-            held.report.note(side.engine.id, f"opening the transfer failed: {exc}")
-            self.weights.sequence.mark_stale(side.engine, held.report, f"opening the transfer failed: {exc}")
+            self._fail_side(held, side, f"opening the transfer failed: {exc}")
 
     async def _receive(self, held: HeldTransfer, side: EngineSide, manifest: Manifest) -> None:
         """The manifest's fan-out to one engine: its receiving call per chunk, in order, each answered once the
@@ -260,9 +258,7 @@ class Transfers:
             for chunk in manifest:
                 await side.engine.backend.receive_transfer_chunk(chunk)
         except BackendError as exc:
-            side.state, side.error = "failed", str(exc)
-            held.report.note(side.engine.id, f"receiving the transfer failed: {exc}")
-            self.weights.sequence.mark_stale(side.engine, held.report, f"receiving the transfer failed: {exc}")
+            self._fail_side(held, side, f"receiving the transfer failed: {exc}")
             return
         side.state = "received"
 
@@ -277,9 +273,14 @@ class Transfers:
         for side in held.sides:
             if side.state == "open":
                 why = "the trainer's broadcast did not complete what its manifest declared before the commit deadline"
-                side.state, side.error = "failed", why
-                held.report.note(side.engine.id, why)
-                self.weights.sequence.mark_stale(side.engine, held.report, why)
+                self._fail_side(held, side, why)
+
+    def _fail_side(self, held: HeldTransfer, side: EngineSide, why: str) -> None:
+        """One engine's side failed: the engine may hold part of the tensors, so it is held out (stale) until a
+        catch-up loads the version it should serve."""
+        side.state, side.error = "failed", why
+        held.report.note(side.engine.id, why)
+        self.weights.sequence.mark_stale(side.engine, held.report, why)
 
     async def until_open(self, version: int, timeout_s: float) -> HeldTransfer:
         """The transfer of `version` once every engine's side is open or failed (or after `timeout_s`)."""
