@@ -95,6 +95,11 @@ class ResponseCache:
         return record, conversation
 
 
+def response_not_found(response_id: str) -> NotFound:
+    """The one answer for a response the caller may not read: never stored, expired, another key's or elsewhere."""
+    return NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+
+
 class ResponseRecords:
     """Saves and finds stored responses (`ResponseKeys`), through this process's `ResponseCache`. `max_links`: the
     longest chain of one-turn responses a walk follows (`server.max_messages`: each response adds a message at
@@ -117,7 +122,7 @@ class ResponseRecords:
         another's ids."""
         record = await self._find(response_id)
         if record is None or (record.owner is not None and record.owner != owner):
-            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+            raise response_not_found(response_id)
         return record
 
     async def _find(self, response_id: str) -> ResponseRecord | None:

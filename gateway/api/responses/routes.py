@@ -36,7 +36,7 @@ from gateway.api.responses.stream import ResponseEvents
 from gateway.api.sampling import RESPONSES_FIELDS, governed_sampling
 from gateway.api.turn_http import TurnAnswer, rollout_field, serve_turn, session_of
 from gateway.errors import InvalidRequest, NotFound
-from gateway.session.response_records import ResponseRecord, ResponseRecords
+from gateway.session.response_records import ResponseRecord, ResponseRecords, response_not_found
 from gateway.turns.prepared import Choice, PreparedTurn, assistant_message
 from gateway.turns.request import Conversation, Sampling, TurnRequest, template_kwargs_of
 from gateway.turns.runner import TurnRunner
@@ -67,10 +67,10 @@ def create_session_router() -> APIRouter:
 async def get_response(response_id: str, raw: Request, svc: ServicesDep) -> Response:
     """The stored answer, from whichever pool the caller's key may use holds it (`pools:`)."""
     pools = [pool_for(svc, raw, name) for name in svc.served_models() if usable(svc, raw, name)]
-    for pool in pools[:-1]:
+    for pool in pools:
         with contextlib.suppress(NotFound):
             return json_answer((await _records(pool).get(response_id, session_owner(raw))).answer)
-    return json_answer((await _records(pools[-1] if pools else svc).get(response_id, session_owner(raw))).answer)
+    raise response_not_found(response_id)
 
 
 def _records(svc: ApiServices) -> ResponseRecords:
