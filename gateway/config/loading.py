@@ -124,28 +124,13 @@ class Settings(BaseSettings):
             if bound is not None and bound > limit:
                 raise ValueError(f"{where} lets max_tokens reach {bound}, above server.max_tokens_limit {limit}")
         self._check_pools(known)
-        self._check_adapters()
         return self
 
-    def _check_adapters(self) -> None:
-        """A LoRA policy's versions load without a pause (`backends.lora`): its `weights.pause_mode` is `keep`,
-        which it gets where none is set."""
-        chosen = self.weights.pause_mode if "pause_mode" in self.weights.model_fields_set else None
-        pools = self.pools or (None,)
-        for index, pool in enumerate(pools):
-            base = self.model.base_model if pool is None else pool.base_model
-            mode = chosen if pool is None else pool.weights.get("pause_mode", chosen)
-            if base is not None and mode not in (None, "keep"):
-                where = "weights.pause_mode" if pool is None else f"pools[{index}] ({pool.model!r}): weights.pause_mode"
-                raise ValueError(f"{where} is {mode!r}, but a LoRA adapter's versions load without a pause: keep")
-
     def _check_pools(self, key_ids: set[str]) -> None:
-        if not self.pools:
-            return
         given = [
             name for name in ("replicas", "replicas_from") if getattr(self, name) and name in self.model_fields_set
         ]
-        if given:
+        if self.pools and given:
             raise ValueError(f"with pools, {' and '.join(given)} belong inside each pool (pools[i].replicas...)")
         for index, pool in enumerate(self.pools):
             unknown = sorted(set(pool.keys) - key_ids)
@@ -153,21 +138,19 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"pools[{index}].keys names {', '.join(map(repr, unknown))}, which server.api_keys does not"
                 )
-            for section in ("weights", "routing", "generation"):
-                try:
-                    _overridden(getattr(self, section), getattr(pool, section))
-                except ValidationError as exc:
-                    problems = "; ".join(f"{dotted_key(e['loc'])}: {e['msg']}" for e in exc.errors())
-                    raise ValueError(f"pools[{index}].{section}: {problems}") from None
+        self.pool_settings()  # each pool's sections merged and validated, a LoRA policy's pause mode checked
 
     def pool_settings(self) -> tuple[Settings, ...]:
         """The settings of each pool, as if it were the gateway's one model (`gateway.config.pools`): the
         top-level settings without `pools:` when there are none."""
         if not self.pools:
-            return (_keeping_for_adapters(self),)
-        return tuple(_keeping_for_adapters(self._one_pool(pool)) for pool in self.pools)
+            return (_keeping_for_adapters(self, "weights.pause_mode"),)
+        return tuple(
+            _keeping_for_adapters(self._one_pool(index, pool), f"pools[{index}] ({pool.model!r}): weights.pause_mode")
+            for index, pool in enumerate(self.pools)
+        )
 
-    def _one_pool(self, pool: PoolConfig) -> Settings:
+    def _one_pool(self, index: int, pool: PoolConfig) -> Settings:
         model: dict[str, object] = {"name": pool.model, "base_model": pool.base_model}
         model |= {"tokenizer": pool.tokenizer} if pool.tokenizer is not None else {}
         return self.model_copy(
@@ -176,9 +159,9 @@ class Settings(BaseSettings):
                 "model": self.model.model_copy(update=model),
                 "replicas": pool.replicas,
                 "replicas_from": pool.replicas_from,
-                "weights": _overridden(self.weights, pool.weights),
-                "routing": _overridden(self.routing, pool.routing),
-                "generation": _overridden(self.generation, pool.generation),
+                "weights": _pool_section(index, "weights", self.weights, pool.weights),
+                "routing": _pool_section(index, "routing", self.routing, pool.routing),
+                "generation": _pool_section(index, "generation", self.generation, pool.generation),
                 "store": self.store.model_copy(update={"prefix": pool_prefix(self.store.prefix, pool.model)}),
             }
         )
@@ -196,18 +179,26 @@ class Settings(BaseSettings):
         return init_settings, env_settings, _YamlFileSource(settings_cls, yaml_file=_yaml_file.get())
 
 
-def _keeping_for_adapters(settings: Settings) -> Settings:
-    """`settings` with `weights.pause_mode: keep` where its model is a LoRA adapter (`Settings._check_adapters`)."""
-    if settings.model.base_model is None or settings.weights.pause_mode == "keep":
+def _keeping_for_adapters(settings: Settings, where: str) -> Settings:
+    """`settings` with `weights.pause_mode: keep` where its model is a LoRA adapter: its versions load without a
+    pause (`backends.lora`). Another mode set (at `where`) is an error."""
+    weights = settings.weights
+    if settings.model.base_model is None or weights.pause_mode == "keep":
         return settings
-    return settings.model_copy(update={"weights": settings.weights.model_copy(update={"pause_mode": "keep"})})
+    if "pause_mode" in weights.model_fields_set:
+        raise ValueError(f"{where} is {weights.pause_mode!r}, but a LoRA adapter's versions load without a pause: keep")
+    return settings.model_copy(update={"weights": weights.model_copy(update={"pause_mode": "keep"})})
 
 
-def _overridden(section: S, overrides: Mapping[str, Any]) -> S:
-    """`section` with a pool's own keys, validated as the section is."""
+def _pool_section(index: int, name: str, section: S, overrides: Mapping[str, Any]) -> S:
+    """The top-level `section` (`name`) with pool `index`'s own keys of it, validated as the section is."""
     if not overrides:
         return section
-    return type(section).model_validate(section.model_dump(exclude_unset=True) | dict(overrides))
+    try:
+        return type(section).model_validate(section.model_dump(exclude_unset=True) | dict(overrides))
+    except ValidationError as exc:
+        problems = "; ".join(f"{dotted_key(e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"pools[{index}].{name}: {problems}") from None
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> Settings:
