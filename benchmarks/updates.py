@@ -477,7 +477,7 @@ def check_transports(args: argparse.Namespace) -> None:
     if "transfer" in args.transports and args.engine is None:
         raise SystemExit("--transports transfer pushes real tensors: it needs --engine vllm|sglang")
     if "adapter" in args.transports and args.engine is not None:
-        raise SystemExit("--transports adapter runs on the simulator (tests/engines/test_lora.py: vLLM-CPU)")
+        raise SystemExit("--transports adapter runs on the simulator (the vLLM tier: tests/engines/lora_checks.py)")
 
 
 def options_from(args: argparse.Namespace) -> Options:

