@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +20,24 @@ from gateway.config import ReplicaConfig, Settings
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.server import RunningGateway, serve_gateway
 from rollout_cli.redis_cluster import LocalRedisCluster
+
+# --------------------------------------------------------------------------------------------------------------
+# Workers: under `-n 2 --dist loadgroup` (the README's test command) the tests that load the machine run on one
+# worker, one after another as without xdist, while the other takes the rest.
+# --------------------------------------------------------------------------------------------------------------
+
+HEAVY = ("engines", "chaos", "benchmarks", "fuzz")
+"""The real-engine tiers (never two engines at once), the soaks, the benchmark runs and the fuzzers: each keeps a
+machine's cores busy for its length, and side by side they starve each other's timing."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    heavy = tuple(Path(__file__).parent / folder for folder in HEAVY)
+    for item in items:
+        if any(folder in item.path.parents for folder in heavy):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Redis: one real redis-server for the whole session, flushed before every test that asks for a client.

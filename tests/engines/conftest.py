@@ -6,7 +6,6 @@ stopped when its tier ends, before the other tier starts (never two engines at o
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,16 +15,6 @@ from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory
 from tests.engines.servers import EngineServer, engine_server
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under `-n N --dist loadgroup` (the README's test command) the tiers are one xdist group: they run on one
-    worker, a module after another as without xdist, while the other workers take the rest of the suite."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in item.path.parents:
-            item.add_marker(pytest.mark.xdist_group("engines"))
 
 
 @pytest.fixture(scope="module")
