@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -228,10 +229,10 @@ class EngineLaunch:
             return []
         return ["--enable-lora", slots_flag, str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
 
-    def env(self, workdir: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    def env(self, workdir: Path, base: Mapping[str, str] | None = None, sockets: Path | None = None) -> dict[str, str]:
         """The server's environment: `base` (default: this process's) without this project's python paths, compile
-        caches in the machine-local cache (reused across runs), sockets and scratch files in `workdir`, nothing
-        fetched from a hub."""
+        caches in the machine-local cache (reused across runs), scratch files in `workdir` and vLLM's IPC sockets
+        in `sockets` (default: `workdir`), nothing fetched from a hub."""
         compile_cache = self.cache / "compile"
         env = dict(os.environ if base is None else base)
         for name in ("PYTHONPATH", "VIRTUAL_ENV"):
@@ -250,7 +251,7 @@ class EngineLaunch:
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "VLLM_CACHE_ROOT": str(compile_cache / "vllm"),
-                "VLLM_RPC_BASE_PATH": str(workdir),
+                "VLLM_RPC_BASE_PATH": str(sockets or workdir),
             }
             if self.max_loras:
                 env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -346,25 +347,31 @@ def start_engine(
         vllm_logging_config(workdir).write_text(vllm_logging_config_text())
     log = log or workdir / f"{launch.kind}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        # Its own process group (and session), so stopping it reaches the engine processes it spawns, and a Ctrl-C
-        # at the terminal reaches only whoever started it, which then stops the group in order.
-        process = subprocess.Popen(
-            launch.command(),
-            env=launch.env(workdir),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        _wait_healthy(launch, process, log, startup_timeout_s)
-        if pin and launch.kind == "vllm":
-            pin_engine_core_beside_its_worker(process.pid)
-        stub_calls = sgl_kernel_stub_log(workdir) if launch.kind == "sglang" else None
-        yield RunningEngine(launch, process, log, stub_calls)
-    finally:
-        stop_process_group(process)
+    # vLLM's sockets in a short folder of their own, for the server's life: a Unix socket's path holds at most 107
+    # bytes, which a deep `workdir` (a test's, under pytest-xdist) and the 36 of a socket's uuid pass.
+    with tempfile.TemporaryDirectory(prefix="rg-", dir=_SHORT_TMP if os.path.isdir(_SHORT_TMP) else None) as sockets:
+        with log.open("wb") as out:
+            # Its own process group (and session), so stopping it reaches the engine processes it spawns, and a
+            # Ctrl-C at the terminal reaches only whoever started it, which then stops the group in order.
+            process = subprocess.Popen(
+                launch.command(),
+                env=launch.env(workdir, sockets=Path(sockets)),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            _wait_healthy(launch, process, log, startup_timeout_s)
+            if pin and launch.kind == "vllm":
+                pin_engine_core_beside_its_worker(process.pid)
+            stub_calls = sgl_kernel_stub_log(workdir) if launch.kind == "sglang" else None
+            yield RunningEngine(launch, process, log, stub_calls)
+        finally:
+            stop_process_group(process)
+
+
+_SHORT_TMP = "/tmp"
 
 
 def _wait_healthy(launch: EngineLaunch, process: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:

@@ -91,7 +91,8 @@ async def make_sim() -> AsyncIterator[SimFactory]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(20.0)) as client:
+    # Generous: the heavy tests load the machine on the other worker (a simulator's answer took 20 s once).
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
         yield client
 
 

@@ -124,6 +124,8 @@ def test_vllm_env(tmp_path: Path) -> None:
     assert env["VLLM_SERVER_DEV_MODE"] == "1"  # the pause, resume, weight and cache routes
     assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == str(work)
+    short = tmp_path / "s"  # the sockets' own short folder, as `start_engine` makes one
+    assert launch.env(work, base={}, sockets=short)["VLLM_RPC_BASE_PATH"] == str(short)
     assert env["VLLM_CACHE_ROOT"] == str(cache / "compile" / "vllm")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "compile" / "inductor-vllm")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
