@@ -10,7 +10,7 @@ import re
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -24,6 +24,9 @@ from backends.errors import (
 )
 from backends.generation_transport import IDLE_EXPIRY_S, TransportFactory
 from backends.routed_experts import ExpertArray, RoutedExpertsFormatError
+
+if TYPE_CHECKING:
+    from backends.scoring import PromptScorer
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "keep", "wait"]
@@ -214,12 +217,14 @@ class Timeouts:
 @runtime_checkable
 class EngineBackend(Protocol):
     """One engine replica. `data_parallel_size`: the data-parallel ranks it runs behind its one server (1: none),
-    each of which a generation request may be pinned to (`generate`'s `dp_rank`)."""
+    each of which a generation request may be pinned to (`generate`'s `dp_rank`). `scorer`: its prompt-scoring
+    calls (a teacher's, `backends.scoring`)."""
 
     id: str
     url: str
     capabilities: Capabilities
     data_parallel_size: int
+    scorer: PromptScorer
 
     @property
     def paced_reads(self) -> int:

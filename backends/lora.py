@@ -111,6 +111,7 @@ class LoraPolicyBackend:
             raise ValueError(f"keep_versions must be at least 1, got {keep_versions}")
         self.engine, self.adapters, self.adapter, self.keep_versions = engine, adapters, adapter, keep_versions
         self.id, self.url, self.data_parallel_size = engine.id, engine.url, engine.data_parallel_size
+        self.scorer = engine.scorer  # a teacher served as an adapter names it per call
         # `keep` only: a request in flight goes on under the adapter it named; nothing is paused nor aborted.
         self.capabilities: Capabilities = Capabilities(
             pause_modes=frozenset({"keep"}),

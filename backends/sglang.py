@@ -45,6 +45,7 @@ from backends.errors import BackendError, BackendProtocolError, BackendRejected,
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.lora import EngineAdapters
 from backends.routed_experts import ExpertArray, decode_int32_b64, encode_int32_b64
+from backends.scoring import PromptScorer
 from backends.weight_transfer import SglangTransfer
 
 __all__ = ["SglangBackend"]
@@ -95,6 +96,7 @@ class SglangBackend(HttpEngineBackend):
         )
         self._transfer = SglangTransfer(self._client, self.id, self._control, self._long, spec.data_parallel_size)
         self.adapters = EngineAdapters(self._client, self.id, "sglang", self._control, self._long)
+        self.scorer = PromptScorer(self._client, self.id, "sglang", spec.model, self._long)
         self._experts_shape = spec.routed_experts_shape if spec.routed_experts else None
         self.cumulative_streams = False
 

@@ -62,6 +62,7 @@ from backends.errors import BackendError, BackendProtocolError
 from backends.http_client import HttpEngineBackend, answer_batches, request, request_json
 from backends.lora import EngineAdapters
 from backends.routed_experts import ExpertArray, decode_npy_b64, encode_npy_b64
+from backends.scoring import PromptScorer
 from backends.weight_transfer import VllmTransfer
 
 __all__ = ["VllmBackend", "without_prompt_echo"]
@@ -169,6 +170,7 @@ class VllmBackend(HttpEngineBackend):
         )
         self._transfer = VllmTransfer(self._client, self.id, self._control, self._long)
         self.adapters = EngineAdapters(self._client, self.id, "vllm", self._control, self._long)
+        self.scorer = PromptScorer(self._client, self.id, "vllm", spec.model, self._long)
 
     # -- generation ----------------------------------------------------------------------------------------
 

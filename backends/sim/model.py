@@ -115,6 +115,27 @@ class TokenModel:
             top = tuple(alts)
         return Draw(token, logprob, top)
 
+    def score(self, prefix_hash: int, key: int, token: int, num_top: int = 0) -> Draw:
+        """What the model gives `token` after the prefix whose hash is `prefix_hash`: its logprob (that of the
+        token `draw` samples, or of one of its alternatives; any other token's is below them all) and the
+        `num_top` best there (a teacher scoring a sequence, `backends.sim.scoring`)."""
+        draw = self.draw(prefix_hash, key, allow_eos=True, num_top=max(num_top, 1))
+        for candidate, logprob in draw.top:
+            if candidate == token:
+                return Draw(token, logprob, draw.top[:num_top])
+        floor = draw.top[-1][1] - 1.0 - (mix64(prefix_hash ^ key ^ (token + 1) * GOLDEN & MASK64) % 1000) / 1000.0
+        return Draw(token, floor, draw.top[:num_top])
+
+    def score_sequence(self, token_ids: Sequence[int], key: int, start: int, num_top: int = 0) -> list[Draw]:
+        """`score` of each of `token_ids[start:]` (start ≥ 1) given the ids before it."""
+        scores: list[Draw] = []
+        state = PREFIX_HASH_START
+        for position, token in enumerate(token_ids):
+            if position >= start:
+                scores.append(self.score(state, key, token, num_top))
+            state = extend_prefix_hash(state, token)
+        return scores
+
     def routed_experts(self, position_hashes: Sequence[int], wkeys: Sequence[int]) -> npt.NDArray[np.unsignedinteger]:
         """Experts chosen at each position, shape (positions, layers, top_k), in the smallest unsigned dtype.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backends.sim.adapters import adapter_key
-from backends.sim.model import PREFIX_HASH_START, ModelShape, TokenModel, extend_prefix_hash, weights_key
+from backends.sim.model import PREFIX_HASH_START, Draw, ModelShape, TokenModel, extend_prefix_hash, weights_key
 
 Weights = tuple[str, str]  # (weights identity, version label)
 
@@ -44,6 +44,22 @@ def reference_tokens(
         if (allow_eos and token == shape.eos_token_id) or (token in stop_token_ids and i + 1 >= min_tokens):
             break
     return out
+
+
+def reference_scores(
+    shape: ModelShape,
+    token_ids: Sequence[int],
+    weights: Weights,
+    start: int,
+    *,
+    top_k: int = 0,
+    adapter_path: str | None = None,
+) -> list[Draw]:
+    """What an engine running `weights` (under the adapter loaded from `adapter_path`) answers a teacher's scoring of
+    `token_ids[start:]`: each token's logprob given the ids before it, with the `top_k` best there."""
+    lora = 0 if adapter_path is None else adapter_key(adapter_path)
+    model = TokenModel(shape)
+    return model.score_sequence(token_ids, model.sample_key(weights_key(*weights) ^ lora, 0), start, top_k)
 
 
 def _per_token(weights: Weights | Sequence[Weights], max_tokens: int) -> list[Weights]:

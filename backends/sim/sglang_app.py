@@ -41,6 +41,7 @@ from backends.sim.common import (
     watch_disconnect,
 )
 from backends.sim.engine import SHUTDOWN_MESSAGE, EngineStopped, SamplingSpec, SimEngine, SimRequest, SimRequestError
+from backends.sim.scoring import sglang_input_logprobs
 from backends.sim.sglang_load import SglangMetrics, load_sections, loads_as_prometheus, rank_load
 from backends.sim.sglang_models import (
     AbortReq,
@@ -200,6 +201,24 @@ class SglangDialect:
             out["output_top_logprobs"] = [[entry(lp, t) for t, lp in top] for top in request.top_logprobs[start:end]]
         return out
 
+    def _prefill_only(self, body: GenerateReqInput, prompt: list[int]) -> dict[str, Any]:
+        """A request that generates nothing (`max_new_tokens: 0`): a teacher scoring `prompt` (`return_logprob`
+        from `logprob_start_len`)."""
+        meta: dict[str, Any] = {
+            "id": self._engine_id(body),
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": 0,
+            "cached_tokens": 0,
+            "weight_version": self.engine.version,
+        }
+        if body.return_logprob:
+            start = max(0, body.logprob_start_len)
+            key = self.engine.adapters.key(body.lora_path)
+            meta |= sglang_input_logprobs(self.engine, prompt, key, start, body.top_logprobs_num)
+            meta |= {"output_token_logprobs": [], "output_token_logprobs_length": 0}
+        return {"text": "", "output_ids": [], "meta_info": meta}
+
     def _routed_experts(self, body: GenerateReqInput, request: SimRequest) -> str | None:
         if not (body.return_routed_experts and self.settings.engine.routed_experts_output and request.forward_wkeys):
             return None
@@ -246,6 +265,8 @@ class SglangDialect:
         started = time.monotonic()
         body = await self._parse(raw)
         prompt = self._prompt(body)
+        if body.sampling_params.max_new_tokens == 0:
+            return json_response(self._prefill_only(body, prompt))
         spec = self._spec(body, prompt)
         replay = self._replay(body)
         engine_id = self._engine_id(body)

@@ -43,6 +43,7 @@ from backends.sim.engine import (
     SimRequest,
     SimRequestError,
 )
+from backends.sim.scoring import vllm_prompt_logprobs
 from backends.sim.transfer_routes import install, vllm_errors, vllm_router
 from backends.sim.vllm_metrics import VllmMetrics
 from backends.sim.vllm_models import (
@@ -258,7 +259,9 @@ class VllmDialect:
             "finish_reason": request.finish_reason,
             "stop_reason": request.stop_reason,
             "token_ids": list(request.output_ids) if body.return_token_ids else None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": vllm_prompt_logprobs(
+                self.engine, request.prompt, request.adapter_key, body.prompt_logprobs
+            ),
             "prompt_token_ids": list(request.prompt) if body.return_token_ids else None,
             "routed_experts": self._experts_b64(request, body.routed_experts_prompt_start),
         }

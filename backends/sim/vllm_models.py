@@ -55,6 +55,7 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     request_id: str | None = None
     return_token_ids: bool | None = None
