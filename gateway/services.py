@@ -19,6 +19,7 @@ from gateway import store
 from gateway.api.client_writer import StreamBuffers
 from gateway.background import background, stop
 from gateway.config import FastPathConfig, ReplicaConfig, ServerConfig, Settings
+from gateway.config.pools import PoolConfig, PoolRole, TeacherConfig
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import Conflict, Forbidden, InvalidRequest, NotFound
@@ -121,6 +122,8 @@ class Services:
     )
     fleet: Fleet = field(default_factory=lambda: Fleet())  # every pool of this process, this one among them
     keys: frozenset[str] = frozenset()  # the key ids that may use this pool (`pools[i].keys`); empty: any key
+    role: PoolRole = "policy"  # a teacher pool scores the samples of the policies that name it, serves no agent
+    teacher: TeacherConfig | None = None  # a policy's teacher (`pools[i].teacher`)
     admission: ReplicaAdmission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -129,7 +132,12 @@ class Services:
             self.fleet.pools[self.settings.model.name] = self
 
     def served_models(self) -> list[str]:
+        """Every pool's model, teachers too (the admin's view)."""
         return self.fleet.models()
+
+    def agent_models(self) -> list[str]:
+        """The models agents may call: the policy pools'."""
+        return self.fleet.models("policy")
 
     def for_model(self, model: str | None, key: str | None = None) -> Services:
         """The pool serving `model` (None: the only pool; with several, a 400 asking for one), for the API key id
@@ -196,14 +204,16 @@ class Fleet:
         """The first pool: the app's own services (what takes no model: health, the dashboard)."""
         return next(iter(self.pools.values()))
 
-    def models(self) -> list[str]:
-        return list(self.pools)
+    def models(self, role: PoolRole | None = None) -> list[str]:
+        """The pools' models (`role`: of that role only)."""
+        return [name for name, services in self.pools.items() if role is None or services.role == role]
 
     def serving(self, model: str | None) -> Services:
         if model is None:
-            if len(self.pools) > 1:
+            policies = self.models("policy")
+            if len(policies) > 1:
                 raise InvalidRequest(f"this gateway serves several models ({self._served()}): name one", param="model")
-            return self.default
+            return self.pools[policies[0]] if policies else self.default
         found = self.pools.get(model)
         if found is None:
             raise NotFound(f"The model `{model}` does not exist; this gateway serves {self._served()}", param="model")
@@ -231,16 +241,19 @@ async def open_services(
         redis = store.connect(redis_url, settings.redis.socket_timeout_s, settings.redis.max_connections)
         stack.push_async_callback(redis.aclose)
         fleet = Fleet()
-        for pool_settings, keys in zip(settings.pool_settings(), _pool_keys(settings), strict=True):
+        for pool_settings, config in zip(settings.pool_settings(), settings.pools or (None,), strict=True):
             services = await stack.enter_async_context(_open_pool(pool_settings, redis, redis_url, backend_factory))
-            services.fleet, services.keys = fleet, keys
+            services.fleet = fleet
+            if config is not None:
+                _take_pool_config(services, config)
             fleet.pools[pool_settings.model.name] = services
         yield fleet.default
 
 
-def _pool_keys(settings: Settings) -> list[frozenset[str]]:
-    """The key ids each pool is bound to (`pools[i].keys`; empty: any key)."""
-    return [frozenset(pool.keys) for pool in settings.pools] or [frozenset()]
+def _take_pool_config(services: Services, config: PoolConfig) -> None:
+    """What a pool's services take of its `pools:` entry: the key ids bound to it (empty: any key), its role and
+    teacher."""
+    services.keys, services.role, services.teacher = frozenset(config.keys), config.role, config.teacher
 
 
 @contextlib.asynccontextmanager

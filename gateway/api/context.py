@@ -7,6 +7,7 @@ from typing import Protocol
 
 from gateway.api.client_writer import StreamBuffers
 from gateway.config import ReplicaConfig, Settings
+from gateway.config.pools import PoolRole
 from gateway.dashboard.sampler import DashboardSampler
 from gateway.generation import Generator
 from gateway.metrics import GatewayMetrics
@@ -58,12 +59,19 @@ class ApiServices(Protocol):
     @property
     def dashboard(self) -> DashboardSampler | None: ...
 
+    @property
+    def role(self) -> PoolRole: ...
+
     def for_model(self, model: str | None, key: str | None = None) -> ApiServices:
         """The pool serving `model` for the API key id `key` (None: an admin's request)."""
         ...
 
     def served_models(self) -> list[str]:
         """Every pool's model, in the configuration's order."""
+        ...
+
+    def agent_models(self) -> list[str]:
+        """The models agents may call (the policy pools'), in the configuration's order."""
         ...
 
     @property

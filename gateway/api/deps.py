@@ -8,7 +8,7 @@ from fastapi import Depends, Path, Request
 
 from gateway.api.context import ApiServices
 from gateway.auth import check_admin, check_agent, check_agent_key, check_metrics
-from gateway.errors import Forbidden, NotFound, Unauthorized
+from gateway.errors import Forbidden, InvalidRequest, NotFound, Unauthorized
 from gateway.session.identity import SESSION_ID_PATTERN, group_member, session_id_from
 from gateway.session.quotas import ANONYMOUS
 
@@ -103,7 +103,14 @@ def agent_key(request: Request) -> str:
 def pool_for(svc: ApiServices, request: Request, model: str | None) -> ApiServices:
     """The pool that serves the request's `model` (`pools:`) for its API key: 404 for a model no pool serves (the
     served ones listed), 403 for a pool its key is not bound to, 400 for no model where there are several pools."""
-    return svc.for_model(model, request.scope.get(_AGENT_KEY))
+    pool = svc.for_model(model, request.scope.get(_AGENT_KEY))
+    if pool.role == "teacher":
+        raise InvalidRequest(
+            f"the model `{pool.settings.model.name}` is a teacher: it scores the samples of the policies that name "
+            f"it and serves no agent (the agents' models: {', '.join(f'`{m}`' for m in svc.agent_models())})",
+            param="model",
+        )
+    return pool
 
 
 def usable(svc: ApiServices, request: Request, model: str) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
-from tests.engines import agent_checks, checks
+from tests.engines import agent_checks, checks, teacher_checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import greedy, restore
 from tests.engines.servers import EngineServer
@@ -189,6 +189,13 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
     await restore(http, sglang_server)
     await agent_checks.reasoning_agent_episode(http, make_gateway, sglang_server, {}, history)
     await restore(http, sglang_server)
+
+
+async def test_a_teacher_scores_the_tokens_as_the_engine_sampled_them(
+    sglang_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await restore(http, sglang_server)
+    await teacher_checks.scores_match_what_the_engine_sampled(http, sglang_server)
 
 
 async def test_load_reports_mean_what_the_simulator_says(sglang_server: EngineServer, http: httpx.AsyncClient) -> None:

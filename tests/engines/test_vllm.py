@@ -17,7 +17,7 @@ from backends.vllm import PROMPT_ECHO_MIN_BYTES, without_prompt_echo
 from gateway.config import ReplicaConfig
 from gateway.server import RunningGateway
 from tests.conftest import GatewayFactory, SimFactory
-from tests.engines import agent_checks, checks, lora_checks
+from tests.engines import agent_checks, checks, lora_checks, teacher_checks
 from tests.engines.conftest import gateway_over
 from tests.engines.direct import prompt_of, restore
 from tests.engines.servers import EngineServer
@@ -188,6 +188,13 @@ async def test_a_reasoning_tool_agent_is_one_sample_in_tokens_mode(
     replica = {"new_requests_while_paused": "block", "scale_out": True}  # as the tier's `gw` fixture
     await agent_checks.reasoning_agent_episode(http, make_gateway, vllm_server, replica, history)
     await restore(http, vllm_server)
+
+
+async def test_a_teacher_scores_the_tokens_as_the_engine_sampled_them(
+    vllm_server: EngineServer, http: httpx.AsyncClient
+) -> None:
+    await restore(http, vllm_server)
+    await teacher_checks.scores_match_what_the_engine_sampled(http, vllm_server)
 
 
 async def test_load_reports_mean_what_the_simulator_says(vllm_server: EngineServer, http: httpx.AsyncClient) -> None:

@@ -51,9 +51,9 @@ def create_session_router() -> APIRouter:
 
 
 async def models(svc: ServicesDep) -> dict[str, Any]:
-    """Every pool's model (`pools:`), in the configuration's order."""
+    """The models agents may call (`pools:`' policies, not their teachers), in the configuration's order."""
     cards = []
-    for name in svc.served_models():
+    for name in svc.agent_models():
         model = svc.for_model(name).settings.model
         card = {"id": model.name, "object": "model", "created": 0, "owned_by": "rollout-gateway"}
         cards.append({**card, "max_model_len": model.max_model_len})

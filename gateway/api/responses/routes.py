@@ -66,7 +66,7 @@ def create_session_router() -> APIRouter:
 
 async def get_response(response_id: str, raw: Request, svc: ServicesDep) -> Response:
     """The stored answer, from whichever pool the caller's key may use holds it (`pools:`)."""
-    pools = [pool_for(svc, raw, name) for name in svc.served_models() if usable(svc, raw, name)]
+    pools = [pool_for(svc, raw, name) for name in svc.agent_models() if usable(svc, raw, name)]
     for pool in pools:
         with contextlib.suppress(NotFound):
             return json_answer((await _records(pool).get(response_id, session_owner(raw))).answer)

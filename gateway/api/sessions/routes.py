@@ -64,9 +64,9 @@ async def _own_session(svc: ApiServices, raw: Request, session_id: str) -> Sessi
 async def _session_pool(svc: ApiServices, raw: Request, session_id: str, model: str | None) -> ApiServices:
     """The pool of `model`; with none named, the only pool, else the first the caller's key may use that holds the
     session (a session id each of two pools holds: name the model)."""
-    if model is not None or len(svc.served_models()) == 1:
+    if model is not None or len(svc.agent_models()) == 1:
         return pool_for(svc, raw, model)
-    for name in (name for name in svc.served_models() if usable(svc, raw, name)):
+    for name in (name for name in svc.agent_models() if usable(svc, raw, name)):
         pool = pool_for(svc, raw, name)
         if await pool.store.get_session(session_id) is not None:
             return pool
