@@ -38,6 +38,7 @@ from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
 from gateway.session.samples import SessionManager
 from gateway.store import Durability, Keys, OpenSessions, TrajectoryStore, WeightsBus
+from gateway.teacher import ScoringQueue, TeacherPool, TeacherScoring
 from gateway.tokenization import ChatTokenizer, VocabInfo
 from gateway.turns.runner import TurnRunner
 from gateway.weights import ReplicaAdmission, StalenessBudget, WeightCoordinator, reported_version
@@ -124,6 +125,7 @@ class Services:
     keys: frozenset[str] = frozenset()  # the key ids that may use this pool (`pools[i].keys`); empty: any key
     role: PoolRole = "policy"  # a teacher pool scores the samples of the policies that name it, serves no agent
     teacher: TeacherConfig | None = None  # a policy's teacher (`pools[i].teacher`)
+    scoring: TeacherScoring | None = None  # its scorer, where it has a teacher
     admission: ReplicaAdmission = field(init=False)
 
     def __post_init__(self) -> None:
@@ -247,7 +249,27 @@ async def open_services(
             if config is not None:
                 _take_pool_config(services, config)
             fleet.pools[pool_settings.model.name] = services
+        for services in fleet.pools.values():
+            if services.teacher is not None:  # once every pool, its teachers among them, is open
+                services.scoring = _scoring(services, fleet, redis)
+                services.store.hold_for_scores(services.scoring)
+                services.scoring.start()
+                stack.push_async_callback(services.scoring.aclose)  # stopped before the pools
         yield fleet.default
+
+
+def _scoring(policy: Services, fleet: Fleet, redis: Redis) -> TeacherScoring:
+    """The scorer of a policy with a teacher: its queue under the policy's keys, its teacher pools."""
+    config = policy.teacher
+    assert config is not None
+    teachers = {}
+    for name in config.teachers():
+        teacher = fleet.pools[name]
+        model = teacher.settings.model
+        adapter = model.name if model.base_model is not None else None
+        teachers[name] = TeacherPool(name, teacher.pool, teacher.weights, adapter)
+    queue = ScoringQueue(redis, policy.store.keys, config.deadline_s)
+    return TeacherScoring(policy.store, queue, config, teachers)
 
 
 def _take_pool_config(services: Services, config: PoolConfig) -> None:

@@ -166,6 +166,12 @@ class Sample:
     # Cut for staleness by the gateway's budget (docs/architecture.md §5): its first sampled token is older than the
     # version then served minus `weights.max_staleness`. Its tokens are kept; no later turn extends it.
     stale: bool = False
+    # A teacher's scores of the response (on-policy distillation, `gateway.teacher`): each response token's
+    # log-probability under the teacher given every id before it, and its `k` best tokens at each position (shape
+    # (n, k)). Written once, whole, after the session finished; None where no teacher scored the sample.
+    teacher_logprobs: npt.NDArray[np.float32] | None = None
+    teacher_top_ids: npt.NDArray[np.int32] | None = None
+    teacher_top_logprobs: npt.NDArray[np.float32] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -328,9 +334,21 @@ class Sample:
                 parent=int(_text(fields["parent"])) if fields.get("parent") else None,
                 branch_point=int(fields.get("branch_point", 0)),
                 retry=_text(fields.get("retry", "0")) == "1",
+                **_teacher_scores(fields),
             )
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
+
+
+def _teacher_scores(fields: Mapping[str, bytes | str]) -> dict[str, Any]:
+    """A stored sample's teacher fields (`Sample.teacher_logprobs`): none where no teacher scored it."""
+    if "teacher_logprobs" not in fields:
+        return {}
+    own = np.frombuffer(_bytes(fields["teacher_logprobs"]), F32)
+    k = int(fields.get("teacher_top_k", 0))
+    top_ids = np.frombuffer(_bytes(fields.get("teacher_top_ids", b"")), I32).reshape(own.size, k)
+    top_logprobs = np.frombuffer(_bytes(fields.get("teacher_top_logprobs", b"")), F32).reshape(own.size, k)
+    return {"teacher_logprobs": own, "teacher_top_ids": top_ids, "teacher_top_logprobs": top_logprobs}
 
 
 def _encode_segments(segments: list[SampleSegment]) -> tuple[bytes, str]:
@@ -446,6 +464,10 @@ class SessionMeta:
     # The API key that created the session (its `gateway.session.quotas.key_id`, never the key): only that key may read,
     # extend or finish it. None: made on a gateway without API keys, open to all.
     owner: str | None = None
+    # A policy with a teacher (`pools[i].teacher`): "scored" once the teacher scored every sample, "unscored" where
+    # its deadline passed first; and the teacher that scored it, `model@version`. Written by `gateway.teacher`.
+    scoring: Literal["scored", "unscored"] | None = None
+    teacher: str | None = None
 
     @property
     def group_id(self) -> str | None:
@@ -453,8 +475,9 @@ class SessionMeta:
         return None if group is None else str(group)
 
     def to_redis(self) -> dict[str, bytes | int | float | str]:
-        """The fields a meta write sets: neither `stream_id` (set once, by delivery) nor `revision` (counted by the
-        sample writes themselves), which a write of these must leave as they are."""
+        """The fields a meta write sets: neither `stream_id` (set once, by delivery), `revision` (counted by the
+        sample writes themselves) nor `scoring` and `teacher` (a teacher's scorer's), which a write of these must
+        leave as they are."""
         return {
             "status": self.status,
             "metadata": orjson.dumps(self.metadata),
@@ -486,6 +509,8 @@ class SessionMeta:
                 revision=int(fields.get("revision") or 0),
                 rewards=[float(r) for r in fields["rewards"].split(",")] if fields.get("rewards") else None,
                 owner=fields.get("owner") or None,
+                scoring=fields.get("scoring") or None,  # type: ignore[arg-type]
+                teacher=fields.get("teacher") or None,
             )
         except (ValueError, orjson.JSONDecodeError) as exc:
             raise TrajectoryFormatError(f"session {session_id}: meta does not decode: {exc!r}") from exc

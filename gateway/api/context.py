@@ -15,6 +15,7 @@ from gateway.routing import Engine, ReplicaPool
 from gateway.session.quotas import SessionQuota
 from gateway.session.response_records import ResponseCache
 from gateway.store import OpenSessions, TrajectoryStore
+from gateway.teacher import TeacherScoring
 from gateway.tokenization import VocabInfo
 from gateway.turns.runner import TurnRunner
 from gateway.weights import WeightCoordinator
@@ -61,6 +62,9 @@ class ApiServices(Protocol):
 
     @property
     def role(self) -> PoolRole: ...
+
+    @property
+    def scoring(self) -> TeacherScoring | None: ...
 
     def for_model(self, model: str | None, key: str | None = None) -> ApiServices:
         """The pool serving `model` for the API key id `key` (None: an admin's request)."""

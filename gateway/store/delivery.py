@@ -7,6 +7,11 @@ script on the session's slot, stores the first entry id it is given and answers 
 whose entry won SADDs its session to `rg:pending:sessions`, a loser XDELs its duplicate; (5) SREM
 `rg:sessions:undelivered`.
 
+A policy with a teacher (`gateway.teacher`) holds a session with samples at the gate until it is scored: `deliver`
+queues it for its teacher (`gate`) and answers `AWAITING_SCORES`; the teacher's scorer delivers it once its meta
+says `scoring` (scored, or unscored past the deadline). A finish retried and the repair sweeper reach the gate again,
+which queues nothing twice.
+
 A session holding a sample cut for staleness (its hash's `stale`) is, under `weights.stale_samples: drop`, not
 delivered: it is recorded in `rg:abandoned` (with `reason` stale) once (the meta's `dropped`, set first, says it
 was), and its count in the staleness budget given back. A GRPO group's member is delivered all the same (its group
@@ -27,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Container
+from typing import Protocol
 
 from redis.asyncio.client import Pipeline
 
@@ -37,7 +43,17 @@ from gateway.store.keys import call, optional_text, text
 from gateway.store.scripts import CLAIM_STREAM_ID, queue, rerun_unknown
 from gateway.trajectory import SessionMeta
 
-__all__ = ["Delivery"]
+__all__ = ["AWAITING_SCORES", "Delivery", "ScoringGate"]
+
+AWAITING_SCORES = "scoring"
+"""What `Delivery.deliver` answers for a session held until its teacher scored it (no stream entry id looks so)."""
+
+
+class ScoringGate(Protocol):
+    """Where a policy with a teacher queues its finished sessions (`gateway.teacher.TeacherScoring`)."""
+
+    async def enqueue(self, session_id: str) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +76,7 @@ class Delivery:
         self._finishing = finishing
         self._started = started
         self.drop_stale = False  # `weights.stale_samples: drop` (see the module docstring)
+        self.gate: ScoringGate | None = None  # a policy with a teacher (see the module docstring)
         # Told the id of each session this process delivered (its real entry, once): the dashboard's feed.
         self.on_delivered: list[Callable[[str], None]] = []
         self._announced = False  # `rg:trajectories:partitions` written by this process
@@ -68,7 +85,7 @@ class Delivery:
         """Steps (3)-(5) for a finished session; its real entry's id. Safe to run any number of times,
         concurrently. A session with no sample and no group is not delivered (nothing to train on, and anyone could
         fill the trainer's backlog with them): "" and out of the repair set. A group's empty member is delivered:
-        its group is complete only with it."""
+        its group is complete only with it. A session held for its teacher: `AWAITING_SCORES`."""
         if meta.sample_count == 0 and meta.group_id is None:
             undelivered = self._core.keys.undelivered
 
@@ -77,6 +94,9 @@ class Delivery:
 
             await self._core.batched(confirm, "confirm an empty session")
             return ""
+        if self.gate is not None and meta.scoring is None and meta.sample_count:
+            await self.gate.enqueue(meta.id)
+            return AWAITING_SCORES
         if self.drop_stale and meta.group_id is None and await self.holds_stale(meta):
             await self._drop_stale(meta)
             return ""
@@ -225,7 +245,7 @@ class Delivery:
         await call(client.zrem(keys.active_sessions, session_id), "unindex session")
         if meta.stream_id is not None:
             await call(client.srem(keys.undelivered, session_id), "confirm delivery")
-        else:
-            await self.deliver(meta)
+        elif await self.deliver(meta) == AWAITING_SCORES:
+            return False  # its teacher's scorer delivers it
         logger.info("session=%s: repaired an interrupted finish", session_id)
         return True

@@ -28,6 +28,10 @@ multi-key writes stay in one Redis Cluster slot; what crosses slots is idempoten
 - `rg:sessions:active` (sorted set, score = last activity): for the idle sweeper (abandoned sessions).
 - `rg:sessions:undelivered` (set): finished sessions not yet confirmed in the stream (for the repair sweeper).
 - `rg:abandoned` (stream): sessions closed as abandoned — recorded, never delivered as trajectories.
+- `rg:scoring` (sorted set, score = the scoring deadline): the finished sessions of a policy with a teacher that wait
+  for its scores before delivery (`gateway.teacher`); `rg:{id}:scoring` (string, PX TTL) the lease of the process
+  scoring one. A scored sample's hash gains `teacher_logprobs` (and `teacher_top_ids`, `teacher_top_logprobs`,
+  `teacher_top_k`), its meta `scoring` (scored | unscored) and `teacher` (`model@version`).
 - `rg:open:{key id}` (sorted set, score = when the session expires idle): the open sessions of one API key
   (`server.max_open_sessions_per_key`, `OpenSessions`); it expires once idle `session_idle_ttl_s`.
 - `rg:{budget}:started` (counter): the sessions (samples, in the staleness budget's sense: one trajectory each)
@@ -158,6 +162,13 @@ class Keys:
     @property
     def abandoned(self) -> str:
         return f"{self.prefix}abandoned"
+
+    @property
+    def scoring(self) -> str:
+        return f"{self.prefix}scoring"
+
+    def scoring_lease(self, session_id: str) -> str:
+        return f"{self.prefix}{{{session_id}}}:scoring"
 
     def open_sessions(self, key: str) -> str:
         """Sorted set: the open sessions of one API key (its key id, never the key), scored by when they expire

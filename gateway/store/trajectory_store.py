@@ -18,8 +18,8 @@ from gateway.errors import Conflict, InvalidRequest, SessionNotFound, StoreError
 from gateway.sample_tree import joined
 from gateway.store.backpressure import Backpressure, StartedSamples
 from gateway.store.buffer import WriteBuffer
-from gateway.store.core import StoreCore, backoff_s
-from gateway.store.delivery import Delivery
+from gateway.store.core import Fields, StoreCore, backoff_s
+from gateway.store.delivery import Delivery, ScoringGate
 from gateway.store.finish import Finisher
 from gateway.store.keys import REDIS_ERRORS, Keys, call
 from gateway.store.locks import SessionLocks
@@ -310,6 +310,10 @@ class TrajectoryStore:
     async def load_samples(self, session_id: str) -> list[Sample]:
         """The session's samples in index order (gaps skipped), including writes still buffered here, each branch's
         prompt whole (`gateway.sample_tree.joined`); retried through a Redis outage (`_read`)."""
+        return list((await self.indexed_samples(session_id)).values())
+
+    async def indexed_samples(self, session_id: str) -> dict[int, Sample]:
+        """`load_samples` by their index."""
 
         async def read() -> dict[int, Any]:
             meta = await self._core.get_session(session_id)
@@ -317,7 +321,41 @@ class TrajectoryStore:
 
         found = await self._retried(read, "read samples")
         found |= self._buffer.waiting(session_id)
-        return joined({index: Sample.from_redis(raw) for index, raw in found.items()})
+        stored = {index: Sample.from_redis(raw) for index, raw in found.items()}
+        return dict(zip(sorted(stored), joined(stored), strict=True))
+
+    # -- a teacher's scores (gateway.teacher) -----------------------------------------------------------------
+
+    def hold_for_scores(self, gate: ScoringGate) -> None:
+        """Hold each finished session with samples until its teacher scored it (`Delivery`'s gate)."""
+        self._delivery.gate = gate
+
+    async def save_teacher_scores(
+        self, session_id: str, scores: Mapping[int, Fields], *, scoring: str | None, teacher: str
+    ) -> None:
+        """Write each sample's teacher fields (`scores`, by sample index) and, with `scoring` (scored | unscored),
+        the meta's verdict, in one transaction on the session's slot; retried through a Redis outage."""
+        keys = self.keys
+
+        async def write() -> None:
+            async with self.client.pipeline(transaction=True) as pipe:
+                for index, fields in scores.items():
+                    pipe.hset(keys.sample(session_id, index), mapping=fields)  # type: ignore[arg-type]
+                if scoring is not None:
+                    pipe.hset(keys.meta(session_id), mapping={"scoring": scoring, "teacher": teacher})
+                await pipe.execute()
+
+        await self._retried(lambda: call(write(), "save teacher scores"), "save teacher scores")
+
+    async def deliver_finished(self, session_id: str) -> str:
+        """Deliver a finished session (steps (3)-(5)); its entry id, `AWAITING_SCORES` while it waits for its
+        teacher, "" where it is gone or has nothing to deliver."""
+        meta = await self._core.get_session(session_id)
+        if meta is None or meta.status != "finished":
+            return ""
+        if meta.stream_id is not None:
+            return meta.stream_id
+        return await self._delivery.deliver(meta)
 
     async def _retried(self, read: Callable[[], Awaitable[T]], what: str) -> T:
         """`read()` (a read, or an idempotent write), tried again with backoff while Redis is unreachable, for up to

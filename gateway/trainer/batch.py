@@ -116,6 +116,8 @@ class Batch:
         - `loss_mask` (B, T) float32: 0 on the prompt, environment tokens, off-policy tokens and padding;
         - `old_logprobs` (B, T) float32, 0 where `loss_mask` of the stored sample is 0;
         - `versions` (B, T) long, -1 on prompt, environment tokens and padding;
+        - `teacher_logprobs` (B, T) float32, where every sample was scored by a teacher (`pools[i].teacher`): the
+          teacher's log-probability of the token given those before it, aligned as `old_logprobs`, 0 where it is;
         - `routed_experts` (B, T - 1, layers, top_k) long;
         - `rewards` (B,) float32: the row's sample's reward where the session was finished with one per sample
           (`finish {rewards}`), else the trajectory's reward; NaN when the session finished without one;
@@ -127,7 +129,8 @@ class Batch:
         a prefix shared by several samples is there once, in the sample that holds it. The same tokens are trained,
         with the same masks, logprobs and versions, as in the row layout. S is the number of samples in the batch.
 
-        - `input_ids`, `attention_mask`, `loss_mask`, `old_logprobs`, `versions` (B, T): as in rows, per token;
+        - `input_ids`, `attention_mask`, `loss_mask`, `old_logprobs`, `versions`, `teacher_logprobs` (B, T): as in
+          rows, per token;
         - `position_ids` (B, T) long: the token's position in its own sample's sequence (0 on padding);
         - `tree_attention_mask` (B, T, T) bool: `[b, i, j]` is True iff token `j` is `i` or an earlier token of
           `i`'s sequence (its ancestors' shared prefix included, other branches excluded); a padding position
@@ -170,6 +173,8 @@ class Batch:
             "old_logprobs": np.zeros((len(rows), width), np.float32),
             "versions": np.full((len(rows), width), ENV_VERSION, np.int64),
         }
+        if rows and all(self._sample(t, s).teacher_logprobs is not None for t, s in rows):
+            arrays["teacher_logprobs"] = np.zeros((len(rows), width), np.float32)
         for row, (t, s) in enumerate(rows):
             self._fill_row(arrays, row, t, s)
         experts = self._experts(rows, width)
@@ -202,6 +207,8 @@ class Batch:
         arrays["loss_mask"][row, start:end] = model * self.off_policy_mask[t][s]
         arrays["old_logprobs"][row, start:end] = np.where(model, sample.logprobs, 0.0)
         arrays["versions"][row, start:end] = np.where(model, sample.versions, ENV_VERSION)
+        if "teacher_logprobs" in arrays and sample.teacher_logprobs is not None:
+            arrays["teacher_logprobs"][row, start:end] = np.where(model, sample.teacher_logprobs, 0.0)
 
     def _experts(self, rows: Sequence[tuple[int, int]], width: int) -> npt.NDArray[np.int64] | None:
         found = [self._sample(t, s).routed_experts for t, s in rows]

@@ -98,6 +98,8 @@ def packed_arrays(
         "token_sample": np.full((rows, width), -1, np.int64),
         "prev_index": np.full((rows, width), -1, np.int64),
     }
+    if trajectories and all(sample.teacher_logprobs is not None for t in trajectories for sample in t.samples):
+        arrays["teacher_logprobs"] = np.zeros((rows, width), np.float32)
     first = 0  # the batch-wide number of the row's sample 0
     for row, (trajectory, tree) in enumerate(zip(trajectories, trees, strict=True)):
         for index, sample in enumerate(trajectory.samples):
@@ -134,6 +136,8 @@ def _fill_sample(
     arrays["loss_mask"][row, response] = model * on_policy
     arrays["old_logprobs"][row, response] = np.where(model, sample.logprobs, 0.0)
     arrays["versions"][row, response] = np.where(model, sample.versions, ENV_VERSION)
+    if "teacher_logprobs" in arrays and sample.teacher_logprobs is not None:
+        arrays["teacher_logprobs"][row, response] = np.where(model, sample.teacher_logprobs, 0.0)
 
 
 def _experts(

@@ -11,9 +11,10 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from gateway.api.context import ApiServices
 from gateway.api.deps import ServicesDep, agent_key, pool_for, require_agent, session_owner, usable
 from gateway.api.openai.models import SessionCreate, SessionFinish
-from gateway.errors import Conflict, SessionNotFound
+from gateway.errors import Conflict, InvalidRequest, SessionNotFound
 from gateway.session.identity import SESSION_ID_PATTERN
 from gateway.session.lifecycle import check_owner
+from gateway.store.delivery import AWAITING_SCORES
 from gateway.trajectory import SessionMeta
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], dependencies=[Depends(require_agent)])
@@ -113,7 +114,8 @@ async def finish_session(
     """`{reward?, rewards?, metadata?}`: `reward` is the session's, `rewards` one per sample (their count must be
     the session's sample count, else 400 and the session stays active). Idempotent: a finished session answers
     its entry again; other rewards than it was finished with are a 409. `delivered` false: the session had no
-    sample and no group, and the trainer gets nothing (`stream_id` null)."""
+    sample and no group, and the trainer gets nothing (`stream_id` null), or `scoring` true: its policy's teacher
+    scores it first, and the gateway delivers it then (`pools[i].teacher`)."""
     svc = await _session_pool(svc, raw, session_id, model)
     if session_owner(raw) is not None:  # a gateway with API keys: only the key that made the session finishes it
         await _own_session(svc, raw, session_id)
@@ -121,11 +123,31 @@ async def finish_session(
     svc.turns.forget(session_id)  # no turn extends it any more: its samples leave this process's cache
     if svc.open_sessions is not None:
         await svc.open_sessions.release(agent_key(raw), session_id)  # its slot of the key's open sessions
-    delivered = bool(stream_id)
+    scoring = stream_id == AWAITING_SCORES
+    delivered = bool(stream_id) and not scoring
     return {
         "id": session_id,
         "object": "session",
         "status": "finished",
         "stream_id": stream_id if delivered else None,
         "delivered": delivered,
+        "scoring": scoring,
     }
+
+
+@router.post("/{session_id}/score")
+async def score_session(
+    raw: Request, svc: ServicesDep, session_id: str = SessionId, model: str | None = PoolModel
+) -> dict[str, Any]:
+    """Score the session's samples by its policy's teacher now (`pools[i].teacher`), the agent waiting for it: each
+    sample's scored tokens. A finished session waiting for its teacher is delivered (`stream_id`); an active one's
+    scores are stored and scored again once it finishes (its samples may grow)."""
+    svc = await _session_pool(svc, raw, session_id, model)
+    if session_owner(raw) is not None:
+        await _own_session(svc, raw, session_id)
+    if svc.scoring is None:
+        raise InvalidRequest(
+            f"the model `{svc.settings.model.name}` has no teacher to score its samples (pools[i].teacher)",
+            param="model",
+        )
+    return await svc.scoring.score_now(session_id)
