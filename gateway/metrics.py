@@ -116,6 +116,15 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 LOG_FIELDS = ("session_id", "replica", "version")
 
 
+class ScoringCounts(Protocol):
+    """A policy's teacher scoring (`gateway.teacher.TeacherScoring`): sessions scored, delivered unscored, and the
+    teacher's failures (each retried)."""
+
+    scored_total: int
+    unscored_total: int
+    failures_total: int
+
+
 class StreamCounts(Protocol):
     """What streamed answers hold for their clients, and the clients cut (`gateway.api.client_writer.StreamBuffers`:
     the domain imports no HTTP layer)."""
@@ -145,6 +154,7 @@ class _Sources:
         self.sessions = sessions
         self.budget: BudgetCounts | None = None
         self.streams: StreamCounts | None = None
+        self.scoring: ScoringCounts | None = None
 
 
 class _LiveCollector:
@@ -248,6 +258,20 @@ class _LiveCollector:
             for cause, count in src.streams.cuts.items():
                 slow.add_metric([cause], count)
             yield slow
+        if src.scoring is not None:
+            scored = CounterMetricFamily(
+                f"{PREFIX}_teacher_sessions",
+                "Sessions delivered after their teacher: scored, or unscored.",
+                labels=["outcome"],
+            )
+            scored.add_metric(["scored"], src.scoring.scored_total)
+            scored.add_metric(["unscored"], src.scoring.unscored_total)
+            yield scored
+            yield CounterMetricFamily(
+                f"{PREFIX}_teacher_failures",
+                "Scorings of a session the teacher failed (each tried again).",
+                src.scoring.failures_total,
+            )
         if self.pending is not None:
             yield GaugeMetricFamily(
                 f"{PREFIX}_store_pending", "Finished trajectories not yet consumed by a trainer.", self.pending
@@ -325,6 +349,12 @@ class GatewayMetrics:
         generator.on_resume = self.observe_resume
         generator.on_dispatch = self.observe_dispatch
         weights.on_update.append(self.observe_update)
+
+    def bind_scoring(self, scoring: ScoringCounts) -> None:
+        """Expose a policy's teacher scoring (bound after `bind`, once its teachers' pools are open)."""
+        if self._live is None:
+            raise RuntimeError("GatewayMetrics is not bound")
+        self._live.sources.scoring = scoring
 
     def observe_request(self, route: str, status: int) -> None:
         key = (route, status)

@@ -253,6 +253,7 @@ async def open_services(
             if services.teacher is not None:  # once every pool, its teachers among them, is open
                 services.scoring = _scoring(services, fleet, redis)
                 services.store.hold_for_scores(services.scoring)
+                services.metrics.bind_scoring(services.scoring)
                 services.scoring.start()
                 stack.push_async_callback(services.scoring.aclose)  # stopped before the pools
         yield fleet.default

@@ -20,7 +20,7 @@ from gateway.trainer.batch import Batch
 from gateway.trainer.consumer import TrajectoryConsumer
 from gateway.trajectory import Trajectory
 from tests.conftest import GatewayFactory, SimFactory
-from tests.gateway_helpers import generate_body
+from tests.gateway_helpers import generate_body, scrape, value
 
 
 def pool(model: str, sim: Any, **extra: Any) -> dict[str, Any]:
@@ -88,6 +88,8 @@ async def test_a_finished_session_is_delivered_once_its_teacher_scored_it(
         assert not tensors["teacher_logprobs"][0, : sample.prompt_ids.size].any()
     again = await http.post(f"{gw.url}/v1/sessions/s-1/finish", json={"reward": 1.0})  # idempotent: its entry now
     assert again.json()["delivered"] and again.json()["stream_id"] == trajectory.entry_id
+    samples = await scrape(http, gw.url)
+    assert value(samples, "rollout_gateway_teacher_sessions_total", pool="student", outcome="scored") == 1
 
 
 async def test_a_teacher_that_cannot_score_holds_the_session_until_its_deadline_then_it_goes_unscored(
@@ -109,7 +111,28 @@ async def test_a_teacher_that_cannot_score_holds_the_session_until_its_deadline_
     (trajectory,) = await delivered(gw)
     assert (trajectory.meta.scoring, trajectory.meta.teacher) == ("unscored", "teacher@0")
     assert trajectory.samples[0].teacher_logprobs is None
-    assert gw.services.scoring is not None and gw.services.scoring.unscored_total == 1
+    samples = await scrape(http, gw.url)
+    assert value(samples, "rollout_gateway_teacher_sessions_total", pool="student", outcome="unscored") == 1
+    assert value(samples, "rollout_gateway_teacher_failures_total", pool="student") >= 1
+
+
+async def test_two_gateway_processes_score_and_deliver_each_session_once(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    """Both processes run a scorer on the one queue: each session is scored under one lease and delivered once,
+    whichever process finished it; a session whose process stops before scoring it is scored by the other."""
+    student, teacher = await make_sim("vllm"), await make_sim("sglang", EngineSettings(block_size=1, weights="teacher"))
+    pools = [pool("student", student, teacher={"model": "teacher"}), pool("teacher", teacher, role="teacher")]
+    first, second = await make_gateway([], pools=pools), await make_gateway([], pools=pools)
+    assert first.services.scoring is not None
+    await first.services.scoring.aclose()  # the first finishes sessions but scores none: the second's scorer does
+    for index in range(6):
+        await episode(http, first if index % 2 else second, f"s-{index}")
+    trajectories = await delivered(second, 6)
+    assert sorted(t.session_id for t in trajectories) == [f"s-{index}" for index in range(6)]
+    for trajectory in trajectories:
+        assert_scored_by(trajectory, "teacher", 0)
+    assert await second.services.scoring.queue.size() == 0  # type: ignore[union-attr]
 
 
 async def test_the_session_metadata_picks_its_teacher(
