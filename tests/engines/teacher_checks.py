@@ -3,6 +3,8 @@ sampled it."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 
@@ -21,8 +23,13 @@ async def scores_match_what_the_engine_sampled(http: httpx.AsyncClient, server: 
     backend = create_backend(server.kind, ReplicaSpec(id="teacher", url=server.url, model="tiny"))
     try:
         scores = await backend.scorer.score(prompt + tokens, len(prompt), top_k=2)
+        np.testing.assert_allclose(scores.logprobs, logprobs, atol=1e-3)
+        assert scores.top_ids[:, 0].tolist() == tokens
+        np.testing.assert_allclose(scores.top_logprobs[:, 0], scores.logprobs, atol=1e-5)
+        long = prompt_of(2048, seed=12)  # what scoring a long sample costs (printed, not asserted)
+        began = time.perf_counter()
+        await backend.scorer.score(long, 1, top_k=4)
+        per_1k = (time.perf_counter() - began) / 2047 * 1000
+        print(f"\n{server.kind} teacher scoring: {per_1k:.3f} s per 1k tokens (2047 scored, top 4)")
     finally:
         await backend.aclose()
-    np.testing.assert_allclose(scores.logprobs, logprobs, atol=1e-3)
-    assert scores.top_ids[:, 0].tolist() == tokens
-    np.testing.assert_allclose(scores.top_logprobs[:, 0], scores.logprobs, atol=1e-5)
