@@ -251,7 +251,7 @@ async def open_services(
             fleet.pools[pool_settings.model.name] = services
         for services in fleet.pools.values():
             if services.teacher is not None:  # once every pool, its teachers among them, is open
-                services.scoring = _scoring(services, fleet, redis)
+                services.scoring = _scoring(services, services.teacher, fleet, redis)
                 services.store.hold_for_scores(services.scoring)
                 services.metrics.bind_scoring(services.scoring)
                 services.scoring.start()
@@ -259,10 +259,8 @@ async def open_services(
         yield fleet.default
 
 
-def _scoring(policy: Services, fleet: Fleet, redis: Redis) -> TeacherScoring:
-    """The scorer of a policy with a teacher: its queue under the policy's keys, its teacher pools."""
-    config = policy.teacher
-    assert config is not None
+def _scoring(policy: Services, config: TeacherConfig, fleet: Fleet, redis: Redis) -> TeacherScoring:
+    """The scorer of a policy with a teacher (`config`): its queue under the policy's keys, its teacher pools."""
     teachers = {}
     for name in config.teachers():
         teacher = fleet.pools[name]

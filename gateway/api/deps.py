@@ -102,7 +102,8 @@ def agent_key(request: Request) -> str:
 
 def pool_for(svc: ApiServices, request: Request, model: str | None) -> ApiServices:
     """The pool that serves the request's `model` (`pools:`) for its API key: 404 for a model no pool serves (the
-    served ones listed), 403 for a pool its key is not bound to, 400 for no model where there are several pools."""
+    served ones listed), 403 for a pool its key is not bound to, 400 for no model where there are several pools
+    and for a teacher's model (it serves no agent)."""
     pool = svc.for_model(model, request.scope.get(_AGENT_KEY))
     if pool.role == "teacher":
         raise InvalidRequest(
