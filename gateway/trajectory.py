@@ -312,9 +312,10 @@ class Sample:
                 shape = tuple(int(d) for d in _text(fields["experts_shape"]).split(","))
                 experts = np.frombuffer(joined("experts"), dtype=np.dtype(_text(fields["experts_dtype"])))
                 experts = experts.reshape(shape)
+            response = np.frombuffer(joined("response_ids"), I32)
             return cls(
                 prompt_ids=np.frombuffer(_bytes(fields["prompt_ids"]), I32),
-                response_ids=np.frombuffer(joined("response_ids"), I32),
+                response_ids=response,
                 loss_mask=np.frombuffer(joined("loss_mask"), U8),
                 logprobs=np.frombuffer(joined("logprobs"), F32),
                 versions=np.frombuffer(joined("versions"), I32),
@@ -334,17 +335,20 @@ class Sample:
                 parent=int(_text(fields["parent"])) if fields.get("parent") else None,
                 branch_point=int(fields.get("branch_point", 0)),
                 retry=_text(fields.get("retry", "0")) == "1",
-                **_teacher_scores(fields),
+                **_teacher_scores(fields, response.size),
             )
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise TrajectoryFormatError(f"stored sample does not decode: {exc!r}") from exc
 
 
-def _teacher_scores(fields: Mapping[str, bytes | str]) -> dict[str, Any]:
-    """A stored sample's teacher fields (`Sample.teacher_logprobs`): none where no teacher scored it."""
+def _teacher_scores(fields: Mapping[str, bytes | str], tokens: int) -> dict[str, Any]:
+    """A stored sample's teacher fields (`Sample.teacher_logprobs`) for its `tokens` response tokens: none where no
+    teacher scored it, or scored it shorter (on demand, before later turns extended it: scores of another sample)."""
     if "teacher_logprobs" not in fields:
         return {}
     own = np.frombuffer(_bytes(fields["teacher_logprobs"]), F32)
+    if own.size != tokens:
+        return {}
     k = int(fields.get("teacher_top_k", 0))
     top_ids = np.frombuffer(_bytes(fields.get("teacher_top_ids", b"")), I32).reshape(own.size, k)
     top_logprobs = np.frombuffer(_bytes(fields.get("teacher_top_logprobs", b"")), F32).reshape(own.size, k)

@@ -10,15 +10,17 @@ import httpx
 import numpy as np
 import pytest
 
+from backends.scoring import PromptScores
 from backends.sim.engine import EngineSettings
 from backends.sim.model import ModelShape
 from backends.sim.reference import reference_scores
 from gateway.config import ReplicaConfig, load_config
 from gateway.errors import ConfigError
 from gateway.server import RunningGateway
+from gateway.teacher import teacher_fields
 from gateway.trainer.batch import Batch
 from gateway.trainer.consumer import TrajectoryConsumer
-from gateway.trajectory import Trajectory
+from gateway.trajectory import Sample, Trajectory
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body, scrape, value
 
@@ -161,6 +163,24 @@ async def test_scoring_on_demand_answers_with_the_scores_and_delivers_a_waiting_
     assert_scored_by(trajectory, "teacher", 0)
     missing = await http.post(f"{gw.url}/v1/sessions/nope/score")
     assert missing.status_code == 404
+
+
+def test_scores_stored_for_a_shorter_response_are_not_read_as_this_samples() -> None:
+    """A sample scored on demand and extended by a later turn holds scores of its earlier, shorter self: read back,
+    it has none (its finish scores it again), never misaligned ones."""
+    ids = np.arange(7, 10, dtype=np.int32)
+    sample = Sample(
+        prompt_ids=np.array([5, 6], np.int32),
+        response_ids=ids,
+        loss_mask=np.ones(3, np.uint8),
+        logprobs=np.zeros(3, np.float32),
+        versions=np.zeros(3, np.int32),
+    )
+    scored = PromptScores(np.full(3, -0.5, np.float32), np.zeros((3, 1), np.int32), np.zeros((3, 1), np.float32))
+    fields: dict[str, Any] = sample.to_redis() | teacher_fields(scored)
+    assert Sample.from_redis(fields).teacher_logprobs.tolist() == [-0.5] * 3  # type: ignore[union-attr]
+    shorter = PromptScores(np.full(2, -0.5, np.float32), np.zeros((2, 1), np.int32), np.zeros((2, 1), np.float32))
+    assert Sample.from_redis(sample.to_redis() | teacher_fields(shorter)).teacher_logprobs is None
 
 
 async def test_a_policy_without_a_teacher_refuses_scoring(
