@@ -132,9 +132,10 @@ class TeacherScoring:
             return 0
         if meta.scoring is None:
             try:
-                await self.score(meta, final=True)
+                async with asyncio.timeout(max(0.0, deadline - time.time())):  # a hung teacher: only until then
+                    await self.score(meta, final=True)
                 self.scored_total += 1
-            except (BackendError, TrajectoryFormatError) as exc:  # the teacher failed, or a sample does not decode
+            except (BackendError, TrajectoryFormatError, TimeoutError) as exc:  # the teacher failed, or a sample is bad
                 self.failures_total += 1
                 if time.time() < deadline:
                     logger.warning("session=%s: the teacher could not score it (%s); trying again", session_id, exc)

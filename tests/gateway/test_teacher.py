@@ -118,6 +118,23 @@ async def test_a_teacher_that_cannot_score_holds_the_session_until_its_deadline_
     assert value(samples, "rollout_gateway_teacher_failures_total", pool="student") >= 1
 
 
+async def test_a_teacher_that_hangs_holds_the_session_only_until_its_deadline(
+    make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
+) -> None:
+    student, teacher = await make_sim("vllm"), await make_sim("vllm")
+    teacher.engine.set_stalled(True)  # it takes the scoring request and never answers
+    gw = await make_gateway(
+        [],
+        pools=[
+            pool("student", student, teacher={"model": "teacher", "deadline_s": 2}),
+            pool("teacher", teacher, role="teacher"),
+        ],
+    )
+    await episode(http, gw, "s-hung")
+    (trajectory,) = await delivered(gw)
+    assert (trajectory.meta.scoring, trajectory.samples[0].teacher_logprobs) == ("unscored", None)
+
+
 async def test_two_gateway_processes_score_and_deliver_each_session_once(
     make_sim: SimFactory, make_gateway: GatewayFactory, http: httpx.AsyncClient
 ) -> None:
