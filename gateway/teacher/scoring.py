@@ -3,10 +3,11 @@ samples waits at the delivery gate (`gateway.store.delivery`) until a teacher po
 then it is delivered. The agent never waits for it: its finish answers at once (`scoring`).
 
 The scorer runs in every gateway process of the policy. A finish queues the session (`ScoringQueue`) and wakes this
-process's scorer; each round takes the waiting sessions one by one under a lease, scores each sample with one prefill
-on a replica of its teacher pool (`backends.scoring`; the next replica on a failure), writes the scores beside the
-sample, marks the meta `scored` and delivers. A teacher that fails is tried again each round until the session's
-deadline (`teacher.deadline_s`); then the session is delivered marked `unscored`. A session whose metadata names a
+process's scorer; each round takes the waiting sessions, several at once, each under a lease, scores each sample with
+one prefill on a replica of its teacher pool (`backends.scoring`; the next replica on a failure), writes the scores
+beside the sample, marks the meta `scored` and delivers. A teacher that fails is tried again each round until the
+session's deadline (`teacher.deadline_s`), and a hung one is waited for only until then; then the session is
+delivered marked `unscored`. A session whose metadata names a
 teacher (`teacher.by_metadata`, `teacher.models`) goes to that one.
 """
 
@@ -81,9 +82,10 @@ class TeacherScoring:
         *,
         poll_s: float = 1.0,
         batch: int = 64,
+        concurrency: int = 8,
     ) -> None:
         self.store, self.queue, self.config, self.teachers = store, queue, config, teachers
-        self.poll_s, self.batch = poll_s, batch
+        self.poll_s, self.batch, self.concurrency = poll_s, batch, concurrency
         self.owner = uuid.uuid4().hex
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -114,16 +116,27 @@ class TeacherScoring:
 
     async def round(self) -> int:
         """Score and deliver each waiting session no other process holds (or deliver it unscored past its
-        deadline); how many were delivered."""
-        delivered = 0
-        for session_id, deadline in await self.queue.waiting(self.batch):
-            if not await self.queue.claim(session_id, self.owner):
-                continue
-            try:
-                delivered += await self._take(session_id, deadline)
-            finally:
-                await self.queue.release(session_id)
-        return delivered
+        deadline), `concurrency` at a time (a hung teacher holds up only its own sessions); how many were
+        delivered."""
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def take(session_id: str, deadline: float) -> int:
+            async with limit:
+                if not await self.queue.claim(session_id, self.owner):
+                    return 0
+                try:
+                    return await self._take(session_id, deadline)
+                finally:
+                    await self.queue.release(session_id)
+
+        waiting = await self.queue.waiting(self.batch)
+        outcomes = await asyncio.gather(*(take(*entry) for entry in waiting), return_exceptions=True)
+        for (session_id, _), outcome in zip(waiting, outcomes, strict=True):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome  # a cancellation: the scorer is stopping
+            if isinstance(outcome, Exception):
+                logger.error("session=%s: scoring failed; trying again", session_id, exc_info=outcome)
+        return sum(outcome for outcome in outcomes if isinstance(outcome, int))
 
     async def _take(self, session_id: str, deadline: float) -> int:
         meta = await self.store.get_session(session_id)
