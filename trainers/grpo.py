@@ -69,6 +69,10 @@ class GRPOConfig:
     # Train a LoRA adapter of this rank (peft, on every linear layer of the blocks) instead of every weight: each
     # version is published as the adapter alone, which a pool with `base_model` loads beside the versions in flight.
     lora_rank: int | None = None
+    # On-policy distillation (a policy with a teacher, `pools[i].teacher`): each token's advantage is the teacher's
+    # log-probability of it minus the engine's (`teacher_logprobs - old_logprobs`, the reverse-KL estimate on the
+    # student's own tokens) instead of the group-normalised reward; every sample of a batch needs teacher scores.
+    distill: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class Learner:
         mask = t["loss_mask"][:, 1:]
         old = t["old_logprobs"][:, 1:]
         versions = t["versions"][:, 1:]
-        advantages = group_advantages(t["rewards"], t["group_index"])[:, None]
+        advantages = self._advantages(t, old, mask)
 
         logp = self.token_logprobs(t["input_ids"], t["attention_mask"])
         prox = logp.detach()
@@ -140,6 +144,17 @@ class Learner:
             stale_mismatch_mean=float(gap[older].mean()) if older.any() else float("nan"),
             grad_norm=float(grad_norm.detach()),
         )
+
+    def _advantages(self, t: dict[str, torch.Tensor], old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, 1) group-normalised rewards, or (B, T - 1) per token when distilling (`GRPOConfig.distill`)."""
+        if not self.config.distill:
+            return group_advantages(t["rewards"], t["group_index"])[:, None]
+        if "teacher_logprobs" not in t:
+            raise ValueError(
+                "distill needs a teacher's scores for every sample of the batch (a policy with pools[i].teacher; "
+                "a session delivered unscored has none: leave it out)"
+            )
+        return (t["teacher_logprobs"][:, 1:] - old) * mask
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """(B, T - 1): the log-probability of `input_ids[:, t + 1]` given the tokens before it, in float32."""

@@ -97,6 +97,26 @@ def test_one_step_makes_the_rewarded_answer_likelier_and_the_other_less_likely(t
     assert stats.mismatch_max < 1e-5  # the logprobs given were the model's own
 
 
+def test_distilling_makes_what_the_teacher_prefers_likelier_and_what_it_rejects_less_likely(tiny_model: Path) -> None:
+    """`GRPOConfig.distill`: no reward, each token's advantage is the teacher's logprob minus the sampler's; a
+    teacher that scores one answer above the student and the other below moves the student towards the first."""
+    learner = Learner(tiny_model, GRPOConfig(lr=1e-2, threads=1, distill=True))
+    prompt, liked, disliked = [5, 6, 7], [300, 301, 302, 303], [400, 401, 402, 403]
+    before = {name: _logprobs(learner.model, prompt, ids) for name, ids in (("liked", liked), ("disliked", disliked))}
+    trajectories = [
+        _trajectory("a", prompt, liked, before["liked"], float("nan")),
+        _trajectory("b", prompt, disliked, before["disliked"], float("nan")),
+    ]
+    trajectories[0].samples[0].teacher_logprobs = before["liked"] + 2.0
+    trajectories[1].samples[0].teacher_logprobs = before["disliked"] - 2.0
+    learner.step(Batch(trajectories=trajectories, group_index=[0, 1]))
+    after = {name: _logprobs(learner.model, prompt, ids) for name, ids in (("liked", liked), ("disliked", disliked))}
+    assert after["liked"].sum() > before["liked"].sum() and after["disliked"].sum() < before["disliked"].sum()
+    trajectories[1].samples[0].teacher_logprobs = None  # delivered unscored
+    with pytest.raises(ValueError, match="distill needs a teacher's scores"):
+        learner.step(Batch(trajectories=trajectories, group_index=[0, 1]))
+
+
 def test_a_lora_learner_trains_its_adapter_alone_and_publishes_it_as_a_peft_folder(
     tiny_model: Path, tmp_path: Path
 ) -> None:
