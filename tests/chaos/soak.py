@@ -855,7 +855,10 @@ class GatewayChild:
         self.url = f"http://127.0.0.1:{settings['server']['port']}"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 100.0) -> None:
+        """Start `serve` and wait for its health (generous: under pytest-xdist the heavy tests load the machine, and a
+        gateway's imports then took over a minute once); a child that does not come up is killed, never left to
+        outlive its test."""
         with self.log.open("ab") as log:  # the child keeps its own descriptor
             command = [
                 *CLI,
@@ -872,6 +875,7 @@ class GatewayChild:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             if process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
                 raise RuntimeError(f"the child gateway did not come up; its log ends:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.1)
 

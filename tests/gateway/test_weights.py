@@ -412,6 +412,7 @@ async def test_a_wait_update_drains_every_gateway_process_before_any_replica_is_
     assert after["versions"] == [1] * 5
 
 
+@pytest.mark.timeout(300)  # its child gateway may take over a minute to start beside the heavy tests
 async def test_a_gateway_killed_while_it_coordinates_an_update_leaves_the_others_serving(
     make_sim: SimFactory,
     make_gateway: GatewayFactory,
