@@ -1,5 +1,5 @@
 """Prompt scoring: an engine's log-probability of each token of a sequence given the tokens before it. A teacher
-scores a student's sample this way (on-policy distillation, docs/architecture.md §13): one prefill over the
+scores a student's sample this way (on-policy distillation, docs/architecture.md §5, "Teachers"): one prefill over the
 sample's ids, nothing generated.
 
 vLLM: `POST /v1/completions` with the ids as the prompt, `prompt_logprobs: k` and `max_tokens: 1`. Its

@@ -56,6 +56,7 @@ def serve(
     from gateway.app import create_app
     from gateway.config import load_config, without_credentials
     from gateway.server import uvicorn_config
+    from gateway.workers import listening_socket
 
     _configure_logging(log_level)
     overrides: dict[str, Any] = {}
@@ -89,8 +90,14 @@ def serve(
         log_level=log_level,
         in_process=False,
     )
-    uv.host, uv.port = settings.server.host, settings.server.port
-    uvicorn.Server(uv).run()
+    # The port is bound before the application starts: a taken port fails at once, before Redis and the engines are
+    # reached, and the embedded redis-server (which looks for a free port of its own) cannot be given it meanwhile.
+    try:
+        sock = listening_socket(settings.server.host, settings.server.port)
+    except OSError as exc:
+        typer.echo(f"rollout-gateway: cannot listen on {settings.server.host}:{settings.server.port}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    uvicorn.Server(uv).run(sockets=[sock])
 
 
 @app.command(

@@ -3,7 +3,6 @@ it (`pools[i].teacher`) before the trainer gets them, and serves no agent (`gate
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from gateway.trainer.consumer import TrajectoryConsumer
 from gateway.trajectory import Sample, Trajectory
 from tests.conftest import GatewayFactory, SimFactory
 from tests.gateway_helpers import generate_body, scrape, value
+from tests.sim_helpers import wait_for
 
 
 def pool(model: str, sim: Any, **extra: Any) -> dict[str, Any]:
@@ -107,7 +107,9 @@ async def test_a_teacher_that_cannot_score_holds_the_session_until_its_deadline_
         ],
     )
     await episode(http, gw, "s-2")
-    await asyncio.sleep(1.0)
+    scoring = gw.services.scoring
+    assert scoring is not None
+    await wait_for(lambda: scoring.failures_total >= 1, what="a failed scoring round")
     assert await gw.services.store.repair_undelivered(0.0) == 0  # the repair sweeper leaves it to the scorer
     assert (await gw.services.store.get_session("s-2")).stream_id is None  # type: ignore[union-attr]
     (trajectory,) = await delivered(gw)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,24 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path: Path) -> None:
             assert process.wait(timeout=20) in (0, -signal.SIGTERM)
             stderr = process.stderr.read() if process.stderr else ""
             assert "Application shutdown complete" in stderr and "Traceback" not in stderr
+
+
+def test_serve_says_when_its_port_is_taken_before_it_reaches_redis_or_the_engines(tmp_path: Path) -> None:
+    # The port is bound first: a taken one is refused at once, and the embedded redis-server never starts (nor can it
+    # be handed the gateway's port meanwhile, which a CI run once saw).
+    config = tmp_path / "taken.yaml"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(1)
+        port = squatter.getsockname()[1]
+        config.write_text(
+            f'server:\n  port: {port}\nredis:\n  url: ""\n'
+            'replicas:\n  - url: "http://127.0.0.1:9"\n    backend: sim\n    dialect: vllm\n'
+        )
+        result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "redis-server" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_serve_prints_the_embedded_redis_url_at_any_log_level(tmp_path: Path) -> None:
